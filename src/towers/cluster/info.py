@@ -1,0 +1,128 @@
+"""Frozen descriptions of a job's processes: ``ProcessInfo``, ``ClusterSpec``, ``TaskInfo``.
+
+Everything outside ``towers.cluster`` receives one of these instead of reading ``os.environ``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+__all__ = ["TASK_TYPES", "ClusterSpec", "TaskInfo", "ProcessInfo"]
+
+#: Task types, as tf.distribute names them. ``chief`` is worker 0 when no chief is listed.
+TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Addresses (``host:port``) of every task, by task type."""
+
+    jobs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for task_type, addresses in self.jobs.items():
+            if task_type not in TASK_TYPES:
+                raise ValueError(
+                    f"Unknown task type {task_type!r} in cluster spec. Expected one of {TASK_TYPES}. "
+                    "Rename the job or remove it.")
+            if isinstance(addresses, str):
+                raise ValueError(
+                    f"Cluster job {task_type!r} must list addresses, received the string {addresses!r}. "
+                    f"Write it as a list: [{addresses!r}].")
+        frozen = {k: tuple(v) for k, v in self.jobs.items()}
+        object.__setattr__(self, "jobs", MappingProxyType(frozen))
+
+    def num_tasks(self, task_type: str) -> int:
+        """Return how many tasks of ``task_type`` the cluster has (0 when none)."""
+        return len(self.jobs.get(task_type, ()))
+
+    def addresses(self, task_type: str) -> tuple[str, ...]:
+        """Return the addresses of ``task_type``'s tasks, in index order."""
+        return self.jobs.get(task_type, ())
+
+    @property
+    def num_workers(self) -> int:
+        """Number of training processes: chief plus workers."""
+        return self.num_tasks("chief") + self.num_tasks("worker")
+
+    def as_dict(self) -> dict[str, list[str]]:
+        """Return the spec as plain JSON-ready data, in TF_CONFIG's ``cluster`` form."""
+        return {k: list(v) for k, v in self.jobs.items()}
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """This process's task: its type (``chief``/``worker``/``ps``/``evaluator``) and index."""
+
+    type: str = "worker"
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.type not in TASK_TYPES:
+            raise ValueError(f"Unknown task type {self.type!r}. Expected one of {TASK_TYPES}.")
+        if self.index < 0:
+            raise ValueError(f"Task index must be >= 0. Received: {self.index}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessInfo:
+    """Who this process is in the job: ranks, sizes, role and where the rendezvous is.
+
+    ``rank``/``world_size`` count every process of the job (ps tasks included);
+    ``local_rank``/``local_world_size`` count the processes on this host.
+    ``strategy``/``num_ps`` carry what ``towers launch --strategy/--num-ps`` asked for.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    task: TaskInfo = field(default_factory=TaskInfo)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    source: str = "single"
+    strategy: str | None = None
+    num_ps: int = 0
+    chief_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1. Received: {self.world_size}.")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank must be in [0, world_size={self.world_size}). Received: rank={self.rank}. "
+                "Check RANK/WORLD_SIZE (or TF_CONFIG's task index).")
+        if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(
+                f"local_rank must be in [0, local_world_size={self.local_world_size}). "
+                f"Received: local_rank={self.local_rank}.")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535. Received: {self.master_port}.")
+        if self.num_ps < 0:
+            raise ValueError(f"num_ps must be >= 0. Received: {self.num_ps}.")
+
+    @property
+    def is_chief(self) -> bool:
+        """True for the one process that writes logs, checkpoints and plots."""
+        return self.rank == self.chief_rank
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when the job has more than one process."""
+        return self.world_size > 1
+
+    @property
+    def init_method(self) -> str:
+        """``tcp://addr:port`` of the rendezvous; raises when the port is unknown."""
+        if self.master_port is None:
+            raise ValueError(
+                "No rendezvous port is known for this process (MASTER_PORT is unset). "
+                "Start the job with `towers launch` or torchrun, or pass master_port.")
+        host = self.master_addr
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"tcp://{host}:{self.master_port}"
