@@ -1,0 +1,47 @@
+"""Backend choice and process-group errors that name the rank and what to check."""
+
+from __future__ import annotations
+
+import pytest
+
+from towers.cluster.info import ProcessInfo
+from towers.launch import free_port
+from towers.process_group import DistributedError, choose_backend, collective, init_process_group
+
+
+@pytest.mark.parametrize("local, gpus, expected", [(2, 0, "gloo"), (1, 1, None), (4, 2, "gloo"), (2, 2, None)])
+def test_backend_is_nccl_only_when_every_local_replica_has_a_gpu(local, gpus, expected):
+    import torch.distributed as dist
+
+    if expected is None:
+        expected = "nccl" if dist.is_nccl_available() else "gloo"
+    assert choose_backend(local, cuda_device_count=gpus) == expected
+
+
+def test_init_rejects_bad_arguments():
+    info = ProcessInfo(master_port=free_port())
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        init_process_group(info, timeout_s=0)
+    with pytest.raises(ValueError, match="backend must be"):
+        init_process_group(info, backend="tcp")
+
+
+def test_rendezvous_timeout_names_rank_and_address():
+    # rank 1 of 2 waits for a rank 0 that never comes: the error must say who and where.
+    port = free_port()
+    info = ProcessInfo(rank=1, world_size=2, local_rank=1, local_world_size=2, master_port=port)
+    with pytest.raises(DistributedError) as err:
+        init_process_group(info, timeout_s=2)
+    text = str(err.value)
+    assert "[rank 1/2]" in text and f"127.0.0.1:{port}" in text and "all 2 processes" in text
+
+
+def test_missing_port_is_a_clear_error():
+    with pytest.raises(ValueError, match="MASTER_PORT is unset"):
+        init_process_group(ProcessInfo(rank=0, world_size=2, local_world_size=2))
+
+
+def test_collective_wraps_torch_errors_with_the_operation():
+    with pytest.raises(DistributedError, match=r"\[rank 0/1\] all_reduce\(loss\) failed: Connection reset"):
+        with collective("all_reduce(loss)"):
+            raise RuntimeError("Connection reset by peer\nmore torch detail")
