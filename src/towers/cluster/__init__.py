@@ -1,1 +1,38 @@
-"""Being written."""
+"""Who am I in the job: ``from_env()`` reads this process's place from the environment.
+
+Sources are detected in a fixed order: explicit arguments, ``TF_CONFIG``, torchrun/Kubeflow
+(``RANK``, ``WORLD_SIZE``, ...), SLURM (``SLURM_PROCID``, ...), else a single local process.
+Only this package reads ``os.environ``; everything else receives the frozen ``ProcessInfo``.
+"""
+
+from towers.cluster.base import ClusterConfigError, ClusterEnvironment
+from towers.cluster.detect import ENVIRONMENTS, describe, detect_environment, from_env
+from towers.cluster.environ import environ_overrides, read_environ
+from towers.cluster.info import TASK_TYPES, ClusterSpec, ProcessInfo, TaskInfo
+from towers.cluster.local import LocalEnvironment
+from towers.cluster.slurm import SlurmEnvironment, expand_hostlist, port_from_job_id
+from towers.cluster.tf_config import TRAINING_ORDER, TFConfigEnvironment, parse_tf_config
+from towers.cluster.torchrun import TorchrunEnvironment
+
+__all__ = [
+    "from_env",
+    "describe",
+    "detect_environment",
+    "ENVIRONMENTS",
+    "ClusterEnvironment",
+    "TFConfigEnvironment",
+    "TorchrunEnvironment",
+    "SlurmEnvironment",
+    "LocalEnvironment",
+    "ClusterConfigError",
+    "ProcessInfo",
+    "ClusterSpec",
+    "TaskInfo",
+    "TASK_TYPES",
+    "TRAINING_ORDER",
+    "parse_tf_config",
+    "expand_hostlist",
+    "port_from_job_id",
+    "read_environ",
+    "environ_overrides",
+]

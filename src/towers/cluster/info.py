@@ -107,8 +107,13 @@ class ProcessInfo:
 
     @property
     def is_chief(self) -> bool:
-        """True for the one process that writes logs, checkpoints and plots."""
-        return self.rank == self.chief_rank
+        """True for the one process that writes logs, checkpoints and plots (never an evaluator)."""
+        return self.rank == self.chief_rank and not self.is_evaluator
+
+    @property
+    def is_evaluator(self) -> bool:
+        """True for a TF_CONFIG ``evaluator`` task: a one-process world outside the training group."""
+        return self.task.type == "evaluator"
 
     @property
     def is_distributed(self) -> bool:

@@ -1,0 +1,96 @@
+"""``from_env``: find this process's place in the job from the first environment that applies."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+from towers.cluster.base import ClusterConfigError, ClusterEnvironment
+from towers.cluster.environ import read_environ
+from towers.cluster.info import ProcessInfo
+from towers.cluster.local import LocalEnvironment
+from towers.cluster.slurm import SlurmEnvironment
+from towers.cluster.tf_config import TFConfigEnvironment
+from towers.cluster.torchrun import TorchrunEnvironment
+
+__all__ = ["ENVIRONMENTS", "detect_environment", "from_env", "describe"]
+
+#: Sources in priority order; the first whose ``detect`` is True describes the process.
+#: Explicit keyword arguments to ``from_env`` override fields on top of it.
+ENVIRONMENTS: tuple[ClusterEnvironment, ...] = (
+    TFConfigEnvironment(),
+    TorchrunEnvironment(),
+    SlurmEnvironment(),
+    LocalEnvironment(),
+)
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(ProcessInfo))
+
+
+def detect_environment(environ: Mapping[str, str],
+                       environments: Sequence[ClusterEnvironment] = ENVIRONMENTS) -> ClusterEnvironment:
+    """Return the first environment of ``environments`` that detects itself in ``environ``."""
+    for environment in environments:
+        if environment.detect(environ):
+            return environment
+    return LocalEnvironment()
+
+
+def _check_no_conflict(info: ProcessInfo, environ: Mapping[str, str]) -> None:
+    # TF_CONFIG describes one process per task. Under torchrun every local worker inherits the
+    # same TF_CONFIG, so all of them would claim one task: refuse instead of hanging later.
+    if info.source != TFConfigEnvironment.name or not TorchrunEnvironment().detect(environ):
+        return
+    rank, world = environ.get("RANK", "").strip(), environ.get("WORLD_SIZE", "").strip()
+    if (rank, world) != (str(info.rank), str(info.world_size)):
+        raise ClusterConfigError(
+            f"TF_CONFIG and torchrun's variables disagree: TF_CONFIG makes this process rank {info.rank} of "
+            f"{info.world_size} ({info.task.type}:{info.task.index}), but RANK={rank!r}, WORLD_SIZE={world!r}. "
+            "TF_CONFIG describes one process per task; unset TF_CONFIG for processes started by "
+            "torchrun/`towers launch`, or start one process per TF_CONFIG task.")
+
+
+def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> ProcessInfo:
+    """Return this process's ``ProcessInfo``.
+
+    Sources, in order: ``explicit`` keyword arguments (any ``ProcessInfo`` field, e.g. ``rank=1,
+    world_size=2``: they replace the detected values); ``TF_CONFIG``; torchrun/Kubeflow variables
+    (``RANK``, ``WORLD_SIZE``, ...); SLURM (``SLURM_PROCID``, ...); else one local process.
+    ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` (set by ``towers launch``) fill ``strategy``/``num_ps``.
+    ``environ=None`` reads ``os.environ``; pass a dict in tests.
+
+    Raises:
+        TypeError: on an unknown keyword.
+        ClusterConfigError: (a ``ValueError``) when a variable is malformed; the message names it.
+    """
+    unknown = sorted(set(explicit) - set(_FIELDS))
+    if unknown:
+        raise TypeError(f"from_env() got unknown field(s) {unknown}. Expected ProcessInfo fields: {', '.join(_FIELDS)}.")
+    environ = read_environ() if environ is None else environ
+    info = detect_environment(environ).process_info(environ)
+    _check_no_conflict(info, environ)
+    if explicit:
+        explicit.setdefault("source", f"explicit+{info.source}")
+        try:
+            info = dataclasses.replace(info, **explicit)
+        except ValueError as exc:
+            raise ClusterConfigError(f"from_env() arguments {explicit} do not fit the {info.source} environment: {exc}") from None
+    return info
+
+
+def describe(info: ProcessInfo) -> str:
+    """Return a one-line summary of ``info``, e.g. for a start-up log line."""
+    where = f"{info.master_addr}:{info.master_port}" if info.master_port is not None else f"{info.master_addr}:?"
+    parts = [
+        f"rank {info.rank}/{info.world_size}",
+        f"local {info.local_rank}/{info.local_world_size}",
+        f"node {info.node_rank}",
+        f"task {info.task.type}:{info.task.index}",
+        "chief" if info.is_chief else "not chief",
+        f"master {where}",
+        f"strategy {info.strategy or 'default'}",
+    ]
+    if info.num_ps:
+        parts.append(f"num_ps {info.num_ps}")
+    parts.append(f"from {info.source}")
+    return ", ".join(parts)

@@ -1,0 +1,32 @@
+"""The one place in towers that touches ``os.environ``: a snapshot to read, a scoped override to write.
+
+Everything else receives a mapping (or a ``ProcessInfo``), so tests pass plain dicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Mapping
+
+__all__ = ["read_environ", "environ_overrides"]
+
+
+def read_environ() -> dict[str, str]:
+    """Return a copy of this process's environment variables."""
+    return dict(os.environ)
+
+
+@contextlib.contextmanager
+def environ_overrides(updates: Mapping[str, str]) -> Iterator[None]:
+    """Set ``updates`` in ``os.environ`` (inherited by child processes) and restore the old values on exit."""
+    saved = {key: os.environ.get(key) for key in updates}
+    os.environ.update({key: str(value) for key, value in updates.items()})
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
