@@ -21,7 +21,13 @@ def add_devices_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_devices(args: argparse.Namespace) -> int:
-    raise NotImplementedError("towers devices")
+    import json
+
+    from towers.devices import describe_devices, format_devices
+
+    report = describe_devices()
+    print(json.dumps(report, indent=2) if args.json else format_devices(report))
+    return 0
 
 
 # --- towers launch ----------------------------------------------------------------------------

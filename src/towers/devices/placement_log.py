@@ -1,0 +1,171 @@
+"""The placement log: ``towers.log_device_placement(True)`` logs each executed op and its device.
+
+Lines look like ``aten::addmm -> /cpu:0`` and go to the ``towers.devices.placement`` logger at INFO.
+They come from a ``TorchDispatchMode`` that sees every ATen op after autograd, so backward ops are
+logged too (``aten::mm``, ``aten::convolution_backward``...). The op's device is its first output
+tensor's device (or its first input's, for an op with no tensor output).
+
+Scope and cost:
+
+* Off by default, and free when off: no mode is installed, so nothing runs per op.
+* Torch keeps dispatch modes per thread: the log covers ops run by the thread that turned it on,
+  plus the backward ops of graphs that thread runs (the autograd engine runs CPU backward on the
+  calling thread and carries thread-local state to its GPU worker threads). Ops in other threads
+  (e.g. ``DataLoader`` workers) are not logged.
+* The mode stack is the state: there is no module-level flag, and ``get_log_device_placement()``
+  looks for the mode on the current thread's stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
+
+from towers._logging import get_logger
+from towers.devices.names import Device
+
+__all__ = ["PlacementRecord", "PlacementLog", "log_device_placement", "get_log_device_placement"]
+
+placement_logger = get_logger("towers.devices.placement")
+
+_NAMES: dict[torch.device, str] = {}
+
+
+def _device_name(dev: torch.device) -> str:
+    name = _NAMES.get(dev)
+    if name is None:
+        try:
+            name = str(Device(dev))
+        except ValueError:  # mps, xpu, ...: not a towers device, still worth logging
+            name = f"/{dev}"
+        _NAMES[dev] = name
+    return name
+
+
+def _first_device(value: Any) -> torch.device | None:
+    if isinstance(value, torch.Tensor):
+        return value.device
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                return item.device
+    return None
+
+
+@dataclass(frozen=True)
+class PlacementRecord:
+    """One executed op and the device it ran on: ``str()`` gives ``aten::addmm -> /cpu:0``."""
+
+    op: str
+    device: str
+
+    def __str__(self) -> str:
+        return f"{self.op} -> {self.device}"
+
+
+class _PlacementLogMode(TorchDispatchMode):
+    """Runs each op unchanged, then records ``op -> device``."""
+
+    def __init__(self, records: list[PlacementRecord] | None, to_logger: bool) -> None:
+        super().__init__()
+        self.records = records
+        self.to_logger = to_logger
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        dev = _first_device(out)
+        if dev is None:
+            dev = _first_device(args)
+        device_name = "?" if dev is None else _device_name(dev)
+        op = func.name()
+        if self.to_logger:
+            placement_logger.info("%s -> %s", op, device_name)
+        if self.records is not None:
+            self.records.append(PlacementRecord(op, device_name))
+        return out
+
+
+def _find_mode() -> _PlacementLogMode | None:
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, _PlacementLogMode):
+            return mode
+    return None
+
+
+def _remove(mode: _PlacementLogMode) -> None:
+    """Take ``mode`` off this thread's dispatch stack, keeping any modes pushed after it."""
+    stack = _get_current_dispatch_mode_stack()
+    if mode not in stack:
+        return
+    above = []
+    while _get_current_dispatch_mode_stack()[-1] is not mode:
+        above.append(_pop_mode())
+    mode.__exit__(None, None, None)
+    for other in reversed(above):
+        _push_mode(other)
+
+
+class PlacementLog:
+    """Handle returned by ``log_device_placement``; as a context manager it restores the previous state.
+
+    ``records`` is the list given to ``log_device_placement`` (``None`` when none was given).
+    """
+
+    def __init__(self, enabled: bool, records: list[PlacementRecord] | None, to_logger: bool) -> None:
+        self.enabled = enabled
+        self.records = records
+        self._previous = _find_mode()
+        if self._previous is not None:
+            _remove(self._previous)
+        self._mode = _PlacementLogMode(records, to_logger) if enabled else None
+        if self._mode is not None:
+            self._mode.__enter__()
+
+    def __enter__(self) -> PlacementLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._mode is not None:
+            _remove(self._mode)
+        if self._previous is not None and _find_mode() is None:
+            self._previous.__enter__()
+
+
+def log_device_placement(
+    enabled: bool = True,
+    *,
+    records: list[PlacementRecord] | None = None,
+    to_logger: bool = True,
+) -> PlacementLog:
+    """Turn the placement log on or off for this thread; also a context manager that restores on exit.
+
+    ``towers.log_device_placement(True)`` logs every op this thread runs from now on as
+    ``aten::addmm -> /cpu:0`` (logger ``towers.devices.placement``, INFO);
+    ``log_device_placement(False)`` stops it. ``with towers.log_device_placement():`` logs
+    inside the block only. ``records`` also collects each ``PlacementRecord`` in that list;
+    ``to_logger=False`` collects without logging.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"log_device_placement expects True or False. Received: {enabled!r}.")
+    if not enabled and records is not None:
+        raise ValueError("log_device_placement(False) collects nothing; drop records= or pass True.")
+    return PlacementLog(enabled, records, to_logger)
+
+
+def get_log_device_placement() -> bool:
+    """Return whether the placement log is on for this thread."""
+    return _find_mode() is not None
