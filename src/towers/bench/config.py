@@ -1,0 +1,117 @@
+"""What ``towers bench`` measures: a frozen, self-validating ``BenchConfig`` and the parsers of its list flags.
+
+Importing this module does not import torch, so the CLI can validate flags before paying for it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from towers.bench.workloads import WorkloadSpec
+
+__all__ = ["STRATEGIES", "OPTIMIZERS", "BenchConfig", "available_cores", "parse_replicas", "parse_strategies"]
+
+#: Optimizers the benchmark can use; every engine builds the same one with the same learning rate.
+OPTIMIZERS = ("sgd", "adam")
+
+#: Strategies ``towers bench --strategies`` accepts; raw DDP is always measured beside them.
+STRATEGIES = ("mirrored", "ps_async", "ps_sync")
+
+
+def available_cores() -> int:
+    """Return how many CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What to measure: replica counts, strategies, steps, repeats, batch and threads (validated on construction).
+
+    ``timeout_s`` bounds each spawned job; None picks a generous bound from the amount of work.
+    """
+
+    replicas: tuple[int, ...] = (1, 2)
+    strategies: tuple[str, ...] = ("mirrored",)
+    steps: int = 30
+    warmup: int = 5
+    repeats: int = 5
+    batch_size: int = 64
+    threads: int = 1
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    seed: int = 0
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        replicas = tuple(self.replicas)
+        if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas):
+            raise ValueError(f"replicas must be positive integers, e.g. (1, 2). Received: {self.replicas!r}. "
+                             "Pass --replicas 1,2.")
+        if len(set(replicas)) != len(replicas):
+            raise ValueError(f"replicas must not repeat a count. Received: {self.replicas!r}. Pass each count once.")
+        object.__setattr__(self, "replicas", tuple(sorted(replicas)))
+        strategies = tuple(s.lower().replace("-", "_") for s in self.strategies)
+        unknown = [s for s in strategies if s not in STRATEGIES]
+        if not strategies or unknown:
+            raise ValueError(f"strategies must be among {', '.join(STRATEGIES)}. Received: {self.strategies!r}. "
+                             "Pass e.g. --strategies mirrored,ps_async (raw DDP is always measured beside them).")
+        object.__setattr__(self, "strategies", tuple(dict.fromkeys(strategies)))
+        for name, low in (("steps", 1), ("warmup", 0), ("repeats", 1), ("batch_size", 1), ("threads", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}. Received: {value!r}. "
+                                 f"Pass --{name.replace('_', '-')} {max(low, 1)} or more.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}. Received: {self.optimizer!r}.")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 seconds (or None for automatic). Received: {self.timeout_s}.")
+
+    def workload_spec(self) -> "WorkloadSpec":
+        """Return the workload every engine runs: one pass holds the warm-up and the timed steps."""
+        from towers.bench.workloads import WorkloadSpec
+
+        return WorkloadSpec(batch_size=self.batch_size, steps_per_epoch=self.warmup + self.steps,
+                            optimizer=self.optimizer, lr=self.lr, seed=self.seed)
+
+    def job_timeout_s(self, num_replicas: int, num_engines: int, cores: int | None = None) -> float:
+        """Return the deadline of one spawned job: explicit, or ~10x a slow step time per step, plus start-up."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        oversubscription = max(1.0, num_replicas * self.threads / (cores or available_cores()))
+        steps = self.repeats * num_engines * (self.warmup + self.steps)
+        per_step_s = 0.25 * oversubscription * max(1.0, self.batch_size / 64)
+        return 120.0 + steps * per_step_s
+
+
+def parse_replicas(text: str) -> tuple[int, ...]:
+    """Return the replica counts in a comma-separated flag value such as ``"1,2,4"``.
+
+    Raises:
+        ValueError: on an empty, non-integer or non-positive entry, saying what was expected.
+    """
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    try:
+        counts = tuple(int(p) for p in parts)
+    except ValueError:
+        counts = ()
+    if not counts or any(n < 1 for n in counts):
+        raise ValueError(f"--replicas must be a comma-separated list of positive integers. Received: {text!r}. "
+                         "Pass e.g. --replicas 1,2.")
+    return counts
+
+
+def parse_strategies(text: str) -> tuple[str, ...]:
+    """Return the strategy names in a comma-separated flag value such as ``"mirrored,ps_async"``.
+
+    Raises:
+        ValueError: on an empty list or an unknown name, listing the accepted ones.
+    """
+    names = tuple(p.strip().lower().replace("-", "_") for p in str(text).split(",") if p.strip())
+    unknown = [n for n in names if n not in STRATEGIES]
+    if not names or unknown:
+        raise ValueError(f"--strategies must be a comma-separated list of {', '.join(STRATEGIES)}. "
+                         f"Received: {text!r}. Pass e.g. --strategies mirrored (raw DDP is always measured).")
+    return names

@@ -1,0 +1,193 @@
+"""Benchmark results: per-repeat throughputs, the maths on them, and the table, JSON and PNG that show them."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["RAW", "Measurement", "Row", "BenchReport", "summarize"]
+
+#: Strategy name of the hand-written baseline (plain torch on 1 replica, DDP on more).
+RAW = "raw_ddp"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One strategy at one replica count: global examples/s of each repeat, and what ran."""
+
+    strategy: str
+    replicas: int
+    engine: str
+    examples_per_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1. Received: {self.replicas}.")
+        if not self.examples_per_s:
+            raise ValueError(f"{self.strategy} at {self.replicas} replicas has no repeats; expected at least one.")
+        object.__setattr__(self, "examples_per_s", tuple(float(v) for v in self.examples_per_s))
+
+    @property
+    def median(self) -> float:
+        """Median examples/s over the repeats."""
+        return statistics.median(self.examples_per_s)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: medians and the ratios derived from them (None where undefined)."""
+
+    strategy: str
+    replicas: int
+    engine: str
+    median: float
+    low: float
+    high: float
+    speedup: float | None
+    efficiency: float | None
+    vs_raw: float | None
+
+
+@dataclass
+class BenchReport:
+    """Everything one ``towers bench`` run measured, plus the settings and the machine it ran on."""
+
+    measurements: list[Measurement]
+    config: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    # --- maths -------------------------------------------------------------------------------------
+    def get(self, strategy: str, replicas: int) -> Measurement | None:
+        """Return the measurement of ``strategy`` at ``replicas``, or None."""
+        return next((m for m in self.measurements if m.strategy == strategy and m.replicas == replicas), None)
+
+    def strategies(self) -> list[str]:
+        """Return the strategies measured, raw DDP first, then in order of appearance."""
+        names = list(dict.fromkeys(m.strategy for m in self.measurements))
+        return sorted(names, key=lambda s: s != RAW)
+
+    def replica_counts(self) -> list[int]:
+        """Return the replica counts measured, ascending."""
+        return sorted({m.replicas for m in self.measurements})
+
+    def speedup(self, strategy: str, replicas: int) -> float | None:
+        """Return median throughput at ``replicas`` over the same strategy's at 1 replica (None without a baseline)."""
+        m, base = self.get(strategy, replicas), self.get(strategy, 1)
+        if m is None or base is None or base.median <= 0:
+            return None
+        return m.median / base.median
+
+    def efficiency(self, strategy: str, replicas: int) -> float | None:
+        """Return weak-scaling efficiency: throughput_N / (N * throughput_1) (None without a baseline)."""
+        s = self.speedup(strategy, replicas)
+        return None if s is None else s / replicas
+
+    def ratios_vs_raw(self, strategy: str, replicas: int) -> list[float]:
+        """Return strategy/raw throughput per repeat (repeats were interleaved, so pairs share conditions)."""
+        m, raw = self.get(strategy, replicas), self.get(RAW, replicas)
+        if m is None or raw is None:
+            return []
+        return [a / b for a, b in zip(m.examples_per_s, raw.examples_per_s) if b > 0]
+
+    def ratio_vs_raw(self, strategy: str, replicas: int) -> float | None:
+        """Return the median over repeats of strategy/raw throughput (None when raw was not measured)."""
+        ratios = self.ratios_vs_raw(strategy, replicas)
+        return statistics.median(ratios) if ratios else None
+
+    def rows(self) -> list[Row]:
+        """Return one table row per measurement, ordered by replica count then strategy (raw first)."""
+        order = {s: i for i, s in enumerate(self.strategies())}
+        rows = []
+        for m in sorted(self.measurements, key=lambda m: (m.replicas, order[m.strategy])):
+            rows.append(Row(m.strategy, m.replicas, m.engine, m.median, min(m.examples_per_s), max(m.examples_per_s),
+                            self.speedup(m.strategy, m.replicas), self.efficiency(m.strategy, m.replicas),
+                            None if m.strategy == RAW else self.ratio_vs_raw(m.strategy, m.replicas)))
+        return rows
+
+    # --- outputs -----------------------------------------------------------------------------------
+    def to_table(self) -> str:
+        """Return the results as an aligned text table, with a line saying how to read it."""
+        header = ("strategy", "replicas", "engine", "examples/s", "[min-max]", "speed-up", "efficiency", "vs raw DDP")
+        lines = [header]
+        for r in self.rows():
+            lines.append((r.strategy, str(r.replicas), r.engine, f"{r.median:,.0f}", f"[{r.low:,.0f}-{r.high:,.0f}]",
+                          _fmt(r.speedup, "x"), _fmt(r.efficiency), "-" if r.strategy == RAW else _fmt(r.vs_raw)))
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        right = {1, 3, 4, 5, 6, 7}
+        out = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
+               for line in lines]
+        out.insert(1, "  ".join("-" * w for w in widths))
+        c = self.config
+        if c:
+            out.append("")
+            out.append(f"examples/s: global, median of {c.get('repeats', '?')} interleaved repeats of "
+                       f"{c.get('steps', '?')} steps (after {c.get('warmup', '?')} warm-up); per-replica batch "
+                       f"{c.get('batch_size', '?')}, {c.get('threads', '?')} thread(s) per process.")
+        out.append("speed-up and efficiency: vs the same strategy on 1 replica (weak scaling: efficiency = "
+                   "throughput_N / (N * throughput_1)). vs raw DDP: median of per-repeat ratios.")
+        out.extend(self.notes)
+        return "\n".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the report as JSON-ready data, derived numbers included."""
+        return {
+            "config": self.config,
+            "environment": self.environment,
+            "notes": list(self.notes),
+            "measurements": [asdict(m) | {"examples_per_s": list(m.examples_per_s)} for m in self.measurements],
+            "rows": [asdict(r) for r in self.rows()],
+        }
+
+    def to_json(self, path: str | Path) -> Path:
+        """Write the report as JSON to ``path`` (parent folders created) and return the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BenchReport":
+        """Return the report ``to_dict`` produced (derived rows are recomputed)."""
+        return cls(measurements=[Measurement(m["strategy"], int(m["replicas"]), m["engine"], tuple(m["examples_per_s"]))
+                                 for m in data["measurements"]],
+                   config=dict(data.get("config", {})), environment=dict(data.get("environment", {})),
+                   notes=list(data.get("notes", [])))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "BenchReport":
+        """Return the report stored at ``path`` by ``to_json``."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def plot(self, path: str | Path) -> Path:
+        """Write a PNG: examples/s and efficiency per replica count, each strategy beside raw DDP; return the path.
+
+        Raises:
+            ImportError: when matplotlib is not installed, saying how to install it.
+        """
+        from towers.bench.plot import plot_report
+
+        return plot_report(self, path)
+
+
+def _fmt(value: float | None, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.2f}{suffix}"
+
+
+def summarize(report: BenchReport, strategies: Sequence[str] | None = None) -> list[str]:
+    """Return one sentence per strategy and replica count: ratio vs raw DDP and both efficiencies."""
+    lines = []
+    for s in strategies or [s for s in report.strategies() if s != RAW]:
+        for n in report.replica_counts():
+            ratio = report.ratio_vs_raw(s, n)
+            if ratio is None:
+                continue
+            eff, raw_eff = report.efficiency(s, n), report.efficiency(RAW, n)
+            text = f"{s} at {n} replica(s): towers/raw = {ratio:.3f}"
+            if n > 1 and eff is not None and raw_eff is not None:
+                text += f"; weak-scaling efficiency 1->{n}: {s} {eff:.2f}, raw DDP {raw_eff:.2f}"
+            lines.append(text)
+    return lines

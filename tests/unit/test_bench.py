@@ -1,0 +1,174 @@
+"""towers.bench without processes: report maths, table, JSON, plot, config and CLI validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from towers.bench.config import BenchConfig, parse_replicas, parse_strategies
+from towers.bench.report import RAW, BenchReport, Measurement, summarize
+from towers.cli import main
+
+
+def make_report() -> BenchReport:
+    return BenchReport(
+        measurements=[
+            Measurement(RAW, 1, "torch (no DDP)", (2000.0, 2100.0, 1900.0)),
+            Measurement("mirrored", 1, "OneDeviceStrategy", (1980.0, 2000.0, 1995.0)),
+            Measurement(RAW, 2, "torch DDP", (3000.0, 3200.0, 3400.0)),
+            Measurement("mirrored", 2, "MirroredStrategy", (2940.0, 3200.0, 3060.0)),
+        ],
+        config={"repeats": 3, "steps": 30, "warmup": 5, "batch_size": 64, "threads": 1},
+        environment={"cores": 2},
+    )
+
+
+def test_speedup_efficiency_and_ratio_follow_from_the_medians():
+    report = make_report()
+    assert report.get(RAW, 2).median == 3200.0
+    assert report.speedup(RAW, 1) == pytest.approx(1.0)
+    assert report.speedup(RAW, 2) == pytest.approx(3200.0 / 2000.0)
+    assert report.efficiency(RAW, 2) == pytest.approx(3200.0 / (2 * 2000.0))
+    assert report.efficiency("mirrored", 2) == pytest.approx(3060.0 / (2 * 1995.0))
+    # per-repeat ratios (interleaved pairs), then their median: 0.98, 1.0, 0.9
+    assert report.ratios_vs_raw("mirrored", 2) == pytest.approx([0.98, 1.0, 0.9])
+    assert report.ratio_vs_raw("mirrored", 2) == pytest.approx(0.98)
+    assert report.ratio_vs_raw("mirrored", 1) == pytest.approx(sorted([0.99, 2000 / 2100, 1995 / 1900])[1])
+
+
+def test_missing_baselines_give_none_not_errors():
+    report = BenchReport([Measurement("mirrored", 2, "MirroredStrategy", (100.0,))])
+    assert report.speedup("mirrored", 2) is None
+    assert report.efficiency("mirrored", 2) is None
+    assert report.ratio_vs_raw("mirrored", 2) is None
+    assert report.rows()[0].vs_raw is None
+    assert "-" in report.to_table()
+
+
+def test_rows_are_ordered_by_replicas_with_raw_first():
+    rows = make_report().rows()
+    assert [(r.strategy, r.replicas) for r in rows] == [(RAW, 1), ("mirrored", 1), (RAW, 2), ("mirrored", 2)]
+    assert rows[2].low == 3000.0 and rows[2].high == 3400.0 and rows[2].vs_raw is None
+
+
+def test_table_is_aligned_and_shows_every_number():
+    table = make_report().to_table()
+    lines = table.splitlines()
+    assert lines[0].split() == ["strategy", "replicas", "engine", "examples/s", "[min-max]", "speed-up",
+                                "efficiency", "vs", "raw", "DDP"]
+    body = lines[2:6]
+    assert len({len(line) for line in lines[:6]}) == 1, "header, rule and rows share one width"
+    assert "mirrored" in body[3] and "3,060" in body[3] and "[2,940-3,200]" in body[3]
+    assert "1.53x" in body[3] and "0.77" in body[3] and "0.98" in body[3]
+    assert "median of 3 interleaved repeats of 30 steps" in table
+
+
+def test_json_round_trip_keeps_measurements_and_derived_rows(tmp_path):
+    report = make_report()
+    path = report.to_json(tmp_path / "deep" / "bench.json")
+    data = json.loads(path.read_text())
+    assert data["config"]["repeats"] == 3
+    assert {(r["strategy"], r["replicas"]) for r in data["rows"]} == {(RAW, 1), ("mirrored", 1), (RAW, 2), ("mirrored", 2)}
+    again = BenchReport.from_json(path)
+    assert again.measurements == report.measurements
+    assert again.to_dict() == report.to_dict()
+
+
+def test_summary_states_ratio_and_both_efficiencies():
+    (one, two) = summarize(make_report())
+    assert one.startswith("mirrored at 1 replica(s): towers/raw = ")
+    assert "towers/raw = 0.980" in two and "mirrored 0.77, raw DDP 0.80" in two
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional 'plot' extra")
+    path = make_report().plot(tmp_path / "bench.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ImportError, match=r"pip install 'towers\[plot\]'.*--no-plot"):
+        make_report().plot(tmp_path / "bench.png")
+
+
+def test_measurement_needs_repeats_and_a_positive_replica_count():
+    with pytest.raises(ValueError, match="no repeats"):
+        Measurement("mirrored", 2, "x", ())
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        Measurement("mirrored", 0, "x", (1.0,))
+
+
+def test_config_normalises_and_validates():
+    config = BenchConfig(replicas=(2, 1), strategies=("Mirrored", "ps-async"))
+    assert config.replicas == (1, 2) and config.strategies == ("mirrored", "ps_async")
+    assert config.workload_spec().steps_per_epoch == config.warmup + config.steps
+    for kwargs, message in [
+        ({"replicas": ()}, "replicas must be positive integers"),
+        ({"replicas": (1, 1)}, "must not repeat"),
+        ({"strategies": ("horovod",)}, "strategies must be among"),
+        ({"steps": 0}, "steps must be an integer >= 1"),
+        ({"warmup": -1}, "warmup must be an integer >= 0"),
+        ({"repeats": 0}, "repeats must be"),
+        ({"batch_size": 0}, "batch_size must be"),
+        ({"threads": 0}, "threads must be"),
+        ({"optimizer": "lbfgs"}, "optimizer must be one of"),
+        ({"timeout_s": 0}, "timeout_s must be > 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            BenchConfig(**kwargs)
+
+
+def test_job_timeout_grows_with_the_work_and_with_oversubscription():
+    config = BenchConfig()
+    assert config.job_timeout_s(2, 2, cores=2) < config.job_timeout_s(4, 2, cores=2)
+    assert BenchConfig(steps=300).job_timeout_s(2, 2, cores=2) > config.job_timeout_s(2, 2, cores=2)
+    assert BenchConfig(timeout_s=7).job_timeout_s(2, 2) == 7
+
+
+def test_list_flags_parse_and_reject_with_the_fix():
+    assert parse_replicas("1, 2,4") == (1, 2, 4)
+    assert parse_strategies("mirrored,PS-sync") == ("mirrored", "ps_sync")
+    for bad in ("", "0", "1,x", "-2"):
+        with pytest.raises(ValueError, match="Pass e.g. --replicas 1,2"):
+            parse_replicas(bad)
+    with pytest.raises(ValueError, match="Received: 'nccl'"):
+        parse_strategies("nccl")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replicas", "0,2"], "--replicas must be a comma-separated list of positive integers. Received: '0,2'"),
+    (["--strategies", "allreduce"], "--strategies must be a comma-separated list"),
+    (["--steps", "0"], "steps must be an integer >= 1. Received: 0"),
+    (["--repeats", "0"], "repeats must be an integer >= 1"),
+    (["--batch-size", "0"], "batch_size must be an integer >= 1"),
+    (["--threads", "0"], "threads must be an integer >= 1"),
+])
+def test_cli_rejects_bad_flags_with_exit_code_2(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("towers bench: error: ") and message in err
+
+
+def test_cli_rejects_an_out_dir_that_is_a_file(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("")
+    assert main(["bench", "--out-dir", str(target)]) == 2
+    assert "--out-dir must be a directory" in capsys.readouterr().err
+
+
+def test_cli_rejects_a_non_integer_with_argparse_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--steps", "many"])
+    assert exc.value.code == 2
+    assert "invalid int value: 'many'" in capsys.readouterr().err
