@@ -172,3 +172,30 @@ def test_cli_rejects_a_non_integer_with_argparse_usage(capsys):
         main(["bench", "--steps", "many"])
     assert exc.value.code == 2
     assert "invalid int value: 'many'" in capsys.readouterr().err
+
+
+class _FakeWorkload:
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def start_epoch(self) -> None:
+        self.calls.append((self.name, "epoch"))
+
+    def train(self, steps: int) -> None:
+        self.calls.append((self.name, steps))
+
+
+def test_measure_interleaved_alternates_order_and_brackets_timed_steps_with_barriers():
+    from towers.bench.runner import measure_interleaved
+
+    calls: list = []
+    workloads = {RAW: _FakeWorkload(RAW, calls), "mirrored": _FakeWorkload("mirrored", calls)}
+    config = BenchConfig(steps=3, warmup=2, repeats=3, batch_size=4)
+    measured = measure_interleaved(workloads, config=config, num_replicas=2,
+                                   barrier=lambda: calls.append(("barrier", None)))
+    assert {k: len(v) for k, v in measured.items()} == {RAW: 3, "mirrored": 3}
+    assert all(v > 0 for values in measured.values() for v in values)
+    per_engine = 5  # epoch, warm-up, barrier, timed steps, barrier
+    firsts = [calls[i][0] for i in range(0, len(calls), 2 * per_engine)]
+    assert firsts == [RAW, "mirrored", RAW]  # the order flips every repeat
+    assert [c[1] for c in calls[:5]] == ["epoch", 2, None, 3, None]  # warm-up, then the timed steps between barriers
