@@ -32,12 +32,28 @@ def run_devices(args: argparse.Namespace) -> int:
 
 # --- towers launch ----------------------------------------------------------------------------
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("launch", help="run a script on N processes (torchrun's flags, plus --strategy and --num-ps)")
+    # Everything after `launch` (torchrun's flags, --strategy, --num-ps, the script and its args) is
+    # parsed by run_launch with torchrun's own parser, so `towers --help` does not import torch.
+    p = sub.add_parser("launch", help="run a script on N processes (torchrun's flags, plus --strategy and --num-ps)",
+                       add_help=False, prefix_chars="\0")
+    p.add_argument("launch_argv", nargs=argparse.REMAINDER)
     p.set_defaults(run=run_launch)
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    raise NotImplementedError("towers launch")
+    from towers.launch.launcher import LaunchError, launch
+    from towers.launch.spec import parse_launch_args
+
+    try:
+        spec = parse_launch_args(args.launch_argv)
+        launch(spec)
+    except LaunchError as exc:
+        print(f"towers launch: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except ValueError as exc:
+        print(f"towers launch: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 # --- towers demo ------------------------------------------------------------------------------

@@ -1,0 +1,202 @@
+"""Act on a ``LaunchSpec``: check it can start, then run it under ``torch.distributed.elastic``.
+
+torchrun's agent does the work (rendezvous, one process per replica, restarts, torchrun's
+variables). This module adds what ``towers launch`` promises on top:
+
+- a free loopback port when a single-node job names none (torchrun's 29500 across nodes);
+- ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` and ``OMP_NUM_THREADS`` = cores // processes in every
+  worker's environment (``LaunchSpec.worker_environment``);
+- checks before anything starts: the script exists, the rendezvous port is free;
+- a failure report naming the failed rank. The agent polls every ``monitor_interval_s``; on the
+  first failed worker it sends SIGTERM to every other worker (SIGKILL after ``shutdown_timeout``,
+  torchrun's default 30 s) and waits for them, so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import shutil
+import signal
+import socket
+from typing import Any, Mapping
+
+from towers._logging import get_logger
+from towers.cluster import environ_overrides, read_environ
+from towers.launch.spawn import free_port
+from towers.launch.spec import LaunchSpec
+
+__all__ = ["LaunchError", "launch", "resolve_ports", "preflight", "DEFAULT_MULTI_NODE_PORT"]
+
+log = get_logger(__name__)
+
+#: torchrun's rendezvous port across nodes when none is given.
+DEFAULT_MULTI_NODE_PORT = 29500
+
+
+class LaunchError(RuntimeError):
+    """The job could not start, or a worker failed; ``exit_code`` is what ``towers launch`` exits with."""
+
+    def __init__(self, message: str, *, exit_code: int = 1, failed_rank: int | None = None):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.failed_rank = failed_rank
+
+
+def resolve_ports(spec: LaunchSpec) -> LaunchSpec:
+    """Return ``spec`` with its rendezvous port chosen: a free loopback port on one node, 29500 across nodes."""
+    if spec.master_port is not None or spec.rdzv_backend != "static" or spec.rdzv_endpoint:
+        return spec
+    port = free_port(spec.master_addr) if spec.is_single_node else DEFAULT_MULTI_NODE_PORT
+    return dataclasses.replace(spec, master_port=port)
+
+
+def _check_script(spec: LaunchSpec) -> None:
+    if spec.module:
+        if not all(part.isidentifier() for part in spec.script.split(".")):
+            raise LaunchError(f"-m/--module expects a dotted module name such as 'pkg.train'. Received: "
+                              f"{spec.script!r}. Drop -m to run a file.", exit_code=2)
+        return
+    if spec.no_python and not spec.run_path:
+        if shutil.which(spec.script) is None:
+            raise LaunchError(
+                f"--no-python runs {spec.script!r} directly, but no such executable was found (on PATH or as a "
+                "path). Check the name, make the file executable, or drop --no-python for a Python script.",
+                exit_code=2)
+        return
+    if not os.path.isfile(spec.script):
+        hint = " It is a directory; name the .py file inside it." if os.path.isdir(spec.script) else ""
+        raise LaunchError(
+            f"Training script not found: {spec.script!r} (looked in {os.getcwd()}).{hint} Pass the path of a "
+            "Python file, `-m pkg.module` for a module, or `--no-python` for an executable.", exit_code=2)
+
+
+def _check_port(spec: LaunchSpec) -> None:
+    # Node 0 of a static rendezvous binds master_addr:master_port; a busy port would otherwise
+    # surface as a DistNetworkError from deep inside the agent.
+    if spec.rdzv_backend != "static" or spec.node_rank != 0 or spec.master_port is None:
+        return
+    family = socket.AF_INET6 if ":" in spec.master_addr.strip("[]") else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((spec.master_addr.strip("[]"), spec.master_port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise LaunchError(
+                f"Port {spec.master_port} on {spec.master_addr} is already in use, so the rendezvous cannot start "
+                "there. Pick another --master-port, or omit it on a single node to get a free one.",
+                exit_code=2) from None
+        # Not an address of this host (or not resolvable here): node 0 is elsewhere; nothing to check.
+
+
+def preflight(spec: LaunchSpec) -> None:
+    """Check, before starting any process, that the script exists and the rendezvous port is free.
+
+    Raises:
+        LaunchError: naming what is missing or busy and how to fix it.
+    """
+    _check_script(spec)
+    _check_port(spec)
+
+
+def _torchrun_namespace(spec: LaunchSpec) -> Any:
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args([spec.script])  # this torch version's defaults for every option
+    for key, value in spec.torchrun_options.items():
+        setattr(args, key, value)
+    args.training_script = spec.script
+    args.training_script_args = list(spec.script_args)
+    args.module, args.no_python = spec.module, spec.no_python
+    if hasattr(args, "run_path"):
+        args.run_path = spec.run_path
+    args.nproc_per_node = str(spec.nproc_per_node)
+    args.nnodes = f"{spec.min_nodes}:{spec.max_nodes}"
+    args.node_rank = spec.node_rank
+    args.master_addr, args.master_port = spec.master_addr, spec.master_port
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = spec.rdzv_backend, spec.rdzv_endpoint, spec.rdzv_id
+    args.standalone = False  # already folded into the rdzv_* fields by spec_from_args
+    args.max_restarts = spec.max_restarts
+    args.monitor_interval = spec.monitor_interval_s
+    return args
+
+
+def _describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def _exit_code(exitcode: int) -> int:
+    if exitcode < 0:
+        return 128 + (-exitcode)
+    return exitcode if 0 < exitcode < 256 else 1
+
+
+def _failure_error(exc: Any, spec: LaunchSpec) -> LaunchError:
+    # The agent ends the survivors with SIGTERM (SIGKILL after shutdown_timeout), and those show up
+    # as failures too: the cause is the earliest failure that is not one of those signals.
+    def cause_first(item: tuple[int, Any]) -> tuple[bool, bool, float, int]:
+        rank, failure = item
+        return (failure.exitcode == -signal.SIGTERM, failure.exitcode == -signal.SIGKILL, failure.timestamp, rank)
+
+    failures = sorted(exc.failures.items(), key=cause_first)
+    first_rank, first = failures[0]
+    text = (f"rank {first_rank} (local rank {first.local_rank}, pid {first.pid}) {_describe_exit(first.exitcode)}; "
+            "towers launch stopped every other process of the job on this node")
+    if len(failures) > 1:
+        others = ", ".join(f"rank {rank} {_describe_exit(f.exitcode)}" for rank, f in failures[1:])
+        text += f" ({others})"
+    text += f". Command: {' '.join(spec.command())}"
+    message = getattr(first, "message", "")
+    if isinstance(message, str) and message and not message.startswith("To enable traceback"):
+        text += f"\nrank {first_rank} reported: {message}"
+    return LaunchError(text, exit_code=_exit_code(first.exitcode), failed_rank=first_rank)
+
+
+def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> None:
+    """Run ``spec``'s script on its processes and return when every one has finished successfully.
+
+    ``environ`` is the environment the workers inherit (default: this process's).
+
+    Raises:
+        LaunchError: before starting, when the script or port is unusable; afterwards, when a worker
+            failed (the message names its rank; ``exit_code`` is the worker's) or the launcher was
+            signalled. Every worker has been stopped by then.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    spec = resolve_ports(spec)
+    preflight(spec)
+    environ = read_environ() if environ is None else environ
+    updates = spec.worker_environment(environ)
+    rendezvous = spec.rdzv_endpoint or f"{spec.master_addr}:{spec.master_port}"
+    log.info("launching %d process(es) per node on %s node(s), rendezvous %s (%s), strategy=%s num_ps=%s, "
+             "OMP_NUM_THREADS=%s: %s", spec.nproc_per_node,
+             spec.min_nodes if spec.is_single_node or spec.min_nodes == spec.max_nodes
+             else f"{spec.min_nodes}-{spec.max_nodes}", rendezvous, spec.rdzv_backend, spec.strategy or "default",
+             spec.num_ps, updates.get("OMP_NUM_THREADS", environ.get("OMP_NUM_THREADS")), " ".join(spec.command()))
+    # The agent's workers inherit this process's environment, so the additions go there for the call.
+    with environ_overrides({**environ, **updates}):
+        try:
+            config, cmd, cmd_args = config_from_args(_torchrun_namespace(spec))
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+        except ChildFailedError as exc:
+            raise _failure_error(exc, spec) from None
+        except SignalException as exc:
+            sig = signal.Signals(exc.sigval)
+            raise LaunchError(f"towers launch received {sig.name} and stopped every worker.",
+                              exit_code=128 + int(sig)) from None
+        except (RendezvousError, RuntimeError, ValueError) as exc:
+            raise LaunchError(
+                f"The job could not start: {type(exc).__name__}: {exc}. Check that every node reaches the rendezvous "
+                f"{rendezvous} and that --nnodes/--node-rank agree across nodes.") from exc

@@ -1,0 +1,324 @@
+"""``LaunchSpec``: what ``towers launch`` was asked to run, validated once, frozen.
+
+The flags are torchrun's own (``torch.distributed.run``'s parser is reused, so every torchrun flag
+works and ``PET_*`` variables fill defaults as under torchrun) plus ``--strategy`` and ``--num-ps``.
+This module imports torch only inside ``launch_parser``/``parse_launch_args``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+from towers.launch.spawn import cpu_threads_per_process
+
+__all__ = [
+    "STRATEGY_NAMES",
+    "STRATEGY_ALIASES",
+    "DEFAULT_MONITOR_INTERVAL_S",
+    "LaunchSpec",
+    "canonical_strategy",
+    "resolve_nproc_per_node",
+    "parse_nnodes",
+    "launch_parser",
+    "spec_from_args",
+    "parse_launch_args",
+]
+
+#: Strategy names ``towers launch --strategy`` accepts, as the workers see them in ``TOWERS_STRATEGY``.
+STRATEGY_NAMES = ("one_device", "mirrored", "multi_worker_mirrored", "ps")
+#: Other spellings, mapped to the names above (matching is case-insensitive, ``-`` == ``_``).
+STRATEGY_ALIASES = {
+    "parameter_server": "ps",
+    "parameterserver": "ps",
+    "onedevice": "one_device",
+    "single": "one_device",
+    "multiworkermirrored": "multi_worker_mirrored",
+    "mwms": "multi_worker_mirrored",
+}
+#: How often the launcher checks its workers (seconds); a failed worker is noticed this fast.
+DEFAULT_MONITOR_INTERVAL_S = 0.5
+
+# torchrun options that LaunchSpec holds as fields; every other torchrun option is passed through.
+_SPEC_OPTIONS = frozenset({
+    "training_script", "training_script_args", "module", "no_python", "run_path", "nproc_per_node", "nnodes",
+    "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "standalone",
+    "max_restarts", "monitor_interval", "strategy", "num_ps",
+})
+
+
+def canonical_strategy(name: str) -> str:
+    """Return the canonical strategy name for ``name`` (``"parameter_server"`` -> ``"ps"``).
+
+    Raises:
+        ValueError: when ``name`` is not a known strategy; the message lists the choices.
+    """
+    key = str(name).strip().lower().replace("-", "_")
+    key = STRATEGY_ALIASES.get(key, key)
+    if key not in STRATEGY_NAMES:
+        raise ValueError(
+            f"Unknown strategy: --strategy must be one of {', '.join(STRATEGY_NAMES)} "
+            f"(aliases: {', '.join(sorted(STRATEGY_ALIASES))}). Received: {name!r}. Pick one of those names.")
+    return key
+
+
+def resolve_nproc_per_node(value: str | int, *, gpu_count: int, cpu_count: int) -> int:
+    """Return the number of processes per node for torchrun's ``--nproc-per-node`` value.
+
+    Like torchrun: an integer; ``gpu`` = the visible CUDA devices; ``cpu`` = the usable cores;
+    ``auto`` = the GPUs when there are any, else the cores.
+
+    Raises:
+        ValueError: on anything else, on ``gpu`` without a GPU, or on a count below 1.
+    """
+    text = str(value).strip().lower()
+    if text.lstrip("-").isdigit():
+        count = int(text)
+    elif text == "gpu":
+        if gpu_count < 1:
+            raise ValueError("--nproc-per-node gpu needs a CUDA GPU, and none is visible. "
+                             "Use --nproc-per-node cpu (or a number) on a CPU host.")
+        count = gpu_count
+    elif text == "cpu":
+        count = cpu_count
+    elif text == "auto":
+        count = gpu_count if gpu_count > 0 else cpu_count
+    else:
+        raise ValueError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu'. "
+                         f"Received: {value!r}. Example: --nproc-per-node 2.")
+    if count < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1. Received: {value!r}. Example: --nproc-per-node 2.")
+    return count
+
+
+def parse_nnodes(value: str | int) -> tuple[int, int]:
+    """Return ``(min_nodes, max_nodes)`` for torchrun's ``--nnodes N`` or ``--nnodes MIN:MAX``.
+
+    Raises:
+        ValueError: when the value is not ``N`` or ``MIN:MAX`` with ``1 <= MIN <= MAX``.
+    """
+    parts = str(value).strip().split(":")
+    try:
+        if len(parts) not in (1, 2):
+            raise ValueError
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise ValueError(f"--nnodes must be N or MIN:MAX. Received: {value!r}. Example: --nnodes 2 or --nnodes 1:4.") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"--nnodes needs 1 <= MIN <= MAX. Received: {value!r}. Example: --nnodes 2 or --nnodes 1:4.")
+    return low, high
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """A validated ``towers launch`` request: what to run, on how many processes, with which strategy.
+
+    ``master_port=None`` means "pick one": a free loopback port on a single node, torchrun's 29500
+    across nodes. ``num_ps=None`` means "not given": 1 under ``strategy="ps"``, else 0; a positive
+    ``num_ps`` without a strategy implies ``"ps"``. ``torchrun_options`` carries every other
+    torchrun flag unchanged (``log_dir``, ``redirects``, ``start_method``, ...).
+    """
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    nproc_per_node: int = 1
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    max_restarts: int = 0
+    monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
+    strategy: str | None = None
+    num_ps: int | None = None
+    torchrun_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen dataclass
+        if not isinstance(self.script, str) or not self.script.strip():
+            raise ValueError("towers launch needs a script to run. Received: nothing. "
+                             "Usage: towers launch --nproc-per-node 2 train.py [args ...]")
+        set_("script_args", tuple(str(a) for a in self.script_args))
+        set_("torchrun_options", MappingProxyType(dict(self.torchrun_options)))
+        if self.module and self.no_python:
+            raise ValueError("--module and --no-python exclude each other: a module needs Python. Drop one of them.")
+        if self.module and self.run_path:
+            raise ValueError("--module and --run-path exclude each other. Drop one of them.")
+        for name, value, low in (("nproc_per_node", self.nproc_per_node, 1), ("min_nodes", self.min_nodes, 1),
+                                 ("node_rank", self.node_rank, 0), ("max_restarts", self.max_restarts, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}. Received: {value!r}. "
+                                 f"Fix --{name.replace('_', '-')}.")
+        if not isinstance(self.max_nodes, int) or self.max_nodes < self.min_nodes:
+            raise ValueError(f"max_nodes must be >= min_nodes={self.min_nodes}. Received: {self.max_nodes!r}. "
+                             "Use --nnodes N or --nnodes MIN:MAX.")
+        if self.rdzv_backend == "static" and self.node_rank >= self.max_nodes:
+            raise ValueError(f"--node-rank must be < --nnodes ({self.max_nodes}). Received: {self.node_rank}. "
+                             "Number the nodes 0..nnodes-1.")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port must be in 1..65535. Received: {self.master_port}. "
+                             "Omit it on one node to get a free port.")
+        if not self.master_addr:
+            raise ValueError("--master-addr must not be empty. Use the chief node's host name or IP (127.0.0.1 on one node).")
+        if not self.rdzv_backend:
+            raise ValueError("--rdzv-backend must not be empty. Use 'static' (default) or 'c10d'.")
+        if not self.monitor_interval_s > 0:
+            raise ValueError(f"--monitor-interval must be > 0 seconds. Received: {self.monitor_interval_s}. "
+                             f"Example: --monitor-interval {DEFAULT_MONITOR_INTERVAL_S}.")
+        self._resolve_strategy(set_)
+
+    def _resolve_strategy(self, set_: Any) -> None:
+        strategy = canonical_strategy(self.strategy) if self.strategy is not None else None
+        num_ps = self.num_ps
+        if num_ps is not None and (isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0):
+            raise ValueError(f"--num-ps must be an integer >= 0. Received: {num_ps!r}. Example: --num-ps 1.")
+        if strategy is None and num_ps:
+            strategy = "ps"
+        if strategy == "ps":
+            num_ps = 1 if num_ps is None else num_ps
+            if num_ps < 1:
+                raise ValueError("--strategy ps needs at least one parameter server. Received: --num-ps 0. "
+                                 "Use --num-ps 1 (or more).")
+        elif num_ps:
+            raise ValueError(f"--num-ps only applies to --strategy ps. Received: --strategy {strategy} "
+                             f"--num-ps {num_ps}. Drop --num-ps or use --strategy ps.")
+        num_ps = num_ps or 0
+        if num_ps >= self.min_world_size:
+            raise ValueError(
+                f"--num-ps {num_ps} leaves no workers: the job starts {self.min_world_size} process(es) "
+                f"({self.min_nodes} node(s) x {self.nproc_per_node}) and the last {num_ps} would all be "
+                f"parameter servers. Use --num-ps at most {self.min_world_size - 1} or start more processes.")
+        if strategy == "one_device" and self.max_world_size > 1:
+            raise ValueError(
+                f"--strategy one_device trains one replica, but the job starts {self.max_world_size} processes. "
+                "Use --nproc-per-node 1 --nnodes 1, or --strategy mirrored / multi_worker_mirrored.")
+        set_("strategy", strategy)
+        set_("num_ps", num_ps)
+
+    @property
+    def min_world_size(self) -> int:
+        """Processes in the job when the fewest nodes join."""
+        return self.min_nodes * self.nproc_per_node
+
+    @property
+    def max_world_size(self) -> int:
+        """Processes in the job when the most nodes join."""
+        return self.max_nodes * self.nproc_per_node
+
+    @property
+    def is_single_node(self) -> bool:
+        """True when the job runs on this host only."""
+        return self.max_nodes == 1
+
+    def command(self, python: str = "python") -> list[str]:
+        """Return the command line each worker runs (for logs and error messages)."""
+        if self.run_path or not self.no_python:
+            head = [python, "-u", *(["-m"] if self.module else []), self.script]
+        else:
+            head = [self.script]
+        return [*head, *self.script_args]
+
+    def worker_environment(self, environ: Mapping[str, str], *, cores: int | None = None) -> dict[str, str]:
+        """Return the variables ``towers launch`` adds to every worker's environment (on top of torchrun's).
+
+        ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` when a strategy was asked for; ``OMP_NUM_THREADS`` =
+        max(1, cores // nproc_per_node) unless ``environ`` already sets it.
+        """
+        updates: dict[str, str] = {}
+        if self.strategy is not None:
+            updates["TOWERS_STRATEGY"] = self.strategy
+            updates["TOWERS_NUM_PS"] = str(self.num_ps)
+        if not environ.get("OMP_NUM_THREADS", "").strip():
+            updates["OMP_NUM_THREADS"] = str(cpu_threads_per_process(self.nproc_per_node, cores))
+        return updates
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
+    """Return torchrun's argument parser with ``--strategy`` and ``--num-ps`` added (imports torch)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = prog
+    parser.description = ("Run a training script on N processes per node: torchrun's flags, plus --strategy "
+                          "and --num-ps. Workers get torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, "
+                          "MASTER_ADDR, MASTER_PORT, ...), TOWERS_STRATEGY/TOWERS_NUM_PS, and OMP_NUM_THREADS "
+                          "= cores // nproc-per-node unless set.")
+    parser.set_defaults(monitor_interval=DEFAULT_MONITOR_INTERVAL_S)
+    group = parser.add_argument_group("towers")
+    group.add_argument("--strategy", default=None, metavar="NAME",
+                       help=f"strategy the script's towers.strategy_from_env() builds: {', '.join(STRATEGY_NAMES)} "
+                            "(alias: parameter_server); sets TOWERS_STRATEGY for every worker")
+    group.add_argument("--num-ps", "--num_ps", type=int, default=None, metavar="K",
+                       help="parameter-server processes (the last K ranks; implies --strategy ps); sets TOWERS_NUM_PS")
+    return parser
+
+
+def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
+                   cpu_count: int | None = None) -> LaunchSpec:
+    """Return the ``LaunchSpec`` for parsed ``launch_parser()`` flags.
+
+    ``gpu_count``/``cpu_count`` resolve ``--nproc-per-node auto|gpu|cpu`` (default: this host's).
+
+    Raises:
+        ValueError: on any invalid flag; the message names it and the fix.
+    """
+    if gpu_count is None:
+        text = str(args.nproc_per_node).strip().lower()
+        gpu_count = 0
+        if text in ("auto", "gpu"):
+            import torch
+
+            gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cpu_count = _usable_cores() if cpu_count is None else cpu_count
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    rdzv_backend, rdzv_endpoint, rdzv_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+    if getattr(args, "standalone", False):  # as torchrun does: a c10d store on a free local port
+        rdzv_backend, rdzv_endpoint, rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    passthrough = {k: v for k, v in vars(args).items() if k not in _SPEC_OPTIONS}
+    return LaunchSpec(
+        script=args.training_script,
+        script_args=tuple(args.training_script_args),
+        module=bool(args.module),
+        no_python=bool(args.no_python),
+        run_path=bool(getattr(args, "run_path", False)),
+        nproc_per_node=resolve_nproc_per_node(args.nproc_per_node, gpu_count=gpu_count, cpu_count=cpu_count),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        max_restarts=args.max_restarts,
+        monitor_interval_s=float(args.monitor_interval),
+        strategy=args.strategy,
+        num_ps=args.num_ps,
+        torchrun_options=passthrough,
+    )
+
+
+def parse_launch_args(argv: Sequence[str], *, gpu_count: int | None = None,
+                      cpu_count: int | None = None) -> LaunchSpec:
+    """Return the ``LaunchSpec`` for a ``towers launch`` command line (without the ``towers launch`` words).
+
+    Raises:
+        SystemExit: on ``--help`` or a flag argparse rejects (it prints the usage).
+        ValueError: on an invalid combination of flags.
+    """
+    args = launch_parser().parse_args(list(argv))
+    return spec_from_args(args, gpu_count=gpu_count, cpu_count=cpu_count)

@@ -1,0 +1,158 @@
+"""`towers launch` end to end: the real command in a new session, a deadline, and no process left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from towers.launch import cpu_threads_per_process
+
+pytestmark = pytest.mark.timeout(180)
+
+DEADLINE_S = 90.0
+
+
+def _towers_command() -> list[str]:
+    # The console script next to this interpreter, else the same main() through -m.
+    script = Path(sys.executable).with_name("towers")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("towers")
+    return [found] if found else [sys.executable, "-m", "towers.cli"]
+
+
+def _processes_running(marker: str) -> list[int]:
+    """Return pids of live processes whose command line contains ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # exited meanwhile
+        if marker in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_launch(args: list[str], script: Path, *, deadline_s: float = DEADLINE_S) -> tuple[int, str, str, float]:
+    """Run ``towers launch ARGS SCRIPT`` in a new session; return (exit code, stdout, stderr, end time).
+
+    On the deadline the whole process group is ended (and the workers, which torch starts in
+    sessions of their own), and the test fails.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TOWERS_STRATEGY", "TOWERS_NUM_PS")}
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen([*_towers_command(), "launch", *args, str(script)], cwd=script.parent, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher forwards SIGTERM to its workers
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        _kill(_processes_running(str(script)))
+        pytest.fail(f"towers launch did not finish within {deadline_s} s\nstdout:\n{out}\nstderr:\n{err}")
+    ended = time.time()
+    leftovers = _processes_running(str(script))
+    _kill(leftovers)
+    assert not leftovers, f"processes left behind after towers launch exited: {leftovers}\n{out}\n{err}"
+    return proc.returncode, out, err, ended
+
+
+def write_script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_two_processes_all_reduce_and_see_the_launch_environment(tmp_path):
+    script = write_script(tmp_path, "allreduce.py", """
+        import os
+        import torch
+        import torch.distributed as dist
+        from towers import cluster
+        from towers.process_group import init_process_group
+
+        info = cluster.from_env()
+        init_process_group(info, backend="gloo", timeout_s=60)
+        value = torch.tensor([float(info.rank)])
+        dist.all_reduce(value)
+        print(f"rank={info.rank} sum={int(value.item())} world={info.world_size} local={info.local_rank} "
+              f"chief={info.is_chief} strategy={info.strategy} omp={os.environ.get('OMP_NUM_THREADS')} "
+              f"source={info.source}", flush=True)
+        dist.destroy_process_group()
+    """)
+    code, out, err, _ = run_launch(["--nproc-per-node", "2", "--monitor-interval", "0.2", "--strategy", "mirrored"],
+                                   script)
+    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    threads = cpu_threads_per_process(2)
+    for rank in (0, 1):
+        expected = (f"rank={rank} sum=1 world=2 local={rank} chief={rank == 0} strategy=mirrored omp={threads} "
+                    "source=torchrun")
+        assert expected in out, f"missing {expected!r} in:\n{out}\nstderr:\n{err}"
+
+
+def test_a_failing_rank_stops_the_job_and_is_named(tmp_path):
+    # Rank 1 exits with code 3 right after the rendezvous; rank 0 waits in a barrier and, when the
+    # barrier breaks, stays stuck on purpose: only the launcher can end it.
+    script = write_script(tmp_path, "fails.py", """
+        import os, sys, time
+        import torch.distributed as dist
+
+        rank = int(os.environ["RANK"])
+        dist.init_process_group("gloo")
+        if rank == 1:
+            print(f"rank 1 exits at {time.time()}", flush=True)
+            sys.exit(3)
+        try:
+            dist.barrier()
+        except Exception:
+            pass
+        print("rank 0 is stuck", flush=True)
+        time.sleep(600)
+    """)
+    code, out, err, ended = run_launch(["--nproc-per-node", "2", "--monitor-interval", "0.2"], script)
+    assert code == 3, f"stdout:\n{out}\nstderr:\n{err}"
+    match = re.search(r"rank 1 exits at ([0-9.]+)", out)
+    assert match, out
+    assert ended - float(match.group(1)) < 15.0, "the launcher took too long to stop the job"
+    assert "towers launch: rank 1 (local rank 1" in err and "exited with code 3" in err, err
+
+
+def test_parameter_server_flags_reach_the_workers(tmp_path):
+    script = write_script(tmp_path, "roles.py", """
+        import os
+        from towers import cluster
+
+        info = cluster.from_env()
+        print(f"rank={info.rank} task={info.task.type}:{info.task.index} strategy={info.strategy} "
+              f"num_ps={info.num_ps} env={os.environ['TOWERS_STRATEGY']},{os.environ['TOWERS_NUM_PS']}", flush=True)
+    """)
+    code, out, err, _ = run_launch(
+        ["--nproc-per-node", "2", "--monitor-interval", "0.2", "--strategy", "parameter_server", "--num-ps", "1"],
+        script)
+    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "rank=0 task=worker:0 strategy=ps num_ps=1 env=ps,1" in out, out
+    assert "rank=1 task=ps:0 strategy=ps num_ps=1 env=ps,1" in out, out
