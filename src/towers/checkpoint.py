@@ -1,0 +1,245 @@
+"""Atomic checkpoints: written once by the chief, read by every replica with ``weights_only=True``.
+
+File format (a ``torch.save`` of plain dicts, lists, ints, floats, strings and tensors only):
+
+=================  ========================================================================
+key                value
+=================  ========================================================================
+``format``         ``"towers.checkpoint"`` — the marker that tells our files from others
+``version``        ``1`` (``FORMAT_VERSION``); a newer file is refused with a clear error
+``kind``           ``"full"`` (training state) or ``"weights"`` (model only)
+``strategy``       name of the strategy that wrote it (e.g. ``"mirrored"``)
+``num_replicas``   ``num_replicas_in_sync`` of the job that wrote it
+``model``          the unwrapped module's ``state_dict()``
+``optimizer``      the prepared optimizer's ``state_dict()`` or ``None``
+``scaler``         the loss scaler's ``state_dict()`` or ``None``
+``epoch``          the epoch in progress (0-based); ``step`` training steps of it are done
+``global_step``    steps done since the first epoch
+``data``           ``{"epoch", "examples", "global_batch_size", "seed", "state"}``: how many examples of
+                   the epoch's (deterministic, seeded) order were consumed, and the distributed
+                   dataset's own ``state_dict()`` when it has one
+``rng``            one entry per replica: ``{"torch", "cuda", "numpy", "python"}`` with tensors
+``metrics``        ``{name: {"totals": tensor}}``: the epoch's running sums, already reduced
+``history``        ``History.state_dict()`` of the epochs already finished
+``callbacks``      ``{key: state}`` of callbacks that implement ``state_dict``
+=================  ========================================================================
+
+Writing is atomic: the chief writes a temporary file in the checkpoint's directory, flushes and
+fsyncs it, ``os.replace``-s it over the target and fsyncs the directory. A process killed at any
+instant leaves either the previous checkpoint or the new one, never a torn file under the name.
+
+Restoring under a different replica count: the model, optimizer and scaler are restored as they
+are (they do not depend on the replica count). The data position is kept in *examples* of the
+epoch's global order; the run resumes at ``examples // global_batch_size`` global batches, which
+is the exact step when the global batch size is unchanged (the usual case: it is a global
+quantity). With a different global batch size it resumes at the last global-batch boundary not
+past the saved position (a few examples may be seen twice; a warning says so). Each replica
+restores its own RNG state when the replica count matches; otherwise replica ``r`` takes the
+state of saved replica ``r % saved_count``, so random ops after a resize differ from an
+uninterrupted run while the maths of the updates does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from towers._logging import get_logger
+
+if TYPE_CHECKING:
+    from towers.strategies.base import Strategy
+
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
+    "rng_state", "set_rng_state", "check_model_state", "check_optimizer_state", "load_model_state",
+]
+
+log = get_logger(__name__)
+
+FORMAT = "towers.checkpoint"
+FORMAT_VERSION = 1
+_REQUIRED = {"full": ("model", "optimizer", "epoch", "step", "global_step", "data", "rng"), "weights": ("model",)}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is torn, foreign or incompatible; the message names the file and the problem."""
+
+
+# --- RNG states as tensors ------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """Return this process's torch (CPU and CUDA), numpy and ``random`` RNG states as tensors and ints."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
+        "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+        "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64), "gauss_next": py_gauss},
+    }
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore RNG states captured by ``rng_state``."""
+    torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.to("cpu", torch.uint8) for s in state["cuda"]][: torch.cuda.device_count()])
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), int(npy["pos"]),
+                         int(npy["has_gauss"]), float(npy["cached_gaussian"])))
+    py = state["python"]
+    random.setstate((int(py["version"]), tuple(int(v) for v in py["state"].tolist()), py["gauss_next"]))
+
+
+# --- writing --------------------------------------------------------------------------------------
+def _serialize(state: Mapping[str, Any], f: Any) -> None:
+    # One seam for tests that need a writer to stop half-way.
+    torch.save(dict(state), f)
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems (and Windows) cannot open a directory
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_atomic(path: Path, state: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            _serialize(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer that was killed
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
+def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *,
+                    strategy: "Strategy | None" = None, kind: str = "full") -> Path:
+    """Write ``state`` (plus the format marker) to ``path`` atomically, on the chief only; return the path.
+
+    Every replica must call this (it ends with a collective that tells every replica whether the
+    chief's write succeeded, so they all return or all raise).
+
+    Raises:
+        CheckpointError: when ``state`` lacks a key the format needs.
+        OSError: on every replica, when the chief could not write the file.
+    """
+    path = Path(path)
+    if kind not in _REQUIRED:
+        raise ValueError(f"kind must be 'full' or 'weights'. Received: {kind!r}.")
+    missing = [k for k in _REQUIRED[kind] if k not in state]
+    if missing:
+        raise CheckpointError(f"Cannot write checkpoint {path}: the state lacks {missing} needed by a {kind!r} checkpoint.")
+    error = None
+    if strategy is None or strategy.is_chief:
+        try:
+            _write_atomic(path, {**state, "format": FORMAT, "version": FORMAT_VERSION, "kind": kind})
+            log.debug("wrote checkpoint %s", path)
+        except Exception as exc:  # reported to every replica below, so none waits for the chief
+            error = f"{type(exc).__name__}: {exc}"
+    if strategy is not None:
+        error = strategy.broadcast_object(error, src=0)
+    if error is not None:
+        raise OSError(f"The chief could not write checkpoint {path}: {error}. Check the directory and free space.")
+    return path
+
+
+# --- reading --------------------------------------------------------------------------------------
+def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu",
+                    kind: str | None = None) -> dict[str, Any]:
+    """Return the checkpoint at ``path`` (loaded with ``weights_only=True``) after checking its format.
+
+    Raises:
+        FileNotFoundError: when there is no file at ``path``.
+        CheckpointError: when the file is torn, not a towers checkpoint, newer than this version,
+            or lacks keys its kind needs.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"No checkpoint at {path}. Check the path (or that the chief has written it).")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # torn zip, random bytes, pickled classes: all "not readable"
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(
+            f"Checkpoint {path} cannot be read ({type(exc).__name__}: {first}). The file is torn, corrupt "
+            "or not a torch.save file; delete it to start over or restore an older checkpoint.") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(
+            f"{path} is not a towers checkpoint (no format={FORMAT!r} marker; found {found}). "
+            "A plain state_dict loads with model.load_state_dict(torch.load(path)).")
+    version = state.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        raise CheckpointError(
+            f"Checkpoint {path} has format version {version!r}; this towers reads versions 1..{FORMAT_VERSION}. "
+            "Upgrade towers to read it.")
+    file_kind = state.get("kind", "full")
+    if kind == "full" and file_kind != "full":
+        raise CheckpointError(f"Checkpoint {path} holds only model weights (kind={file_kind!r}); "
+                              "resuming training needs a full checkpoint (BackupAndRestore or save_weights_only=False).")
+    missing = [k for k in _REQUIRED.get(file_kind, ("model",)) if k not in state]
+    if missing:
+        raise CheckpointError(f"Checkpoint {path} is incomplete: it lacks {missing}. It was not written by "
+                              "towers.checkpoint.save_checkpoint; restore an older checkpoint.")
+    return state
+
+
+def check_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], *, path: str | os.PathLike[str] = "<state>") -> None:
+    """Raise ``CheckpointError`` (naming missing, unexpected and mis-shaped keys) unless ``state`` fits ``model``."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"Checkpoint {path} holds no model state_dict (found {type(state).__name__}).")
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+              for k in sorted(set(own) & set(state))
+              if hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or shapes:
+        parts = [f"missing keys {missing[:5]}" if missing else "", f"unexpected keys {unexpected[:5]}" if unexpected else "",
+                 f"shape mismatches {shapes[:3]}" if shapes else ""]
+        raise CheckpointError(
+            f"Checkpoint {path} does not fit this model: {'; '.join(p for p in parts if p)}. "
+            "Build the same model architecture that wrote the checkpoint.")
+
+
+def check_optimizer_state(optimizer: Any, state: Any, *, path: str | os.PathLike[str] = "<state>") -> None:
+    """Raise ``CheckpointError`` unless ``state`` has the optimizer's parameter groups and sizes."""
+    own = getattr(optimizer, "param_groups", None)
+    saved = state.get("param_groups") if isinstance(state, Mapping) else None
+    if own is None or saved is None:
+        return  # an optimizer that is not a torch.optim.Optimizer checks its own state
+    own_sizes, saved_sizes = [len(g["params"]) for g in own], [len(g.get("params", ())) for g in saved]
+    if own_sizes != saved_sizes:
+        raise CheckpointError(
+            f"Checkpoint {path} does not fit this optimizer: parameter groups of sizes {saved_sizes} in the file, "
+            f"{own_sizes} in the optimizer. Build the same optimizer (same parameter groups) that wrote it.")
+
+
+def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], *, path: str | os.PathLike[str] = "<state>") -> None:
+    """Load ``state`` into ``model`` only if every key and shape matches (never a partial load).
+
+    Raises:
+        CheckpointError: naming missing, unexpected and mis-shaped keys.
+    """
+    check_model_state(model, state, path=path)
+    model.load_state_dict(state, strict=True)
