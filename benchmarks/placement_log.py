@@ -6,10 +6,11 @@ Variants, run interleaved in one process (noise on this host is +-20% run to run
 * ``on, logger`` log every op to ``towers.devices.placement`` at INFO, which has a NullHandler
                  (a LogRecord is built and handled for every op; nothing is written)
 * ``on, list``   collect ``PlacementRecord``s in a list, logger off (``to_logger=False``)
+* ``empty mode``  a TorchDispatchMode that only runs the op: the floor any dispatch-mode logger pays
 
 The second table times a tiny op (``torch.add`` on 4 floats), which isolates the per-op cost.
 
-Usage: python benchmarks/placement_log.py [--repeats 7] [--steps 20] [--batch-size 64]
+Usage: python benchmarks/placement_log.py [--repeats 15] [--steps 10] [--batch-size 64]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from towers.devices import PlacementRecord, log_device_placement
 from towers.models import SeedCNN
@@ -51,17 +53,23 @@ def _on_list() -> Iterator[None]:
         yield
 
 
+class _EmptyMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "off": _off,
     "on, logger (NullHandler)": _on_logger,
     "on, list": _on_list,
+    "empty mode (floor)": _EmptyMode,
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7, help="timed rounds per variant (median is reported)")
-    parser.add_argument("--steps", type=int, default=20, help="forward+backward steps per round")
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved timed rounds per variant")
+    parser.add_argument("--steps", type=int, default=10, help="forward+backward steps per round")
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
 
@@ -97,15 +105,16 @@ def main() -> None:
                 elapsed = time.perf_counter() - start
             per_step_ms[name].append(1e3 * elapsed / args.steps)
 
-    base = statistics.median(per_step_ms["off"])
+    # Overhead from paired rounds (variant / off in the same round), so drift in the host's load cancels.
+    off = per_step_ms["off"]
     print(f"torch {torch.__version__}, 1 thread, seed CNN fwd+bwd, batch {args.batch_size}, "
-          f"{ops_per_step} ops/step, median of {args.repeats} rounds x {args.steps} steps")
-    print(f"{'variant':<26} {'ms/step':>8} {'min':>8} {'max':>8} {'overhead':>9} {'us/op':>7}")
+          f"{ops_per_step} ops/step, {args.repeats} interleaved rounds x {args.steps} steps")
+    print(f"{'variant':<26} {'median ms':>9} {'min ms':>8} {'overhead (paired median)':>25} {'us/op':>7}")
     for name, samples in per_step_ms.items():
-        med = statistics.median(samples)
-        extra_us = 1e3 * (med - base) / ops_per_step
-        print(f"{name:<26} {med:8.2f} {min(samples):8.2f} {max(samples):8.2f} "
-              f"{100 * (med / base - 1):+8.1f}% {extra_us:7.1f}")
+        ratio = statistics.median(s / o for s, o in zip(samples, off))
+        extra_us = 1e3 * (ratio - 1) * statistics.median(off) / ops_per_step
+        print(f"{name:<26} {statistics.median(samples):9.2f} {min(samples):8.2f} "
+              f"{100 * (ratio - 1):+24.1f}% {extra_us:7.1f}")
 
     # The step's kernels dwarf the per-op cost; a tiny op shows it without that noise.
     tiny = torch.ones(4)
@@ -119,12 +128,12 @@ def main() -> None:
                     torch.add(tiny, 1)
                 per_op_us[name].append(1e6 * (time.perf_counter() - start) / n_ops)
     print()
-    print(f"tiny op (torch.add on 4 floats), median of {args.repeats} rounds x {n_ops} ops")
-    print(f"{'variant':<26} {'us/op':>8} {'added':>8}")
+    print(f"tiny op (torch.add on 4 floats), {args.repeats} interleaved rounds x {n_ops} ops")
+    print(f"{'variant':<26} {'median us/op':>12} {'min us/op':>10} {'added (median)':>15}")
     base_us = statistics.median(per_op_us["off"])
     for name, samples in per_op_us.items():
         med = statistics.median(samples)
-        print(f"{name:<26} {med:8.2f} {med - base_us:+8.2f}")
+        print(f"{name:<26} {med:12.2f} {min(samples):10.2f} {med - base_us:+15.2f}")
 
 
 if __name__ == "__main__":

@@ -188,8 +188,9 @@ def test_repeated_fallback_at_one_line_warns_once_under_default_filters():
 def test_resolve_device_returns_torch_device_with_fallback():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("meta") == torch.device("meta")
-    with pytest.warns(SoftPlacementWarning, match=MISSING_GPU):
+    with pytest.warns(SoftPlacementWarning, match=MISSING_GPU) as caught:
         assert resolve_device(MISSING_GPU) == torch.device("cpu")
+    assert caught[0].filename == __file__
 
 
 def test_hard_placement_raises_listing_available_devices():

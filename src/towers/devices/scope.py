@@ -14,6 +14,8 @@ makes it fatal) and the default filter shows it once per call site and device pa
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 from types import TracebackType
 
@@ -36,6 +38,18 @@ __all__ = [
 logger = get_logger(__name__)
 
 _soft_placement = True  # process-wide; see the module docstring
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../towers/
+
+
+def _stacklevel_outside_towers() -> int:
+    """Return the ``warnings.warn`` stacklevel, from our caller, of the first frame outside towers."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 class SoftPlacementWarning(UserWarning):
@@ -60,11 +74,12 @@ def get_soft_device_placement() -> bool:
     return _soft_placement
 
 
-def place(spec: DeviceLike, *, soft: bool | None = None, _stacklevel: int = 2) -> Device:
+def place(spec: DeviceLike, *, soft: bool | None = None) -> Device:
     """Return the ``Device`` that work asked for on ``spec`` actually runs on.
 
     ``spec`` itself when it exists here; otherwise ``/cpu:0`` with one ``SoftPlacementWarning``
-    when soft placement is on (``soft=None`` reads ``get_soft_device_placement()``).
+    when soft placement is on (``soft=None`` reads ``get_soft_device_placement()``). The warning
+    points at the first caller outside towers (the user's ``with`` line, or their strategy call).
 
     Raises:
         ValueError: ``spec`` is not a device name.
@@ -85,7 +100,7 @@ def place(spec: DeviceLike, *, soft: bool | None = None, _stacklevel: int = 2) -
         f"placing on {fallback} instead (soft device placement). Ask for an available device, or call "
         "towers.set_soft_device_placement(False) to make this an error.",
         SoftPlacementWarning,
-        stacklevel=_stacklevel,
+        stacklevel=_stacklevel_outside_towers(),
     )
     return fallback
 
@@ -97,7 +112,7 @@ def resolve_device(spec: DeviceLike, *, soft: bool | None = None) -> torch.devic
         ValueError: ``spec`` is not a device name.
         DeviceUnavailableError: the device does not exist here and soft placement is off.
     """
-    return place(spec, soft=soft, _stacklevel=3).torch
+    return place(spec, soft=soft).torch
 
 
 class device:  # noqa: N801 - lower case, like torch.device and tf.device, because it is used as `with towers.device(...)`
@@ -111,10 +126,15 @@ class device:  # noqa: N801 - lower case, like torch.device and tf.device, becau
 
     The name is resolved when the scope is created, so a missing device warns (or, with
     ``soft=False`` / soft placement off, raises ``DeviceUnavailableError``) at the ``with`` line.
+    A missing device falls back to ``/cpu:0``, not to an enclosing scope's device.
+
+    Raises:
+        ValueError: ``spec`` is not a device name.
+        DeviceUnavailableError: the device does not exist here and soft placement is off.
     """
 
     def __init__(self, spec: DeviceLike, *, soft: bool | None = None) -> None:
-        self.device = place(spec, soft=soft, _stacklevel=3)
+        self.device = place(spec, soft=soft)
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> Device:
