@@ -1,0 +1,135 @@
+"""``ModelCheckpoint`` (files named from the epoch and logs) and ``BackupAndRestore`` (resume at the exact step)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from towers import checkpoint as ckpt
+from towers._logging import get_logger
+from towers.training.callbacks.base import Callback
+from towers.training.callbacks.stopping import resolve_mode
+
+__all__ = ["ModelCheckpoint", "BackupAndRestore"]
+
+log = get_logger(__name__)
+
+
+class ModelCheckpoint(Callback):
+    """Save a checkpoint at the end of each epoch to ``filepath.format(epoch=epoch + 1, **logs)``.
+
+    E.g. ``"ckpt/model-{epoch:02d}-{val_loss:.3f}.pt"``. With ``save_best_only`` a file is written
+    only when ``monitor`` improves (``mode``: ``"min"``, ``"max"`` or ``"auto"``); with a fixed
+    ``filepath`` that keeps the best model. ``save_weights_only`` writes the model alone
+    (``kind="weights"``), otherwise the full training state. The chief writes; every replica
+    takes the same decision because the logs are reduced.
+    """
+
+    def __init__(self, filepath: str | os.PathLike[str], *, monitor: str = "val_loss", save_best_only: bool = False,
+                 mode: str = "auto", save_weights_only: bool = False):
+        super().__init__()
+        self.filepath = os.fspath(filepath)
+        self.monitor = monitor
+        self.mode = resolve_mode(mode, monitor)
+        self.save_best_only = save_best_only
+        self.save_weights_only = save_weights_only
+        self.best = math.inf if self.mode == "min" else -math.inf
+        self.last_path: str | None = None
+
+    def _path(self, epoch: int, logs: Mapping[str, Any]) -> str:
+        try:
+            return self.filepath.format(epoch=epoch + 1, **logs)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"ModelCheckpoint filepath {self.filepath!r} names a field the logs lack ({exc}). "
+                             f"Available: epoch, {', '.join(sorted(logs))}.") from exc
+
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
+        logs = dict(logs or {})
+        if self.save_best_only:
+            current = logs.get(self.monitor)
+            if current is None:
+                if self.trainer.strategy.is_chief:
+                    log.warning("ModelCheckpoint: %r is not in the epoch logs (available: %s); not saving",
+                                self.monitor, sorted(logs))
+                return
+            better = current < self.best if self.mode == "min" else current > self.best
+            if not better:
+                return
+            self.best = float(current)
+        path = self._path(epoch, logs)
+        self.trainer.save_checkpoint(path, weights_only=self.save_weights_only)
+        self.last_path = path
+        if self.trainer.strategy.is_chief:
+            log.info("epoch %d: saved %s", epoch + 1, path)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the best monitored value so far (saved by ``BackupAndRestore``)."""
+        return {"best": self.best}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.best = float(state["best"])
+
+
+class BackupAndRestore(Callback):
+    """Back up the full training state to ``backup_dir``; a restarted ``fit`` resumes from it at the exact step.
+
+    ``save_freq="epoch"`` backs up at the end of each epoch; an integer ``n`` every ``n`` global
+    steps (and the resumed run is then the same as an uninterrupted one: same data order, same
+    RNG streams, same parameters). The backup is one file, ``backup_dir/backup.pt``, replaced
+    atomically. Like Keras, the backup is deleted when ``fit`` finishes normally (also after an
+    early stop) unless ``delete_checkpoint=False``; it is kept when ``fit`` raises or the process dies.
+    Put it before callbacks whose state should be restored (it restores theirs too).
+    """
+
+    FILENAME = "backup.pt"
+
+    def __init__(self, backup_dir: str | os.PathLike[str], *, save_freq: str | int = "epoch",
+                 delete_checkpoint: bool = True):
+        super().__init__()
+        if save_freq != "epoch" and not (isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0):
+            raise ValueError(f"save_freq must be 'epoch' or a positive number of steps. Received: {save_freq!r}.")
+        if not os.fspath(backup_dir):
+            raise ValueError("backup_dir must be a non-empty path.")
+        self.backup_dir = Path(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.restored_from: dict[str, int] | None = None
+
+    @property
+    def path(self) -> Path:
+        """The backup file."""
+        return self.backup_dir / self.FILENAME
+
+    def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
+        strategy = self.trainer.strategy
+        # The chief decides whether there is a backup, so every replica takes the same branch.
+        exists = strategy.broadcast_object(self.path.is_file() if strategy.is_chief else None, src=0)
+        if not exists:
+            return
+        state = ckpt.load_checkpoint(self.path, kind="full")
+        self.trainer.load_state_dict(state, path=str(self.path))
+        self.restored_from = {"epoch": int(state["epoch"]), "step": int(state["step"]),
+                              "global_step": int(state["global_step"])}
+        if strategy.is_chief:
+            log.info("BackupAndRestore: resuming from %s at epoch %d, step %d (global step %d)", self.path,
+                     self.restored_from["epoch"] + 1, self.restored_from["step"], self.restored_from["global_step"])
+
+    def _backup(self) -> None:
+        self.trainer.save_checkpoint(str(self.path))
+
+    def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
+        if isinstance(self.save_freq, int) and self.trainer.progress.global_step % self.save_freq == 0:
+            self._backup()
+
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._backup()
+
+    def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
+        strategy = self.trainer.strategy
+        if self.delete_checkpoint and strategy.is_chief:
+            self.path.unlink(missing_ok=True)
+        strategy.barrier()  # nobody starts a new fit (and looks for a backup) before the chief deleted it

@@ -1,0 +1,211 @@
+"""Metrics reduced across replicas with the right weights.
+
+Each metric keeps a small vector of **sums** (for a mean: ``[sum of values, number of examples]``).
+After every step the Trainer adds up this step's vectors across replicas with one
+``strategy.reduce("sum", ...)`` and the metric accumulates the global sums; ``result()`` divides
+once. So a last, uneven batch counts by its examples — never an average of per-replica averages.
+
+``torchmetrics.Metric`` objects (anything with ``update``/``compute``/``reset``) are accepted too.
+They update on each replica's own examples and synchronise themselves: torchmetrics gathers its
+states over the default ``torch.distributed`` process group inside ``compute()``, which the
+Trainer calls on every replica at the end of each epoch and of ``evaluate``. They are left out
+of per-batch logs (a sync per batch would cost a collective each), and their state is not part
+of a checkpoint, so a run resumed mid-epoch restarts them at that point.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "Metric", "Mean", "MeanMetricWrapper", "Accuracy", "TopKAccuracy", "ExternalMetric",
+    "accuracy", "top_k_accuracy", "get_metric", "build_metrics",
+]
+
+
+class Metric(ABC):
+    """A metric whose state is a vector of sums; ``local_state`` of one batch, ``accumulate`` of reduced sums."""
+
+    #: length of the state vector
+    num_states: int = 2
+
+    def __init__(self, name: str):
+        if not name or not isinstance(name, str):
+            raise ValueError(f"A metric needs a non-empty string name. Received: {name!r}.")
+        self.name = name
+        self._totals = torch.zeros(self.num_states, dtype=torch.float64)
+
+    @abstractmethod
+    def local_state(self, y_pred: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor:
+        """Return this replica's float64 sums for one batch (``[num_states]``, on ``y_pred``'s device)."""
+
+    def accumulate(self, state: torch.Tensor) -> None:
+        """Add sums already reduced across replicas."""
+        self._totals += state.detach().to("cpu", torch.float64)
+
+    def result(self) -> float:
+        """Return the metric over everything accumulated since ``reset`` (NaN before any example)."""
+        total, count = self._totals[0].item(), self._totals[1].item()
+        return total / count if count else float("nan")
+
+    def reset(self) -> None:
+        """Forget everything accumulated."""
+        self._totals.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the accumulated sums (checkpoint-safe)."""
+        return {"totals": self._totals.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore sums from ``state_dict``."""
+        totals = torch.as_tensor(state["totals"], dtype=torch.float64)
+        if totals.shape != self._totals.shape:
+            raise ValueError(f"Metric {self.name!r} expects {self.num_states} sums, received shape {tuple(totals.shape)}.")
+        self._totals = totals.clone()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class Mean(Metric):
+    """The mean of per-example values, weighted by examples: the Trainer's ``loss``."""
+
+    def local_state(self, y_pred: torch.Tensor, y_true: torch.Tensor | None = None) -> torch.Tensor:
+        """Return ``[sum, count]`` of the values in ``y_pred`` (one value per example)."""
+        values = y_pred.detach().to(torch.float64).reshape(-1)
+        return torch.stack([values.sum(), torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device)])
+
+
+class MeanMetricWrapper(Mean):
+    """The example-weighted mean of ``fn(y_pred, y_true)``, a function returning one value per example."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: str | None = None):
+        super().__init__(name or getattr(fn, "__name__", type(fn).__name__))
+        self.fn = fn
+
+    def local_state(self, y_pred: torch.Tensor, y_true: torch.Tensor | None = None) -> torch.Tensor:
+        """Return ``[sum, count]`` of ``fn``'s per-example values on this batch."""
+        with torch.no_grad():
+            return super().local_state(self.fn(y_pred, y_true))
+
+
+def accuracy(y_pred: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor:
+    """Return 1.0/0.0 per example: argmax of logits ``[B, C]`` equals the label; same-shape probabilities use 0.5."""
+    if y_pred.ndim == y_true.ndim + 1:
+        return (y_pred.argmax(dim=-1) == y_true).to(torch.float32)
+    if y_pred.shape == y_true.shape:
+        return ((y_pred > 0.5).to(y_true.dtype) == y_true).to(torch.float32).reshape(len(y_true), -1).mean(dim=1)
+    raise ValueError(
+        f"accuracy expects logits [B, C] with labels [B], or predictions shaped like the labels. "
+        f"Received: y_pred {tuple(y_pred.shape)}, y_true {tuple(y_true.shape)}.")
+
+
+def top_k_accuracy(y_pred: torch.Tensor, y_true: torch.Tensor, k: int = 5) -> torch.Tensor:
+    """Return 1.0/0.0 per example: the label is among the ``k`` largest logits of ``[B, C]``."""
+    if y_pred.ndim != 2 or y_true.ndim != 1:
+        raise ValueError(f"top-k accuracy expects logits [B, C] and labels [B]. "
+                         f"Received: y_pred {tuple(y_pred.shape)}, y_true {tuple(y_true.shape)}.")
+    top = y_pred.topk(min(k, y_pred.shape[1]), dim=1).indices
+    return (top == y_true.unsqueeze(1)).any(dim=1).to(torch.float32)
+
+
+class Accuracy(MeanMetricWrapper):
+    """Fraction of examples whose predicted class (argmax) is the label; logged as ``accuracy``."""
+
+    def __init__(self, name: str = "accuracy"):
+        super().__init__(accuracy, name)
+
+
+class TopKAccuracy(MeanMetricWrapper):
+    """Fraction of examples whose label is among the top ``k`` logits; logged as ``top{k}_accuracy``."""
+
+    def __init__(self, k: int = 5, name: str | None = None):
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive integer. Received: {k!r}.")
+        self.k = k
+        super().__init__(functools.partial(top_k_accuracy, k=k), name or f"top{k}_accuracy")
+
+
+class ExternalMetric:
+    """Adapter for a ``torchmetrics.Metric`` (or any object with ``update``/``compute``/``reset``)."""
+
+    def __init__(self, metric: Any, name: str | None = None):
+        self.metric = metric
+        self.name = name or _snake(type(metric).__name__)
+
+    def update(self, y_pred: torch.Tensor, y_true: torch.Tensor) -> None:
+        """Update with this replica's batch (local; torchmetrics syncs in ``compute``)."""
+        if hasattr(self.metric, "to") and hasattr(y_pred, "device"):
+            self.metric.to(y_pred.device)
+        self.metric.update(y_pred.detach(), y_true)
+
+    def result(self) -> float:
+        """Return ``compute()`` as a float; every replica must call it (it may be a collective)."""
+        value = self.metric.compute()
+        return float(value.item() if hasattr(value, "item") else value)
+
+    def reset(self) -> None:
+        """Reset the wrapped metric."""
+        self.metric.reset()
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name.lstrip("_")).lower()
+
+
+_TOPK = re.compile(r"^top_?(\d+)_acc(uracy)?$")
+
+
+def get_metric(spec: Any) -> Metric | ExternalMetric:
+    """Return a metric for ``spec``: ``"accuracy"``, ``"top5_accuracy"``, a ``Metric``, a torchmetrics metric, or ``fn(y_pred, y_true)``.
+
+    Raises:
+        ValueError: on an unknown metric name, listing the accepted ones.
+        TypeError: on an object that is none of the above.
+    """
+    if isinstance(spec, (Metric, ExternalMetric)):
+        return spec
+    if isinstance(spec, str):
+        key = spec.lower()
+        if key in ("accuracy", "acc", "sparse_categorical_accuracy"):
+            return Accuracy(spec if key != "acc" else "accuracy")
+        match = _TOPK.match(key)
+        if match:
+            return TopKAccuracy(int(match.group(1)), name=spec)
+        if key == "top_k_accuracy":
+            return TopKAccuracy(5, name=spec)
+        raise ValueError(
+            f"Unknown metric {spec!r}. Expected 'accuracy', 'topK_accuracy' (e.g. 'top5_accuracy'), a "
+            "towers.metrics.Metric, a torchmetrics.Metric, or a function fn(y_pred, y_true) returning one value per example.")
+    if all(callable(getattr(spec, attr, None)) for attr in ("update", "compute", "reset")):
+        return ExternalMetric(spec)
+    if callable(spec):
+        return MeanMetricWrapper(spec)
+    raise TypeError(f"Cannot use {spec!r} ({type(spec).__name__}) as a metric. Pass a name like 'accuracy', "
+                    "a towers.metrics.Metric, a torchmetrics.Metric or a per-example function.")
+
+
+def build_metrics(specs: Iterable[Any] | Mapping[str, Any] | None) -> list[Metric | ExternalMetric]:
+    """Return metrics for a list of specs (or a ``{name: spec}`` dict); names must be unique and not ``loss``."""
+    if specs is None:
+        return []
+    if isinstance(specs, (str, Metric)) or not isinstance(specs, (Mapping, Sequence, set, tuple, list)):
+        specs = [specs]
+    items = [(name, get_metric(s)) for name, s in specs.items()] if isinstance(specs, Mapping) \
+        else [(None, get_metric(s)) for s in specs]
+    metrics = []
+    for name, metric in items:
+        if name is not None:
+            metric.name = str(name)
+        metrics.append(metric)
+    names = [m.name for m in metrics]
+    bad = sorted({n for n in names if names.count(n) > 1 or n == "loss" or n.startswith("val_")})
+    if bad:
+        raise ValueError(f"Metric names must be unique, not 'loss', and not start with 'val_'. Received: {names}. "
+                         "Pass a dict {name: metric} to rename them.")
+    return metrics

@@ -1,0 +1,336 @@
+"""``Trainer``: Keras-style ``fit``/``evaluate``/``predict`` on top of any strategy.
+
+The loop is the custom loop of the README, written once: ``strategy.prepare``,
+``strategy.distribute_dataset``, ``strategy.run`` of a step that averages the per-example loss
+with ``towers.compute_average_loss``, and ``strategy.reduce`` of the metric sums. Nothing in it
+depends on which strategy runs it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from towers import checkpoint as ckpt
+from towers._logging import get_logger
+from towers.training._state import TrainingProgress, capture_state, restore_state
+from towers.training.callbacks.base import Callback, CallbackList
+from towers.training.history import History
+from towers.training.metrics import ExternalMetric, Mean, Metric, build_metrics
+
+__all__ = ["Trainer"]
+
+log = get_logger(__name__)
+
+LossFn = Callable[..., torch.Tensor]
+
+
+def _per_example_loss_fn(loss: Any) -> LossFn:
+    """Return ``fn(y_pred, y_true) -> per-example losses`` for a function or an ``nn`` loss module."""
+    if isinstance(loss, nn.Module) and hasattr(loss, "reduction"):
+        module = copy.copy(loss)
+        module.reduction = "none"  # the Trainer averages over the global batch itself
+        return module
+    if callable(loss):
+        return lambda y_pred, y_true: loss(y_pred, y_true, reduction="none")
+    raise TypeError(f"loss must be a callable like torch.nn.functional.cross_entropy. Received: {loss!r}.")
+
+
+def _as_dataset(data: Any, what: str) -> Dataset:
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        if len(data[0]) != len(data[1]):
+            raise ValueError(f"{what}: x and y must have the same length. Received: {len(data[0])} and {len(data[1])}.")
+        return TensorDataset(data[0], data[1])
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        return data
+    raise TypeError(f"{what} must be a map-style Dataset (e.g. TensorDataset) or a tuple (x, y) of tensors. "
+                    f"Received: {type(data).__name__}.")
+
+
+class Trainer:
+    """Train, evaluate and predict with ``model`` under ``strategy``, Keras-style.
+
+    ``loss`` is called as ``loss(y_pred, y_true, reduction="none")`` (an ``nn`` loss module is
+    switched to ``reduction="none"``). ``metrics`` are names (``"accuracy"``, ``"top5_accuracy"``),
+    ``towers.metrics.Metric``/torchmetrics objects or per-example functions. ``strategy=None`` means
+    ``towers.strategy_from_env()``. ``precision`` is passed to ``towers.precision`` (e.g. ``"bf16"``).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any, *,
+                 metrics: Iterable[Any] | Mapping[str, Any] | None = (), strategy: Any = None,
+                 precision: Any = None, seed: int = 0):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}.")
+        if strategy is None:
+            from towers.strategies import strategy_from_env
+
+            strategy = strategy_from_env()
+        self.strategy = strategy
+        self.loss_fn = _per_example_loss_fn(loss)
+        self.metrics: list[Metric | ExternalMetric] = build_metrics(metrics)
+        self._val_metrics = copy.deepcopy(self.metrics)
+        self._loss_metric, self._val_loss_metric = Mean("loss"), Mean("loss")
+        self.precision = _resolve_precision(precision)
+        self.model, self.optimizer = strategy.prepare(model, optimizer)
+        self.seed = int(seed)
+        self.stop_training = False
+        self.history = History()
+        self.progress = TrainingProgress()
+        self._callbacks = CallbackList()
+        self._resume: dict[str, Any] | None = None
+        self._last_global_batch_size: int | None = None
+
+    @property
+    def unwrapped_model(self) -> nn.Module:
+        """The user's module inside whatever ``strategy.prepare`` wrapped it in."""
+        return self.strategy.unwrap(self.model)
+
+    # --- fit ---------------------------------------------------------------------------------------
+    def fit(self, train_data: Any, epochs: int = 1, global_batch_size: int = 32, *,
+            validation_data: Any = None, callbacks: Sequence[Callback] = (), steps_per_epoch: int | None = None,
+            initial_epoch: int = 0, shuffle: bool = True) -> History:
+        """Train for ``epochs`` epochs and return the History (the same on every replica).
+
+        Raises:
+            ValueError: on bad ``epochs``/``global_batch_size``/``steps_per_epoch``/``initial_epoch``.
+            RuntimeError: when the Trainer has no optimizer.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("This Trainer has no optimizer; pass one to Trainer(...) to call fit().")
+        for name, value, low in (("epochs", epochs, 0), ("global_batch_size", global_batch_size, 1),
+                                 ("initial_epoch", initial_epoch, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}. Received: {value!r}.")
+        if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
+            raise ValueError(f"steps_per_epoch must be a positive integer or None. Received: {steps_per_epoch!r}.")
+        train_set = _as_dataset(train_data, "train_data")
+        val_set = None if validation_data is None else _as_dataset(validation_data, "validation_data")
+        self._last_global_batch_size = global_batch_size
+        self.history = History()
+        self.stop_training = False
+        cbs = self._callbacks = CallbackList([self.history, *callbacks], trainer=self)
+        cbs.set_params({"epochs": epochs, "steps": steps_per_epoch, "global_batch_size": global_batch_size,
+                        "num_replicas": self.strategy.num_replicas_in_sync})
+        self.progress = TrainingProgress(epoch=initial_epoch, global_batch_size=global_batch_size, seed=self.seed)
+        self.model.train()
+        cbs.call("on_train_begin", {})
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            self.progress = resume["progress"].resized(global_batch_size)
+            for i, cb in enumerate(cbs):
+                state = resume["callbacks"].get(f"{i}:{type(cb).__name__}")
+                if state is not None and hasattr(cb, "load_state_dict"):
+                    cb.load_state_dict(state)
+        epoch_logs: dict[str, float] = {}
+        while self.progress.epoch < epochs and not self.stop_training:
+            epoch = self.progress.epoch
+            cbs.call("on_epoch_begin", epoch, {})
+            self._train_epoch(train_set, global_batch_size, steps_per_epoch, shuffle,
+                              resume["rng"] if resume is not None else None)
+            resume = None
+            epoch_logs = {"loss": self._loss_metric.result(), **{m.name: m.result() for m in self.metrics}}
+            if val_set is not None:
+                val_logs = self._evaluate(val_set, global_batch_size, cbs)
+                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            epoch_logs["lr"] = float(self.optimizer.param_groups[0]["lr"]) if getattr(self.optimizer, "param_groups", None) else math.nan
+            self.progress = self.progress.next_epoch()
+            cbs.call("on_epoch_end", epoch, epoch_logs)
+            self.stop_training = self._any_replica(self.stop_training)
+        cbs.call("on_train_end", dict(epoch_logs))
+        return self.history
+
+    def _train_epoch(self, train_set: Dataset, global_batch_size: int, steps_per_epoch: int | None,
+                     shuffle: bool, rng: Any) -> None:
+        p = self.progress
+        if p.step == 0:  # a fresh epoch (a mid-epoch resume keeps the restored running sums)
+            self._loss_metric.reset()
+            for m in self.metrics:
+                m.reset()
+            if rng is not None:  # saved at an epoch boundary: before this epoch built its iterator
+                ckpt.set_rng_state(rng)
+                rng = None
+        batches = self.strategy.distribute_dataset(train_set, global_batch_size, shuffle=shuffle,
+                                                   seed=self.seed + p.epoch, drop_remainder=False)
+        it = iter(batches)
+        for _ in range(p.step):  # the epoch's order is fixed by (seed, epoch): skip what was done
+            next(it, None)
+        if rng is not None:
+            # Saved mid-epoch, after the iterator was built (which may draw from the RNGs): restore
+            # only once this run's iterator is built and positioned.
+            ckpt.set_rng_state(rng)
+        for batch_index, batch in enumerate(it, start=p.step):
+            if steps_per_epoch is not None and batch_index >= steps_per_epoch:
+                break
+            self._callbacks.call("on_train_batch_begin", batch_index, {})
+            logs = self._train_step(batch)
+            self.progress = p = p.after_step(int(logs["size"]))
+            logs.update({"examples": p.examples, "global_step": p.global_step})
+            self._callbacks.call("on_train_batch_end", batch_index, logs)
+            self.stop_training = self._any_replica(self.stop_training)
+            if self.stop_training:
+                break
+
+    def _train_step(self, batch: Any) -> dict[str, float]:
+        x, y = _split_batch(batch)
+        from towers.losses import compute_average_loss
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            self.optimizer.zero_grad(set_to_none=True)
+            with self.precision.autocast():
+                y_pred = self.model(x)
+                per_example = self.loss_fn(y_pred, y)
+            loss = compute_average_loss(per_example)
+            self.precision.backward_and_step(loss, self.optimizer)
+            return per_example.detach(), y_pred.detach()
+
+        per_example, y_pred = self.strategy.run(step, args=(x, y))
+        if per_example.ndim == 0 and len(y) > 0:
+            raise ValueError(f"loss must return one value per example when called with reduction='none'; it returned "
+                             f"a scalar for a batch of {len(y)}. Pass e.g. F.cross_entropy, or a function that accepts reduction=.")
+        per_example = per_example.reshape(len(y), -1).mean(dim=1) if per_example.ndim > 1 else per_example
+        summed = [m for m in self.metrics if isinstance(m, Metric)]
+        for m in self.metrics:
+            if isinstance(m, ExternalMetric):
+                m.update(y_pred, y)
+        local = torch.cat([self._loss_metric.local_state(per_example),
+                           *(m.local_state(y_pred.float(), y) for m in summed),
+                           (~torch.isfinite(per_example)).any().to(torch.float64).reshape(1)])
+        reduced = self.strategy.reduce("sum", local).detach().to("cpu", torch.float64)
+        self._loss_metric.accumulate(reduced[0:2])
+        offset = 2
+        for m in summed:
+            m.accumulate(reduced[offset:offset + m.num_states])
+            offset += m.num_states
+        logs = {"loss": self._loss_metric.result(), **{m.name: m.result() for m in summed}}
+        logs.update({"size": float(reduced[1].item()), "nonfinite_replicas": float(reduced[-1].item())})
+        return logs
+
+    def _any_replica(self, flag: bool) -> bool:
+        # A callback may decide on one replica only; stopping must still be a global decision.
+        return bool(self.strategy.reduce("max", torch.tensor([float(flag)], device=self.strategy.device)).item() > 0)
+
+    # --- evaluate and predict ----------------------------------------------------------------------
+    def evaluate(self, data: Any, global_batch_size: int | None = None, *,
+                 callbacks: Sequence[Callback] = ()) -> dict[str, float]:
+        """Return ``{"loss": ..., metric: ...}`` over ``data``, reduced across replicas (the same on every replica)."""
+        gbs = global_batch_size or self._last_global_batch_size or 32 * self.strategy.num_replicas_in_sync
+        if not isinstance(gbs, int) or gbs < 1:
+            raise ValueError(f"global_batch_size must be a positive integer. Received: {gbs!r}.")
+        return self._evaluate(_as_dataset(data, "data"), gbs, CallbackList(callbacks, trainer=self))
+
+    def _evaluate(self, dataset: Dataset, global_batch_size: int, cbs: CallbackList) -> dict[str, float]:
+        was_training = self.model.training
+        self.model.eval()
+        loss_metric, metrics = self._val_loss_metric, self._val_metrics
+        for m in (loss_metric, *metrics):
+            m.reset()
+        summed = [m for m in metrics if isinstance(m, Metric)]
+        local: torch.Tensor | None = None
+        cbs.call("on_test_begin", {})
+        with torch.no_grad():
+            batches = self.strategy.distribute_dataset(dataset, global_batch_size, shuffle=False, drop_remainder=False)
+            for batch_index, batch in enumerate(batches):
+                cbs.call("on_test_batch_begin", batch_index, {})
+                x, y = _split_batch(batch)
+
+                def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    with self.precision.autocast():
+                        y_pred = self.model(x)
+                        return self.loss_fn(y_pred, y).detach(), y_pred.detach()
+
+                per_example, y_pred = self.strategy.run(step, args=(x, y))
+                per_example = per_example.reshape(len(y), -1).mean(dim=1) if per_example.ndim > 1 else per_example
+                for m in metrics:
+                    if isinstance(m, ExternalMetric):
+                        m.update(y_pred, y)
+                state = torch.cat([loss_metric.local_state(per_example), *(m.local_state(y_pred.float(), y) for m in summed)])
+                local = state if local is None else local + state  # sums: reduce once, at the end
+                cbs.call("on_test_batch_end", batch_index, {})
+        if local is None:  # no batches on this replica: still join the reduction with zeros
+            local = torch.zeros(2 + sum(m.num_states for m in summed), dtype=torch.float64, device=self.strategy.device)
+        reduced = self.strategy.reduce("sum", local).detach().to("cpu", torch.float64)
+        loss_metric.accumulate(reduced[0:2])
+        offset = 2
+        for m in summed:
+            m.accumulate(reduced[offset:offset + m.num_states])
+            offset += m.num_states
+        logs = {"loss": loss_metric.result(), **{m.name: m.result() for m in metrics}}
+        cbs.call("on_test_end", dict(logs))
+        self.model.train(was_training)
+        return logs
+
+    def predict(self, x: Any, *, batch_size: int = 256, callbacks: Sequence[Callback] = ()) -> torch.Tensor:
+        """Return the model's outputs for ``x`` (a tensor or a dataset of ``(x, ...)`` items), on the CPU.
+
+        Every replica computes all of ``x`` with its own copy of the model (no communication), so
+        every replica returns the same tensor.
+        """
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer. Received: {batch_size!r}.")
+        if not isinstance(x, torch.Tensor):
+            dataset = _as_dataset(x, "x")
+            x = torch.stack([dataset[i][0] if isinstance(dataset[i], (tuple, list)) else dataset[i]
+                             for i in range(len(dataset))])
+        cbs = CallbackList(callbacks, trainer=self)
+        model = self.unwrapped_model
+        was_training = model.training
+        model.eval()
+        outputs = []
+        cbs.call("on_predict_begin", {})
+        with torch.no_grad(), self.precision.autocast():
+            for batch_index, start in enumerate(range(0, len(x), batch_size)):
+                cbs.call("on_predict_batch_begin", batch_index, {})
+                out = model(x[start:start + batch_size].to(self.strategy.device)).float().cpu()
+                outputs.append(out)
+                cbs.call("on_predict_batch_end", batch_index, {"outputs": out})
+        cbs.call("on_predict_end", {})
+        model.train(was_training)
+        return torch.cat(outputs) if outputs else torch.empty(0)
+
+    # --- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Return the full training state in the checkpoint format (a collective: call it on every replica)."""
+        return capture_state(self)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, path: str = "<state>") -> None:
+        """Restore a full training state; the next ``fit`` resumes at its exact step (on every replica).
+
+        Raises:
+            CheckpointError: when the state does not fit this model/optimizer; nothing is changed then.
+        """
+        self._resume = restore_state(self, state, path=path)
+
+    def save_checkpoint(self, path: str, *, weights_only: bool = False) -> str:
+        """Write a checkpoint of this Trainer (chief writes, atomically; call on every replica); return its path."""
+        if weights_only:
+            state = {"model": self.unwrapped_model.state_dict(), "strategy": self.strategy.name,
+                     "num_replicas": self.strategy.num_replicas_in_sync}
+            return str(ckpt.save_checkpoint(path, state, strategy=self.strategy, kind="weights"))
+        return str(ckpt.save_checkpoint(path, self.state_dict(), strategy=self.strategy))
+
+    def load_checkpoint(self, path: str) -> None:
+        """Read a checkpoint (every replica reads it); a full one makes the next ``fit`` resume from it."""
+        state = ckpt.load_checkpoint(path)
+        if state.get("kind", "full") == "weights":
+            ckpt.load_model_state(self.unwrapped_model, state["model"], path=str(path))
+        else:
+            self.load_state_dict(state, path=str(path))
+
+
+def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return batch[0], batch[1]
+    raise ValueError(f"Each batch must be (x, y). Received: {type(batch).__name__}"
+                     f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. "
+                     "Use a dataset whose items are (input, label) pairs, e.g. TensorDataset(x, y).")
+
+
+def _resolve_precision(precision: Any) -> Any:
+    from towers.training._precision import resolve
+
+    return resolve(precision)
