@@ -1,0 +1,158 @@
+"""``DeploySpec``: one multi-machine training job, validated once, rendered by ``kubernetes``/``slurm``."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from towers.launch.spec import LaunchSpec
+
+__all__ = ["DeploySpec", "KINDS", "check_dns1123_label", "check_dns1123_subdomain", "MAX_NAME_LENGTH"]
+
+#: What ``towers k8s --kind`` renders.
+KINDS = ("pytorchjob", "indexed-job", "slurm")
+#: Job names stay short enough for the pod names Kubernetes derives (``<name>-worker-12``) to fit 63 characters.
+MAX_NAME_LENGTH = 45
+
+_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_dns1123_label(value: str, what: str, *, max_length: int = 63) -> str:
+    """Return ``value`` when it is a DNS-1123 label (Kubernetes object name) of at most ``max_length`` chars.
+
+    Raises:
+        ValueError: naming ``what``, the rule, the value received and a valid example.
+    """
+    if not isinstance(value, str) or not _LABEL.match(value) or len(value) > max_length:
+        suggestion = re.sub(r"[^a-z0-9-]+", "-", str(value).lower()).strip("-")[:max_length].strip("-") or "my-job"
+        raise ValueError(
+            f"{what} must be a DNS-1123 label: lower-case letters, digits and '-', starting and ending with a "
+            f"letter or digit, at most {max_length} characters. Received: {value!r}. Example: {suggestion!r}.")
+    return value
+
+
+def check_dns1123_subdomain(value: str, what: str) -> str:
+    """Return ``value`` when it is a DNS-1123 subdomain (dot-separated labels, at most 253 characters).
+
+    Raises:
+        ValueError: naming ``what``, the value received and the rule.
+    """
+    if not isinstance(value, str) or len(value) > 253 or not all(_LABEL.match(p) for p in value.split(".")):
+        raise ValueError(f"{what} must be a DNS-1123 subdomain (lower-case letters, digits, '-' and '.'). "
+                         f"Received: {value!r}. Example: 'train-checkpoints'.")
+    return value
+
+
+def _check_quantity(value: str | None, what: str) -> None:
+    if value is not None and not _QUANTITY.match(str(value)):
+        raise ValueError(f"{what} must be a Kubernetes quantity such as '8', '500m' or '32Gi'. Received: {value!r}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeploySpec:
+    """A training job on ``nnodes`` machines, each running ``towers launch`` with ``nproc_per_node`` processes.
+
+    ``nproc_per_node`` is passed to ``towers launch`` as is (a number, or ``auto``/``gpu``/``cpu``).
+    ``checkpoint_pvc=None`` renders a new ReadWriteMany claim ``<name>-ckpt`` of ``checkpoint_size``;
+    a name uses an existing claim. Every process gets ``TOWERS_CHECKPOINT_DIR`` = the mount path, so a
+    restarted job resumes from the last checkpoint there.
+    """
+
+    name: str
+    script: str
+    script_args: tuple[str, ...] = ()
+    module: bool = False
+    image: str | None = None
+    nnodes: int = 1
+    nproc_per_node: str = "1"
+    gpus_per_node: int = 0
+    cpus_per_node: str | None = None
+    memory_per_node: str | None = None
+    namespace: str = "default"
+    strategy: str | None = None
+    num_ps: int | None = None
+    max_restarts: int = 3
+    backoff_limit: int = 6
+    port: int | None = None
+    checkpoint_pvc: str | None = None
+    checkpoint_size: str = "10Gi"
+    checkpoint_dir: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    partition: str | None = None
+    time_limit: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen dataclass
+        check_dns1123_label(self.name, "--name", max_length=MAX_NAME_LENGTH)
+        check_dns1123_label(self.namespace, "--namespace")
+        set_("script_args", tuple(str(a) for a in self.script_args))
+        set_("nproc_per_node", str(self.nproc_per_node).strip().lower())
+        set_("env", MappingProxyType({str(k): str(v) for k, v in dict(self.env).items()}))
+        if self.image is not None and (not self.image.strip() or any(c.isspace() for c in self.image)):
+            raise ValueError(f"--image must be a container image reference without spaces. Received: {self.image!r}. "
+                             "Example: ghcr.io/me/train:1.0.")
+        for what, value, low in (("--nnodes", self.nnodes, 1), ("--gpus-per-node", self.gpus_per_node, 0),
+                                 ("--max-restarts", self.max_restarts, 0), ("--backoff-limit", self.backoff_limit, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{what} must be an integer >= {low}. Received: {value!r}.")
+        if self.nproc_per_node.isdigit():
+            nproc = int(self.nproc_per_node)
+            if self.gpus_per_node and nproc > self.gpus_per_node:
+                raise ValueError(
+                    f"--nproc-per-node {nproc} is more than --gpus-per-node {self.gpus_per_node}: each replica owns "
+                    "one GPU. Use --nproc-per-node gpu, or request more GPUs.")
+        elif self.nproc_per_node not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu'. "
+                             f"Received: {self.nproc_per_node!r}.")
+        if self.nproc_per_node == "gpu" and not self.gpus_per_node:
+            raise ValueError("--nproc-per-node gpu needs --gpus-per-node > 0, else the pods get no GPU. "
+                             "Set --gpus-per-node, or use a number of processes.")
+        # The launch flags must pass the same checks `towers launch` will apply on every node.
+        # (auto/gpu/cpu are resolved on the node; assume enough processes for the parameter servers.)
+        nproc = int(self.nproc_per_node) if self.nproc_per_node.isdigit() else (self.num_ps or 0) + 1
+        launch = LaunchSpec(script=self.script, script_args=self.script_args, module=self.module, nproc_per_node=nproc,
+                            min_nodes=self.nnodes, max_nodes=self.nnodes, strategy=self.strategy, num_ps=self.num_ps,
+                            max_restarts=self.max_restarts)
+        set_("strategy", launch.strategy)
+        set_("num_ps", launch.num_ps)
+        if self.port is not None and not 1024 <= self.port < 65536:
+            raise ValueError(f"--port must be in 1024..65535. Received: {self.port}.")
+        _check_quantity(self.cpus_per_node, "--cpus-per-node")
+        _check_quantity(self.memory_per_node, "--memory-per-node")
+        _check_quantity(self.checkpoint_size, "--checkpoint-size")
+        if self.checkpoint_pvc is not None:
+            check_dns1123_subdomain(self.checkpoint_pvc, "--checkpoint-pvc")
+        if self.checkpoint_dir is not None and (not self.checkpoint_dir.startswith("/")
+                                                or any(c in self.checkpoint_dir for c in "\"'`\\ ")):
+            raise ValueError(f"--checkpoint-dir must be an absolute path without spaces or quotes. "
+                             f"Received: {self.checkpoint_dir!r}. Example: /checkpoints.")
+        for key in self.env:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"--env names must be shell variable names (letters, digits, '_'). Received: {key!r}.")
+
+    @property
+    def claim_name(self) -> str:
+        """The PersistentVolumeClaim that holds checkpoints."""
+        return self.checkpoint_pvc or f"{self.name}-ckpt"
+
+    def launch_args(self) -> list[str]:
+        """Return the ``towers launch`` arguments after the rendezvous flags: restarts, strategy, script."""
+        args = ["--max-restarts", str(self.max_restarts)]
+        if self.strategy is not None:
+            args += ["--strategy", self.strategy]
+            if self.strategy == "ps":
+                args += ["--num-ps", str(self.num_ps)]
+        if self.module:
+            args.append("-m")
+        return [*args, self.script, *self.script_args]
+
+    def launch_command(self, *, nnodes: str, rdzv_endpoint: str, rdzv_id: str) -> str:
+        """Return the ``towers launch`` shell command; the three arguments are shell words, inserted unquoted."""
+        head = f"towers launch --nnodes {nnodes} --nproc-per-node {shlex.quote(self.nproc_per_node)}"
+        rdzv = f"--rdzv-backend c10d --rdzv-endpoint {rdzv_endpoint} --rdzv-id {rdzv_id}"
+        return f"{head} {rdzv} {' '.join(shlex.quote(a) for a in self.launch_args())}"
