@@ -36,17 +36,28 @@ _current_replica: contextvars.ContextVar["ReplicaContext | None"] = contextvars.
 
 
 class ReplicaContext:
-    """What code inside ``strategy.run`` knows about its step: replica id, replica count, global batch size."""
+    """What code inside ``strategy.run`` knows about its step: replica id, replica count, global batch size.
 
-    def __init__(self, strategy: "Strategy", *, global_batch_size: int | None = None):
+    ``global_batch_size`` is the number of examples (over all replicas) whose mean gradient the
+    next optimizer update takes: the global batch, or under gradient accumulation the sum of the
+    update's micro-batches (None when unknown). ``num_padding_examples`` trailing examples of
+    this replica's batch are padding (weight zero). ``accumulation_steps`` is the number of
+    micro-batches in the current update (1 without accumulation).
+    """
+
+    def __init__(self, strategy: "Strategy", *, global_batch_size: int | None = None,
+                 num_padding_examples: int = 0, accumulation_steps: int = 1):
         self.strategy = strategy
         self.replica_id = strategy.replica_id
         self.num_replicas_in_sync = strategy.num_replicas_in_sync
         self.global_batch_size = global_batch_size
+        self.num_padding_examples = num_padding_examples
+        self.accumulation_steps = accumulation_steps
 
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id={self.replica_id}, num_replicas_in_sync={self.num_replicas_in_sync}, "
-                f"global_batch_size={self.global_batch_size})")
+                f"global_batch_size={self.global_batch_size}, num_padding_examples={self.num_padding_examples}, "
+                f"accumulation_steps={self.accumulation_steps})")
 
 
 def current_strategy() -> "Strategy | None":
@@ -159,6 +170,18 @@ class Strategy(ABC):
 
     def shutdown(self) -> None:
         """Release processes, groups and servers this strategy started (idempotent)."""
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Return training state the strategy owns that a checkpoint must carry (e.g. the fp16 loss scaler); ``{}`` by default.
+
+        Plain tensors, numbers, strings, lists and dicts only (checkpoints load with ``weights_only=True``).
+        A collective when the state lives elsewhere (e.g. on parameter servers): every replica calls it.
+        """
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned; every replica calls it with the same state."""
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(replica {self.replica_id}/{self.num_replicas_in_sync}, "

@@ -1,8 +1,47 @@
-"""Placeholder: being written."""
+"""OneDeviceStrategy: one replica on one device — the reference every other strategy must match."""
 
-from towers.strategies.base import Strategy
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from towers._logging import get_logger
+from towers.cluster.info import ProcessInfo
+from towers.strategies._collectives import LocalComm
+from towers.strategies._comm_hooks import check_compression
+from towers.strategies._sync import SyncStrategy
+
+__all__ = ["OneDeviceStrategy"]
+
+log = get_logger(__name__)
 
 
-class OneDeviceStrategy(Strategy):  # placeholder until implemented
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("OneDeviceStrategy is not implemented yet")
+def _default_device() -> str:
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+class OneDeviceStrategy(SyncStrategy):
+    """Everything on one device: ``distribute_dataset`` yields whole global batches; collectives are identities.
+
+    ``precision`` and ``gradient_accumulation_steps`` work as under ``MirroredStrategy``;
+    ``sync_batchnorm``, ``gradient_compression``, ``bucket_cap_mb`` and ``find_unused_parameters``
+    are accepted and have nothing to do on one device (so one script can pass them to any strategy).
+    """
+
+    name = "one_device"
+
+    def __init__(self, device: Any = None, *, info: ProcessInfo | None = None, timeout_s: float | None = None,
+                 precision: str | int | None = "32", gradient_accumulation_steps: int = 1,
+                 sync_batchnorm: bool = False, gradient_compression: str | None = None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False):
+        from towers import cluster
+        from towers.devices import resolve_device
+
+        check_compression(gradient_compression)
+        info = info or cluster.from_env()
+        resolved = resolve_device(_default_device() if device is None else device)
+        super().__init__(info=info, device=resolved, comm=LocalComm(), precision=precision,
+                         gradient_accumulation_steps=gradient_accumulation_steps)
+        log.debug("OneDeviceStrategy on %s (precision=%s, accumulation=%d)", resolved, self.precision,
+                  gradient_accumulation_steps)

@@ -1,0 +1,271 @@
+"""``distribute_dataset``: split each global batch across replicas, reshuffle per epoch, resume mid-epoch.
+
+Epoch ``e`` visits the examples in one order (``torch.randperm`` seeded with ``seed + e``, or
+in index order without shuffling) that does not depend on the number of replicas; global batch
+``i`` is examples ``[i*B, (i+1)*B)`` of that order, and replica ``r`` gets a contiguous share of
+it (sizes differ by at most one, larger shares first). So N replicas see exactly the examples
+one device would see in the same global batch, which is what makes the maths the same.
+
+The last, partial global batch is kept unless ``drop_remainder=True``; a replica whose share of
+it is empty gets an empty batch (every tensor with first dimension 0) and still takes part in
+the step. Models that cannot take an empty batch can ask for ``pad_empty_batches=True``: that
+replica then gets one copy of an example of the batch, and ``compute_average_loss`` gives it
+weight zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch.utils.data import IterableDataset, TensorDataset, default_collate
+
+from towers._logging import get_logger
+
+__all__ = ["BatchInfo", "DistributedDataset", "distribute_dataset", "shard_bounds", "global_batch_sizes"]
+
+log = get_logger(__name__)
+
+
+def shard_bounds(batch_size: int, num_replicas: int, replica_id: int) -> tuple[int, int]:
+    """Return ``[start, stop)`` of ``replica_id``'s contiguous share of a batch of ``batch_size`` examples."""
+    base, extra = divmod(batch_size, num_replicas)
+    start = replica_id * base + min(replica_id, extra)
+    return start, start + base + (1 if replica_id < extra else 0)
+
+
+def global_batch_sizes(num_examples: int, global_batch_size: int, *, drop_remainder: bool = False) -> list[int]:
+    """Return the size of every global batch of one epoch."""
+    full, rest = divmod(num_examples, global_batch_size)
+    return [global_batch_size] * full + ([rest] if rest and not drop_remainder else [])
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What the strategy learns about a batch when it is yielded (the step's global batch size, padding, update window)."""
+
+    index: int
+    num_batches: int
+    global_batch_size: int
+    local_batch_size: int
+    num_padding_examples: int
+    #: Examples (global) in the optimizer update this batch belongs to (= global_batch_size without accumulation).
+    examples_per_update: int
+    #: Micro-batches in that update (``gradient_accumulation_steps``, fewer at the end of an epoch).
+    batches_per_update: int
+    #: True on the last micro-batch of an update: gradients are all-reduced and the optimizer steps.
+    last_in_update: bool
+
+
+class _TensorSource:
+    """Rows of one or more tensors with the same first dimension; batches are fancy-indexed rows."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], single: bool):
+        sizes = {int(t.shape[0]) if t.dim() else -1 for t in tensors}
+        if len(sizes) != 1 or -1 in sizes:
+            shapes = [tuple(t.shape) for t in tensors]
+            raise ValueError(
+                f"distribute_dataset needs tensors with the same first (example) dimension. Received shapes: {shapes}. "
+                "Make every tensor hold one row per example.")
+        self.tensors, self.single, self.size = tuple(tensors), single, sizes.pop()
+
+    def fetch(self, index: torch.Tensor | slice) -> Any:
+        rows = tuple(t[index] for t in self.tensors)
+        return rows[0] if self.single else rows
+
+
+class _MapSource:
+    """A map-style dataset: examples by ``dataset[i]`` (or ``__getitems__``), collated like a DataLoader."""
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any]):
+        self.dataset, self.collate_fn, self.size = dataset, collate_fn, len(dataset)
+
+    def fetch(self, index: torch.Tensor | slice) -> Any:
+        idx = list(range(index.start, index.stop)) if isinstance(index, slice) else index.tolist()
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(idx) if getitems is not None else [self.dataset[i] for i in idx]
+        return self.collate_fn(samples)
+
+
+def _source(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> _TensorSource | _MapSource:
+    if isinstance(dataset, torch.Tensor):
+        return _TensorSource((dataset,), single=True)
+    if isinstance(dataset, (tuple, list)) and dataset and all(isinstance(t, torch.Tensor) for t in dataset):
+        return _TensorSource(dataset, single=False)
+    if isinstance(dataset, TensorDataset) and collate_fn is None:
+        return _TensorSource(dataset.tensors, single=False)
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            f"distribute_dataset needs a map-style dataset (with __len__ and __getitem__), a tensor or a tuple of "
+            f"tensors. Received: {type(dataset).__name__}. Wrap your data in a torch.utils.data.Dataset or "
+            "TensorDataset; streams (IterableDataset) cannot be split into exact global batches.")
+    return _MapSource(dataset, collate_fn or default_collate)
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_map_tensors(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+class DistributedDataset:
+    """This replica's share of every global batch of ``dataset``, on its device; iterate once per epoch.
+
+    ``len()`` is the number of global batches per epoch. The epoch counter advances after each
+    complete iteration (``set_epoch`` sets it); ``state_dict()``/``load_state_dict()`` carry the
+    epoch and the number of batches already consumed, so a resumed job continues at the next
+    batch with the same order.
+    """
+
+    def __init__(self, dataset: Any, global_batch_size: int, *, num_replicas: int = 1, replica_id: int = 0,
+                 device: torch.device | str = "cpu", shuffle: bool = True, seed: int = 0,
+                 drop_remainder: bool = False, pad_empty_batches: bool = False, accumulation_steps: int = 1,
+                 collate_fn: Callable[[list[Any]], Any] | None = None,
+                 on_batch: Callable[[BatchInfo | None], None] | None = None):
+        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+            raise ValueError(
+                f"global_batch_size must be a positive integer. Received: {global_batch_size!r}. "
+                "It is the number of examples per step summed over all replicas, e.g. 64 * num_replicas.")
+        if global_batch_size < num_replicas:
+            raise ValueError(
+                f"global_batch_size must be >= the number of replicas ({num_replicas}), so that every replica "
+                f"gets at least one example per full batch. Received: {global_batch_size}. "
+                "Use a larger global batch or fewer replicas.")
+        self._source = _source(dataset, collate_fn)
+        n = self._source.size
+        if n < num_replicas:
+            raise ValueError(
+                f"The dataset has {n} example(s), fewer than the {num_replicas} replicas: some replica would never "
+                "get data. Use a larger dataset or fewer replicas.")
+        sizes = global_batch_sizes(n, global_batch_size, drop_remainder=drop_remainder)
+        if not sizes:
+            raise ValueError(
+                f"The dataset has {n} example(s), fewer than one global batch of {global_batch_size} with "
+                "drop_remainder=True, so an epoch would be empty. Use a smaller global_batch_size or "
+                "drop_remainder=False.")
+        self.global_batch_size = global_batch_size
+        self.num_examples = n
+        self.num_replicas, self.replica_id = num_replicas, replica_id
+        self.device = torch.device(device)
+        self.shuffle, self.seed, self.drop_remainder = bool(shuffle), int(seed), bool(drop_remainder)
+        self.pad_empty_batches = bool(pad_empty_batches)
+        self._on_batch = on_batch
+        self._infos = self._batch_infos(sizes, max(1, int(accumulation_steps)))
+        self._epoch = 0
+        self._position = 0  # batches consumed in the current epoch
+        self._resume_at = 0  # where the next iteration starts (load_state_dict)
+        self._pin = self.device.type == "cuda"
+
+    def _batch_infos(self, sizes: list[int], k: int) -> list[BatchInfo]:
+        infos = []
+        for i, size in enumerate(sizes):
+            start, stop = shard_bounds(size, self.num_replicas, self.replica_id)
+            w0, w1 = (i // k) * k, min((i // k) * k + k, len(sizes))
+            padding = 1 if stop == start and self.pad_empty_batches else 0
+            infos.append(BatchInfo(i, len(sizes), size, stop - start, padding, sum(sizes[w0:w1]), w1 - w0, i == w1 - 1))
+        return infos
+
+    # --- epochs and resuming ----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next (or current) iteration covers."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration cover ``epoch`` from its first batch."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0. Received: {epoch}.")
+        self._epoch, self._position, self._resume_at = int(epoch), 0, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Return what a checkpoint needs to resume: epoch, batches consumed, and the settings they depend on."""
+        return {"epoch": self._epoch, "batch": self._position, "seed": self.seed,
+                "global_batch_size": self.global_batch_size, "num_examples": self.num_examples}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue from ``state``: the next iteration covers its epoch from batch ``state["batch"]`` on.
+
+        Raises:
+            ValueError: when the state belongs to a different dataset, batch size or seed.
+        """
+        for key in ("seed", "global_batch_size", "num_examples"):
+            if key in state and int(state[key]) != getattr(self, key):
+                raise ValueError(
+                    f"This checkpoint's data position was saved with {key}={state[key]}, but this dataset has "
+                    f"{key}={getattr(self, key)}. Resume with the same dataset, global_batch_size and seed.")
+        batch = int(state.get("batch", 0))
+        if not 0 <= batch <= len(self):
+            raise ValueError(f"batch must be in [0, {len(self)}]. Received: {batch}.")
+        self._epoch = int(state.get("epoch", 0))
+        self._position = self._resume_at = batch
+
+    def order(self, epoch: int | None = None) -> torch.Tensor:
+        """Return the example order of ``epoch`` (default: the current one)."""
+        epoch = self._epoch if epoch is None else epoch
+        if not self.shuffle:
+            return torch.arange(self.num_examples)
+        return torch.randperm(self.num_examples, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    # --- iteration --------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        start, self._resume_at = self._resume_at, 0
+        return self.iter_from(start)
+
+    def iter_from(self, batch: int) -> Iterator[Any]:
+        """Yield this replica's batches of the current epoch from global batch ``batch`` on."""
+        if not 0 <= batch <= len(self):
+            raise ValueError(f"batch must be in [0, {len(self)}]. Received: {batch}.")
+        order = self.order() if self.shuffle else None
+        self._position = batch
+        try:
+            for info in self._infos[batch:]:
+                value = self._fetch(order, info)
+                self._position = info.index + 1
+                if self._on_batch is not None:
+                    self._on_batch(info)
+                yield value
+            self._epoch += 1
+            self._position = 0
+        finally:
+            if self._on_batch is not None:
+                self._on_batch(None)
+
+    def _fetch(self, order: torch.Tensor | None, info: BatchInfo) -> Any:
+        first = info.index * self.global_batch_size
+        start, stop = shard_bounds(info.global_batch_size, self.num_replicas, self.replica_id)
+        lo, hi = first + start, first + stop
+        if info.num_padding_examples:  # an empty share, padded with the batch's first example
+            lo, hi = first, first + 1
+        if hi > lo or isinstance(self._source, _TensorSource):
+            index: torch.Tensor | slice = slice(lo, hi) if order is None else order[lo:hi]
+            batch = self._source.fetch(index)
+        else:  # an empty share of a generic dataset: collate one example for the structure, keep 0 rows
+            template = self._source.fetch(slice(first, first + 1) if order is None else order[first:first + 1])
+            batch = _map_tensors(template, lambda t: t[:0])
+        return self._to_device(batch)
+
+    def _to_device(self, batch: Any) -> Any:
+        if self.device.type == "cpu":
+            return batch
+        if self._pin:
+            return _map_tensors(batch, lambda t: t.pin_memory().to(self.device, non_blocking=True))
+        return _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+
+    def __repr__(self) -> str:
+        return (f"DistributedDataset({self.num_examples} examples, global_batch_size={self.global_batch_size}, "
+                f"{len(self)} batches/epoch, replica {self.replica_id}/{self.num_replicas}, epoch={self._epoch})")
+
+
+def distribute_dataset(dataset: Any, global_batch_size: int, **kwargs: Any) -> DistributedDataset:
+    """Return a ``DistributedDataset`` (see its parameters); strategies call this with their replica layout."""
+    return DistributedDataset(dataset, global_batch_size, **kwargs)

@@ -1,0 +1,205 @@
+"""What the synchronous strategies (OneDevice, Mirrored, MultiWorkerMirrored) share.
+
+A replica computes on one device; ``comm`` says how it talks to the others (``LocalComm`` for
+one replica, ``ProcessGroupComm`` over torch.distributed); subclasses decide how ``prepare``
+wraps a model (``_wrap_model``). Hot path: ``run`` sets two context variables and, under
+gradient accumulation, DDP's sync flag — no collective of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from towers._logging import get_logger
+from towers.cluster.info import ProcessInfo
+from towers.data import DistributedDataset
+from towers.precision import MixedPrecisionModule, make_grad_scaler, resolve_precision
+from towers.strategies import base
+from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op
+from towers.strategies._steps import StepTracker, StrategyOptimizer
+from towers.strategies.base import ReplicaContext, Strategy
+
+__all__ = ["SyncStrategy"]
+
+log = get_logger(__name__)
+
+
+class SyncStrategy(Strategy):
+    """A synchronous data-parallel strategy: replicas step together on shares of one global batch."""
+
+    def __init__(self, *, info: ProcessInfo, device: torch.device, comm: LocalComm | ProcessGroupComm,
+                 precision: str | int | None = "32", gradient_accumulation_steps: int = 1):
+        self._info = info
+        self._device = device
+        self._comm = comm
+        self._policy = resolve_precision(precision, device)
+        self._scaler = make_grad_scaler(self._policy)
+        self._tracker = StepTracker(gradient_accumulation_steps)
+        self._user_modules: list[nn.Module] = []  # what prepare() received
+        self._wrapped: list[nn.Module] = []  # what prepare() returned
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._ddp_models: list[Any] = []
+
+    # --- who am I -------------------------------------------------------------------------------------
+    @property
+    def process_info(self) -> ProcessInfo:
+        return self._info
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._comm.num_replicas
+
+    @property
+    def replica_id(self) -> int:
+        return self._comm.rank
+
+    @property
+    def is_chief(self) -> bool:
+        return self.replica_id == self._info.chief_rank if self._comm.num_replicas > 1 else True
+
+    @property
+    def precision(self) -> str:
+        """The precision policy's name: ``"32"``, ``"bf16"`` or ``"fp16"``."""
+        return self._policy.name
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer update."""
+        return self._tracker.accumulation_steps
+
+    # --- preparation ----------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[nn.Module, Any]:
+        """Return ``(model, optimizer)``: the model on this replica's device (wrapped for sync) and a stepping-aware optimizer.
+
+        Raises:
+            TypeError: when ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
+            ValueError: when the model or optimizer was already prepared, or the model differs across replicas.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"prepare expects an nn.Module as model. Received: {type(model).__name__}.")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"prepare expects a torch.optim.Optimizer (or None) as optimizer. Received: {type(optimizer).__name__}.")
+        if any(model is m for m in (*self._user_modules, *self._wrapped)):
+            raise ValueError(
+                f"This {type(model).__name__} was already prepared by this strategy. Call prepare once per model "
+                "and keep using the model it returned.")
+        if isinstance(optimizer, StrategyOptimizer) or any(optimizer is o for o in self._optimizers):
+            raise ValueError("This optimizer was already prepared. Call prepare once and keep using the optimizer it returned.")
+        if optimizer is not None and self._scaler is not None and self._optimizers:
+            raise ValueError("precision='fp16' supports one optimizer per strategy (one loss scale). Use 'bf16' "
+                             "for several optimizers.")
+        model = model.to(self._device)
+        wrapped = self._wrap_model(model)
+        self._user_modules.append(model)
+        self._wrapped.append(wrapped)
+        if optimizer is None:
+            return wrapped, None
+        self._optimizers.append(optimizer)
+        multi = self._comm.num_replicas > 1
+        wrapper = StrategyOptimizer(optimizer, self._tracker, scaler=self._scaler,
+                                    all_reduce_max=self._comm.all_reduce_max_ if multi else None,
+                                    before_step=self._before_step_check(wrapped))
+        return wrapped, wrapper
+
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
+        """Return ``model`` ready for a step (one replica: only the precision wrapper, when enabled)."""
+        if self._policy.enabled:
+            return MixedPrecisionModule(model, self._policy, self._scaler)
+        return model
+
+    def _before_step_check(self, wrapped: nn.Module) -> Callable[[], None] | None:
+        """Return a check the optimizer runs before each real update (None: nothing to check)."""
+        return None
+
+    def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                           drop_remainder: bool = False, pad_empty_batches: bool = False,
+                           collate_fn: Callable[[list[Any]], Any] | None = None) -> DistributedDataset:
+        """Return this replica's share of each global batch of ``dataset``, on its device (see ``towers.data``).
+
+        Raises:
+            ValueError: when ``global_batch_size`` is not positive or smaller than the replicas, or the
+                dataset has fewer examples than replicas.
+            TypeError: when ``dataset`` is not map-style.
+        """
+        return DistributedDataset(
+            dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
+            device=self._device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
+            pad_empty_batches=pad_empty_batches, accumulation_steps=self._tracker.accumulation_steps,
+            collate_fn=collate_fn, on_batch=self._tracker.on_batch)
+
+    # --- steps ----------------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Call ``fn(*args, **kwargs)`` as this replica's step and return its result.
+
+        Raises:
+            RuntimeError: when no model was prepared with ``strategy.prepare``.
+        """
+        if not self._wrapped:
+            raise RuntimeError(
+                f"strategy.run was called before any model was prepared. Expected `model, optimizer = "
+                f"strategy.prepare(model, optimizer)` first (under {type(self).__name__} gradients are only "
+                "combined across replicas for prepared models); then call the returned model inside the step.")
+        global_batch, padding, micro_batches = self._tracker.begin_run()
+        context = ReplicaContext(self, global_batch_size=global_batch, num_padding_examples=padding,
+                                 accumulation_steps=micro_batches)
+        strategy_token = base._current_strategy.set(self)
+        replica_token = base._current_replica.set(context)
+        defer = not self._tracker.sync and self._ddp_models
+        try:
+            if defer:  # accumulate locally: DDP reads this flag in forward() (what no_sync() sets)
+                for ddp in self._ddp_models:
+                    ddp.require_backward_grad_sync = False
+            return fn(*args, **dict(kwargs or {}))
+        finally:
+            if defer:
+                for ddp in self._ddp_models:
+                    ddp.require_backward_grad_sync = True
+            base._current_replica.reset(replica_token)
+            base._current_strategy.reset(strategy_token)
+
+    # --- communication --------------------------------------------------------------------------------
+    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
+        """Combine ``value`` across replicas (see ``Strategy.reduce``); ``axis`` also reduces over that axis, ragged-aware.
+
+        Raises:
+            ValueError: on an unknown op or an axis the value does not have.
+            TypeError: when ``value`` is not a tensor or a number.
+        """
+        op = check_op(op)
+        tensor = as_tensor(value, self._device)
+        if axis is not None and not -tensor.dim() <= axis < max(tensor.dim(), 1):
+            raise ValueError(
+                f"axis must be None or a dimension of the value (shape {list(tensor.shape)}). Received: axis={axis}. "
+                "Use axis=0 to reduce over the batch.")
+        if axis is not None and tensor.dim() == 0:
+            raise ValueError("axis must be None for a scalar value. Received: axis=0 with a 0-d tensor.")
+        if axis is not None and axis < 0:
+            axis += tensor.dim()
+        return self._comm.reduce(op, tensor, axis)
+
+    def gather(self, value: torch.Tensor, axis: int = 0) -> torch.Tensor:
+        """Concatenate every replica's ``value`` along ``axis`` (ragged sizes allowed), in replica order."""
+        tensor = as_tensor(value, self._device)
+        if tensor.dim() == 0:
+            tensor = tensor.reshape(1)
+        return self._comm.gather(tensor, axis if axis >= 0 else axis + tensor.dim())
+
+    def barrier(self) -> None:
+        """Block until every replica reaches this point (bounded by ``timeout_s``)."""
+        self._comm.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Return replica ``src``'s ``obj`` on every replica."""
+        return self._comm.broadcast_object(obj, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return every replica's ``obj``, in replica order."""
+        return self._comm.all_gather_object(obj)
