@@ -156,3 +156,41 @@ def test_parameter_server_flags_reach_the_workers(tmp_path):
     assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
     assert "rank=0 task=worker:0 strategy=ps num_ps=1 env=ps,1" in out, out
     assert "rank=1 task=ps:0 strategy=ps num_ps=1 env=ps,1" in out, out
+
+
+def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
+    # What Kubernetes or SLURM does on preemption: SIGTERM to the launcher, which must end its workers.
+    import selectors
+
+    script = write_script(tmp_path, "sleeps.py", """
+        import os, time
+        print(f"ready {os.environ['RANK']}", flush=True)
+        time.sleep(600)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.Popen([*_towers_command(), "launch", "--nproc-per-node", "2", "--monitor-interval", "0.2",
+                             str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        ready: set[str] = set()
+        selector = selectors.DefaultSelector()
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + DEADLINE_S
+        while len(ready) < 2 and time.monotonic() < deadline:
+            if selector.select(timeout=deadline - time.monotonic()):
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                if line.startswith("ready"):
+                    ready.add(line.split()[1])
+        assert ready == {"0", "1"}, f"workers did not start: {ready}"
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert "received SIGTERM and stopped every worker" in err, err
+        assert _processes_running(str(script)) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _kill(_processes_running(str(script)))
