@@ -51,8 +51,8 @@ def capture_state(trainer: "Trainer") -> dict[str, Any]:
     """Return ``trainer``'s full state in the checkpoint format (a collective: gathers every replica's RNG)."""
     strategy, p = trainer.strategy, trainer.progress
     rng = strategy.all_gather_object(ckpt.rng_state())
-    dataset_state = None
-    scaler = getattr(trainer.precision, "scaler", None)
+    batches = trainer._train_batches
+    dataset_state = batches.state_dict() if callable(getattr(batches, "state_dict", None)) else None
     callbacks = {}
     for i, cb in enumerate(trainer._callbacks):
         if cb is not trainer.history and callable(getattr(cb, "state_dict", None)):
@@ -62,7 +62,7 @@ def capture_state(trainer: "Trainer") -> dict[str, Any]:
         "num_replicas": int(strategy.num_replicas_in_sync),
         "model": trainer.unwrapped_model.state_dict(),
         "optimizer": trainer.optimizer.state_dict() if trainer.optimizer is not None else None,
-        "scaler": scaler.state_dict() if scaler is not None else None,
+        "strategy_state": dict(strategy.state_dict()),
         "epoch": p.epoch,
         "step": p.step,
         "global_step": p.global_step,
@@ -96,9 +96,8 @@ def restore_state(trainer: "Trainer", state: Mapping[str, Any], *, path: str = "
             raise ckpt.CheckpointError(f"Checkpoint {path} does not fit this optimizer: {exc}. "
                                        "Build the same optimizer (same parameter groups) that wrote it.") from exc
     model.load_state_dict(state["model"], strict=True)
-    scaler = getattr(trainer.precision, "scaler", None)
-    if scaler is not None and state.get("scaler") is not None:
-        scaler.load_state_dict(state["scaler"])
+    if state.get("strategy_state"):
+        trainer.strategy.load_state_dict(state["strategy_state"])
     trainer.history.load_state_dict(state.get("history", {}))
     saved_metrics = state.get("metrics", {})
     for m in (trainer._loss_metric, *trainer.metrics):

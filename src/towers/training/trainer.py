@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -58,7 +58,8 @@ class Trainer:
     ``loss`` is called as ``loss(y_pred, y_true, reduction="none")`` (an ``nn`` loss module is
     switched to ``reduction="none"``). ``metrics`` are names (``"accuracy"``, ``"top5_accuracy"``),
     ``towers.metrics.Metric``/torchmetrics objects or per-example functions. ``strategy=None`` means
-    ``towers.strategy_from_env()``. ``precision`` is passed to ``towers.precision`` (e.g. ``"bf16"``).
+    ``towers.strategy_from_env(precision=precision)``. Precision (``"32"``, ``"bf16"``, ``"fp16"``)
+    belongs to the strategy; with a strategy given, ``precision`` must match it (or stay None).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any, *,
@@ -69,13 +70,13 @@ class Trainer:
         if strategy is None:
             from towers.strategies import strategy_from_env
 
-            strategy = strategy_from_env()
+            strategy = strategy_from_env(**({} if precision is None else {"precision": precision}))
         self.strategy = strategy
         self.loss_fn = _per_example_loss_fn(loss)
         self.metrics: list[Metric | ExternalMetric] = build_metrics(metrics)
         self._val_metrics = copy.deepcopy(self.metrics)
         self._loss_metric, self._val_loss_metric = Mean("loss"), Mean("loss")
-        self.precision = _resolve_precision(precision)
+        _check_precision(strategy, precision)
         self.model, self.optimizer = strategy.prepare(model, optimizer)
         self.seed = int(seed)
         self.stop_training = False
@@ -84,6 +85,7 @@ class Trainer:
         self._callbacks = CallbackList()
         self._resume: dict[str, Any] | None = None
         self._last_global_batch_size: int | None = None
+        self._train_batches: Any = None
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -111,10 +113,13 @@ class Trainer:
         train_set = _as_dataset(train_data, "train_data")
         val_set = None if validation_data is None else _as_dataset(validation_data, "validation_data")
         self._last_global_batch_size = global_batch_size
+        self._train_batches = None
         self.history = History()
         self.stop_training = False
         cbs = self._callbacks = CallbackList([self.history, *callbacks], trainer=self)
-        cbs.set_params({"epochs": epochs, "steps": steps_per_epoch, "global_batch_size": global_batch_size,
+        steps = math.ceil(len(train_set) / global_batch_size)
+        steps = min(steps, steps_per_epoch) if steps_per_epoch is not None else steps
+        cbs.set_params({"epochs": epochs, "steps": steps, "global_batch_size": global_batch_size,
                         "num_replicas": self.strategy.num_replicas_in_sync})
         self.progress = TrainingProgress(epoch=initial_epoch, global_batch_size=global_batch_size, seed=self.seed)
         self.model.train()
@@ -154,11 +159,7 @@ class Trainer:
             if rng is not None:  # saved at an epoch boundary: before this epoch built its iterator
                 ckpt.set_rng_state(rng)
                 rng = None
-        batches = self.strategy.distribute_dataset(train_set, global_batch_size, shuffle=shuffle,
-                                                   seed=self.seed + p.epoch, drop_remainder=False)
-        it = iter(batches)
-        for _ in range(p.step):  # the epoch's order is fixed by (seed, epoch): skip what was done
-            next(it, None)
+        it = self._epoch_iterator(train_set, global_batch_size, shuffle, p.epoch, p.step)
         if rng is not None:
             # Saved mid-epoch, after the iterator was built (which may draw from the RNGs): restore
             # only once this run's iterator is built and positioned.
@@ -175,17 +176,39 @@ class Trainer:
             if self.stop_training:
                 break
 
+    def _epoch_iterator(self, train_set: Dataset, global_batch_size: int, shuffle: bool, epoch: int,
+                        start: int) -> Iterator[Any]:
+        # An epoch's order is fixed by (seed, epoch), independent of the replica count, so a resumed
+        # run starts at batch `start` of the same order.
+        def distribute(seed: int) -> Any:
+            return self.strategy.distribute_dataset(train_set, global_batch_size, shuffle=shuffle, seed=seed,
+                                                    drop_remainder=False)
+
+        batches = self._train_batches
+        if batches is None:
+            batches = self._train_batches = distribute(self.seed)
+        if hasattr(batches, "set_epoch"):
+            batches.set_epoch(epoch)  # order: seed + epoch
+        else:  # a dataset without epochs: a new one per epoch, seeded with seed + epoch
+            batches = self._train_batches = distribute(self.seed + epoch)
+        if hasattr(batches, "iter_from"):
+            return iter(batches.iter_from(start))
+        it = iter(batches)
+        for _ in range(start):
+            next(it, None)
+        return it
+
     def _train_step(self, batch: Any) -> dict[str, float]:
         x, y = _split_batch(batch)
         from towers.losses import compute_average_loss
 
         def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            self.optimizer.zero_grad(set_to_none=True)
-            with self.precision.autocast():
-                y_pred = self.model(x)
-                per_example = self.loss_fn(y_pred, y)
+            y_pred = self.model(x)  # the strategy's prepared model applies its precision policy
+            per_example = self.loss_fn(y_pred, y)
             loss = compute_average_loss(per_example)
-            self.precision.backward_and_step(loss, self.optimizer)
+            loss.backward()
+            self.optimizer.step()  # the prepared optimizer: all-reduced, accumulated or pushed to servers
+            self.optimizer.zero_grad(set_to_none=True)
             return per_example.detach(), y_pred.detach()
 
         per_example, y_pred = self.strategy.run(step, args=(x, y))
@@ -239,9 +262,8 @@ class Trainer:
                 x, y = _split_batch(batch)
 
                 def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                    with self.precision.autocast():
-                        y_pred = self.model(x)
-                        return self.loss_fn(y_pred, y).detach(), y_pred.detach()
+                    y_pred = self.model(x)
+                    return self.loss_fn(y_pred, y).detach(), y_pred.detach()
 
                 per_example, y_pred = self.strategy.run(step, args=(x, y))
                 per_example = per_example.reshape(len(y), -1).mean(dim=1) if per_example.ndim > 1 else per_example
@@ -282,7 +304,7 @@ class Trainer:
         model.eval()
         outputs = []
         cbs.call("on_predict_begin", {})
-        with torch.no_grad(), self.precision.autocast():
+        with torch.no_grad():
             for batch_index, start in enumerate(range(0, len(x), batch_size)):
                 cbs.call("on_predict_batch_begin", batch_index, {})
                 out = model(x[start:start + batch_size].to(self.strategy.device)).float().cpu()
@@ -330,7 +352,17 @@ def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
                      "Use a dataset whose items are (input, label) pairs, e.g. TensorDataset(x, y).")
 
 
-def _resolve_precision(precision: Any) -> Any:
-    from towers.training._precision import resolve
+def _check_precision(strategy: Any, precision: Any) -> None:
+    # Precision is the strategy's (its prepared model autocasts, its optimizer scales the loss):
+    # the Trainer only checks that the two agree.
+    if precision is None:
+        return
+    from towers.precision import resolve_precision
 
-    return resolve(precision)
+    wanted = resolve_precision(precision, strategy.device).name
+    actual = getattr(strategy, "precision", "32")
+    if wanted != actual:
+        raise ValueError(
+            f"Trainer(precision={precision!r}) but the strategy computes in precision {actual!r}. Precision belongs "
+            f"to the strategy: build it with precision={precision!r} (e.g. towers.strategy_from_env(precision=...)), "
+            "or leave Trainer's precision unset.")

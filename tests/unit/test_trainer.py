@@ -1,0 +1,115 @@
+"""Trainer on one device: fit/evaluate/predict, same maths as the custom loop, validation of inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import towers
+from towers.training import Trainer
+
+
+def _data(n: int = 50, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return x, (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+
+
+def _trainer(loss=F.cross_entropy, lr: float = 0.1, **kwargs) -> Trainer:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=lr), loss, metrics=["accuracy"],
+                   strategy=towers.OneDeviceStrategy("cpu"), **kwargs)
+
+
+def test_fit_evaluate_predict():
+    x, y = _data()
+    trainer = _trainer()
+    history = trainer.fit((x, y), 4, 16, validation_data=(x, y))
+    assert history.epoch == [0, 1, 2, 3] and trainer.history is history
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy", "lr"}
+    assert history["loss"][-1] < history["loss"][0]
+    assert trainer.progress.global_step == 4 * 4  # 50 examples / 16 = 4 batches, the last one partial
+    result = trainer.evaluate((x, y), 7)  # another batch size: the same example-weighted means
+    assert result["loss"] == pytest.approx(history["val_loss"][-1], rel=1e-6)
+    assert result["accuracy"] == pytest.approx(history["val_accuracy"][-1])
+    with torch.no_grad():
+        expected = F.cross_entropy(trainer.unwrapped_model(x), y).item()
+        logits = trainer.unwrapped_model(x)
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
+    assert torch.allclose(trainer.predict(x, batch_size=8), logits)
+    assert torch.allclose(trainer.predict(torch.utils.data.TensorDataset(x, y)), logits)
+
+
+def test_fit_is_the_custom_loop():
+    """One epoch of fit gives the parameters of the README's loop (same order, same global batches)."""
+    x, y = _data()
+    trainer = _trainer()
+    trainer.fit((x, y), 2, 16, shuffle=True)
+    strategy = towers.OneDeviceStrategy("cpu")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, optimizer = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batches = strategy.distribute_dataset(torch.utils.data.TensorDataset(x, y), 16, shuffle=True, seed=0)
+
+    def step(xb, yb):
+        loss = towers.compute_average_loss(F.cross_entropy(model(xb), yb, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(2):
+        for xb, yb in batches:
+            strategy.run(step, args=(xb, yb))
+    for a, b in zip(trainer.unwrapped_model.parameters(), strategy.unwrap(model).parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_loss_module_and_steps_per_epoch():
+    x, y = _data()
+    by_function = _trainer().fit((x, y), 2, 10, steps_per_epoch=3)
+    module = _trainer(loss=nn.CrossEntropyLoss())
+    by_module = module.fit((x, y), 2, 10, steps_per_epoch=3)
+    assert by_module.history == by_function.history
+    assert module.progress.global_step == 6
+
+
+def test_default_strategy_and_bad_inputs():
+    x, y = _data()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
+    assert trainer.strategy.name == "one_device" and trainer.strategy.num_replicas_in_sync == 1
+    with pytest.raises(ValueError, match="epochs must be an integer >= 0. Received: -1"):
+        trainer.fit((x, y), -1, 8)
+    with pytest.raises(ValueError, match="global_batch_size must be an integer >= 1"):
+        trainer.fit((x, y), 1, 0)
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        trainer.fit((x, y), 1, 8, steps_per_epoch=0)
+    with pytest.raises(TypeError, match="train_data must be a map-style Dataset"):
+        trainer.fit(42, 1, 8)
+    with pytest.raises(ValueError, match="x and y must have the same length"):
+        trainer.fit((x, y[:3]), 1, 8)
+    with pytest.raises(TypeError, match="loss must be a callable"):
+        Trainer(nn.Linear(4, 2), None, "mse", strategy=towers.OneDeviceStrategy("cpu"))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        Trainer("model", None, F.cross_entropy, strategy=towers.OneDeviceStrategy("cpu"))
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        Trainer(nn.Linear(4, 2), None, F.cross_entropy, strategy=towers.OneDeviceStrategy("cpu")).fit((x, y), 1, 8)
+    scalar = _trainer(loss=lambda p, t, reduction="mean": F.cross_entropy(p, t))
+    with pytest.raises(ValueError, match="one loss per example"):
+        scalar.fit((x, y), 1, 8)
+
+
+def test_precision_belongs_to_the_strategy():
+    with pytest.raises(ValueError, match="Precision belongs to the strategy"):
+        _trainer(precision="bf16")
+    assert _trainer(precision="32").strategy.precision == "32"
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    bf16 = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, precision="bf16")
+    assert bf16.strategy.precision == "bf16"
+    x, y = _data()
+    assert len(bf16.fit((x, y), 1, 16)) == 1
