@@ -1,8 +1,11 @@
-"""Placeholder: being written."""
+"""Parameter-server training: ps tasks hold the parameters, workers push gradients and pull values.
 
-from towers.strategies.base import Strategy
+``strategy.py`` (the Strategy), ``roles.py`` (who is ps), ``sharding.py`` (which ps holds what),
+``server.py``/``gather.py`` (a ps task), ``client.py``/``worker.py``/``optimizer.py`` (a worker),
+``transport.py`` (the only module that talks to the wire: Gloo point-to-point).
+"""
 
+from towers.strategies.parameter_server.optimizer import ParameterServerOptimizer
+from towers.strategies.parameter_server.strategy import MODES, ParameterServerStrategy
 
-class ParameterServerStrategy(Strategy):  # placeholder until implemented
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("ParameterServerStrategy is not implemented yet")
+__all__ = ["ParameterServerStrategy", "ParameterServerOptimizer", "MODES"]

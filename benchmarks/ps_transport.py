@@ -1,0 +1,194 @@
+"""Parameter-server transport: push+pull round trip over Gloo point-to-point vs torch.distributed.rpc.
+
+One ps process and 1 or 2 workers on this host (loopback). Each worker sends a flat float32
+gradient buffer to the ps and receives a flat parameter buffer of the same size back; the ps
+answers each worker from its own thread. We time the worker's round trip (median of --repeats,
+after --warmup), for 347k (seed CNN) and 10M parameters. For reference, a Gloo all-reduce of the
+same bytes between the workers (no ps) is timed too, and the shipped towers transport
+(``towers.strategies.parameter_server``) when ``--towers`` is given.
+
+    python benchmarks/ps_transport.py --repeats 7
+
+Results go in benchmarks/ps.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+import warnings
+
+SIZES = {"347k": 347_146, "10M": 10_000_000}
+
+
+def _env_rank() -> tuple[int, int]:
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _gloo_p2p(numel: int, repeats: int, warmup: int) -> float | None:
+    """Time push+pull over a dedicated 2-rank Gloo group per (worker, ps) pair; return the worker's median (ms)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = _env_rank()
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    store = dist.distributed_c10d._get_default_store()
+    ps = world - 1
+    workers = list(range(world - 1))
+
+    def pair(w: int) -> "dist.ProcessGroupGloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = __import__("datetime").timedelta(seconds=120)
+        return dist.ProcessGroupGloo(dist.PrefixStore(f"bench/{w}", store), 0 if rank == w else 1, 2, opts)
+
+    n = repeats + warmup
+    if rank == ps:
+        groups = [pair(w) for w in workers]
+        params = torch.randn(numel)
+
+        def serve(g) -> None:
+            grad = torch.empty(numel)
+            for _ in range(n):
+                g.recv([grad], 0, 0).wait()
+                params.add_(grad, alpha=-1e-6)
+                g.send([params], 0, 0).wait()
+
+        threads = [threading.Thread(target=serve, args=(g,)) for g in groups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        result = None
+    else:
+        g = pair(rank)
+        grad, params = torch.randn(numel), torch.empty(numel)
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            g.send([grad], 1, 0).wait()
+            g.recv([params], 1, 0).wait()
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+        result = statistics.median(times)
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def _rpc(numel: int, repeats: int, warmup: int) -> float | None:
+    """Time push+pull as one rpc_sync call returning a tensor of the same size; return the worker's median (ms).
+
+    The remote function is ``torch.add(grad, 1.0)``: a builtin, so the call pays no Python pickling of
+    a user function; the bytes moved are those of a push and a pull.
+    """
+    import torch
+    import torch.distributed.rpc as rpc
+
+    rank, world = _env_rank()
+    ps = world - 1
+    warnings.filterwarnings("ignore")
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=120,
+                                           init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    rpc.init_rpc(f"r{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    result = None
+    if rank != ps:
+        grad = torch.randn(numel)
+        times = []
+        for i in range(repeats + warmup):
+            t0 = time.perf_counter()
+            rpc.rpc_sync(f"r{ps}", torch.add, args=(grad, 1.0))
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+        result = statistics.median(times)
+    rpc.shutdown()
+    return result
+
+
+def _allreduce(numel: int, repeats: int, warmup: int) -> float:
+    """Time a Gloo all-reduce of ``numel`` float32 between the processes; return rank 0's median (ms)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = _env_rank()
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    t = torch.randn(numel)
+    times = []
+    for i in range(repeats + warmup):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    dist.destroy_process_group()
+    return statistics.median(times)
+
+
+def _towers(numel: int, repeats: int, warmup: int, mode: str) -> float | None:
+    """Time ``optimizer.step()`` (push+pull) of the shipped ParameterServerStrategy on a flat model (ms)."""
+    import torch
+    import towers
+    from towers.cluster.info import ProcessInfo
+
+    rank, world = _env_rank()
+    info = ProcessInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world,
+                       master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),
+                       strategy="ps", num_ps=1)
+    strategy = towers.ParameterServerStrategy(num_ps=1, mode=mode, info=info, exit_on_ps=False)
+    if strategy.is_ps:
+        return None
+    model = torch.nn.Linear(numel // 1000, 1000, bias=False)
+    model, optimizer = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-9))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    times = []
+    for i in range(repeats + warmup):
+        t0 = time.perf_counter()
+        optimizer.step()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    strategy.shutdown()
+    return statistics.median(times)
+
+
+def main() -> None:
+    """Run every measurement and print a markdown table."""
+    import towers
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--towers", action="store_true", help="also time the shipped towers transport")
+    args = parser.parse_args()
+    rows = []
+    for label, numel in SIZES.items():
+        for workers in (1, 2):
+            row = {"size": label, "workers": workers}
+            for name, fn in (("gloo_p2p", _gloo_p2p), ("rpc", _rpc)):
+                res = towers.spawn(fn, workers + 1, args=(numel, args.repeats, args.warmup), timeout_s=600,
+                                   threads_per_process=1)
+                row[name] = statistics.median(r for r in res if r is not None)
+            if args.towers:
+                for mode in ("async", "sync"):
+                    res = towers.spawn(_towers, workers + 1, args=(numel, args.repeats, args.warmup, mode),
+                                       timeout_s=600, threads_per_process=1)
+                    row[f"towers_{mode}"] = statistics.median(r for r in res if r is not None)
+            if workers == 2:
+                res = towers.spawn(_allreduce, 2, args=(numel, args.repeats, args.warmup), timeout_s=600,
+                                   threads_per_process=1)
+                row["allreduce"] = res[0]
+            rows.append(row)
+            print(row, flush=True)
+    cols = ["gloo_p2p", "rpc"] + (["towers_async", "towers_sync"] if args.towers else []) + ["allreduce"]
+    print("\n| params | workers | " + " | ".join(f"{c} (ms)" for c in cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
+    for r in rows:
+        print(f"| {r['size']} | {r['workers']} | " + " | ".join(
+            f"{r[c]:.1f}" if c in r else "-" for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()

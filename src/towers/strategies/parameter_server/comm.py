@@ -1,0 +1,59 @@
+"""Worker collectives through ps task 0 (``reduce``, ``gather``, ``barrier``, object exchange).
+
+The same interface as the synchronous strategies' ``ProcessGroupComm``, but every value travels
+to ps task 0 and back (see ``gather.py``): no collective runs among the workers themselves, so a
+dead worker in ``async`` mode does not break them. Results then cover the live workers only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from towers.process_group import DistributedError
+from towers.strategies._collectives import _float_for_mean, _local_reduce
+from towers.strategies.parameter_server.client import ParameterClient
+
+__all__ = ["PsComm"]
+
+
+class PsComm:
+    """Collectives of the workers, met at ps task 0; results come back on ``device``."""
+
+    def __init__(self, client: ParameterClient, *, device: torch.device):
+        self.client, self.device = client, device
+        self.rank = client.worker
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return every live worker's ``obj``, in worker order."""
+        return [value for _, value in self.client.all_gather(obj)]
+
+    def reduce(self, op: str, value: torch.Tensor, axis: int | None) -> torch.Tensor:
+        """Combine ``value`` over the live workers (``axis``: also over that axis, a true mean over ragged batches)."""
+        if axis is None:
+            parts = torch.stack(self.all_gather_object((_float_for_mean(value) if op == "mean" else value).cpu()))
+            out = {"sum": parts.sum, "mean": parts.mean, "max": parts.amax, "min": parts.amin}[op](0)
+            return out.to(self.device)
+        local, count = _local_reduce(op, _float_for_mean(value) if op == "mean" else value, axis)
+        parts = self.all_gather_object((local.cpu(), None if count is None else count.cpu()))
+        values = torch.stack([v for v, _ in parts])
+        if op == "mean":
+            return (values.sum(0) / sum(c for _, c in parts)).to(self.device)
+        return {"sum": values.sum, "max": values.amax, "min": values.amin}[op](0).to(self.device)
+
+    def gather(self, value: torch.Tensor, axis: int) -> torch.Tensor:
+        """Concatenate every live worker's ``value`` along ``axis`` (ragged sizes allowed)."""
+        return torch.cat(self.all_gather_object(value.detach().cpu()), dim=axis).to(self.device)
+
+    def barrier(self) -> None:
+        """Return once every live worker called ``barrier``."""
+        self.client.all_gather(None)
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Return worker ``src``'s ``obj``."""
+        values = dict(self.client.all_gather(obj if self.rank == src else None))
+        if src not in values:
+            raise DistributedError(f"[rank {self.client.rank}/{self.client.world_size}] broadcast_object: worker "
+                                   f"{src} is gone, so it has nothing to send. Broadcast from a live worker.")
+        return values[src]

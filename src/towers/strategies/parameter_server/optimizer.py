@@ -1,0 +1,99 @@
+"""The optimizer ``ParameterServerStrategy.prepare`` returns: ``step()`` pushes gradients and pulls parameters.
+
+It shares the user's optimizer's ``param_groups`` (the same dicts), so an LR scheduler built on
+either object changes what the ps tasks use from the next step on. Its state lives on the ps
+tasks; ``state_dict()``/``load_state_dict()`` fetch and send it in torch's own format (indices
+as the user's optimizer numbers its parameters), so checkpoints load into a plain optimizer too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from towers.strategies.parameter_server.transport import Op
+from towers.strategies.parameter_server.worker import BoundModel
+
+__all__ = ["ParameterServerOptimizer"]
+
+
+class ParameterServerOptimizer(torch.optim.Optimizer):
+    """Wraps the user's optimizer: ``step()`` = push gradients, ps applies them, pull fresh parameters."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, bound: BoundModel):
+        self._building = True
+        self.optimizer = optimizer
+        self._bound = bound
+        # Passing the user's group dicts makes both optimizers share them (torch keeps the dicts it is given).
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._building = False
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Push this worker's gradients to the ps tasks and pull the updated parameters; return ``closure()``'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._bound.push_pull()
+        return loss
+
+    @property
+    def versions(self) -> list[int]:
+        """Each ps task's version (updates applied there) as of this worker's last push or pull."""
+        return list(self._bound.versions)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only during construction: the ps tasks' shards are fixed at ``prepare``."""
+        if not self._building:
+            raise NotImplementedError(
+                "add_param_group after strategy.prepare() is not supported under ParameterServerStrategy: the ps "
+                "tasks built their optimizers at prepare(). Add every param group before calling prepare().")
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Return the ps tasks' optimizer state merged into torch's format (``state``, ``param_groups``)."""
+        bound = self._bound
+        replies = bound.client.request(Op.GET_STATE, ps=bound.active)
+        state: dict[int, Any] = {}
+        for p, reply in zip(bound.active, replies):
+            if reply.meta is not None:
+                for local, value in reply.meta["state"].items():
+                    state[bound.local_to_global[p][int(local)]] = value
+        groups, index = [], 0
+        for group in self.param_groups:
+            n = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(index, index + n))})
+            index += n
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Send a state from ``state_dict()`` (or a plain optimizer of the same model) to the ps tasks.
+
+        Raises:
+            ValueError: when the groups or their sizes do not match this optimizer's.
+        """
+        saved = state_dict["param_groups"]
+        sizes, saved_sizes = [len(g["params"]) for g in self.param_groups], [len(g["params"]) for g in saved]
+        if sizes != saved_sizes:
+            raise ValueError(
+                f"The optimizer state does not match this optimizer: expected param groups of sizes {sizes}, "
+                f"received {saved_sizes}. Load a state saved from the same model and optimizer.")
+        order = [i for g in saved for i in g["params"]]
+        for group, saved_group in zip(self.param_groups, saved):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        bound = self._bound
+        metas = []
+        for p in bound.active:
+            local_state = {}
+            for local, global_index in enumerate(bound.local_to_global[p]):
+                key = order[global_index]
+                if key in state_dict["state"]:
+                    local_state[local] = state_dict["state"][key]
+            local_groups, start = [], 0
+            for g, (_, positions) in zip(bound.group_ids[p], bound.opt_groups[p]):
+                hyper = {k: v for k, v in self.param_groups[g].items() if k != "params"}
+                local_groups.append({**hyper, "params": list(range(start, start + len(positions)))})
+                start += len(positions)
+            metas.append({"state": local_state, "param_groups": local_groups})
+        bound.client.request(Op.SET_STATE, ps=bound.active, metas=metas)

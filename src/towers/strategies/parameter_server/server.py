@@ -1,0 +1,326 @@
+"""A ps task: hold one shard of the parameters and its optimizer, apply the workers' gradients.
+
+One thread per worker link, blocked in ``recv``, handles that worker's requests in order. All
+shard state sits behind one condition variable:
+
+* ``async``: each pushed gradient is applied on arrival (``optimizer.step()`` on the shard).
+  With ``staleness=s`` a push waits while its worker already has more than ``s`` applied
+  updates beyond the slowest other live worker.
+* ``sync``: pushes of one round are summed; the last arrival applies one step for all.
+
+Workers that said goodbye or died stop counting for rounds, staleness and gathers. A dead
+worker is logged and, in ``sync`` mode, fails the job (every waiting worker gets the error).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+
+from towers._logging import get_logger
+from towers.strategies.parameter_server.gather import GatherTable
+from towers.strategies.parameter_server.sharding import FlatLayout, ParamSpec, signature_mismatch
+from towers.strategies.parameter_server.transport import LISTEN_TIMEOUT_S, Link, LinkError, Message, Op, Status
+
+__all__ = ["ParameterServer", "RequestError"]
+
+log = get_logger(__name__)
+
+
+class RequestError(Exception):
+    """A request the ps refuses; ``status`` tells the worker which exception to raise."""
+
+    def __init__(self, message: str, status: int = Status.FAILED):
+        super().__init__(message)
+        self.status = status
+
+
+class ParameterServer:
+    """Serve one shard to every worker until all of them said goodbye or died."""
+
+    def __init__(self, links: Sequence[Link], *, ps_index: int, rank: int, worker_ranks: Sequence[int], mode: str,
+                 staleness: int | None, timeout_s: float):
+        self.links, self.ps_index, self.rank = list(links), ps_index, rank
+        self.worker_ranks, self.mode, self.staleness, self.timeout_s = list(worker_ranks), mode, staleness, timeout_s
+        n = len(self.links)
+        self.cond = threading.Condition()
+        self.failure: str | None = None
+        self.dead: dict[int, str] = {}
+        self.finished: set[int] = set()
+        self.worker_versions = [0] * n
+        self.version = 0
+        self.max_lead = 0
+        self.gathers = GatherTable(self.cond, self._active)
+        # shard state, set by the chief's registration
+        self.signature: list[ParamSpec] | None = None
+        self.layout: FlatLayout | None = None
+        self.params_buf = torch.empty(0, dtype=torch.uint8)
+        self.params: list[torch.nn.Parameter] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.grad_bufs: dict[int, torch.Tensor] = {}
+        self.reply_bufs: dict[int, torch.Tensor] = {}
+        # sync rounds
+        self.round = 0
+        self.arrivals: set[int] = set()
+        self.present: list[bool] = []
+        self.sum_buf = torch.empty(0, dtype=torch.uint8)
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def serve(self) -> dict[str, Any]:
+        """Serve until every worker is finished or gone; return ``stats()``. Raises ``RuntimeError`` on failure."""
+        threads = [threading.Thread(target=self._serve_link, args=(w,), name=f"towers-ps{self.ps_index}-w{w}",
+                                    daemon=True) for w in range(len(self.links))]
+        for t in threads:
+            t.start()
+        failed_at: float | None = None
+        with self.cond:
+            while len(self.finished) + len(self.dead) < len(self.links):
+                if self.failure is not None:
+                    failed_at = failed_at or time.monotonic()
+                    if time.monotonic() - failed_at > min(self.timeout_s, 30.0):
+                        break  # a hung worker must not keep a failed ps alive
+                self.cond.wait(1.0)
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        if not self.finished:
+            raise RuntimeError(f"every worker of ps task {self.ps_index} is gone: "
+                               + "; ".join(f"{self._who(w)}: {r}" for w, r in sorted(self.dead.items())))
+        return self.stats()
+
+    def stats(self) -> dict[str, Any]:
+        """Return versions and counts: ``version`` (= updates applied), per-worker versions, ``max_lead``, dead workers."""
+        with self.cond:
+            return {"ps_index": self.ps_index, "rank": self.rank, "mode": self.mode, "staleness": self.staleness,
+                    "version": self.version, "worker_versions": list(self.worker_versions),
+                    "max_lead": self.max_lead, "dead": dict(self.dead), "finished": sorted(self.finished),
+                    "num_params": len(self.params), "nbytes": self.params_buf.numel()}
+
+    def _who(self, w: int) -> str:
+        return f"worker {w} (rank {self.worker_ranks[w]})"
+
+    def _active(self) -> set[int]:
+        return {w for w in range(len(self.links)) if w not in self.dead and w not in self.finished}
+
+    def _serve_link(self, w: int) -> None:
+        link = self.links[w]
+        while True:
+            try:
+                msg = link.recv(timeout_s=self.timeout_s, first_timeout_s=LISTEN_TIMEOUT_S,
+                                flat_out=lambda m: self.grad_bufs.get(w) if m.op == Op.PUSH else None)
+            except LinkError as exc:
+                return self._gone(w, str(exc))
+            if msg.op == Op.BYE:
+                with self.cond:
+                    self.finished.add(w)
+                    self._progress()
+                self._reply(w, Op.REPLY)
+                log.debug("%s finished", self._who(w))
+                return
+            try:
+                reply = self._handle(w, msg)
+            except RequestError as exc:
+                if not self._reply(w, Op.REPLY, status=exc.status, meta=str(exc)):
+                    return
+                continue
+            except Exception as exc:  # noqa: BLE001 - an unexpected ps failure goes back to the worker, named
+                log.exception("ps task %d failed on %s's %s", self.ps_index, self._who(w), Op.NAMES.get(msg.op))
+                if not self._reply(w, Op.REPLY, status=Status.FAILED,
+                                   meta=f"ps task {self.ps_index} (rank {self.rank}) failed on "
+                                        f"{Op.NAMES.get(msg.op)}: {type(exc).__name__}: {exc}"):
+                    return
+                continue
+            if not self._reply(w, Op.REPLY, **reply):
+                return
+
+    def _reply(self, w: int, op: int, **kwargs: Any) -> bool:
+        try:
+            self.links[w].send(op, timeout_s=self.timeout_s, **kwargs)
+            return True
+        except LinkError as exc:
+            self._gone(w, str(exc))
+            return False
+
+    def _gone(self, w: int, reason: str) -> None:
+        with self.cond:
+            if w in self.dead or w in self.finished:
+                return
+            self.dead[w] = reason
+            log.warning("ps task %d: %s is gone (%s); %d worker(s) left", self.ps_index, self._who(w), reason,
+                        len(self._active()))
+            if self.mode == "sync" and self.failure is None:
+                self.failure = (f"{self._who(w)} is gone ({reason}); sync mode needs every worker, so the job "
+                                "stops. Restart it (BackupAndRestore resumes from the last checkpoint).")
+            self._progress()
+
+    def _progress(self) -> None:
+        """Re-check everything that waits on the set of live workers (caller holds the lock)."""
+        if self.mode == "sync" and self.arrivals and self.arrivals >= self._active():
+            self._apply_round()
+        self.gathers.complete()
+        self.cond.notify_all()
+
+    def _wait(self, ready: Any, what: str, missing: Any) -> None:
+        """Wait (lock held) until ``ready()``; raise ``RequestError`` on job failure or after ``timeout_s``."""
+        if not self.cond.wait_for(lambda: self.failure is not None or ready(), timeout=self.timeout_s):
+            names = ", ".join(self._who(m) for m in sorted(missing())) or "none"
+            raise RequestError(f"ps task {self.ps_index} (rank {self.rank}): {what} waited {self.timeout_s:g} s "
+                               f"for {names}. A worker is hung or much slower; raise timeout_s if that is expected.")
+        if self.failure is not None:
+            raise RequestError(self.failure)
+
+    # --- requests ----------------------------------------------------------------------------------
+    def _handle(self, w: int, msg: Message) -> dict[str, Any]:
+        if self.failure is not None:
+            raise RequestError(self.failure)
+        if msg.op == Op.REGISTER:
+            return self._register(w, msg)
+        if msg.op == Op.GATHER:
+            seq, value = msg.meta
+            result = self.gathers.contribute(w, seq, value, wait=self._wait)
+            return {"meta": result}
+        if msg.op == Op.STATS:
+            return {"meta": self.stats()}
+        if self.layout is None:
+            raise RequestError(f"ps task {self.ps_index} has no parameters yet: call strategy.prepare(model, "
+                               f"optimizer) before {Op.NAMES.get(msg.op)}.", Status.BAD_INPUT)
+        if msg.op == Op.PUSH:
+            return self._push(w, msg)
+        with self.cond:
+            if msg.op == Op.PULL:
+                return {"ints": (self.version,), "flat": self._snapshot(w)}
+            if msg.op == Op.SET_PARAMS:
+                self.params_buf.copy_(msg.flat)
+                return {"ints": (self.version,)}
+            if msg.op == Op.GET_STATE:
+                state = None if self.optimizer is None else _clone(self.optimizer.state_dict())
+                return {"meta": state, "ints": (self.version,)}
+            if msg.op == Op.SET_STATE:
+                if self.optimizer is not None:
+                    try:
+                        self.optimizer.load_state_dict(msg.meta)
+                    except (ValueError, KeyError, TypeError) as exc:
+                        raise RequestError(f"ps task {self.ps_index} could not load the optimizer state: {exc}. "
+                                           "Load a state saved from the same model and optimizer.",
+                                           Status.BAD_INPUT) from exc
+                return {"ints": (self.version,)}
+        raise RequestError(f"ps task {self.ps_index} got an unknown request op={msg.op}.")
+
+    def _register(self, w: int, msg: Message) -> dict[str, Any]:
+        meta = msg.meta
+        with self.cond:
+            if meta["chief"] and self.signature is None:
+                self._initialise(meta, msg.flat)
+                self.cond.notify_all()
+            self._wait(lambda: self.signature is not None, "registration",
+                       lambda: [0] if self.signature is None else [])
+            diff = signature_mismatch(self.signature, meta["signature"])
+            if diff is not None:
+                raise RequestError(
+                    f"{self._who(w)}'s model does not match the model the chief registered on ps task "
+                    f"{self.ps_index}: {diff}. Build the same model (same parameter names, shapes and dtypes) on "
+                    "every worker before strategy.prepare().", Status.BAD_INPUT)
+            if w not in self.grad_bufs:
+                self.grad_bufs[w] = self.layout.new_buffer()
+                if self.mode == "async":
+                    self.reply_bufs[w] = self.layout.new_buffer()
+            return {"ints": (self.version,), "flat": self._snapshot(w)}
+
+    def _initialise(self, meta: dict[str, Any], flat: torch.Tensor | None) -> None:
+        specs = [meta["signature"][i] for i in meta["shard"]]
+        layout = FlatLayout(specs)
+        if flat is None or flat.numel() != layout.nbytes:
+            raise RequestError(f"the chief sent {0 if flat is None else flat.numel()} bytes of parameters to ps "
+                               f"task {self.ps_index}, its shard needs {layout.nbytes}.")
+        self.params_buf = flat.clone()
+        self.params = [torch.nn.Parameter(v) for v in layout.views(self.params_buf)]
+        self.sum_buf = layout.new_buffer()
+        self.present = [False] * len(specs)
+        spec = meta["optimizer"]
+        if spec is not None and spec["groups"]:
+            groups = [{**hyper, "params": [self.params[i] for i in positions]} for hyper, positions in spec["groups"]]
+            try:
+                self.optimizer = spec["cls"](groups, **spec["defaults"])
+            except Exception as exc:  # noqa: BLE001 - any constructor failure is the user's optimizer spec
+                raise RequestError(
+                    f"ps task {self.ps_index} could not build {spec['cls'].__name__}(**{spec['defaults']}): {exc}. "
+                    "The ps rebuilds the optimizer from its class and its `defaults`; use an optimizer whose "
+                    "constructor accepts its defaults as keyword arguments.", Status.BAD_INPUT) from exc
+        self.signature, self.layout = list(meta["signature"]), layout
+        log.info("ps task %d holds %d parameter(s), %.1f MB, optimizer %s, mode %s", self.ps_index, len(specs),
+                 layout.nbytes / 1e6, type(self.optimizer).__name__ if self.optimizer else None, self.mode)
+
+    def _snapshot(self, w: int) -> torch.Tensor:
+        """Parameters to send to ``w`` (lock held). Sync mode sends the live buffer: no update can run meanwhile."""
+        if self.mode == "sync":
+            return self.params_buf
+        buf = self.reply_bufs[w]
+        buf.copy_(self.params_buf)
+        return buf
+
+    def _push(self, w: int, msg: Message) -> dict[str, Any]:
+        mask, hyper = (msg.meta or {}).get("mask"), (msg.meta or {}).get("hyper")
+        grads = self.layout.views(msg.flat)
+        with self.cond:
+            if self.mode == "async":
+                if self.staleness is not None:
+                    self._wait(lambda: self._lead(w) <= self.staleness, f"push (staleness {self.staleness})",
+                               lambda: [u for u in self._active() - {w}
+                                        if self.worker_versions[w] - self.worker_versions[u] > self.staleness])
+                self.max_lead = max(self.max_lead, self._lead(w))
+                self._set_hyper(hyper)
+                for i, p in enumerate(self.params):
+                    p.grad = grads[i] if mask is None or mask[i] else None
+                self._step([w])
+                return {"ints": (self.version, self.worker_versions[w], len(self.dead)), "flat": self._snapshot(w)}
+            my_round = self.round
+            self._set_hyper(hyper)
+            regions, sums = self.layout.region_views(msg.flat), self.layout.region_views(self.sum_buf)
+            for s, g in zip(sums, regions):
+                s.copy_(g) if not self.arrivals else s.add_(g)
+            self.present = [a or mask is None or bool(mask[i]) for i, a in enumerate(self.present)]
+            self.arrivals.add(w)
+            self._progress()
+            self._wait(lambda: self.round != my_round, f"sync round {my_round}",
+                       lambda: self._active() - self.arrivals)
+            return {"ints": (self.version, self.worker_versions[w], len(self.dead)), "flat": self.params_buf}
+
+    def _lead(self, w: int) -> int:
+        others = [self.worker_versions[u] for u in self._active() if u != w]
+        return self.worker_versions[w] - min(others) if others else 0
+
+    def _apply_round(self) -> None:
+        grads = self.layout.views(self.sum_buf)
+        for i, p in enumerate(self.params):
+            p.grad = grads[i] if self.present[i] else None
+        self._step(sorted(self.arrivals))
+        self.round += 1
+        self.arrivals.clear()
+        self.present = [False] * len(self.params)
+
+    def _step(self, workers: list[int]) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+        self.version += 1
+        for u in workers:
+            self.worker_versions[u] += 1
+
+    def _set_hyper(self, hyper: list[dict[str, Any]] | None) -> None:
+        if hyper and self.optimizer is not None:
+            for group, values in zip(self.optimizer.param_groups, hyper):
+                group.update(values)
+
+
+def _clone(state: Any) -> Any:
+    """Deep-copy tensors of a state dict so it can be sent after the lock is released."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_clone(v) for v in state]
+    return state

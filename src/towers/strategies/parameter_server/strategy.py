@@ -1,0 +1,278 @@
+"""``ParameterServerStrategy``: ps tasks hold the parameters; workers compute gradients, push them, pull fresh values.
+
+Roles: the last ``num_ps`` ranks of the job are the ps tasks (``ps:0`` .. ``ps:K-1``), ranks
+``0 .. W-1`` are the workers and replicas (worker 0 is the chief). This is the order of
+``towers.cluster`` for both ``towers launch --num-ps K`` and TF_CONFIG (chief, workers, ps).
+
+On a ps task the constructor serves until every worker is done, then exits the process with
+code 0 (like TF's ``server.join()``), so the rest of the training script runs only on workers.
+``exit_on_ps=False`` returns instead (tests, notebooks): check ``strategy.is_ps``.
+
+Collectives (``reduce``, ``gather``, ``barrier``, ``*_object``) meet at ps task 0, not among the
+workers, so they keep working after a worker dies in ``async`` mode: they then combine the
+values of the live workers only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from towers._logging import get_logger, set_rank
+from towers.cluster.info import ProcessInfo
+from towers.data import DistributedDataset
+from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
+from towers.strategies import base
+from towers.strategies._collectives import as_tensor, check_op
+from towers.strategies._steps import StepTracker
+from towers.strategies.base import ReplicaContext, Strategy
+from towers.strategies.parameter_server import transport
+from towers.strategies.parameter_server.client import ParameterClient
+from towers.strategies.parameter_server.comm import PsComm
+from towers.strategies.parameter_server.optimizer import ParameterServerOptimizer
+from towers.strategies.parameter_server.roles import Roles, resolve_roles
+from towers.strategies.parameter_server.server import ParameterServer
+from towers.strategies.parameter_server.worker import BoundModel
+
+__all__ = ["ParameterServerStrategy", "MODES"]
+
+log = get_logger(__name__)
+
+#: Update modes: ``async`` applies each gradient on arrival; ``sync`` one summed update per round.
+MODES = ("async", "sync")
+
+
+class ParameterServerStrategy(Strategy):
+    """Parameters on ``num_ps`` ps tasks, gradients from every worker, ``async`` or ``sync`` updates.
+
+    Args:
+        num_ps: ps tasks; default: what the launcher asked for (``--num-ps``, TF_CONFIG), else 1.
+        mode: ``"async"`` (apply each gradient on arrival) or ``"sync"`` (one summed update per round).
+        staleness: ``async`` only: a push waits while its worker has more than ``staleness`` applied
+            updates beyond the slowest live worker. ``None``: no bound.
+        info: this process's place in the job (default ``towers.cluster.from_env()``).
+        timeout_s: bound on every wait (connecting, a round, a gather, a staleness wait, a reply).
+        exit_on_ps: on a ps task, ``sys.exit(0)`` after serving (default); False returns instead.
+
+    Raises:
+        ValueError: unknown mode, bad staleness, ``num_ps`` that leaves no worker or contradicts the launcher.
+        DistributedError: connecting failed, or (on a ps task) the job failed while serving.
+    """
+
+    name = "ps"
+
+    def __init__(self, num_ps: int | None = None, mode: str = "async", staleness: int | None = None, *,
+                 info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}. Received: mode={mode!r}. Use 'async' to apply each "
+                             "gradient on arrival or 'sync' for one summed update per round.")
+        if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
+            raise ValueError(f"staleness must be None or an integer >= 0. Received: staleness={staleness!r}.")
+        if staleness is not None and mode == "sync":
+            raise ValueError(f"staleness bounds async updates; sync mode is never stale. Received: mode='sync', "
+                             f"staleness={staleness}. Drop staleness or use mode='async'.")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 seconds. Received: {timeout_s}.")
+        if info is None:
+            from towers import cluster
+
+            info = cluster.from_env()
+        self._info, self.mode, self.staleness, self.timeout_s = info, mode, staleness, timeout_s
+        self.roles: Roles = resolve_roles(info, num_ps)
+        self.num_ps = self.roles.num_ps
+        self._client: ParameterClient | None = None
+        self._bound: BoundModel | None = None
+        self._stats: dict[str, Any] | None = None
+        self._comm: PsComm | None = None
+        self._tracker = StepTracker(1)
+        set_rank(info.rank, info.world_size)
+        init_process_group(info, backend="gloo", timeout_s=timeout_s)
+        links = self._connect()
+        if self.roles.is_ps:
+            self._serve(links, exit_on_ps)
+        else:
+            self._client = ParameterClient(links, worker=self.roles.index, rank=info.rank,
+                                           world_size=info.world_size, ps_ranks=self.roles.ps_ranks,
+                                           timeout_s=timeout_s)
+            self._comm = PsComm(self._client, device=self.device)
+            atexit.register(self.shutdown)
+            log.info("parameter servers: %d ps task(s) at ranks %s, %d worker(s), mode %s%s", self.num_ps,
+                     self.roles.ps_ranks, self.roles.num_workers, mode,
+                     f", staleness {staleness}" if staleness is not None else "")
+
+    def _connect(self) -> list[transport.Link]:
+        store, generation, r = transport.rendezvous_store(), transport.next_generation(), self.roles
+        # One fixed global order of pairs (worker-major) so that no two processes wait on each other.
+        pairs = ([(w, r.index) for w in range(r.num_workers)] if r.is_ps
+                 else [(r.index, p) for p in range(r.num_ps)])
+        links = []
+        for w, p in pairs:
+            name = f"worker {w} (rank {w}) <-> ps task {p} (rank {r.ps_ranks[p]})"
+            try:
+                links.append(transport.open_link(store, worker=w, ps=p, is_ps=r.is_ps, bind_host=r.bind_host,
+                                                 timeout_s=self.timeout_s, generation=generation, name=name))
+            except transport.LinkError as exc:
+                raise DistributedError(f"[rank {self._info.rank}/{self._info.world_size}] connecting {name} failed: "
+                                       f"{exc}. Check that every process of the job started and uses the same "
+                                       "num_ps.") from exc
+        return links
+
+    def _serve(self, links: list[transport.Link], exit_on_ps: bool) -> None:
+        server = ParameterServer(links, ps_index=self.roles.index, rank=self._info.rank,
+                                 worker_ranks=list(range(self.roles.num_workers)), mode=self.mode,
+                                 staleness=self.staleness, timeout_s=self.timeout_s)
+        log.info("ps task %d (rank %d) serving %d worker(s), mode %s", self.roles.index, self._info.rank,
+                 self.roles.num_workers, self.mode)
+        try:
+            self._stats = server.serve()
+        except RuntimeError as exc:
+            raise DistributedError(f"[rank {self._info.rank}/{self._info.world_size}] ps task {self.roles.index} "
+                                   f"stops: {exc}") from exc
+        finally:
+            for link in links:
+                link.close()
+        log.info("ps task %d done: %d update(s) applied, worker versions %s", self.roles.index,
+                 self._stats["version"], self._stats["worker_versions"])
+        if exit_on_ps:
+            destroy_process_group()
+            sys.exit(0)
+
+    # --- who am I ------------------------------------------------------------------------------------
+    @property
+    def process_info(self) -> ProcessInfo:
+        """This process's place in the job."""
+        return self._info
+
+    @property
+    def is_ps(self) -> bool:
+        """True on a ps task (only seen with ``exit_on_ps=False``)."""
+        return self.roles.is_ps
+
+    @property
+    def device(self) -> torch.device:
+        """CPU, or ``cuda:<local_rank>`` on a worker of a host with a GPU per local process."""
+        if not self.roles.is_ps and torch.cuda.is_available() and torch.cuda.device_count() > self._info.local_rank:
+            return torch.device("cuda", self._info.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of workers: the global batch is split across them."""
+        return self.roles.num_workers
+
+    @property
+    def replica_id(self) -> int:
+        """This worker's index (the chief is 0); -1 on a ps task."""
+        return -1 if self.roles.is_ps else self.roles.index
+
+    def _require_worker(self, what: str) -> ParameterClient:
+        if self._client is None:
+            raise RuntimeError(f"{what} runs on workers; this process is ps task {self.roles.index} (rank "
+                               f"{self._info.rank}). Guard ps-task code with `if strategy.is_ps`.")
+        return self._client
+
+    # --- preparation -------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[nn.Module, Any]:
+        """Register ``model`` with the ps tasks; return it (now holding the ps values) and a pushing optimizer.
+
+        The chief's parameter values become the starting values everywhere.
+
+        Raises:
+            ValueError: this worker's model differs from the chief's, or the optimizer holds foreign tensors.
+            DistributedError: a ps task is gone or silent.
+        """
+        client = self._require_worker("prepare")
+        model = model.to(self.device)
+        bound = BoundModel(model, client, num_ps=self.num_ps, is_chief=self.is_chief, optimizer=optimizer,
+                           on_dead=self._log_dead)
+        bound.register()
+        bound.install_hooks(refresh_on_state_dict=self.mode == "async")
+        self._bound = bound
+        return model, (ParameterServerOptimizer(optimizer, bound) if optimizer is not None else None)
+
+    def _log_dead(self, count: int) -> None:
+        if self.is_chief and self._client is not None:
+            stats = self._client.stats()[0]
+            for w, reason in sorted(stats["dead"].items()):
+                log.warning("worker %d (rank %d) is gone (%s); %s", w, w, reason,
+                            "the other workers go on (async mode)" if self.mode == "async" else "the job stops")
+
+    def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                           drop_remainder: bool = False, pad_empty_batches: bool = False,
+                           collate_fn: Callable[[list[Any]], Any] | None = None) -> DistributedDataset:
+        """Return this worker's share of each global batch of ``dataset`` (workers are the replicas; see ``towers.data``)."""
+        self._require_worker("distribute_dataset")
+        return DistributedDataset(
+            dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
+            device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
+            pad_empty_batches=pad_empty_batches, collate_fn=collate_fn, on_batch=self._tracker.on_batch)
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Call ``fn(*args, **kwargs)`` as this worker's step; its context knows the step's global batch size."""
+        global_batch, padding, _ = self._tracker.begin_run()
+        context = ReplicaContext(self, global_batch_size=global_batch, num_padding_examples=padding)
+        strategy_token = base._current_strategy.set(self)
+        replica_token = base._current_replica.set(context)
+        try:
+            return fn(*args, **dict(kwargs or {}))
+        finally:
+            base._current_replica.reset(replica_token)
+            base._current_strategy.reset(strategy_token)
+
+    # --- communication (met at ps task 0: see comm.py) ---------------------------------------------------
+    def _comm_or_fail(self, what: str) -> PsComm:
+        self._require_worker(what)
+        return self._comm  # type: ignore[return-value]  # set together with the client
+
+    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
+        """Combine ``value`` over the workers with ``op``; in ``async`` mode after a worker died: over the live ones.
+
+        Raises:
+            ValueError: on an unknown op or an axis the value does not have.
+        """
+        op = check_op(op)
+        tensor = as_tensor(value, torch.device("cpu"))
+        if axis is not None and (tensor.dim() == 0 or not -tensor.dim() <= axis < tensor.dim()):
+            raise ValueError(f"axis must be None or a dimension of the value (shape {list(tensor.shape)}). "
+                             f"Received: axis={axis}. Use axis=0 to reduce over the batch.")
+        if axis is not None and axis < 0:
+            axis += tensor.dim()
+        return self._comm_or_fail("reduce").reduce(op, tensor, axis)
+
+    def gather(self, value: torch.Tensor, axis: int = 0) -> torch.Tensor:
+        """Concatenate every live worker's ``value`` along ``axis``, in worker order."""
+        tensor = as_tensor(value, torch.device("cpu"))
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        return self._comm_or_fail("gather").gather(tensor, axis if axis >= 0 else axis + tensor.dim())
+
+    def barrier(self) -> None:
+        """Block until every live worker reaches this point (a round trip to ps task 0)."""
+        self._comm_or_fail("barrier").barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Return worker ``src``'s ``obj`` on every worker."""
+        return self._comm_or_fail("broadcast_object").broadcast_object(obj, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return every live worker's ``obj``, in worker order."""
+        return self._comm_or_fail("all_gather_object").all_gather_object(obj)
+
+    def ps_stats(self) -> list[dict[str, Any]]:
+        """Return each ps task's stats (``version``, ``worker_versions``, ``max_lead``, ``dead``); on a ps, its own."""
+        if self.roles.is_ps:
+            return [dict(self._stats or {})]
+        return self._require_worker("ps_stats").stats()
+
+    def shutdown(self) -> None:
+        """Tell the ps tasks this worker is done (idempotent; also runs at exit)."""
+        if self._client is not None and not self._client.closed:
+            self._client.bye()
+
+    def __repr__(self) -> str:
+        role = f"ps task {self.roles.index}" if self.roles.is_ps else f"worker {self.roles.index}"
+        return (f"ParameterServerStrategy({role}, {self.roles.num_workers} worker(s), {self.num_ps} ps, "
+                f"mode={self.mode!r}, staleness={self.staleness})")

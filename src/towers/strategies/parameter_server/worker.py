@@ -1,0 +1,189 @@
+"""A worker's model bound to the ps shards, and the optimizer whose ``step()`` pushes and pulls.
+
+On a CPU worker every parameter becomes a view of its shard's flat buffer, so a pull lands
+directly in the model (no copy); gradients are copied into a flat gradient buffer per shard
+and sent in one message per ps task. The optimizer the user built is never stepped locally:
+the ps tasks rebuild it from its class, ``defaults`` and param-group hyperparameters, and
+hyperparameter changes (an LR scheduler's ``lr``) travel with the next push.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from towers._logging import get_logger
+from towers.strategies.parameter_server.client import ParameterClient
+from towers.strategies.parameter_server.sharding import FlatLayout, assign_shards, model_signature
+from towers.strategies.parameter_server.transport import Op
+
+__all__ = ["BoundModel"]
+
+log = get_logger(__name__)
+
+
+class BoundModel:
+    """The parameters of one worker's model, laid out per ps shard, with push/pull/state operations."""
+
+    def __init__(self, model: nn.Module, client: ParameterClient, *, num_ps: int, is_chief: bool,
+                 optimizer: torch.optim.Optimizer | None, on_dead: Callable[[int], None]):
+        self.model, self.client, self.is_chief, self.on_dead = model, client, is_chief, on_dead
+        named = list(model.named_parameters())
+        if not named:
+            raise ValueError(f"{type(model).__name__} has no parameters, so there is nothing for the parameter "
+                             "servers to hold. Pass a model with at least one nn.Parameter.")
+        self.params = [p for _, p in named]
+        self.signature = model_signature(named)
+        self.shards = assign_shards(self.signature, num_ps)
+        self.layouts = [FlatLayout([self.signature[i] for i in shard]) for shard in self.shards]
+        self.param_bufs = [layout.new_buffer() for layout in self.layouts]
+        self.grad_bufs = [layout.new_buffer() for layout in self.layouts]
+        self.param_views = [layout.views(b) for layout, b in zip(self.layouts, self.param_bufs)]
+        self.grad_views = [layout.views(b) for layout, b in zip(self.layouts, self.grad_bufs)]
+        self.active = [i for i, layout in enumerate(self.layouts) if layout.nbytes]
+        self.optimizer = optimizer
+        self.opt_groups, self.local_to_global, self.group_ids = _optimizer_layout(optimizer, self.params, self.shards)
+        self._sent_hyper: list[bytes | None] = [pickle.dumps([h for h, _ in groups]) for groups in self.opt_groups]
+        self.versions: list[int] = [0] * num_ps
+        self.dead_seen = 0
+        self.pushes = 0
+        for shard, views in zip(self.shards, self.param_views):
+            for i, view in zip(shard, views):
+                view.copy_(self.params[i].detach())
+        self._rebind()
+
+    def _rebind(self) -> None:
+        """Make every CPU parameter a view of its shard buffer again (after ``.to()`` or ``assign=True`` loads)."""
+        for shard, views in zip(self.shards, self.param_views):
+            for i, view in zip(shard, views):
+                p = self.params[i]
+                if p.device.type == "cpu" and p.data_ptr() != view.data_ptr():
+                    view.copy_(p.detach())
+                    p.data = view
+
+    def _to_params(self) -> None:
+        """Copy pulled values into parameters that are not views (non-CPU devices)."""
+        with torch.no_grad():
+            for shard, views in zip(self.shards, self.param_views):
+                for i, view in zip(shard, views):
+                    p = self.params[i]
+                    if p.data_ptr() != view.data_ptr():
+                        p.copy_(view, non_blocking=False)
+
+    def register(self) -> None:
+        """Register the model (and optimizer spec) with every ps task; the chief's values become the start values."""
+        metas = [{"worker": self.client.worker, "chief": self.is_chief, "signature": self.signature,
+                  "shard": shard, "optimizer": self._spec(p)} for p, shard in enumerate(self.shards)]
+        replies = self.client.request(Op.REGISTER, metas=metas,
+                                      flats=self.param_bufs if self.is_chief else None, replies_into=self.param_bufs)
+        self.versions = [r.ints[0] for r in replies]
+        self._to_params()
+
+    def _spec(self, p: int) -> dict[str, Any] | None:
+        if self.optimizer is None:
+            return None
+        return {"cls": type(self.optimizer), "defaults": dict(self.optimizer.defaults), "groups": self.opt_groups[p]}
+
+    def push_pull(self) -> None:
+        """Send every shard's gradients (and changed hyperparameters); receive the updated parameters in place."""
+        self._rebind()
+        metas = []
+        for p in self.active:
+            mask = []
+            for i, view in zip(self.shards[p], self.grad_views[p]):
+                grad = self.params[i].grad
+                mask.append(grad is not None)
+                if grad is not None:
+                    view.copy_(grad)
+            meta: dict[str, Any] = {}
+            if not all(mask):
+                meta["mask"] = mask
+            hyper = self._hyper(p)
+            if hyper is not None:
+                meta["hyper"] = hyper
+            metas.append(meta or None)
+        replies = self.client.request(Op.PUSH, ps=self.active, metas=metas,
+                                      flats=[self.grad_bufs[p] for p in self.active],
+                                      replies_into=[self.param_bufs[p] for p in self.active])
+        self.pushes += 1
+        for p, reply in zip(self.active, replies):
+            self.versions[p] = reply.ints[0]
+            if reply.ints[2] > self.dead_seen:
+                self.dead_seen = reply.ints[2]
+                self.on_dead(self.dead_seen)
+        self._to_params()
+
+    def _hyper(self, p: int) -> list[dict[str, Any]] | None:
+        """This shard's param-group hyperparameters when they changed since the last push, else None."""
+        if self.optimizer is None:
+            return None
+        hyper = [{k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"} for g in self.group_ids[p]]
+        blob = pickle.dumps(hyper)
+        if blob == self._sent_hyper[p]:
+            return None
+        self._sent_hyper[p] = blob
+        return hyper
+
+    def pull(self) -> None:
+        """Replace the local parameters with the ps tasks' current values."""
+        replies = self.client.request(Op.PULL, ps=self.active, replies_into=[self.param_bufs[p] for p in self.active])
+        for p, reply in zip(self.active, replies):
+            self.versions[p] = reply.ints[0]
+        self._to_params()
+
+    def push_params(self) -> None:
+        """Overwrite the ps tasks' parameters with this worker's (after ``model.load_state_dict``)."""
+        self._rebind()
+        with torch.no_grad():
+            for shard, views in zip(self.shards, self.param_views):
+                for i, view in zip(shard, views):
+                    if self.params[i].data_ptr() != view.data_ptr():
+                        view.copy_(self.params[i])
+        self.client.request(Op.SET_PARAMS, ps=self.active, flats=[self.param_bufs[p] for p in self.active])
+
+    def install_hooks(self, refresh_on_state_dict: bool) -> None:
+        """``model.state_dict()`` pulls first (``refresh_on_state_dict``); ``load_state_dict`` pushes after."""
+        if refresh_on_state_dict:
+            self.model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.pull())
+        self.model.register_load_state_dict_post_hook(lambda module, incompatible: self.push_params())
+
+
+def _optimizer_layout(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter],
+                      shards: list[list[int]]) -> tuple[list[list[tuple[dict[str, Any], list[int]]]],
+                                                        list[list[int]], list[list[int]]]:
+    """Return, per ps: the optimizer groups it builds ``(hyper, shard positions)``, its local->global index map,
+    and which of the user's groups those are.
+
+    The global index is torch's numbering in ``optimizer.state_dict()`` (params in group order).
+    """
+    groups_per_ps: list[list[tuple[dict[str, Any], list[int]]]] = [[] for _ in shards]
+    local_to_global: list[list[int]] = [[] for _ in shards]
+    group_ids: list[list[int]] = [[] for _ in shards]
+    if optimizer is None:
+        return groups_per_ps, local_to_global, group_ids
+    model_index = {id(p): i for i, p in enumerate(params)}
+    position = [{mi: pos for pos, mi in enumerate(shard)} for shard in shards]
+    owner = {mi: s for s, shard in enumerate(shards) for mi in shard}
+    global_index = 0
+    members: list[list[list[tuple[int, int]]]] = [[[] for _ in optimizer.param_groups] for _ in shards]
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in model_index:
+                raise ValueError(
+                    f"The optimizer's param group {g} holds a tensor of shape {tuple(p.shape)} that is not a "
+                    "parameter of the model passed to strategy.prepare(). Build the optimizer from "
+                    "model.parameters() (or subsets of them).")
+            mi = model_index[id(p)]
+            members[owner[mi]][g].append((position[owner[mi]][mi], global_index))
+            global_index += 1
+    for s in range(len(shards)):
+        for g, group in enumerate(optimizer.param_groups):
+            if members[s][g]:
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                groups_per_ps[s].append((hyper, [pos for pos, _ in members[s][g]]))
+                local_to_global[s].extend(gi for _, gi in members[s][g])
+                group_ids[s].append(g)
+    return groups_per_ps, local_to_global, group_ids
