@@ -10,8 +10,8 @@ Averaging would divide by the number of replicas a second time.
   replicas, because its all-reduces divide by it.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: DDP checks that a hook's ``bucket`` annotation *is*
+# dist.GradBucket, which a string annotation is not.
 from typing import Any, Callable
 
 import torch

@@ -165,6 +165,16 @@ class SyncStrategy(Strategy):
             base._current_replica.reset(replica_token)
             base._current_strategy.reset(strategy_token)
 
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Return the fp16 loss scaler's state (``{}`` in other precisions)."""
+        return {"grad_scaler": self._scaler.state_dict()} if self._scaler is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        if self._scaler is not None and state.get("grad_scaler"):
+            self._scaler.load_state_dict(dict(state["grad_scaler"]))
+
     # --- communication --------------------------------------------------------------------------------
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine ``value`` across replicas (see ``Strategy.reduce``); ``axis`` also reduces over that axis, ragged-aware.

@@ -1,0 +1,83 @@
+"""Wrapping a module in DDP for the mirrored strategies, with checks that turn DDP's failures into clear errors."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from towers.precision import PrecisionPolicy, precision_forward
+
+__all__ = ["TowersDDP", "check_same_parameters", "unused_parameters_error", "UNUSED_FIX"]
+
+UNUSED_FIX = ("Fix: use every parameter in the forward pass of every step, set requires_grad=False on the ones "
+              "you do not train, remove them from the model, or pass find_unused_parameters=True to the strategy "
+              "(slower: DDP then searches the graph every step).")
+
+
+def _signature(module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
+
+
+def check_same_parameters(module: nn.Module, all_gather_object: Callable[[Any], list[Any]]) -> None:
+    """Check that every replica holds parameters of the same names, shapes and dtypes.
+
+    Raises:
+        ValueError: on every replica, naming the first differing parameter and the ranks.
+    """
+    signatures = all_gather_object(_signature(module))
+    reference = signatures[0]
+    for rank, signature in enumerate(signatures[1:], start=1):
+        if signature == reference:
+            continue
+        for i in range(max(len(reference), len(signature))):
+            ours = reference[i] if i < len(reference) else None
+            theirs = signature[i] if i < len(signature) else None
+            if ours != theirs:
+                break
+
+        def describe(entry: tuple[str, tuple[int, ...], str] | None) -> str:
+            return "no parameter" if entry is None else f"{entry[0]!r} with shape {list(entry[1])} ({entry[2]})"
+
+        raise ValueError(
+            f"The model differs across replicas: parameter #{i} is {describe(ours)} on rank 0 but "
+            f"{describe(theirs)} on rank {rank} ({len(reference)} vs {len(signature)} parameters). "
+            "Every replica must build the same model: do not make layer sizes depend on the rank or on "
+            "per-replica data.")
+
+
+def unused_parameters_error(names: list[str]) -> ValueError:
+    """Return the error for parameters that got no gradient in a step."""
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return ValueError(
+        f"{len(names)} parameter(s) received no gradient in this step: {shown}. DDP (MirroredStrategy) "
+        f"all-reduces every parameter's gradient each step and waits for all of them. {UNUSED_FIX}")
+
+
+class TowersDDP(DistributedDataParallel):
+    """DDP whose forward runs under the strategy's precision policy and explains DDP's unused-parameter error."""
+
+    def __init__(self, module: nn.Module, *, policy: PrecisionPolicy, scaler: torch.amp.GradScaler | None,
+                 **ddp_kwargs: Any):
+        super().__init__(module, **ddp_kwargs)
+        self._towers_policy = policy
+        self._towers_scaler = scaler
+        self.towers_forward_calls = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Return the wrapped module's output (float32 floats under mixed precision)."""
+        self.towers_forward_calls += 1
+        try:
+            if not self._towers_policy.enabled:
+                return super().forward(*args, **kwargs)
+            return precision_forward(super().forward, self._towers_policy, self._towers_scaler, *args, **kwargs)
+        except RuntimeError as exc:
+            if "Expected to have finished reduction" not in str(exc):
+                raise
+            names = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+            detail = f" Parameters without a gradient here: {', '.join(names[:10])}." if names else ""
+            raise ValueError(
+                "The previous step left some parameters without a gradient, so DDP (MirroredStrategy) could not "
+                f"finish its gradient all-reduce.{detail} {UNUSED_FIX}") from None

@@ -1,0 +1,109 @@
+"""The flagship test (invariant 1): Mirrored on 2 and 3 CPU replicas gives the same parameters and
+losses after k steps as OneDeviceStrategy on the same global batches.
+
+Cases: a ragged last batch (22 examples, global batch 8 -> 8, 8, 6); a last batch of ONE example
+(one or two replicas get an empty share); gradient accumulation (micro-batches of 4, two per
+update) against one device taking batches of 8 without accumulation; SyncBatchNorm against plain
+BatchNorm on one device over the global batch (parameters and running statistics), also with an
+empty share. The one-device reference runs in this process; each replica count is one spawn that
+runs every case and returns parameters and losses; all assertions happen here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import towers
+from towers.cluster.info import ProcessInfo
+
+pytestmark = pytest.mark.timeout(240)
+
+SPAWN_TIMEOUT_S = 180
+ATOL = 1e-5
+
+#: name -> (mirrored options, training setup, one-device reference setup)
+CASES: dict[str, dict] = {
+    "ragged_last_batch": dict(n=22, gbs=8, model="cnn"),
+    "one_example_last_batch": dict(n=17, gbs=8, model="cnn"),
+    "accumulation": dict(n=22, gbs=4, model="cnn", options={"gradient_accumulation_steps": 2}, ref_gbs=8),
+    "sync_batchnorm": dict(n=22, gbs=8, model="bn", options={"sync_batchnorm": True}),
+    "sync_batchnorm_empty_share": dict(n=17, gbs=8, model="bn", options={"sync_batchnorm": True}),
+}
+
+
+def _model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "bn":
+        return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+
+
+def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 1, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def train(strategy: towers.Strategy, *, n: int, gbs: int, model: str, epochs: int = 2) -> dict:
+    """The user's custom loop, unchanged for every strategy; returns final state and per-step global losses."""
+    with strategy.scope():
+        net = _model(model)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net, optimizer = strategy.prepare(net, optimizer)
+    batches = strategy.distribute_dataset(_data(n), gbs, shuffle=True, seed=3)
+
+    def step(x, y):
+        loss = towers.compute_average_loss(F.cross_entropy(net(x), y, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    losses, shares = [], []
+    for _ in range(epochs):
+        for x, y in batches:
+            shares.append(len(x))
+            losses.append(strategy.reduce("sum", strategy.run(step, args=(x, y))))
+    state = {k: v.detach().clone() for k, v in strategy.unwrap(net).state_dict().items()}
+    return {"state": state, "losses": torch.stack(losses), "shares": shares}
+
+
+def _replica(case_names: list[str]) -> dict:
+    results = {}
+    for name in case_names:
+        case = CASES[name]
+        strategy = towers.MirroredStrategy(timeout_s=60, **case.get("options", {}))
+        results[name] = train(strategy, n=case["n"], gbs=case["gbs"], model=case["model"])
+        results[name]["replicas"] = strategy.num_replicas_in_sync
+    return results
+
+
+def _reference(name: str) -> dict:
+    case = CASES[name]
+    strategy = towers.OneDeviceStrategy("cpu", info=ProcessInfo())
+    return train(strategy, n=case["n"], gbs=case.get("ref_gbs", case["gbs"]), model=case["model"])
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_mirrored_matches_one_device(replicas):
+    names = list(CASES)
+    per_rank = towers.spawn(_replica, replicas, args=(names,), timeout_s=SPAWN_TIMEOUT_S)
+    for name in names:
+        ref = _reference(name)
+        micro = CASES[name].get("options", {}).get("gradient_accumulation_steps", 1)
+        for rank, result in enumerate(per_rank):
+            got = result[name]
+            assert got["replicas"] == replicas
+            losses = got["losses"]
+            if micro > 1:  # a micro-batch's loss is its share of the update's mean: sum them per update
+                losses = losses.reshape(-1, micro).sum(dim=1)
+            assert torch.allclose(losses, ref["losses"], atol=ATOL), (name, rank, losses, ref["losses"])
+            assert got["state"].keys() == ref["state"].keys()
+            for key, value in ref["state"].items():
+                assert torch.allclose(got["state"][key].double(), value.double(), atol=ATOL), (name, rank, key)
+    # The data really was ragged: the last batch of "one_example_last_batch" left some replicas empty.
+    last_shares = [r["one_example_last_batch"]["shares"][2] for r in per_rank]
+    assert last_shares == [1] + [0] * (replicas - 1)
+    assert sum(r["ragged_last_batch"]["shares"][2] for r in per_rank) == 6
