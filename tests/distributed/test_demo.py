@@ -1,0 +1,55 @@
+"""`towers demo` as a user runs it: a real CLI process in its own session, with a deadline."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+
+def _towers(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    exe = shutil.which("towers")
+    cmd = [exe, *args] if exe else [sys.executable, "-m", "towers.cli", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the CLI and every replica it started
+        out, err = proc.communicate()
+        pytest.fail(f"towers {' '.join(args)} did not finish within {timeout_s} s.\nstdout:\n{out}\nstderr:\n{err}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_demo_one_epoch_trains_on_1_and_2_replicas(tmp_path):
+    out_dir = tmp_path / "demo"
+    result = _towers("demo", "--epochs", "1", "--out-dir", str(out_dir), timeout_s=240)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "[1/2] 1 replica (one_device)" in out and "[2/2] 2 replicas (mirrored, 2 processes)" in out
+    accuracies = [float(line.split()[-1]) for line in out.splitlines() if line.strip().startswith("test accuracy")]
+    assert len(accuracies) == 2 and accuracies[0] == pytest.approx(accuracies[1], abs=1e-6) and accuracies[0] > 0.5
+    table = [line.split() for line in out.splitlines() if line.strip().startswith(("1  one_device", "2  mirrored"))]
+    assert [row[:2] for row in table] == [["1", "one_device"], ["2", "mirrored"]] and table[0][4] == "1.00x"
+    assert "epoch 1/1: loss" in result.stderr and "examples/s" in result.stderr  # progress, on the chief only
+    assert result.stderr.count("epoch 1/1: loss") == 2
+    rows = list(csv.DictReader(open(out_dir / "history.csv")))
+    assert [(r["replicas"], r["epoch"]) for r in rows] == [("1", "1"), ("2", "1")]
+    assert float(rows[0]["loss"]) == pytest.approx(float(rows[1]["loss"]), rel=1e-5)  # same maths
+    assert (out_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"{out_dir / 'history.csv'}" in out and f"{out_dir / 'loss.png'}" in out
+
+
+def test_demo_rejects_bad_flags_with_exit_code_2(tmp_path):
+    result = _towers("demo", "--replicas", "0", "--out-dir", str(tmp_path), timeout_s=60)
+    assert result.returncode == 2 and "--replicas must be a positive integer. Received: 0" in result.stderr
+    result = _towers("demo", "--strategy", "ps", timeout_s=60)
+    assert result.returncode == 2 and "--strategy must be one of" in result.stderr
