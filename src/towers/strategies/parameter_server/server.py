@@ -308,6 +308,7 @@ class ParameterServer:
         self.version += 1
         for u in workers:
             self.worker_versions[u] += 1
+        self.cond.notify_all()  # staleness waits depend on the versions
 
     def _set_hyper(self, hyper: list[dict[str, Any]] | None) -> None:
         if hyper and self.optimizer is not None:
