@@ -69,7 +69,7 @@ def capture_state(trainer: "Trainer") -> dict[str, Any]:
         "data": {"epoch": p.epoch, "examples": p.examples, "global_batch_size": p.global_batch_size,
                  "seed": p.seed, "state": dataset_state},
         "rng": list(rng),
-        "metrics": {m.name: m.state_dict() for m in (trainer._loss_metric, *trainer.metrics) if hasattr(m, "state_dict")},
+        "metrics": {m.name: m.state_dict() for m in trainer._train_metrics.all() if hasattr(m, "state_dict")},
         "history": trainer.history.state_dict(),
         "callbacks": callbacks,
     }
@@ -100,7 +100,7 @@ def restore_state(trainer: "Trainer", state: Mapping[str, Any], *, path: str = "
         trainer.strategy.load_state_dict(state["strategy_state"])
     trainer.history.load_state_dict(state.get("history", {}))
     saved_metrics = state.get("metrics", {})
-    for m in (trainer._loss_metric, *trainer.metrics):
+    for m in trainer._train_metrics.all():
         if m.name in saved_metrics and hasattr(m, "load_state_dict"):
             m.load_state_dict(saved_metrics[m.name])
     data = state["data"]
@@ -125,7 +125,7 @@ def _check_fits(trainer: "Trainer", state: Mapping[str, Any], path: str) -> None
     data = state["data"]
     if not isinstance(data, Mapping) or "examples" not in data or "global_batch_size" not in data:
         raise ckpt.CheckpointError(f"Checkpoint {path} has no data position (data={data!r}).")
-    names = {m.name for m in (trainer._loss_metric, *trainer.metrics)}
+    names = {m.name for m in trainer._train_metrics.all()}
     unknown = sorted(set(state.get("metrics", {})) - names)
     if unknown:
         log.warning("checkpoint %s has running sums for metrics this Trainer lacks: %s (ignored)", path, unknown)

@@ -10,47 +10,23 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset
 
 from towers import checkpoint as ckpt
 from towers._logging import get_logger
 from towers.training._state import TrainingProgress, capture_state, restore_state
+from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn, split_batch
 from towers.training.callbacks.base import Callback, CallbackList
 from towers.training.history import History
-from towers.training.metrics import ExternalMetric, Mean, Metric, build_metrics
+from towers.training.metrics import ExternalMetric, Metric, build_metrics
 
 __all__ = ["Trainer"]
 
 log = get_logger(__name__)
-
-LossFn = Callable[..., torch.Tensor]
-
-
-def _per_example_loss_fn(loss: Any) -> LossFn:
-    """Return ``fn(y_pred, y_true) -> per-example losses`` for a function or an ``nn`` loss module."""
-    if isinstance(loss, nn.Module) and hasattr(loss, "reduction"):
-        module = copy.copy(loss)
-        module.reduction = "none"  # the Trainer averages over the global batch itself
-        return module
-    if callable(loss):
-        return lambda y_pred, y_true: loss(y_pred, y_true, reduction="none")
-    raise TypeError(f"loss must be a callable like torch.nn.functional.cross_entropy. Received: {loss!r}.")
-
-
-def _as_dataset(data: Any, what: str) -> Dataset:
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
-        if len(data[0]) != len(data[1]):
-            raise ValueError(f"{what}: x and y must have the same length. Received: {len(data[0])} and {len(data[1])}.")
-        return TensorDataset(data[0], data[1])
-    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        return data
-    raise TypeError(f"{what} must be a map-style Dataset (e.g. TensorDataset) or a tuple (x, y) of tensors. "
-                    f"Received: {type(data).__name__}.")
-
 
 class Trainer:
     """Train, evaluate and predict with ``model`` under ``strategy``, Keras-style.
@@ -72,10 +48,10 @@ class Trainer:
 
             strategy = strategy_from_env(**({} if precision is None else {"precision": precision}))
         self.strategy = strategy
-        self.loss_fn = _per_example_loss_fn(loss)
+        self.loss_fn = per_example_loss_fn(loss)
         self.metrics: list[Metric | ExternalMetric] = build_metrics(metrics)
-        self._val_metrics = copy.deepcopy(self.metrics)
-        self._loss_metric, self._val_loss_metric = Mean("loss"), Mean("loss")
+        self._train_metrics = MetricSet(self.metrics)
+        self._val_metrics = MetricSet(copy.deepcopy(self.metrics))
         _check_precision(strategy, precision)
         self.model, self.optimizer = strategy.prepare(model, optimizer)
         self.seed = int(seed)
@@ -110,8 +86,8 @@ class Trainer:
                 raise ValueError(f"{name} must be an integer >= {low}. Received: {value!r}.")
         if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
             raise ValueError(f"steps_per_epoch must be a positive integer or None. Received: {steps_per_epoch!r}.")
-        train_set = _as_dataset(train_data, "train_data")
-        val_set = None if validation_data is None else _as_dataset(validation_data, "validation_data")
+        train_set = as_dataset(train_data, "train_data")
+        val_set = None if validation_data is None else as_dataset(validation_data, "validation_data")
         self._last_global_batch_size = global_batch_size
         self._train_batches = None
         self.history = History()
@@ -138,7 +114,7 @@ class Trainer:
             self._train_epoch(train_set, global_batch_size, steps_per_epoch, shuffle,
                               resume["rng"] if resume is not None else None)
             resume = None
-            epoch_logs = {"loss": self._loss_metric.result(), **{m.name: m.result() for m in self.metrics}}
+            epoch_logs = self._train_metrics.results()
             if val_set is not None:
                 val_logs = self._evaluate(val_set, global_batch_size, cbs)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
@@ -153,9 +129,7 @@ class Trainer:
                      shuffle: bool, rng: Any) -> None:
         p = self.progress
         if p.step == 0:  # a fresh epoch (a mid-epoch resume keeps the restored running sums)
-            self._loss_metric.reset()
-            for m in self.metrics:
-                m.reset()
+            self._train_metrics.reset()
             if rng is not None:  # saved at an epoch boundary: before this epoch built its iterator
                 ckpt.set_rng_state(rng)
                 rng = None
@@ -199,7 +173,7 @@ class Trainer:
         return it
 
     def _train_step(self, batch: Any) -> dict[str, float]:
-        x, y = _split_batch(batch)
+        x, y = split_batch(batch)
         from towers.losses import compute_average_loss
 
         def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,25 +185,15 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return per_example.detach(), y_pred.detach()
 
-        per_example, y_pred = self.strategy.run(step, args=(x, y))
-        if per_example.ndim == 0 and len(y) > 0:
-            raise ValueError(f"loss must return one value per example when called with reduction='none'; it returned "
-                             f"a scalar for a batch of {len(y)}. Pass e.g. F.cross_entropy, or a function that accepts reduction=.")
-        per_example = per_example.reshape(len(y), -1).mean(dim=1) if per_example.ndim > 1 else per_example
-        summed = [m for m in self.metrics if isinstance(m, Metric)]
-        for m in self.metrics:
-            if isinstance(m, ExternalMetric):
-                m.update(y_pred, y)
-        local = torch.cat([self._loss_metric.local_state(per_example),
-                           *(m.local_state(y_pred.float(), y) for m in summed),
-                           (~torch.isfinite(per_example)).any().to(torch.float64).reshape(1)])
-        reduced = self.strategy.reduce("sum", local).detach().to("cpu", torch.float64)
-        self._loss_metric.accumulate(reduced[0:2])
-        offset = 2
-        for m in summed:
-            m.accumulate(reduced[offset:offset + m.num_states])
-            offset += m.num_states
-        logs = {"loss": self._loss_metric.result(), **{m.name: m.result() for m in summed}}
+        losses, y_pred = self.strategy.run(step, args=(x, y))
+        losses = per_example(losses, len(y))
+        metrics = self._train_metrics
+        nonfinite = (~torch.isfinite(losses)).any().to(torch.float64).reshape(1)
+        # One reduction per step: the metric sums and a "loss not finite here" flag.
+        reduced = self.strategy.reduce("sum", torch.cat([metrics.local_state(losses, y_pred, y), nonfinite]))
+        reduced = reduced.detach().to("cpu", torch.float64)
+        metrics.accumulate(reduced)
+        logs = metrics.results(external=False)
         logs.update({"size": float(reduced[1].item()), "nonfinite_replicas": float(reduced[-1].item())})
         return logs
 
@@ -244,44 +208,30 @@ class Trainer:
         gbs = global_batch_size or self._last_global_batch_size or 32 * self.strategy.num_replicas_in_sync
         if not isinstance(gbs, int) or gbs < 1:
             raise ValueError(f"global_batch_size must be a positive integer. Received: {gbs!r}.")
-        return self._evaluate(_as_dataset(data, "data"), gbs, CallbackList(callbacks, trainer=self))
+        return self._evaluate(as_dataset(data, "data"), gbs, CallbackList(callbacks, trainer=self))
 
     def _evaluate(self, dataset: Dataset, global_batch_size: int, cbs: CallbackList) -> dict[str, float]:
         was_training = self.model.training
         self.model.eval()
-        loss_metric, metrics = self._val_loss_metric, self._val_metrics
-        for m in (loss_metric, *metrics):
-            m.reset()
-        summed = [m for m in metrics if isinstance(m, Metric)]
-        local: torch.Tensor | None = None
+        metrics = self._val_metrics
+        metrics.reset()
+        local = torch.zeros(metrics.size, dtype=torch.float64, device=self.strategy.device)
         cbs.call("on_test_begin", {})
         with torch.no_grad():
             batches = self.strategy.distribute_dataset(dataset, global_batch_size, shuffle=False, drop_remainder=False)
             for batch_index, batch in enumerate(batches):
                 cbs.call("on_test_batch_begin", batch_index, {})
-                x, y = _split_batch(batch)
+                x, y = split_batch(batch)
 
                 def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                     y_pred = self.model(x)
                     return self.loss_fn(y_pred, y).detach(), y_pred.detach()
 
-                per_example, y_pred = self.strategy.run(step, args=(x, y))
-                per_example = per_example.reshape(len(y), -1).mean(dim=1) if per_example.ndim > 1 else per_example
-                for m in metrics:
-                    if isinstance(m, ExternalMetric):
-                        m.update(y_pred, y)
-                state = torch.cat([loss_metric.local_state(per_example), *(m.local_state(y_pred.float(), y) for m in summed)])
-                local = state if local is None else local + state  # sums: reduce once, at the end
+                losses, y_pred = self.strategy.run(step, args=(x, y))
+                local += metrics.local_state(per_example(losses, len(y)), y_pred, y)  # reduced once, at the end
                 cbs.call("on_test_batch_end", batch_index, {})
-        if local is None:  # no batches on this replica: still join the reduction with zeros
-            local = torch.zeros(2 + sum(m.num_states for m in summed), dtype=torch.float64, device=self.strategy.device)
-        reduced = self.strategy.reduce("sum", local).detach().to("cpu", torch.float64)
-        loss_metric.accumulate(reduced[0:2])
-        offset = 2
-        for m in summed:
-            m.accumulate(reduced[offset:offset + m.num_states])
-            offset += m.num_states
-        logs = {"loss": loss_metric.result(), **{m.name: m.result() for m in metrics}}
+        metrics.accumulate(self.strategy.reduce("sum", local))
+        logs = metrics.results()
         cbs.call("on_test_end", dict(logs))
         self.model.train(was_training)
         return logs
@@ -295,7 +245,7 @@ class Trainer:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer. Received: {batch_size!r}.")
         if not isinstance(x, torch.Tensor):
-            dataset = _as_dataset(x, "x")
+            dataset = as_dataset(x, "x")
             x = torch.stack([dataset[i][0] if isinstance(dataset[i], (tuple, list)) else dataset[i]
                              for i in range(len(dataset))])
         cbs = CallbackList(callbacks, trainer=self)
@@ -342,14 +292,6 @@ class Trainer:
             ckpt.load_model_state(self.unwrapped_model, state["model"], path=str(path))
         else:
             self.load_state_dict(state, path=str(path))
-
-
-def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return batch[0], batch[1]
-    raise ValueError(f"Each batch must be (x, y). Received: {type(batch).__name__}"
-                     f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. "
-                     "Use a dataset whose items are (input, label) pairs, e.g. TensorDataset(x, y).")
 
 
 def _check_precision(strategy: Any, precision: Any) -> None:

@@ -1,0 +1,95 @@
+"""Pieces of the Trainer's steps: the per-example loss, inputs as datasets, batches, and metric sums."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from towers.training.metrics import ExternalMetric, Mean, Metric
+
+__all__ = ["per_example_loss_fn", "as_dataset", "split_batch", "MetricSet"]
+
+
+def per_example_loss_fn(loss: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Return ``fn(y_pred, y_true) -> per-example losses`` for a function or an ``nn`` loss module."""
+    if isinstance(loss, nn.Module) and hasattr(loss, "reduction"):
+        module = copy.copy(loss)
+        module.reduction = "none"  # the Trainer averages over the global batch itself
+        return module
+    if callable(loss):
+        return lambda y_pred, y_true: loss(y_pred, y_true, reduction="none")
+    raise TypeError(f"loss must be a callable like torch.nn.functional.cross_entropy. Received: {loss!r}.")
+
+
+def as_dataset(data: Any, what: str) -> Dataset:
+    """Return ``data`` as a map-style dataset (a tuple ``(x, y)`` of tensors becomes a ``TensorDataset``)."""
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        if len(data[0]) != len(data[1]):
+            raise ValueError(f"{what}: x and y must have the same length. Received: {len(data[0])} and {len(data[1])}.")
+        return TensorDataset(data[0], data[1])
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        return data
+    raise TypeError(f"{what} must be a map-style Dataset (e.g. TensorDataset) or a tuple (x, y) of tensors. "
+                    f"Received: {type(data).__name__}.")
+
+
+def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(x, y)`` of a batch; extra items are ignored."""
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return batch[0], batch[1]
+    raise ValueError(f"Each batch must be (x, y). Received: {type(batch).__name__}"
+                     f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. "
+                     "Use a dataset whose items are (input, label) pairs, e.g. TensorDataset(x, y).")
+
+
+def per_example(values: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Return one loss per example: ``values`` with extra dimensions (e.g. per pixel) averaged."""
+    if values.ndim == 0 and batch_size > 0:
+        raise ValueError(f"loss must return one value per example when called with reduction='none'; it returned "
+                         f"a scalar for a batch of {batch_size}. Pass e.g. F.cross_entropy, or a function that "
+                         "accepts reduction=.")
+    return values.reshape(batch_size, -1).mean(dim=1) if values.ndim > 1 else values
+
+
+class MetricSet:
+    """``loss`` plus the user's metrics: one vector of local sums per batch, accumulated once reduced."""
+
+    def __init__(self, metrics: Sequence[Metric | ExternalMetric]):
+        self.loss = Mean("loss")
+        self.metrics = list(metrics)
+        self.summed = [m for m in self.metrics if isinstance(m, Metric)]
+        self.size = 2 + sum(m.num_states for m in self.summed)
+
+    def reset(self) -> None:
+        """Forget every accumulated value."""
+        for m in (self.loss, *self.metrics):
+            m.reset()
+
+    def local_state(self, losses: torch.Tensor, y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Return this replica's float64 sums for a batch (and update torchmetrics-style metrics locally)."""
+        for m in self.metrics:
+            if isinstance(m, ExternalMetric):
+                m.update(y_pred, y)
+        return torch.cat([self.loss.local_state(losses), *(m.local_state(y_pred.float(), y) for m in self.summed)])
+
+    def accumulate(self, reduced: torch.Tensor) -> None:
+        """Add sums already reduced across replicas (the first ``self.size`` values of ``reduced``)."""
+        reduced = reduced.detach().to("cpu", torch.float64)
+        self.loss.accumulate(reduced[0:2])
+        offset = 2
+        for m in self.summed:
+            m.accumulate(reduced[offset:offset + m.num_states])
+            offset += m.num_states
+
+    def results(self, *, external: bool = True) -> dict[str, float]:
+        """Return ``{"loss": ..., name: ...}``; ``external`` includes torchmetrics (their ``compute`` may be a collective)."""
+        chosen = self.metrics if external else self.summed
+        return {"loss": self.loss.result(), **{m.name: m.result() for m in chosen}}
+
+    def all(self) -> list[Metric | ExternalMetric]:
+        """Return the loss metric and every user metric."""
+        return [self.loss, *self.metrics]
