@@ -95,3 +95,26 @@ def test_two_replicas_share_one_history_equal_to_one_device(tmp_path):
     files = sorted(os.listdir(tmp_path))  # the chief wrote, rank 1 did not
     assert files == ["log-rank0.csv", "model-rank0-1.pt", "model-rank0-2.pt", "model-rank0-3.pt"]
     assert len(open(tmp_path / "log-rank0.csv").read().splitlines()) == EPOCHS + 1
+
+
+def _ps_replica():
+    strategy = towers.strategy_from_env(mode="sync", exit_on_ps=False)
+    if strategy.is_ps:
+        return None  # the ps task served until both workers were done
+    try:
+        return _fit_and_evaluate(strategy)
+    finally:
+        strategy.shutdown()
+
+
+def test_the_same_trainer_under_sync_parameter_servers():
+    """Nothing strategy-specific in the Trainer: 2 workers + 1 ps (sync) give one device's History."""
+    results = towers.spawn(_ps_replica, 3, timeout_s=180, env={"TOWERS_STRATEGY": "ps", "TOWERS_NUM_PS": "1"})
+    assert results[2] is None
+    (h0, e0, p0), (h1, e1, _) = results[0], results[1]
+    assert h0 == h1 and e0 == e1
+    h_one, e_one, p_one = _fit_and_evaluate(towers.OneDeviceStrategy("cpu"))
+    for key, values in h_one["history"].items():
+        assert h0["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
+    assert e0 == pytest.approx(e_one, rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(p0, p_one))
