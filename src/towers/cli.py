@@ -79,7 +79,8 @@ def run_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"towers demo: {exc}", file=sys.stderr)
         return 2
-    print(f"towers demo: seed CNN on {spec.data}, {spec.epochs} epochs, global batch {spec.global_batch_size}, "
+    print(f"towers demo: seed CNN on {spec.data}, {spec.epochs} epoch{'s' if spec.epochs != 1 else ''}, "
+          f"global batch {spec.global_batch_size}, "
           "one CPU thread per replica", flush=True)
     runs = []
     try:
