@@ -67,6 +67,7 @@ class ParameterServer:
         self.arrivals: set[int] = set()
         self.present: list[bool] = []
         self.sum_buf = torch.empty(0, dtype=torch.uint8)
+        self.round_buf = torch.empty(0, dtype=torch.uint8)  # the values a finished round sends back
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def serve(self) -> dict[str, Any]:
@@ -224,8 +225,7 @@ class ParameterServer:
                     "every worker before strategy.prepare().", Status.BAD_INPUT)
             if w not in self.grad_bufs:
                 self.grad_bufs[w] = self.layout.new_buffer()
-                if self.mode == "async":
-                    self.reply_bufs[w] = self.layout.new_buffer()
+                self.reply_bufs[w] = self.layout.new_buffer()
             return {"ints": (self.version,), "flat": self._snapshot(w)}
 
     def _initialise(self, meta: dict[str, Any], flat: torch.Tensor | None) -> None:
@@ -237,6 +237,7 @@ class ParameterServer:
         self.params_buf = flat.clone()
         self.params = [torch.nn.Parameter(v) for v in layout.views(self.params_buf)]
         self.sum_buf = layout.new_buffer()
+        self.round_buf = self.params_buf.clone()
         self.present = [False] * len(specs)
         spec = meta["optimizer"]
         if spec is not None and spec["groups"]:
@@ -253,9 +254,7 @@ class ParameterServer:
                  layout.nbytes / 1e6, type(self.optimizer).__name__ if self.optimizer else None, self.mode)
 
     def _snapshot(self, w: int) -> torch.Tensor:
-        """Parameters to send to ``w`` (lock held). Sync mode sends the live buffer: no update can run meanwhile."""
-        if self.mode == "sync":
-            return self.params_buf
+        """A copy of the parameters to send to ``w`` once the lock is released (lock held)."""
         buf = self.reply_bufs[w]
         buf.copy_(self.params_buf)
         return buf
@@ -285,7 +284,9 @@ class ParameterServer:
             self._progress()
             self._wait(lambda: self.round != my_round, f"sync round {my_round}",
                        lambda: self._active() - self.arrivals)
-            return {"ints": (self.version, self.worker_versions[w], len(self.dead)), "flat": self.params_buf}
+            # One copy per round, shared by its replies: the next round cannot finish before they are
+            # all received, but set_params (a checkpoint load) may change params_buf meanwhile.
+            return {"ints": (self.version, self.worker_versions[w], len(self.dead)), "flat": self.round_buf}
 
     def _lead(self, w: int) -> int:
         others = [self.worker_versions[u] for u in self._active() if u != w]
@@ -296,6 +297,7 @@ class ParameterServer:
         for i, p in enumerate(self.params):
             p.grad = grads[i] if self.present[i] else None
         self._step(sorted(self.arrivals))
+        self.round_buf.copy_(self.params_buf)
         self.round += 1
         self.arrivals.clear()
         self.present = [False] * len(self.params)
