@@ -1,0 +1,139 @@
+"""ParameterServerStrategy pieces that need no process: roles, bad input, sharding, layouts, optimizer mapping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import towers
+from towers.cluster.info import ClusterSpec, ProcessInfo, TaskInfo
+from towers.strategies.parameter_server.roles import resolve_roles
+from towers.strategies.parameter_server.sharding import (
+    FlatLayout,
+    ParamSpec,
+    assign_shards,
+    model_signature,
+    signature_mismatch,
+)
+from towers.strategies.parameter_server.worker import _optimizer_layout
+
+
+def _info(rank: int = 0, world: int = 3, **kw) -> ProcessInfo:
+    return ProcessInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world, master_port=29500, **kw)
+
+
+# --- roles ----------------------------------------------------------------------------------------
+def test_last_ranks_are_ps_tasks_and_rank_zero_is_the_chief_worker():
+    roles = [resolve_roles(_info(r, 4, num_ps=2, strategy="ps"), None) for r in range(4)]
+    assert [(x.is_ps, x.index) for x in roles] == [(False, 0), (False, 1), (True, 0), (True, 1)]
+    assert roles[0].ps_ranks == (2, 3) and roles[0].num_workers == 2 and roles[0].bind_host == "127.0.0.1"
+    assert resolve_roles(_info(2, 3), None).num_ps == 1  # no launcher setting: one ps task
+
+
+def test_tf_config_roles_and_bind_address():
+    spec = ClusterSpec({"chief": ["h0:2222"], "worker": ["h1:2222"], "ps": ["h2:2222"]})
+    info = ProcessInfo(rank=2, world_size=3, task=TaskInfo("ps", 0), cluster=spec, num_ps=1, master_port=2222)
+    roles = resolve_roles(info, None)
+    assert roles.is_ps and roles.index == 0 and roles.bind_host == "h2"
+    bad = ProcessInfo(rank=0, world_size=3, task=TaskInfo("ps", 0), cluster=spec, num_ps=1, master_port=2222)
+    with pytest.raises(ValueError, match="ps tasks must be the last ranks"):
+        resolve_roles(bad, None)
+
+
+@pytest.mark.parametrize("num_ps, world, message", [
+    (3, 3, r"num_ps=3 leaves no worker: the job has 3 process\(es\).*Expected num_ps < 3"),
+    (1, 1, r"num_ps=1 leaves no worker.*towers launch --strategy ps --num-ps 1"),
+    (0, 3, r"num_ps must be an integer >= 1. Received: num_ps=0"),
+])
+def test_num_ps_without_workers_is_refused(num_ps, world, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_roles(_info(0, world), num_ps)
+
+
+def test_num_ps_contradicting_the_launcher_is_refused():
+    with pytest.raises(ValueError, match=r"num_ps=2 was passed, but the job was launched with 1 ps task"):
+        resolve_roles(_info(0, 4, num_ps=1), 2)
+
+
+def test_evaluator_is_refused():
+    spec = ClusterSpec({"chief": ["h0:1"], "ps": ["h1:1"], "evaluator": ["h2:1"]})
+    with pytest.raises(ValueError, match="evaluator"):
+        resolve_roles(ProcessInfo(task=TaskInfo("evaluator", 0), cluster=spec), None)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "hogwild"}, r"mode must be one of \('async', 'sync'\). Received: mode='hogwild'"),
+    ({"mode": "sync", "staleness": 2}, "sync mode is never stale"),
+    ({"staleness": -1}, "staleness must be None or an integer >= 0"),
+    ({"timeout_s": 0}, "timeout_s must be > 0"),
+    ({"num_ps": 5}, "leaves no worker"),
+])
+def test_bad_arguments_fail_before_any_connection(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        towers.ParameterServerStrategy(info=_info(0, 3), **kwargs)
+
+
+def test_registered_under_ps_names():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        towers.get_strategy("parameter-server", info=_info(), mode="bad")
+
+
+# --- sharding -------------------------------------------------------------------------------------
+def test_greedy_sharding_puts_the_largest_tensor_on_the_least_loaded_ps():
+    specs = [ParamSpec(f"p{i}", (n,), "float32") for i, n in enumerate([10, 1000, 300, 300, 5, 500])]
+    shards = assign_shards(specs, 2)
+    assert shards == [[0, 1, 4], [2, 3, 5]]  # 1000+10+5 | 500+300+300
+    assert sorted(i for s in assign_shards(specs, 3) for i in s) == list(range(6))
+    assert assign_shards(specs[:1], 2) == [[0], []]  # more ps tasks than parameters: an empty shard
+
+
+def test_seed_cnn_sharding_balances_two_ps_tasks():
+    from towers.models import SeedCNN
+
+    specs = model_signature(SeedCNN().named_parameters())
+    loads = [sum(specs[i].nbytes for i in shard) for shard in assign_shards(specs, 2)]
+    assert sum(loads) == 4 * sum(s.numel for s in specs) and min(loads) > 0
+
+
+def test_flat_layout_views_are_aligned_typed_and_share_memory():
+    specs = [ParamSpec("a", (3, 5), "float32"), ParamSpec("b", (7,), "float64"), ParamSpec("c", (2,), "float32")]
+    layout = FlatLayout(specs)
+    assert all(o % 64 == 0 for o in layout.offsets) and layout.nbytes % 64 == 0
+    buf = layout.new_buffer()
+    a, b, c = layout.views(buf)
+    assert (a.shape, a.dtype, b.dtype, c.shape) == ((3, 5), torch.float32, torch.float64, (2,))
+    a.fill_(1.0)
+    c.fill_(2.0)
+    b.fill_(3.0)
+    f32, f64 = layout.region_views(buf)  # float32 params first (a, c), then float64
+    assert f32.sum().item() == 15 + 4 and f64.sum().item() == 21
+
+
+def test_signature_mismatch_names_the_first_difference():
+    one = model_signature(nn.Linear(4, 2).named_parameters())
+    other = model_signature(nn.Linear(4, 3).named_parameters())
+    assert signature_mismatch(one, one) is None
+    assert signature_mismatch(one, other) == "expected 'weight' (2, 4) float32, received 'weight' (3, 4) float32"
+    assert "expected 2 parameters, received 1" in signature_mismatch(one, one[:1])
+
+
+def test_optimizer_layout_maps_ps_local_indices_to_torch_numbering():
+    net = nn.Sequential(nn.Linear(2, 50), nn.Linear(50, 1))
+    params = list(net.parameters())  # w0 (100), b0 (50), w1 (50), b1 (1)
+    opt = torch.optim.SGD([{"params": [params[2], params[0]], "lr": 1.0}, {"params": [params[3]]}], lr=0.1)
+    shards = assign_shards(model_signature(net.named_parameters()), 2)
+    assert shards == [[0, 3], [1, 2]]  # w0+b1 | b0+w1
+    groups, local_to_global, group_ids = _optimizer_layout(opt, params, shards)
+    # torch numbers the optimizer's params w1=0, w0=1, b1=2 (group order); b0 is in no group: not optimized
+    assert groups[0][0] == ({k: v for k, v in opt.param_groups[0].items() if k != "params"}, [0])
+    assert [positions for _, positions in groups[0]] == [[0], [1]] and local_to_global[0] == [1, 2]
+    assert [positions for _, positions in groups[1]] == [[1]] and local_to_global[1] == [0]
+    assert group_ids == [[0, 1], [0]]
+
+
+def test_optimizer_with_a_foreign_tensor_is_refused():
+    net = nn.Linear(2, 2)
+    opt = torch.optim.SGD([*net.parameters(), nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(ValueError, match=r"holds a tensor of shape \(3,\) that is not a parameter of the model"):
+        _optimizer_layout(opt, list(net.parameters()), [[0, 1]])
