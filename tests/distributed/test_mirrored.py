@@ -5,7 +5,7 @@ Cases: a ragged last batch (22 examples, global batch 8 -> 8, 8, 6); a last batc
 (one or two replicas get an empty share); gradient accumulation (micro-batches of 4, two per
 update) against one device taking batches of 8 without accumulation; SyncBatchNorm against plain
 BatchNorm on one device over the global batch (parameters and running statistics), also with an
-empty share. The one-device reference runs in this process; each replica count is one spawn that
+empty share; and a model that cannot take an empty batch, with ``pad_empty_batches``. The one-device reference runs in this process; each replica count is one spawn that
 runs every case and returns parameters and losses; all assertions happen here.
 """
 
@@ -31,11 +31,21 @@ CASES: dict[str, dict] = {
     "accumulation": dict(n=22, gbs=4, model="cnn", options={"gradient_accumulation_steps": 2}, ref_gbs=8),
     "sync_batchnorm": dict(n=22, gbs=8, model="bn", options={"sync_batchnorm": True}),
     "sync_batchnorm_empty_share": dict(n=17, gbs=8, model="bn", options={"sync_batchnorm": True}),
+    # A model that cannot take an empty batch (x.view(len(x), -1)): the empty share gets a zero-weight example.
+    "padded_empty_share": dict(n=17, gbs=8, model="view", pad=True),
 }
+
+
+class _ViewFlatten(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.size(0), -1)  # fails on 0 examples: "-1 ... is ambiguous"
+
 
 
 def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
+    if kind == "view":
+        return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), _ViewFlatten(), nn.Linear(64, 3))
     if kind == "bn":
         return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
     return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
@@ -46,13 +56,13 @@ def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 1, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def train(strategy: towers.Strategy, *, n: int, gbs: int, model: str, epochs: int = 2) -> dict:
+def train(strategy: towers.Strategy, *, n: int, gbs: int, model: str, epochs: int = 2, pad: bool = False) -> dict:
     """The user's custom loop, unchanged for every strategy; returns final state and per-step global losses."""
     with strategy.scope():
         net = _model(model)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     net, optimizer = strategy.prepare(net, optimizer)
-    batches = strategy.distribute_dataset(_data(n), gbs, shuffle=True, seed=3)
+    batches = strategy.distribute_dataset(_data(n), gbs, shuffle=True, seed=3, pad_empty_batches=pad)
 
     def step(x, y):
         loss = towers.compute_average_loss(F.cross_entropy(net(x), y, reduction="none"))
@@ -75,7 +85,7 @@ def _replica(case_names: list[str]) -> dict:
     for name in case_names:
         case = CASES[name]
         strategy = towers.MirroredStrategy(timeout_s=60, **case.get("options", {}))
-        results[name] = train(strategy, n=case["n"], gbs=case["gbs"], model=case["model"])
+        results[name] = train(strategy, n=case["n"], gbs=case["gbs"], model=case["model"], pad=case.get("pad", False))
         results[name]["replicas"] = strategy.num_replicas_in_sync
     return results
 
@@ -83,7 +93,8 @@ def _replica(case_names: list[str]) -> dict:
 def _reference(name: str) -> dict:
     case = CASES[name]
     strategy = towers.OneDeviceStrategy("cpu", info=ProcessInfo())
-    return train(strategy, n=case["n"], gbs=case.get("ref_gbs", case["gbs"]), model=case["model"])
+    return train(strategy, n=case["n"], gbs=case.get("ref_gbs", case["gbs"]), model=case["model"],
+                 pad=case.get("pad", False))
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
@@ -106,4 +117,5 @@ def test_mirrored_matches_one_device(replicas):
     # The data really was ragged: the last batch of "one_example_last_batch" left some replicas empty.
     last_shares = [r["one_example_last_batch"]["shares"][2] for r in per_rank]
     assert last_shares == [1] + [0] * (replicas - 1)
+    assert [r["padded_empty_share"]["shares"][2] for r in per_rank] == [1] * replicas  # padding, weight zero
     assert sum(r["ragged_last_batch"]["shares"][2] for r in per_rank) == 6

@@ -308,3 +308,25 @@ def test_misuse_is_explained(results):
     assert all("number of replicas (2)" in m for m in _error(results, "err_batch_size"))
     assert all("fewer than the 2 replicas" in m for m in _error(results, "err_tiny_dataset"))
     assert _ok(results, "after_errors") == [2.0, 2.0]
+
+
+def _empty_share_without_padding() -> None:
+    strategy = towers.MirroredStrategy(timeout_s=30)
+    torch.manual_seed(0)
+    net = nn.Linear(36, 2)
+    model, opt = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+    def step(x):
+        model(x.view(x.size(0), -1)).sum().backward()  # view(0, -1) fails on an empty batch
+        opt.step()
+
+    for x in strategy.distribute_dataset(torch.randn(3, 6, 6), 2, shuffle=False):  # last batch: 1 example
+        strategy.run(step, args=(x,))
+
+
+def test_a_step_that_fails_on_an_empty_share_is_explained():
+    with pytest.raises(towers.launch.SpawnError) as info:
+        towers.spawn(_empty_share_without_padding, 2, timeout_s=90)
+    message = str(info.value)
+    assert "rank 1 of 2 failed" in message
+    assert "Replica 1 got an empty share of global batch 1" in message and "pad_empty_batches=True" in message

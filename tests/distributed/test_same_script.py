@@ -1,6 +1,7 @@
 """Invariant 2 (same script): one file runs unchanged as ``python script.py`` (one replica) and under
-``towers launch --nproc-per-node 2 --strategy mirrored`` (two replicas), with the same final
-parameters and losses, printed once (by the chief). Also the custom-loop example, end to end.
+``towers launch --nproc-per-node 2 --strategy mirrored`` (two replicas), and across two launchers
+(``--nnodes 2``: MultiWorkerMirroredStrategy), with the same final parameters and losses, printed
+once (by the chief). Also the custom-loop example, end to end.
 
 Every command runs in a new session with a deadline; on timeout the whole process group is killed.
 """
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -59,19 +61,34 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _start(argv: list[str], cwd: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TOWERS_", "RANK", "WORLD_SIZE", "LOCAL_",
                                                                      "MASTER_", "TF_CONFIG", "SLURM_"))}
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
+    """Wait for every command under one deadline; on timeout kill every process group and fail."""
+    deadline = time.monotonic() + DEADLINE_S
+    done = []
     try:
-        out, err = proc.communicate(timeout=DEADLINE_S)
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(argv)} did not finish within {DEADLINE_S} s.\nstdout:\n{out}\nstderr:\n{err}")
-    assert proc.returncode == 0, f"{' '.join(argv)} exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        outputs = [p.communicate() for p in procs]
+        pytest.fail(f"not finished within {DEADLINE_S} s: {[' '.join(p.args) for p in procs]}\n{outputs}")
+    for r in done:
+        assert r.returncode == 0, f"{' '.join(r.args)} exited {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    return done
+
+
+def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return _finish([_start(argv, cwd)])[0]
 
 
 def _result(stdout: str) -> dict:
@@ -80,15 +97,42 @@ def _result(stdout: str) -> dict:
     return json.loads(lines[0][len("RESULT "):])
 
 
-def test_one_script_runs_unchanged_on_one_and_two_replicas(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    single = _result(_run([sys.executable, str(script)], tmp_path).stdout)
+@pytest.fixture(scope="module")
+def script(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("same_script") / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+@pytest.fixture(scope="module")
+def single(script) -> dict:
+    """The script run with plain `python`: one replica."""
+    return _result(_run([sys.executable, str(script)], script.parent).stdout)
+
+
+def test_one_script_runs_unchanged_on_one_and_two_replicas(script, single, tmp_path):
     launched = _result(_run([sys.executable, "-m", "towers.cli", "launch", "--nproc-per-node", "2",
                              "--strategy", "mirrored", str(script)], tmp_path).stdout)
     assert (single["strategy"], single["replicas"]) == ("OneDeviceStrategy", 1)
     assert (launched["strategy"], launched["replicas"]) == ("MirroredStrategy", 2)
     assert len(single["losses"]) == 6  # 21 examples, global batch 8: 8, 8, 5 per epoch
+    assert launched["losses"] == pytest.approx(single["losses"], abs=1e-5)
+    for got, want in zip(launched["params"], single["params"]):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_the_same_script_across_two_launchers_is_multi_worker_mirrored(script, single, tmp_path):
+    # Two `towers launch` processes, one per "node" (both on this host), make one 2-replica job.
+    from towers.launch import free_port
+
+    port = str(free_port())
+    launchers = [_start([sys.executable, "-m", "towers.cli", "launch", "--nnodes", "2", "--node-rank", str(node),
+                         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, str(script)],
+                        tmp_path) for node in (0, 1)]
+    chief, worker = _finish(launchers)
+    assert "RESULT" not in worker.stdout  # only the chief prints
+    launched = _result(chief.stdout)
+    assert (launched["strategy"], launched["replicas"]) == ("MultiWorkerMirroredStrategy", 2)
     assert launched["losses"] == pytest.approx(single["losses"], abs=1e-5)
     for got, want in zip(launched["params"], single["params"]):
         assert got == pytest.approx(want, abs=1e-5)

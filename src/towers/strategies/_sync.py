@@ -158,6 +158,16 @@ class SyncStrategy(Strategy):
                 for ddp in self._ddp_models:
                     ddp.require_backward_grad_sync = False
             return fn(*args, **dict(kwargs or {}))
+        except Exception as exc:
+            batch = self._tracker.batch
+            if batch is None or batch.local_batch_size or batch.num_padding_examples:
+                raise
+            raise RuntimeError(
+                f"Replica {self.replica_id} got an empty share of global batch {batch.index} ({batch.global_batch_size} "
+                f"example(s) over {self.num_replicas_in_sync} replicas) and the step failed on it: "
+                f"{type(exc).__name__}: {exc}. Expected the model to accept a batch of 0 examples; otherwise use "
+                "strategy.distribute_dataset(..., pad_empty_batches=True) (one zero-weight example instead) or "
+                "drop_remainder=True.") from exc
         finally:
             if defer:
                 for ddp in self._ddp_models:
