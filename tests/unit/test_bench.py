@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -16,8 +17,8 @@ def make_report() -> BenchReport:
         measurements=[
             Measurement(RAW, 1, "torch (no DDP)", (2000.0, 2100.0, 1900.0)),
             Measurement("mirrored", 1, "OneDeviceStrategy", (1980.0, 2000.0, 1995.0)),
-            Measurement(RAW, 2, "torch DDP", (3000.0, 3200.0, 3400.0)),
-            Measurement("mirrored", 2, "MirroredStrategy", (2940.0, 3200.0, 3060.0)),
+            Measurement(RAW, 2, "torch DDP", (3000.0, 3200.0, 3400.0), (30.0, 31.0, 29.0)),
+            Measurement("mirrored", 2, "MirroredStrategy", (2940.0, 3200.0, 3060.0), (30.3, 31.0, 29.58)),
         ],
         config={"repeats": 3, "steps": 30, "warmup": 5, "batch_size": 64, "threads": 1},
         environment={"cores": 2},
@@ -35,6 +36,10 @@ def test_speedup_efficiency_and_ratio_follow_from_the_medians():
     assert report.ratios_vs_raw("mirrored", 2) == pytest.approx([0.98, 1.0, 0.9])
     assert report.ratio_vs_raw("mirrored", 2) == pytest.approx(0.98)
     assert report.ratio_vs_raw("mirrored", 1) == pytest.approx(sorted([0.99, 2000 / 2100, 1995 / 1900])[1])
+    # CPU per step: ratios 1.01, 1.0, 1.02 -> median 1.01; no CPU times at 1 replica -> None
+    assert report.cpu_ratio_vs_raw("mirrored", 2) == pytest.approx(1.01)
+    assert report.get("mirrored", 2).cpu_ms == pytest.approx(30.3)
+    assert report.cpu_ratio_vs_raw("mirrored", 1) is None
 
 
 def test_missing_baselines_give_none_not_errors():
@@ -56,12 +61,13 @@ def test_table_is_aligned_and_shows_every_number():
     table = make_report().to_table()
     lines = table.splitlines()
     assert lines[0].split() == ["strategy", "replicas", "engine", "examples/s", "[min-max]", "speed-up",
-                                "efficiency", "vs", "raw", "DDP"]
+                                "efficiency", "vs", "raw", "DDP", "CPU", "ms/step", "CPU", "vs", "raw"]
     body = lines[2:6]
     assert len({len(line) for line in lines[:6]}) == 1, "header, rule and rows share one width"
     assert "mirrored" in body[3] and "3,060" in body[3] and "[2,940-3,200]" in body[3]
     assert "1.53x" in body[3] and "0.77" in body[3] and "0.98" in body[3]
-    assert "median of 3 interleaved repeats of 30 steps" in table
+    assert body[3].endswith("30.3       1.010") and body[0].rstrip().endswith("-")
+    assert "median of 3 repeats of 30 steps" in table
 
 
 def test_json_round_trip_keeps_measurements_and_derived_rows(tmp_path):
@@ -78,7 +84,7 @@ def test_json_round_trip_keeps_measurements_and_derived_rows(tmp_path):
 def test_summary_states_ratio_and_both_efficiencies():
     (one, two) = summarize(make_report())
     assert one.startswith("mirrored at 1 replica(s): towers/raw = ")
-    assert "towers/raw = 0.980" in two and "mirrored 0.77, raw DDP 0.80" in two
+    assert "towers/raw = 0.980 (CPU per step: towers/raw = 1.010)" in two and "mirrored 0.77, raw DDP 0.80" in two
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -107,6 +113,8 @@ def test_measurement_needs_repeats_and_a_positive_replica_count():
         Measurement("mirrored", 2, "x", ())
     with pytest.raises(ValueError, match="replicas must be >= 1"):
         Measurement("mirrored", 0, "x", (1.0,))
+    with pytest.raises(ValueError, match="one of each per repeat"):
+        Measurement("mirrored", 1, "x", (1.0, 2.0), (3.0,))
 
 
 def test_config_normalises_and_validates():
@@ -120,6 +128,7 @@ def test_config_normalises_and_validates():
         ({"steps": 0}, "steps must be an integer >= 1"),
         ({"warmup": -1}, "warmup must be an integer >= 0"),
         ({"repeats": 0}, "repeats must be"),
+        ({"interleave_steps": -1}, "interleave_steps must be an integer >= 0"),
         ({"batch_size": 0}, "batch_size must be"),
         ({"threads": 0}, "threads must be"),
         ({"optimizer": "lbfgs"}, "optimizer must be one of"),
@@ -185,17 +194,46 @@ class _FakeWorkload:
         self.calls.append((self.name, steps))
 
 
-def test_measure_interleaved_alternates_order_and_brackets_timed_steps_with_barriers():
+def test_measure_interleaved_takes_turns_abba_and_brackets_timed_chunks_with_barriers():
     from towers.bench.runner import measure_interleaved
 
     calls: list = []
     workloads = {RAW: _FakeWorkload(RAW, calls), "mirrored": _FakeWorkload("mirrored", calls)}
-    config = BenchConfig(steps=3, warmup=2, repeats=3, batch_size=4)
+    config = BenchConfig(steps=7, warmup=2, repeats=2, interleave_steps=3, batch_size=4)
     measured = measure_interleaved(workloads, config=config, num_replicas=2,
                                    barrier=lambda: calls.append(("barrier", None)))
-    assert {k: len(v) for k, v in measured.items()} == {RAW: 3, "mirrored": 3}
-    assert all(v > 0 for values in measured.values() for v in values)
-    per_engine = 5  # epoch, warm-up, barrier, timed steps, barrier
-    firsts = [calls[i][0] for i in range(0, len(calls), 2 * per_engine)]
-    assert firsts == [RAW, "mirrored", RAW]  # the order flips every repeat
-    assert [c[1] for c in calls[:5]] == ["epoch", 2, None, 3, None]  # warm-up, then the timed steps between barriers
+    assert {k: len(v["examples_per_s"]) for k, v in measured.items()} == {RAW: 2, "mirrored": 2}
+    assert {k: len(v["cpu_ms_per_step"]) for k, v in measured.items()} == {RAW: 2, "mirrored": 2}
+    assert all(v > 0 for values in measured.values() for v in values["examples_per_s"])
+    trains = [c for c in calls if c[0] != "barrier" and c[1] != "epoch"]
+    # repeat 1: warm-ups, then chunks of 3, 3, 1 steps in A B B A A B order; repeat 2 starts with B
+    assert trains[:8] == [(RAW, 2), ("mirrored", 2), (RAW, 3), ("mirrored", 3), ("mirrored", 3), (RAW, 3),
+                          (RAW, 1), ("mirrored", 1)]
+    assert trains[8:10] == [("mirrored", 2), (RAW, 2)]
+    timed = [i for i, c in enumerate(calls) if c[0] != "barrier" and c[1] in (3, 1)]
+    assert all(calls[i - 1][0] == "barrier" and calls[i + 1][0] == "barrier" for i in timed)
+    # no interleaving: one turn of all the steps each
+    calls.clear()
+    measure_interleaved(workloads, config=BenchConfig(steps=7, warmup=0, repeats=1, interleave_steps=0),
+                        num_replicas=1, barrier=lambda: None)
+    assert [c for c in calls if c[1] != "epoch"] == [(RAW, 0), ("mirrored", 0), (RAW, 7), ("mirrored", 7)]
+
+
+def test_worker_reports_combine_into_raw_and_paired_towers_measurements():
+    from towers.bench.runner import _measurements
+
+    def report(cpu_raw, cpu_ps):
+        return {"skipped": "", "measured": {
+            RAW: ("torch DDP", {"examples_per_s": [100.0, 110.0], "cpu_ms_per_step": cpu_raw}),
+            "ps_sync": ("ParameterServerStrategy(sync, 1 ps)", {"examples_per_s": [90.0, 99.0], "cpu_ms_per_step": cpu_ps})}}
+
+    # rank 0 and rank 1 are workers, rank 2 a ps task (None)
+    raw, ps = _measurements([report([10.0, 12.0], [11.0, 13.0]), report([14.0, 16.0], [15.0, 17.0]), None], 2, "ps_sync")
+    assert raw.examples_per_s == (100.0, 110.0) and raw.cpu_ms_per_step == (12.0, 14.0)
+    assert ps.cpu_ms_per_step == (13.0, 15.0) and ps.raw_examples_per_s == raw.examples_per_s
+    # the paired baseline wins over another job's raw row at the same replica count
+    other_raw = Measurement(RAW, 2, "torch DDP", (1000.0, 1000.0), (1.0, 1.0))
+    report_ = BenchReport([other_raw, ps])
+    assert report_.ratios_vs_raw("ps_sync", 2) == pytest.approx([0.9, 0.9])
+    assert report_.cpu_ratio_vs_raw("ps_sync", 2) == pytest.approx(statistics.median([13 / 12, 15 / 14]))
+    assert BenchReport.from_dict(report_.to_dict()).measurements == report_.measurements

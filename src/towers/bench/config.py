@@ -30,7 +30,8 @@ def available_cores() -> int:
 class BenchConfig:
     """What to measure: replica counts, strategies, steps, repeats, batch and threads (validated on construction).
 
-    ``timeout_s`` bounds each spawned job; None picks a generous bound from the amount of work.
+    ``interleave_steps``: engines take turns every that many timed steps (0: one turn of ``steps``
+    each per repeat). ``timeout_s`` bounds each spawned job; None picks a bound from the amount of work.
     """
 
     replicas: tuple[int, ...] = (1, 2)
@@ -38,6 +39,7 @@ class BenchConfig:
     steps: int = 30
     warmup: int = 5
     repeats: int = 5
+    interleave_steps: int = 5
     batch_size: int = 64
     threads: int = 1
     optimizer: str = "sgd"
@@ -59,7 +61,8 @@ class BenchConfig:
             raise ValueError(f"strategies must be among {', '.join(STRATEGIES)}. Received: {self.strategies!r}. "
                              "Pass e.g. --strategies mirrored,ps_async (raw DDP is always measured beside them).")
         object.__setattr__(self, "strategies", tuple(dict.fromkeys(strategies)))
-        for name, low in (("steps", 1), ("warmup", 0), ("repeats", 1), ("batch_size", 1), ("threads", 1)):
+        for name, low in (("steps", 1), ("warmup", 0), ("repeats", 1), ("interleave_steps", 0), ("batch_size", 1),
+                          ("threads", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}. Received: {value!r}. "

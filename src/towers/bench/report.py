@@ -16,24 +16,37 @@ RAW = "raw_ddp"
 
 @dataclass(frozen=True)
 class Measurement:
-    """One strategy at one replica count: global examples/s of each repeat, and what ran."""
+    """One strategy at one replica count: global examples/s and CPU ms/step (mean over ranks) of each repeat."""
 
     strategy: str
     replicas: int
     engine: str
     examples_per_s: tuple[float, ...]
+    cpu_ms_per_step: tuple[float, ...] = ()
+    #: Raw DDP measured in the same job, repeat by repeat: the denominators of the ratios (empty: use the raw row).
+    raw_examples_per_s: tuple[float, ...] = ()
+    raw_cpu_ms_per_step: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1. Received: {self.replicas}.")
         if not self.examples_per_s:
             raise ValueError(f"{self.strategy} at {self.replicas} replicas has no repeats; expected at least one.")
-        object.__setattr__(self, "examples_per_s", tuple(float(v) for v in self.examples_per_s))
+        if self.cpu_ms_per_step and len(self.cpu_ms_per_step) != len(self.examples_per_s):
+            raise ValueError(f"{self.strategy} at {self.replicas} replicas has {len(self.examples_per_s)} throughputs "
+                             f"but {len(self.cpu_ms_per_step)} CPU times; expected one of each per repeat.")
+        for name in ("examples_per_s", "cpu_ms_per_step", "raw_examples_per_s", "raw_cpu_ms_per_step"):
+            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
 
     @property
     def median(self) -> float:
         """Median examples/s over the repeats."""
         return statistics.median(self.examples_per_s)
+
+    @property
+    def cpu_ms(self) -> float | None:
+        """Median CPU milliseconds per step (None when not measured)."""
+        return statistics.median(self.cpu_ms_per_step) if self.cpu_ms_per_step else None
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,8 @@ class Row:
     speedup: float | None
     efficiency: float | None
     vs_raw: float | None
+    cpu_ms: float | None = None
+    cpu_vs_raw: float | None = None
 
 
 @dataclass
@@ -86,17 +101,32 @@ class BenchReport:
         s = self.speedup(strategy, replicas)
         return None if s is None else s / replicas
 
+    def _raw_series(self, m: Measurement, field_name: str) -> tuple[float, ...]:
+        paired = getattr(m, "raw_" + field_name)
+        if paired:
+            return paired
+        raw = self.get(RAW, m.replicas)
+        return getattr(raw, field_name) if raw is not None else ()
+
     def ratios_vs_raw(self, strategy: str, replicas: int) -> list[float]:
         """Return strategy/raw throughput per repeat (repeats were interleaved, so pairs share conditions)."""
-        m, raw = self.get(strategy, replicas), self.get(RAW, replicas)
-        if m is None or raw is None:
+        m = self.get(strategy, replicas)
+        if m is None:
             return []
-        return [a / b for a, b in zip(m.examples_per_s, raw.examples_per_s) if b > 0]
+        return [a / b for a, b in zip(m.examples_per_s, self._raw_series(m, "examples_per_s")) if b > 0]
 
     def ratio_vs_raw(self, strategy: str, replicas: int) -> float | None:
         """Return the median over repeats of strategy/raw throughput (None when raw was not measured)."""
         ratios = self.ratios_vs_raw(strategy, replicas)
         return statistics.median(ratios) if ratios else None
+
+    def cpu_ratio_vs_raw(self, strategy: str, replicas: int) -> float | None:
+        """Return the median over repeats of strategy/raw CPU time per step (> 1: the strategy costs more CPU)."""
+        m = self.get(strategy, replicas)
+        raw_cpu = self._raw_series(m, "cpu_ms_per_step") if m is not None else ()
+        if m is None or not m.cpu_ms_per_step or not raw_cpu:
+            return None
+        return statistics.median(a / b for a, b in zip(m.cpu_ms_per_step, raw_cpu) if b > 0)
 
     def rows(self) -> list[Row]:
         """Return one table row per measurement, ordered by replica count then strategy (raw first)."""
@@ -105,30 +135,36 @@ class BenchReport:
         for m in sorted(self.measurements, key=lambda m: (m.replicas, order[m.strategy])):
             rows.append(Row(m.strategy, m.replicas, m.engine, m.median, min(m.examples_per_s), max(m.examples_per_s),
                             self.speedup(m.strategy, m.replicas), self.efficiency(m.strategy, m.replicas),
-                            None if m.strategy == RAW else self.ratio_vs_raw(m.strategy, m.replicas)))
+                            None if m.strategy == RAW else self.ratio_vs_raw(m.strategy, m.replicas), m.cpu_ms,
+                            None if m.strategy == RAW else self.cpu_ratio_vs_raw(m.strategy, m.replicas)))
         return rows
 
     # --- outputs -----------------------------------------------------------------------------------
     def to_table(self) -> str:
         """Return the results as an aligned text table, with a line saying how to read it."""
-        header = ("strategy", "replicas", "engine", "examples/s", "[min-max]", "speed-up", "efficiency", "vs raw DDP")
+        header = ("strategy", "replicas", "engine", "examples/s", "[min-max]", "speed-up", "efficiency", "vs raw DDP",
+                  "CPU ms/step", "CPU vs raw")
         lines = [header]
         for r in self.rows():
             lines.append((r.strategy, str(r.replicas), r.engine, f"{r.median:,.0f}", f"[{r.low:,.0f}-{r.high:,.0f}]",
-                          _fmt(r.speedup, "x"), _fmt(r.efficiency), "-" if r.strategy == RAW else _fmt(r.vs_raw)))
+                          _fmt(r.speedup, "x"), _fmt(r.efficiency), "-" if r.strategy == RAW else _fmt(r.vs_raw),
+                          _fmt(r.cpu_ms, "", 1), "-" if r.strategy == RAW else _fmt(r.cpu_vs_raw, "", 3)))
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-        right = {1, 3, 4, 5, 6, 7}
+        right = {1, 3, 4, 5, 6, 7, 8, 9}
         out = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
                for line in lines]
         out.insert(1, "  ".join("-" * w for w in widths))
         c = self.config
         if c:
             out.append("")
-            out.append(f"examples/s: global, median of {c.get('repeats', '?')} interleaved repeats of "
-                       f"{c.get('steps', '?')} steps (after {c.get('warmup', '?')} warm-up); per-replica batch "
+            out.append(f"examples/s: global, median of {c.get('repeats', '?')} repeats of {c.get('steps', '?')} "
+                       f"steps (after {c.get('warmup', '?')} warm-up), engines taking turns every "
+                       f"{c.get('interleave_steps') or c.get('steps', '?')} steps; per-replica batch "
                        f"{c.get('batch_size', '?')}, {c.get('threads', '?')} thread(s) per process.")
         out.append("speed-up and efficiency: vs the same strategy on 1 replica (weak scaling: efficiency = "
-                   "throughput_N / (N * throughput_1)). vs raw DDP: median of per-repeat ratios.")
+                   "throughput_N / (N * throughput_1)). vs raw DDP: median of per-repeat ratios of examples/s.")
+        out.append("CPU ms/step: process CPU time (all threads) per step, mean over ranks; CPU vs raw: median of "
+                   "per-repeat ratios (> 1: towers spends more CPU per step). Robust to other programs on the cores.")
         out.extend(self.notes)
         return "\n".join(out)
 
@@ -138,7 +174,8 @@ class BenchReport:
             "config": self.config,
             "environment": self.environment,
             "notes": list(self.notes),
-            "measurements": [asdict(m) | {"examples_per_s": list(m.examples_per_s)} for m in self.measurements],
+            "measurements": [{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(m).items()}
+                             for m in self.measurements],
             "rows": [asdict(r) for r in self.rows()],
         }
 
@@ -152,8 +189,9 @@ class BenchReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BenchReport":
         """Return the report ``to_dict`` produced (derived rows are recomputed)."""
-        return cls(measurements=[Measurement(m["strategy"], int(m["replicas"]), m["engine"], tuple(m["examples_per_s"]))
-                                 for m in data["measurements"]],
+        series = ("examples_per_s", "cpu_ms_per_step", "raw_examples_per_s", "raw_cpu_ms_per_step")
+        return cls(measurements=[Measurement(m["strategy"], int(m["replicas"]), m["engine"],
+                                             **{k: tuple(m.get(k, ())) for k in series}) for m in data["measurements"]],
                    config=dict(data.get("config", {})), environment=dict(data.get("environment", {})),
                    notes=list(data.get("notes", [])))
 
@@ -173,8 +211,8 @@ class BenchReport:
         return plot_report(self, path)
 
 
-def _fmt(value: float | None, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:.2f}{suffix}"
+def _fmt(value: float | None, suffix: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
 
 def summarize(report: BenchReport, strategies: Sequence[str] | None = None) -> list[str]:
@@ -187,6 +225,9 @@ def summarize(report: BenchReport, strategies: Sequence[str] | None = None) -> l
                 continue
             eff, raw_eff = report.efficiency(s, n), report.efficiency(RAW, n)
             text = f"{s} at {n} replica(s): towers/raw = {ratio:.3f}"
+            cpu = report.cpu_ratio_vs_raw(s, n)
+            if cpu is not None:
+                text += f" (CPU per step: towers/raw = {cpu:.3f})"
             if n > 1 and eff is not None and raw_eff is not None:
                 text += f"; weak-scaling efficiency 1->{n}: {s} {eff:.2f}, raw DDP {raw_eff:.2f}"
             lines.append(text)

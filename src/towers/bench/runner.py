@@ -1,8 +1,8 @@
-"""Run the scaling benchmark: one spawned job per replica count, towers and raw DDP interleaved inside it.
+"""Run the scaling benchmark: one spawned job per replica count and strategy, raw DDP interleaved beside it.
 
-Within a job every engine shares the same processes and process group; repeats alternate the
-order of the engines (raw first, then towers first, ...) so slow drift on a shared machine
-(thermal, other tenants) hits both alike. Rank 0 reports global examples/s per repeat.
+Within a job both engines share the same processes and process group and take turns every few
+steps, so drift and other programs on a shared machine hit both alike. Rank 0 reports global
+examples/s per repeat; every worker reports its CPU time per step.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 import time
 from dataclasses import asdict
+from functools import partial
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -18,14 +19,17 @@ from towers.bench.config import BenchConfig, available_cores
 from towers.bench.report import RAW, BenchReport, Measurement
 from towers.bench.workloads import RawTorchWorkload, TowersWorkload, Workload
 
-__all__ = ["run_benchmark", "measure_interleaved"]
+__all__ = ["NUM_PS", "run_benchmark", "measure_interleaved"]
 
 log = get_logger(__name__)
 
-def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None = None) -> BenchReport:
-    """Measure every strategy and raw DDP at every replica count in ``config`` and return the report.
 
-    ``progress`` (default: the library logger) receives one line per job started.
+def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None = None) -> BenchReport:
+    """Measure every strategy, each beside raw DDP, at every replica count in ``config`` and return the report.
+
+    One spawned job per (replica count, strategy): ``mirrored`` runs on N processes (OneDevice
+    when N = 1); ``ps_async``/``ps_sync`` on N workers plus one ps task, raw DDP then running
+    on the workers' own subgroup. ``progress`` (default: the library logger) gets a line per job.
 
     Raises:
         towers.launch.SpawnError: when a job fails or passes its deadline (the message shows every rank).
@@ -37,33 +41,37 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
     measurements: list[Measurement] = []
     notes: list[str] = []
     for n in config.replicas:
-        if n * config.threads > cores:
-            note = (f"note: {n} replicas x {config.threads} thread(s) oversubscribe this machine's {cores} cores; "
-                    f"numbers at {n} replicas measure contention, not scaling.")
-            log.warning(note)
-            notes.append(note)
-    mirrored = [s for s in config.strategies if s == "mirrored"]
-    for s in config.strategies:
-        if s.startswith("ps_"):
-            note = f"note: {s} skipped: ParameterServerStrategy is not available in this build of towers yet."
-            log.warning(note)
-            notes.append(note)
-    for n in config.replicas:
-        engines = 1 + len(mirrored)
-        timeout_s = config.job_timeout_s(n, engines, cores)
-        say(f"measuring {n} replica(s): raw DDP{' and ' + ', '.join(mirrored) if mirrored else ''}, "
-            f"{config.repeats} repeats x {config.steps} steps (deadline {timeout_s:.0f} s)")
-        results = spawn(_mirrored_job, n, args=(config, n, tuple(mirrored)), timeout_s=timeout_s,
-                        threads_per_process=config.threads)
-        report = results[0]
-        for name, (engine, values) in report["measured"].items():
-            measurements.append(Measurement(name, n, engine, tuple(values)))
-        for name, reason in report["skipped"].items():
-            note = f"note: {name} at {n} replica(s) skipped: {reason}"
-            log.warning(note)
-            notes.append(note)
+        for strategy in sorted(config.strategies, key=lambda s: s != "mirrored"):
+            num_ps = NUM_PS if strategy.startswith("ps_") else 0
+            procs = n + num_ps
+            if procs * config.threads > cores:
+                note = (f"note: {strategy} at {n} replica(s) runs {procs} process(es) x {config.threads} thread(s) on "
+                        f"{cores} cores: oversubscribed, so its numbers include contention for the cores.")
+                log.warning(note)
+                notes.append(note)
+            timeout_s = config.job_timeout_s(procs, 2, cores)
+            say(f"measuring {strategy} beside raw DDP on {n} replica(s){f' + {num_ps} ps' if num_ps else ''}: "
+                f"{config.repeats} repeats x {config.steps} steps (deadline {timeout_s:.0f} s)")
+            results = spawn(_job, procs, args=(config, n, strategy, num_ps), timeout_s=timeout_s,
+                            threads_per_process=config.threads)
+            if results[0]["skipped"]:
+                note = f"note: {strategy} at {n} replica(s) skipped: {results[0]['skipped']}"
+                log.warning(note)
+                notes.append(note)
+            raw, towers_m = _measurements(results, n, strategy)
+            if not any(m.strategy == RAW and m.replicas == n for m in measurements):
+                measurements.append(raw)  # one raw row per replica count: the first job's (mirrored's, if run)
+            if towers_m is not None:
+                measurements.append(towers_m)
+    if any(s.startswith("ps_") for s in config.strategies):
+        notes.append(f"note: ps_* run N workers + {NUM_PS} ps task; their CPU ms/step counts the workers only, "
+                     "and raw DDP beside them runs on the workers' subgroup.")
     return BenchReport(measurements=measurements, config=asdict(config), environment=_environment(cores),
                        notes=notes)
+
+
+#: ps tasks a parameter-server benchmark job starts beside its workers.
+NUM_PS = 1
 
 
 def _environment(cores: int) -> dict[str, Any]:
@@ -73,35 +81,50 @@ def _environment(cores: int) -> dict[str, Any]:
             "cores": cores, "machine": platform.machine()}
 
 
-def _make_strategy(name: str, num_replicas: int) -> Any:
-    """Return the towers strategy a user would pick for ``name`` at ``num_replicas``."""
+def _make_strategy(name: str, num_replicas: int, *, timeout_s: float = 300.0) -> Any:
+    """Return the towers strategy a user would pick for ``name`` at ``num_replicas`` (ps: one ps task)."""
     import towers
 
-    if name == "mirrored" and num_replicas == 1:
+    if name.startswith("ps_"):
+        return towers.ParameterServerStrategy(num_ps=NUM_PS, mode=name[3:], timeout_s=timeout_s, exit_on_ps=False)
+    if num_replicas == 1:
         return towers.OneDeviceStrategy("cpu")  # what strategy_from_env picks for one process
-    return towers.get_strategy(name)
+    return towers.get_strategy(name, timeout_s=timeout_s)
 
 
-def _mirrored_job(config: BenchConfig, num_replicas: int, strategies: Sequence[str]) -> dict[str, Any]:
-    """Body of one spawned rank: build raw DDP and towers workloads on one process group, measure them interleaved."""
+def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int) -> dict[str, Any] | None:
+    """Body of one spawned rank: raw DDP and one towers strategy on the same processes, measured interleaved.
+
+    Returns None on a ps task (it only serves), the rank's measurements on a worker.
+    """
     import torch.distributed as dist
 
-    if num_replicas > 1:
+    world_size = num_replicas + num_ps
+    timeout_s = config.job_timeout_s(world_size, 2)
+    rank, group, barrier = 0, None, _no_barrier
+    if world_size > 1:
         # The hand-written DDP script's own set-up: env:// reads the torchrun variables spawn() set.
-        timeout_s = config.job_timeout_s(num_replicas, 1 + len(strategies))
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-        rank, world_size, barrier = dist.get_rank(), dist.get_world_size(), dist.barrier
-    else:
-        rank, world_size, barrier = 0, 1, _no_barrier
+        rank = dist.get_rank()
+        if num_ps:  # raw DDP runs on the workers only; every rank takes part in creating the subgroup
+            group = dist.new_group(list(range(num_replicas)))
+        if num_replicas > 1:
+            barrier = partial(dist.barrier, group=group)
     set_rank(rank, world_size)
     spec = config.workload_spec()
-    workloads: dict[str, Workload] = {RAW: RawTorchWorkload(spec, rank=rank, world_size=world_size)}
-    skipped: dict[str, str] = {}
-    for name in strategies:
-        try:
-            workloads[name] = TowersWorkload(spec, _make_strategy(name, num_replicas))
-        except NotImplementedError as exc:  # a strategy still being written: every rank skips it alike
-            skipped[name] = str(exc)
+    skipped = ""
+    try:
+        made = _make_strategy(strategy, num_replicas, timeout_s=timeout_s)  # a ps task serves in here
+    except NotImplementedError as exc:  # a strategy still being written: every rank skips it alike
+        made, skipped = None, str(exc)
+    if rank >= num_replicas:
+        return None
+    workloads: dict[str, Workload] = {
+        RAW: RawTorchWorkload(spec, rank=rank, world_size=num_replicas, process_group=group)}
+    if made is not None:
+        workloads[strategy] = TowersWorkload(spec, made)
+        if num_ps:
+            workloads[strategy].engine = f"ParameterServerStrategy({made.mode}, {num_ps} ps)"
     try:
         measured = measure_interleaved(workloads, config=config, num_replicas=num_replicas, barrier=barrier)
     finally:
@@ -111,29 +134,66 @@ def _mirrored_job(config: BenchConfig, num_replicas: int, strategies: Sequence[s
             "skipped": skipped}
 
 
+def _measurements(results: Sequence[dict[str, Any] | None], num_replicas: int,
+                  strategy: str) -> tuple[Measurement, Measurement | None]:
+    """Return (raw, towers) measurements from the workers' reports: rank 0's examples/s, CPU ms/step averaged.
+
+    The towers measurement carries the raw series of the same job, its per-repeat baseline.
+    """
+    reports = [r for r in results if r is not None]
+
+    def combine(name: str, **paired: Any) -> Measurement:
+        engine, values = reports[0]["measured"][name]
+        per_rank = [r["measured"][name][1]["cpu_ms_per_step"] for r in reports]
+        cpu = tuple(sum(v) / len(v) for v in zip(*per_rank))
+        return Measurement(name, num_replicas, engine, tuple(values["examples_per_s"]), cpu, **paired)
+
+    raw = combine(RAW)
+    if strategy not in reports[0]["measured"]:
+        return raw, None
+    return raw, combine(strategy, raw_examples_per_s=raw.examples_per_s, raw_cpu_ms_per_step=raw.cpu_ms_per_step)
+
+
 def _no_barrier() -> None:
     return None
 
 
 def measure_interleaved(workloads: dict[str, Workload], *, config: BenchConfig, num_replicas: int,
-                        barrier: Callable[[], Any]) -> dict[str, list[float]]:
-    """Return global examples/s per repeat for each workload, alternating their order every repeat.
+                        barrier: Callable[[], Any]) -> dict[str, dict[str, list[float]]]:
+    """Return, per workload, ``examples_per_s`` (global) and this process's ``cpu_ms_per_step``, one value per repeat.
 
-    Each measurement: fresh pass, ``warmup`` untimed steps, barrier, ``steps`` timed steps, barrier.
+    A repeat gives each workload a fresh pass and ``warmup`` untimed steps, then times its
+    ``steps`` steps in chunks of ``interleave_steps``, the workloads taking turns chunk by chunk
+    in A B B A order (the first workload alternates between repeats), so both share the
+    machine's noise. Each chunk is timed from a barrier to a barrier, so it lasts until the
+    slowest rank is done. CPU time (all threads of this process) is barely touched by other
+    programs competing for the cores, so it shows per-step overhead when wall time is noisy.
     """
     names = list(workloads)
-    measured: dict[str, list[float]] = {name: [] for name in names}
+    measured = {name: {"examples_per_s": [], "cpu_ms_per_step": []} for name in names}
     examples = config.steps * config.batch_size * num_replicas
+    chunk = config.interleave_steps or config.steps
     for r in range(config.repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            workload = workloads[name]
-            workload.start_epoch()
-            workload.train(config.warmup)
-            barrier()
-            start = time.perf_counter()
-            workload.train(config.steps)
-            barrier()
-            measured[name].append(examples / (time.perf_counter() - start))
-        line = ", ".join(f"{name} {measured[name][-1]:,.0f}" for name in names)
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            workloads[name].start_epoch()
+            workloads[name].train(config.warmup)
+        wall, cpu = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+        done, turn = 0, 0
+        while done < config.steps:
+            steps = min(chunk, config.steps - done)
+            for name in order if turn % 2 == 0 else order[::-1]:
+                barrier()
+                start, start_cpu = time.perf_counter(), time.process_time()
+                workloads[name].train(steps)
+                barrier()
+                wall[name] += time.perf_counter() - start
+                cpu[name] += time.process_time() - start_cpu
+            done, turn = done + steps, turn + 1
+        for name in names:
+            measured[name]["examples_per_s"].append(examples / wall[name])
+            measured[name]["cpu_ms_per_step"].append(1000.0 * cpu[name] / config.steps)
+        line = ", ".join(f"{name} {measured[name]['examples_per_s'][-1]:,.0f} "
+                         f"({measured[name]['cpu_ms_per_step'][-1]:.1f} CPU ms/step)" for name in names)
         log.info("%d replica(s), repeat %d/%d: examples/s %s", num_replicas, r + 1, config.repeats, line)
     return measured

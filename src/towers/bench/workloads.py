@@ -83,14 +83,16 @@ class RawTorchWorkload(Workload):
 
     Batches are views into a pre-generated tensor (this rank's contiguous share of each global
     batch, the order ``distribute_dataset(shuffle=False)`` gives), so the baseline pays nothing for data.
+    ``process_group``: DDP's group (default: the whole job; a subgroup when the job also has ps tasks).
     """
 
-    def __init__(self, spec: WorkloadSpec, *, rank: int = 0, world_size: int = 1, use_ddp: bool | None = None):
+    def __init__(self, spec: WorkloadSpec, *, rank: int = 0, world_size: int = 1, use_ddp: bool | None = None,
+                 process_group: Any = None):
         self.spec = spec
         use_ddp = world_size > 1 if use_ddp is None else use_ddp
         model = spec.make_model()
         if use_ddp:
-            model = nn.parallel.DistributedDataParallel(model)
+            model = nn.parallel.DistributedDataParallel(model, process_group=process_group)
         self.model = model
         self.engine = "torch DDP" if use_ddp else "torch (no DDP)"
         self.optimizer = spec.make_optimizer(model.parameters())

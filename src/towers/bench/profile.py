@@ -1,0 +1,142 @@
+"""Where a step's time goes: per-phase timings of raw DDP and towers steps, side by side, on the same processes.
+
+Phases (CPU work is synchronous, so wall-clock timers around each call are exact):
+``data`` (next batch), ``forward``, ``loss``, ``backward`` (DDP's all-reduce overlaps it),
+``optimizer`` (step + zero_grad), and for towers ``run`` (what ``strategy.run`` adds around the
+step function). An op-level ``torch.profiler`` table of each engine is also returned.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from towers._logging import get_logger, set_rank
+from towers.bench.config import BenchConfig
+from towers.bench.workloads import RawTorchWorkload, TowersWorkload, Workload
+
+__all__ = ["PHASES", "time_phases", "profile_job", "format_phases"]
+
+log = get_logger(__name__)
+
+PHASES = ("data", "run", "forward", "loss", "backward", "optimizer")
+
+
+def _raw_step(w: RawTorchWorkload, t: dict[str, float]) -> None:
+    c = time.perf_counter
+    a = c()
+    x, y = next(w._it)
+    b = c()
+    out = w.model(x)
+    d = c()
+    loss = F.cross_entropy(out, y)
+    e = c()
+    loss.backward()
+    f = c()
+    w.optimizer.step()
+    w.optimizer.zero_grad(set_to_none=True)
+    g = c()
+    for k, v in (("data", b - a), ("forward", d - b), ("loss", e - d), ("backward", f - e), ("optimizer", g - f)):
+        t[k] += v
+
+
+def _towers_step(w: TowersWorkload, t: dict[str, float]) -> None:
+    c = time.perf_counter
+    inner: dict[str, float] = {}
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        b = c()
+        out = w.model(x)
+        d = c()
+        loss = w._compute_average_loss(F.cross_entropy(out, y, reduction="none"))
+        e = c()
+        loss.backward()
+        f = c()
+        w.optimizer.step()
+        w.optimizer.zero_grad(set_to_none=True)
+        g = c()
+        inner.update(forward=d - b, loss=e - d, backward=f - e, optimizer=g - f)
+        return loss
+
+    a = c()
+    x, y = next(w._it)
+    b = c()
+    w.strategy.run(step, args=(x, y))
+    h = c()
+    inner["data"] = b - a
+    inner["run"] = (h - b) - sum(inner[k] for k in ("forward", "loss", "backward", "optimizer"))
+    for k, v in inner.items():
+        t[k] += v
+
+
+def time_phases(workload: Workload, steps: int) -> dict[str, float]:
+    """Return mean milliseconds per step of each phase over ``steps`` steps of the current pass."""
+    t = dict.fromkeys(PHASES, 0.0)
+    for _ in range(steps):
+        if isinstance(workload, TowersWorkload):
+            _towers_step(workload, t)
+        else:
+            _raw_step(workload, t)  # type: ignore[arg-type]
+    return {k: 1000.0 * v / steps for k, v in t.items()}
+
+
+def _op_table(workload: Workload, steps: int, row_limit: int = 25) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        workload.train(steps)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
+
+
+def profile_job(config: BenchConfig, num_replicas: int) -> dict[str, Any]:
+    """Body of one spawned rank: per-phase ms/step (median over interleaved repeats) and op tables, raw vs towers."""
+    import torch.distributed as dist
+
+    from towers.bench.runner import _make_strategy
+
+    rank, world_size, barrier = 0, 1, (lambda: None)
+    if num_replicas > 1:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=config.job_timeout_s(num_replicas, 2)))
+        rank, world_size, barrier = dist.get_rank(), dist.get_world_size(), dist.barrier
+    set_rank(rank, world_size)
+    spec = config.workload_spec()
+    workloads: dict[str, Workload] = {"raw_ddp": RawTorchWorkload(spec, rank=rank, world_size=world_size),
+                                      "mirrored": TowersWorkload(spec, _make_strategy("mirrored", num_replicas))}
+    phases: dict[str, list[dict[str, float]]] = {name: [] for name in workloads}
+    names = list(workloads)
+    for r in range(config.repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            w = workloads[name]
+            w.start_epoch()
+            w.train(config.warmup)
+            barrier()
+            phases[name].append(time_phases(w, config.steps))
+            barrier()
+        log.info("profile repeat %d/%d done", r + 1, config.repeats)
+    tables = {}
+    for name in names:
+        w = workloads[name]
+        w.start_epoch()
+        w.train(config.warmup)
+        barrier()
+        tables[name] = _op_table(w, config.steps)
+    medians = {name: {k: statistics.median(p[k] for p in runs) for k in PHASES} for name, runs in phases.items()}
+    for w in workloads.values():
+        w.close()
+    return {"rank": rank, "phases_ms": medians, "op_tables": tables}
+
+
+def format_phases(phases_ms: dict[str, dict[str, float]]) -> str:
+    """Return an aligned table: one row per phase, ms/step for raw DDP and towers, and the difference."""
+    lines = [f"{'phase':<10} {'raw DDP ms':>11} {'towers ms':>10} {'towers-raw':>11}"]
+    raw, tow = phases_ms["raw_ddp"], phases_ms["mirrored"]
+    for k in (*PHASES, "total"):
+        a = sum(raw.values()) if k == "total" else raw[k]
+        b = sum(tow.values()) if k == "total" else tow[k]
+        lines.append(f"{k:<10} {a:>11.3f} {b:>10.3f} {b - a:>+11.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,58 @@
+"""`towers bench` end to end: a tiny real run on 1 and 2 processes writes the table, JSON and PNG.
+
+No timing assertions: the numbers are measurements, the test checks that they exist and add up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+DEADLINE_S = 90
+
+
+def _run_cli(argv: list[str], cwd) -> subprocess.CompletedProcess:
+    # A new session, so a timeout can kill the CLI and every rank it spawned in one go.
+    proc = subprocess.Popen([sys.executable, "-m", "towers.cli", *argv], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"towers bench did not finish within {DEADLINE_S} s.\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_tiny_bench_run_produces_table_json_and_plot(tmp_path):
+    out_dir = tmp_path / "bench"
+    result = _run_cli(["bench", "--replicas", "1,2", "--strategies", "mirrored", "--steps", "2", "--warmup", "1",
+                       "--repeats", "1", "--batch-size", "8", "--out-dir", str(out_dir)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    table = result.stdout
+    assert "strategy" in table.splitlines()[0] and "vs raw DDP" in table.splitlines()[0]
+    assert f"wrote {out_dir / 'bench.json'}" in table and f"wrote {out_dir / 'bench.png'}" in table
+    assert "1 replica(s), repeat 1/1" in result.stderr and "2 replica(s), repeat 1/1" in result.stderr
+
+    data = json.loads((out_dir / "bench.json").read_text())
+    rows = {(r["strategy"], r["replicas"]): r for r in data["rows"]}
+    assert set(rows) == {("raw_ddp", 1), ("mirrored", 1), ("raw_ddp", 2), ("mirrored", 2)}
+    assert rows[("raw_ddp", 1)]["engine"] == "torch (no DDP)" and rows[("raw_ddp", 2)]["engine"] == "torch DDP"
+    assert rows[("mirrored", 1)]["engine"] == "OneDeviceStrategy"
+    assert rows[("mirrored", 2)]["engine"] == "MirroredStrategy"
+    for row in rows.values():
+        assert row["median"] > 0
+        assert row["speedup"] == pytest.approx(row["median"] / rows[(row["strategy"], 1)]["median"])
+        assert row["efficiency"] == pytest.approx(row["speedup"] / row["replicas"])
+    for n in (1, 2):
+        assert rows[("mirrored", n)]["vs_raw"] == pytest.approx(
+            rows[("mirrored", n)]["median"] / rows[("raw_ddp", n)]["median"])
+    assert data["config"]["batch_size"] == 8 and data["config"]["repeats"] == 1
+    assert (out_dir / "bench.png").read_bytes()[:4] == b"\x89PNG"
