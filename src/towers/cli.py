@@ -122,6 +122,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=30, help="timed steps per repeat (default: 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before each timed run (default: 5)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats; the median is reported (default: 5)")
+    p.add_argument("--interleave-steps", type=int, default=5,
+                   help="engines take turns every this many timed steps; 0: once per repeat (default: 5)")
     p.add_argument("--batch-size", type=int, default=64, help="per-replica batch size (default: 64)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default: 1)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="optimizer (default: sgd)")
@@ -142,7 +144,8 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         config = BenchConfig(
             replicas=parse_replicas(args.replicas), strategies=parse_strategies(args.strategies), steps=args.steps,
-            warmup=args.warmup, repeats=args.repeats, batch_size=args.batch_size, threads=args.threads,
+            warmup=args.warmup, repeats=args.repeats, interleave_steps=args.interleave_steps,
+            batch_size=args.batch_size, threads=args.threads,
             optimizer=args.optimizer, timeout_s=args.timeout_s)
         out_dir = Path(args.out_dir)
         if out_dir.exists() and not out_dir.is_dir():
