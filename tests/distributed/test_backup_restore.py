@@ -52,9 +52,11 @@ def _restart_then_reference(backup_dir: str, marker: str, reference_dir: str):
 def test_crashed_replica_restarts_at_the_exact_step(tmp_path):
     backup_dir, marker, reference_dir = str(tmp_path / "backup"), str(tmp_path / "crashed"), str(tmp_path / "ref")
     env = {"TOWERS_STRATEGY": "mirrored"}
-    with pytest.raises(SpawnError, match="rank 1 of 2 failed") as failure:
+    with pytest.raises(SpawnError) as failure:
         towers.spawn(_fit, 2, args=(backup_dir, marker), timeout_s=120, env=env)
+    # rank 1 died; rank 0 either saw the dead peer in a collective first ("error") or was stopped
     assert failure.value.states[1].status == "died" and os.path.exists(marker)
+    assert failure.value.states[0].status in ("error", "stopped")
     saved = checkpoint.load_checkpoint(Path(backup_dir) / "backup.pt")
     assert (saved["global_step"], saved["epoch"], saved["step"]) == (6, 0, 6) and len(saved["rng"]) == 2
 
