@@ -257,8 +257,9 @@ class DistributedDataset:
     def _to_device(self, batch: Any) -> Any:
         if self.device.type == "cpu":
             return batch
-        if self._pin:
-            return _map_tensors(batch, lambda t: t.pin_memory().to(self.device, non_blocking=True))
+        if self._pin:  # page-locked host memory lets the copy overlap with compute
+            return _map_tensors(batch, lambda t: (t.pin_memory() if t.device.type == "cpu" else t)
+                                .to(self.device, non_blocking=True))
         return _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
 
     def __repr__(self) -> str:

@@ -153,3 +153,28 @@ def test_the_optimizer_wrapper_works_with_lr_schedulers_and_state_dicts():
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.5
     assert opt.state_dict()["param_groups"][0]["lr"] == 0.5
+
+
+def test_mirrored_with_one_process_needs_no_process_group_and_matches_one_device():
+    from towers.process_group import is_initialized
+    from towers.strategies.mirrored import MirroredStrategy
+
+    mirrored = MirroredStrategy(info=ProcessInfo(), sync_batchnorm=True, gradient_compression="powersgd")
+    assert not is_initialized() and mirrored.num_replicas_in_sync == 1 and mirrored.is_chief
+    params, losses = _train(mirrored, 8)
+    reference, ref_losses = _train(_strategy(), 8)
+    assert losses == ref_losses and all(torch.equal(p, q) for p, q in zip(params, reference))
+    mirrored.barrier()
+    mirrored.shutdown()
+
+
+def test_strategies_check_for_idle_gpus_at_construction(monkeypatch):
+    import towers.devices
+    from towers.strategies.mirrored import MirroredStrategy
+
+    calls = []
+    monkeypatch.setattr(towers.devices, "warn_if_gpus_idle",
+                        lambda n, used, *, local_rank=0: calls.append((n, [str(d) for d in used], local_rank)))
+    OneDeviceStrategy("cpu", info=ProcessInfo())
+    MirroredStrategy(info=ProcessInfo())
+    assert calls == [(1, ["cpu"], 0), (1, ["cpu"], 0)]

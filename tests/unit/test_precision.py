@@ -32,6 +32,13 @@ def test_a_device_without_autocast_gets_a_clear_error(monkeypatch):
         resolve_precision("bf16", CPU)
 
 
+def test_fp16_that_autocast_cannot_do_here_is_an_error_not_a_silent_fallback(monkeypatch):
+    # Older torch builds disable CPU fp16 autocast with only a warning; towers refuses instead.
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: False)
+    with pytest.raises(ValueError, match="cannot autocast to torch.float16 on 'cpu'. Use precision='bf16'"):
+        resolve_precision("fp16", CPU)
+
+
 def test_only_the_forward_is_autocast_and_outputs_are_float32():
     model = MixedPrecisionModule(nn.Linear(4, 3), PrecisionPolicy("bf16", "cpu"), None)
     out = model(torch.randn(2, 4))

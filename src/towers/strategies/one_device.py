@@ -36,11 +36,12 @@ class OneDeviceStrategy(SyncStrategy):
                  sync_batchnorm: bool = False, gradient_compression: str | None = None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False):
         from towers import cluster
-        from towers.devices import resolve_device
+        from towers.devices import resolve_device, warn_if_gpus_idle
 
         check_compression(gradient_compression)
         info = info or cluster.from_env()
         resolved = resolve_device(_default_device() if device is None else device)
+        warn_if_gpus_idle(info.local_world_size, [resolved], local_rank=info.local_rank)
         super().__init__(info=info, device=resolved, comm=LocalComm(), precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps)
         log.debug("OneDeviceStrategy on %s (precision=%s, accumulation=%d)", resolved, self.precision,
