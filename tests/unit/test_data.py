@@ -165,3 +165,9 @@ def test_streams_and_mismatched_tensors_are_rejected():
         _replica(Stream(), 2, 1, 0)
     with pytest.raises(ValueError, match="same first"):
         _replica((torch.zeros(4, 2), torch.zeros(5)), 2, 1, 0)
+
+
+def test_batches_arrive_on_the_replica_device():
+    # "meta" stands in for an accelerator here: every tensor of every batch is moved there.
+    x, y = next(iter(_replica((torch.zeros(6, 2), torch.arange(6)), 4, 2, 1, device="meta")))
+    assert x.device.type == "meta" and y.device.type == "meta" and x.shape == (2, 2)
