@@ -8,6 +8,7 @@ Target: towers/raw >= 0.98 (median of the per-repeat ratios).
 
     python benchmarks/mirrored_vs_ddp.py                  # the issue's settings
     python benchmarks/mirrored_vs_ddp.py --repeats 9 --steps 60 --json-out results.json
+    python benchmarks/mirrored_vs_ddp.py --profile        # where a step's time goes, per phase, both engines
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default: 1)")
     p.add_argument("--json-out", default=None, help="also write the JSON report here")
     p.add_argument("--plot-out", default=None, help="also write the PNG here")
+    p.add_argument("--profile", action="store_true",
+                   help="instead: time each phase of a step (data, run, forward, loss, backward, optimizer) for "
+                   "both engines on 2 processes, in wall and CPU time, and print torch.profiler op tables")
     args = p.parse_args(argv)
     if args.repeats < 5:
         p.error(f"--repeats must be >= 5 for this benchmark (median of >= 5 interleaved repeats). "
@@ -44,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                              threads=args.threads)
     except ValueError as exc:
         p.error(str(exc))
+    if args.profile:
+        return _profile(config)
     report = run_benchmark(config, progress=lambda line: print(line, file=sys.stderr))
     print(report.to_table())
     print()
@@ -60,6 +66,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {report.to_json(Path(args.json_out))}")
     if args.plot_out:
         print(f"wrote {report.plot(Path(args.plot_out))}")
+    return 0
+
+
+def _profile(config: BenchConfig) -> int:
+    """Print per-phase ms/step of raw DDP and towers on every rank, then rank 0's op tables."""
+    import towers
+    from towers.bench.profile import format_phases, profile_job
+
+    n = max(config.replicas)
+    results = towers.spawn(profile_job, n, args=(config, n), threads_per_process=config.threads,
+                           timeout_s=config.job_timeout_s(n, 3))
+    for result in results:
+        for clock in ("wall", "cpu"):
+            print(format_phases(result["phases_ms"][clock],
+                                f"rank {result['rank']}, {clock} ms/step (median of {config.repeats} repeats)"))
+            print()
+    for name, table in results[0]["op_tables"].items():
+        print(f"rank 0, {name}: torch.profiler, {config.steps} steps")
+        print(table)
     return 0
 
 
