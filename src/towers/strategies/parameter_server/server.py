@@ -84,6 +84,8 @@ class ParameterServer:
                     if time.monotonic() - failed_at > min(self.timeout_s, 30.0):
                         break  # a hung worker must not keep a failed ps alive
                 self.cond.wait(1.0)
+        for t in threads:  # finished or gone workers' threads are returning; a hung one is left behind
+            t.join(timeout=5.0 if self.failure is None else 0.1)
         if self.failure is not None:
             raise RuntimeError(self.failure)
         if not self.finished:
@@ -114,11 +116,12 @@ class ParameterServer:
             except LinkError as exc:
                 return self._gone(w, str(exc))
             if msg.op == Op.BYE:
-                with self.cond:
-                    self.finished.add(w)
-                    self._progress()
-                self._reply(w, Op.REPLY)
-                log.debug("%s finished", self._who(w))
+                # Reply before counting the worker as finished: serve() then closes the links, and a
+                # group must not be torn down under a send still in flight.
+                if self._reply(w, Op.REPLY):
+                    with self.cond:
+                        self.finished.add(w)
+                        self._progress()
                 return
             try:
                 reply = self._handle(w, msg)

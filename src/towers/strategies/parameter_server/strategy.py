@@ -130,11 +130,11 @@ class ParameterServerStrategy(Strategy):
         try:
             self._stats = server.serve()
         except RuntimeError as exc:
+            # The links stay open: a hung worker's thread may still be blocked in one of them.
             raise DistributedError(f"[rank {self._info.rank}/{self._info.world_size}] ps task {self.roles.index} "
                                    f"stops: {exc}") from exc
-        finally:
-            for link in links:
-                link.close()
+        for link in links:
+            link.close()
         log.info("ps task %d done: %d update(s) applied, worker versions %s", self.roles.index,
                  self._stats["version"], self._stats["worker_versions"])
         if exit_on_ps:

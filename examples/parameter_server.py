@@ -1,0 +1,55 @@
+"""Train the seed CNN on bundled digits with ``Trainer.fit`` under parameter servers (1 ps task, 2 workers).
+
+    towers launch --strategy ps --num-ps 1 --nproc-per-node 3 examples/parameter_server.py
+    towers launch --strategy ps --num-ps 1 --nproc-per-node 3 examples/parameter_server.py --mode sync
+
+The last ``--num-ps`` processes are ps tasks: constructing the strategy there serves the
+parameters until the workers are done and then exits, so everything below that line runs on
+the workers only. The workers split each global batch between them (they are the replicas);
+worker 0 is the chief and the only one that prints and writes files.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import towers
+from towers.datasets import load_digits
+from towers.models import SeedCNN
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("async", "sync"), default="async")
+    parser.add_argument("--staleness", type=int, default=None, help="async only: max updates ahead of the slowest")
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--global-batch-size", type=int, default=64)
+    parser.add_argument("--out-dir", default="towers-out/parameter_server")
+    args = parser.parse_args()
+
+    # On a ps task this line serves until the workers finish, then exits the process.
+    strategy = towers.ParameterServerStrategy(mode=args.mode, staleness=args.staleness)
+    train_set, test_set = load_digits()
+    torch.manual_seed(0)  # the chief's initial weights become the ps tasks' starting values
+    with strategy.scope():
+        model = SeedCNN()
+        optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+
+    trainer = towers.Trainer(model, optimizer, loss=F.cross_entropy, metrics=["accuracy"], strategy=strategy)
+    history = trainer.fit(
+        train_set, epochs=args.epochs, global_batch_size=args.global_batch_size, validation_data=test_set,
+        callbacks=[towers.callbacks.BackupAndRestore(f"{args.out_dir}/backup", save_freq=20)])  # resume after a crash
+    test = trainer.evaluate(test_set)  # reduced over the workers (through ps task 0): the same numbers everywhere
+    if strategy.is_chief:
+        stats = strategy.ps_stats()
+        print(f"{strategy.num_replicas_in_sync} workers, {len(stats)} ps task(s), mode {args.mode}: "
+              f"test accuracy {test['accuracy']:.4f}, final loss {history.history['loss'][-1]:.4f}, "
+              f"updates applied {[s['version'] for s in stats]}, per worker {stats[0]['worker_versions']}")
+    strategy.shutdown()  # tell the ps tasks this worker is done (also done at exit)
+
+
+if __name__ == "__main__":
+    main()
