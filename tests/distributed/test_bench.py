@@ -39,7 +39,9 @@ def test_tiny_bench_run_produces_table_json_and_plot(tmp_path):
     table = result.stdout
     assert "strategy" in table.splitlines()[0] and "vs raw DDP" in table.splitlines()[0]
     assert f"wrote {out_dir / 'bench.json'}" in table and f"wrote {out_dir / 'bench.png'}" in table
-    assert "1 replica(s), repeat 1/1" in result.stderr and "2 replica(s), repeat 1/1" in result.stderr
+    # one job of 2 processes; the 1-replica baselines take turns with the 2-replica runs inside it
+    assert "on 2 replica(s) (and both on 1 replica)" in result.stderr
+    assert "repeat 1/1: examples/s raw_ddp@1" in result.stderr and "mirrored@1" in result.stderr
 
     data = json.loads((out_dir / "bench.json").read_text())
     rows = {(r["strategy"], r["replicas"]): r for r in data["rows"]}
@@ -48,7 +50,8 @@ def test_tiny_bench_run_produces_table_json_and_plot(tmp_path):
     assert rows[("mirrored", 1)]["engine"] == "OneDeviceStrategy"
     assert rows[("mirrored", 2)]["engine"] == "MirroredStrategy"
     for row in rows.values():
-        assert row["median"] > 0
+        assert row["median"] > 0 and row["cpu_ms"] > 0
+        # one repeat: the per-repeat speed-up is the ratio of the two rows
         assert row["speedup"] == pytest.approx(row["median"] / rows[(row["strategy"], 1)]["median"])
         assert row["efficiency"] == pytest.approx(row["speedup"] / row["replicas"])
     for n in (1, 2):

@@ -184,6 +184,8 @@ def test_cli_rejects_a_non_integer_with_argparse_usage(capsys):
 
 
 class _FakeWorkload:
+    num_replicas = 2
+
     def __init__(self, name: str, calls: list):
         self.name, self.calls = name, calls
 
@@ -200,8 +202,7 @@ def test_measure_interleaved_takes_turns_abba_and_brackets_timed_chunks_with_bar
     calls: list = []
     workloads = {RAW: _FakeWorkload(RAW, calls), "mirrored": _FakeWorkload("mirrored", calls)}
     config = BenchConfig(steps=7, warmup=2, repeats=2, interleave_steps=3, batch_size=4)
-    measured = measure_interleaved(workloads, config=config, num_replicas=2,
-                                   barrier=lambda: calls.append(("barrier", None)))
+    measured = measure_interleaved(workloads, config=config, barrier=lambda: calls.append(("barrier", None)))
     assert {k: len(v["examples_per_s"]) for k, v in measured.items()} == {RAW: 2, "mirrored": 2}
     assert {k: len(v["cpu_ms_per_step"]) for k, v in measured.items()} == {RAW: 2, "mirrored": 2}
     assert all(v > 0 for values in measured.values() for v in values["examples_per_s"])
@@ -215,7 +216,7 @@ def test_measure_interleaved_takes_turns_abba_and_brackets_timed_chunks_with_bar
     # no interleaving: one turn of all the steps each
     calls.clear()
     measure_interleaved(workloads, config=BenchConfig(steps=7, warmup=0, repeats=1, interleave_steps=0),
-                        num_replicas=1, barrier=lambda: None)
+                        barrier=lambda: None)
     assert [c for c in calls if c[1] != "epoch"] == [(RAW, 0), ("mirrored", 0), (RAW, 7), ("mirrored", 7)]
 
 
@@ -228,7 +229,8 @@ def test_worker_reports_combine_into_raw_and_paired_towers_measurements():
             "ps_sync": ("ParameterServerStrategy(sync, 1 ps)", {"examples_per_s": [90.0, 99.0], "cpu_ms_per_step": cpu_ps})}}
 
     # rank 0 and rank 1 are workers, rank 2 a ps task (None)
-    raw, ps = _measurements([report([10.0, 12.0], [11.0, 13.0]), report([14.0, 16.0], [15.0, 17.0]), None], 2, "ps_sync")
+    raw, ps = _measurements([report([10.0, 12.0], [11.0, 13.0]), report([14.0, 16.0], [15.0, 17.0]), None], 2,
+                            "ps_sync")
     assert raw.examples_per_s == (100.0, 110.0) and raw.cpu_ms_per_step == (12.0, 14.0)
     assert ps.cpu_ms_per_step == (13.0, 15.0) and ps.raw_examples_per_s == raw.examples_per_s
     # the paired baseline wins over another job's raw row at the same replica count
@@ -237,3 +239,31 @@ def test_worker_reports_combine_into_raw_and_paired_towers_measurements():
     assert report_.ratios_vs_raw("ps_sync", 2) == pytest.approx([0.9, 0.9])
     assert report_.cpu_ratio_vs_raw("ps_sync", 2) == pytest.approx(statistics.median([13 / 12, 15 / 14]))
     assert BenchReport.from_dict(report_.to_dict()).measurements == report_.measurements
+
+
+def test_one_replica_baselines_from_the_same_job_give_per_repeat_speedups():
+    from towers.bench.runner import _measurements
+
+    def entry(engine, throughput, cpu):
+        return (engine, {"examples_per_s": throughput, "cpu_ms_per_step": cpu})
+
+    rank0 = {"skipped": "", "measured": {
+        "raw_ddp@1": entry("torch (no DDP)", [1000.0, 500.0], [20.0, 20.0]),
+        "mirrored@1": entry("OneDeviceStrategy", [990.0, 500.0], [20.2, 20.0]),
+        "raw_ddp": entry("torch DDP", [1600.0, 900.0], [24.0, 24.0]),
+        "mirrored": entry("MirroredStrategy", [1584.0, 900.0], [23.0, 23.0])}}
+    rank1 = {"skipped": "", "measured": {
+        "raw_ddp@1": entry("idle", [0.0, 0.0], [0.01, 0.01]), "mirrored@1": entry("idle", [0.0, 0.0], [0.01, 0.01]),
+        "raw_ddp": entry("torch DDP", [1600.0, 900.0], [26.0, 26.0]),
+        "mirrored": entry("MirroredStrategy", [1584.0, 900.0], [25.0, 25.0])}}
+    ms = _measurements([rank0, rank1], 2, "mirrored")
+    assert [(m.strategy, m.replicas, m.engine) for m in ms] == [
+        (RAW, 1, "torch (no DDP)"), ("mirrored", 1, "OneDeviceStrategy"), (RAW, 2, "torch DDP"),
+        ("mirrored", 2, "MirroredStrategy")]
+    assert ms[0].cpu_ms_per_step == (20.0, 20.0), "the idle rank does not dilute a 1-replica run's CPU time"
+    assert ms[3].cpu_ms_per_step == (24.0, 24.0) and ms[3].base_examples_per_s == (990.0, 500.0)
+    report = BenchReport(ms)
+    # per repeat: 1584/990 = 1.6 and 900/500 = 1.8 -> median 1.7 (the medians' ratio would be 1242/745)
+    assert report.speedup("mirrored", 2) == pytest.approx(1.7)
+    assert report.efficiency(RAW, 2) == pytest.approx(statistics.median([1.6, 1.8]) / 2)
+    assert report.ratio_vs_raw("mirrored", 1) == pytest.approx(statistics.median([0.99, 1.0]))

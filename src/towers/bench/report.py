@@ -13,6 +13,8 @@ __all__ = ["RAW", "Measurement", "Row", "BenchReport", "summarize"]
 #: Strategy name of the hand-written baseline (plain torch on 1 replica, DDP on more).
 RAW = "raw_ddp"
 
+_SERIES = ("examples_per_s", "cpu_ms_per_step", "raw_examples_per_s", "raw_cpu_ms_per_step", "base_examples_per_s")
+
 
 @dataclass(frozen=True)
 class Measurement:
@@ -26,6 +28,8 @@ class Measurement:
     #: Raw DDP measured in the same job, repeat by repeat: the denominators of the ratios (empty: use the raw row).
     raw_examples_per_s: tuple[float, ...] = ()
     raw_cpu_ms_per_step: tuple[float, ...] = ()
+    #: The same engine on 1 replica in the same job, repeat by repeat: speed-up denominators (empty: the 1-replica row).
+    base_examples_per_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -35,7 +39,7 @@ class Measurement:
         if self.cpu_ms_per_step and len(self.cpu_ms_per_step) != len(self.examples_per_s):
             raise ValueError(f"{self.strategy} at {self.replicas} replicas has {len(self.examples_per_s)} throughputs "
                              f"but {len(self.cpu_ms_per_step)} CPU times; expected one of each per repeat.")
-        for name in ("examples_per_s", "cpu_ms_per_step", "raw_examples_per_s", "raw_cpu_ms_per_step"):
+        for name in _SERIES:
             object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
 
     @property
@@ -90,8 +94,14 @@ class BenchReport:
         return sorted({m.replicas for m in self.measurements})
 
     def speedup(self, strategy: str, replicas: int) -> float | None:
-        """Return median throughput at ``replicas`` over the same strategy's at 1 replica (None without a baseline)."""
+        """Return throughput at ``replicas`` over the same strategy's at 1 replica (None without a baseline).
+
+        With a 1-replica series from the same job: the median of the per-repeat ratios; otherwise
+        the ratio of the medians of the two rows.
+        """
         m, base = self.get(strategy, replicas), self.get(strategy, 1)
+        if m is not None and m.base_examples_per_s:
+            return statistics.median(a / b for a, b in zip(m.examples_per_s, m.base_examples_per_s) if b > 0)
         if m is None or base is None or base.median <= 0:
             return None
         return m.median / base.median
@@ -161,8 +171,9 @@ class BenchReport:
                        f"steps (after {c.get('warmup', '?')} warm-up), engines taking turns every "
                        f"{c.get('interleave_steps') or c.get('steps', '?')} steps; per-replica batch "
                        f"{c.get('batch_size', '?')}, {c.get('threads', '?')} thread(s) per process.")
-        out.append("speed-up and efficiency: vs the same strategy on 1 replica (weak scaling: efficiency = "
-                   "throughput_N / (N * throughput_1)). vs raw DDP: median of per-repeat ratios of examples/s.")
+        out.append("speed-up and efficiency: vs the same strategy on 1 replica, per repeat when both ran in one job "
+                   "(weak scaling: efficiency = throughput_N / (N * throughput_1)). vs raw DDP: median of per-repeat "
+                   "ratios of examples/s.")
         out.append("CPU ms/step: process CPU time (all threads) per step, mean over ranks; CPU vs raw: median of "
                    "per-repeat ratios (> 1: towers spends more CPU per step). Robust to other programs on the cores.")
         out.extend(self.notes)
@@ -189,9 +200,8 @@ class BenchReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BenchReport":
         """Return the report ``to_dict`` produced (derived rows are recomputed)."""
-        series = ("examples_per_s", "cpu_ms_per_step", "raw_examples_per_s", "raw_cpu_ms_per_step")
         return cls(measurements=[Measurement(m["strategy"], int(m["replicas"]), m["engine"],
-                                             **{k: tuple(m.get(k, ())) for k in series}) for m in data["measurements"]],
+                                             **{k: tuple(m.get(k, ())) for k in _SERIES}) for m in data["measurements"]],
                    config=dict(data.get("config", {})), environment=dict(data.get("environment", {})),
                    notes=list(data.get("notes", [])))
 

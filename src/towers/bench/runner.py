@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 from towers._logging import get_logger, set_rank
 from towers.bench.config import BenchConfig, available_cores
 from towers.bench.report import RAW, BenchReport, Measurement
-from towers.bench.workloads import RawTorchWorkload, TowersWorkload, Workload
+from towers.bench.workloads import IdleWorkload, RawTorchWorkload, TowersWorkload, Workload
 
 __all__ = ["NUM_PS", "run_benchmark", "measure_interleaved"]
 
@@ -27,9 +27,12 @@ log = get_logger(__name__)
 def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None = None) -> BenchReport:
     """Measure every strategy, each beside raw DDP, at every replica count in ``config`` and return the report.
 
-    One spawned job per (replica count, strategy): ``mirrored`` runs on N processes (OneDevice
-    when N = 1); ``ps_async``/``ps_sync`` on N workers plus one ps task, raw DDP then running
-    on the workers' own subgroup. ``progress`` (default: the library logger) gets a line per job.
+    One spawned job per (replica count, strategy). ``mirrored`` runs on N processes; when
+    ``replicas`` includes 1, its 1-replica baselines (plain torch and ``OneDeviceStrategy``) run
+    on rank 0 of each N-process job while the other ranks wait, interleaved with the N-replica
+    runs, so a change in the machine's load between jobs cannot skew speed-up and efficiency.
+    ``ps_async``/``ps_sync`` run on N workers plus one ps task (raw DDP on the workers' own
+    subgroup); their 1-worker baseline is a job of its own. ``progress`` gets a line per job.
 
     Raises:
         towers.launch.SpawnError: when a job fails or passes its deadline (the message shows every rank).
@@ -40,29 +43,30 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
     cores = available_cores()
     measurements: list[Measurement] = []
     notes: list[str] = []
-    for n in config.replicas:
-        for strategy in sorted(config.strategies, key=lambda s: s != "mirrored"):
-            num_ps = NUM_PS if strategy.startswith("ps_") else 0
+    multi = [n for n in config.replicas if n > 1]
+    for strategy in sorted(config.strategies, key=lambda s: s != "mirrored"):
+        num_ps = NUM_PS if strategy.startswith("ps_") else 0
+        baseline = num_ps == 0 and 1 in config.replicas and bool(multi)
+        for n in multi if baseline else config.replicas:
             procs = n + num_ps
             if procs * config.threads > cores:
                 note = (f"note: {strategy} at {n} replica(s) runs {procs} process(es) x {config.threads} thread(s) on "
                         f"{cores} cores: oversubscribed, so its numbers include contention for the cores.")
                 log.warning(note)
                 notes.append(note)
-            timeout_s = config.job_timeout_s(procs, 2, cores)
-            say(f"measuring {strategy} beside raw DDP on {n} replica(s){f' + {num_ps} ps' if num_ps else ''}: "
-                f"{config.repeats} repeats x {config.steps} steps (deadline {timeout_s:.0f} s)")
-            results = spawn(_job, procs, args=(config, n, strategy, num_ps), timeout_s=timeout_s,
+            timeout_s = config.job_timeout_s(procs, 4 if baseline else 2, cores)
+            say(f"measuring {strategy} beside raw DDP on {n} replica(s){f' + {num_ps} ps' if num_ps else ''}"
+                f"{' (and both on 1 replica)' if baseline else ''}: {config.repeats} repeats x {config.steps} steps "
+                f"(deadline {timeout_s:.0f} s)")
+            results = spawn(_job, procs, args=(config, n, strategy, num_ps, baseline), timeout_s=timeout_s,
                             threads_per_process=config.threads)
             if results[0]["skipped"]:
                 note = f"note: {strategy} at {n} replica(s) skipped: {results[0]['skipped']}"
                 log.warning(note)
                 notes.append(note)
-            raw, towers_m = _measurements(results, n, strategy)
-            if not any(m.strategy == RAW and m.replicas == n for m in measurements):
-                measurements.append(raw)  # one raw row per replica count: the first job's (mirrored's, if run)
-            if towers_m is not None:
-                measurements.append(towers_m)
+            for m in _measurements(results, n, strategy):
+                if not any(o.strategy == m.strategy and o.replicas == m.replicas for o in measurements):
+                    measurements.append(m)  # one raw row per replica count: the first job's (mirrored's, if run)
     if any(s.startswith("ps_") for s in config.strategies):
         notes.append(f"note: ps_* run N workers + {NUM_PS} ps task; their CPU ms/step counts the workers only, "
                      "and raw DDP beside them runs on the workers' subgroup.")
@@ -72,6 +76,9 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
 
 #: ps tasks a parameter-server benchmark job starts beside its workers.
 NUM_PS = 1
+
+#: Suffix of the 1-replica baselines measured inside an N-process job.
+_AT_ONE = "@1"
 
 
 def _environment(cores: int) -> dict[str, Any]:
@@ -92,15 +99,17 @@ def _make_strategy(name: str, num_replicas: int, *, timeout_s: float = 300.0) ->
     return towers.get_strategy(name, timeout_s=timeout_s)
 
 
-def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int) -> dict[str, Any] | None:
+def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
+         baseline: bool = False) -> dict[str, Any] | None:
     """Body of one spawned rank: raw DDP and one towers strategy on the same processes, measured interleaved.
 
+    With ``baseline``, rank 0 also runs both on 1 replica (the other ranks sit those turns out).
     Returns None on a ps task (it only serves), the rank's measurements on a worker.
     """
     import torch.distributed as dist
 
     world_size = num_replicas + num_ps
-    timeout_s = config.job_timeout_s(world_size, 2)
+    timeout_s = config.job_timeout_s(world_size, 4)
     rank, group, barrier = 0, None, _no_barrier
     if world_size > 1:
         # The hand-written DDP script's own set-up: env:// reads the torchrun variables spawn() set.
@@ -119,14 +128,19 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int) -> 
         made, skipped = None, str(exc)
     if rank >= num_replicas:
         return None
-    workloads: dict[str, Workload] = {
-        RAW: RawTorchWorkload(spec, rank=rank, world_size=num_replicas, process_group=group)}
+    workloads: dict[str, Workload] = {}
+    if baseline:
+        workloads[RAW + _AT_ONE] = RawTorchWorkload(spec) if rank == 0 else IdleWorkload()
+        if made is not None:
+            workloads[strategy + _AT_ONE] = TowersWorkload(spec, _make_strategy(strategy, 1)) if rank == 0 \
+                else IdleWorkload()
+    workloads[RAW] = RawTorchWorkload(spec, rank=rank, world_size=num_replicas, process_group=group)
     if made is not None:
         workloads[strategy] = TowersWorkload(spec, made)
         if num_ps:
             workloads[strategy].engine = f"ParameterServerStrategy({made.mode}, {num_ps} ps)"
     try:
-        measured = measure_interleaved(workloads, config=config, num_replicas=num_replicas, barrier=barrier)
+        measured = measure_interleaved(workloads, config=config, barrier=barrier)
     finally:
         for w in workloads.values():
             w.close()
@@ -134,31 +148,41 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int) -> 
             "skipped": skipped}
 
 
-def _measurements(results: Sequence[dict[str, Any] | None], num_replicas: int,
-                  strategy: str) -> tuple[Measurement, Measurement | None]:
-    """Return (raw, towers) measurements from the workers' reports: rank 0's examples/s, CPU ms/step averaged.
+def _measurements(results: Sequence[dict[str, Any] | None], num_replicas: int, strategy: str) -> list[Measurement]:
+    """Return the job's measurements from the workers' reports: rank 0's examples/s, CPU ms/step averaged.
 
-    The towers measurement carries the raw series of the same job, its per-repeat baseline.
+    Each towers measurement carries the raw series of the same job (ratio denominators); each
+    N-replica one, when baselines ran, the same engine's 1-replica series (speed-up denominators).
     """
     reports = [r for r in results if r is not None]
+    measured = reports[0]["measured"]
+    has_base = RAW + _AT_ONE in measured
 
     def combine(name: str, **paired: Any) -> Measurement:
-        engine, values = reports[0]["measured"][name]
-        per_rank = [r["measured"][name][1]["cpu_ms_per_step"] for r in reports]
+        engine, values = measured[name]
+        at_one = name.endswith(_AT_ONE)
+        per_rank = [r["measured"][name][1]["cpu_ms_per_step"] for r in (reports[:1] if at_one else reports)]
         cpu = tuple(sum(v) / len(v) for v in zip(*per_rank))
-        return Measurement(name, num_replicas, engine, tuple(values["examples_per_s"]), cpu, **paired)
+        if has_base and not at_one:
+            paired["base_examples_per_s"] = tuple(measured[name + _AT_ONE][1]["examples_per_s"])
+        return Measurement(name.removesuffix(_AT_ONE), 1 if at_one else num_replicas, engine,
+                           tuple(values["examples_per_s"]), cpu, **paired)
 
-    raw = combine(RAW)
-    if strategy not in reports[0]["measured"]:
-        return raw, None
-    return raw, combine(strategy, raw_examples_per_s=raw.examples_per_s, raw_cpu_ms_per_step=raw.cpu_ms_per_step)
+    out = []
+    for suffix in (_AT_ONE, "") if has_base else ("",):
+        raw = combine(RAW + suffix)
+        out.append(raw)
+        if strategy + suffix in measured:
+            out.append(combine(strategy + suffix, raw_examples_per_s=raw.examples_per_s,
+                               raw_cpu_ms_per_step=raw.cpu_ms_per_step))
+    return out
 
 
 def _no_barrier() -> None:
     return None
 
 
-def measure_interleaved(workloads: dict[str, Workload], *, config: BenchConfig, num_replicas: int,
+def measure_interleaved(workloads: dict[str, Workload], *, config: BenchConfig,
                         barrier: Callable[[], Any]) -> dict[str, dict[str, list[float]]]:
     """Return, per workload, ``examples_per_s`` (global) and this process's ``cpu_ms_per_step``, one value per repeat.
 
@@ -171,7 +195,7 @@ def measure_interleaved(workloads: dict[str, Workload], *, config: BenchConfig, 
     """
     names = list(workloads)
     measured = {name: {"examples_per_s": [], "cpu_ms_per_step": []} for name in names}
-    examples = config.steps * config.batch_size * num_replicas
+    examples = {name: config.steps * config.batch_size * w.num_replicas for name, w in workloads.items()}
     chunk = config.interleave_steps or config.steps
     for r in range(config.repeats):
         order = names if r % 2 == 0 else names[::-1]
@@ -191,9 +215,9 @@ def measure_interleaved(workloads: dict[str, Workload], *, config: BenchConfig, 
                 cpu[name] += time.process_time() - start_cpu
             done, turn = done + steps, turn + 1
         for name in names:
-            measured[name]["examples_per_s"].append(examples / wall[name])
+            measured[name]["examples_per_s"].append(examples[name] / wall[name])
             measured[name]["cpu_ms_per_step"].append(1000.0 * cpu[name] / config.steps)
         line = ", ".join(f"{name} {measured[name]['examples_per_s'][-1]:,.0f} "
                          f"({measured[name]['cpu_ms_per_step'][-1]:.1f} CPU ms/step)" for name in names)
-        log.info("%d replica(s), repeat %d/%d: examples/s %s", num_replicas, r + 1, config.repeats, line)
+        log.info("repeat %d/%d: examples/s %s", r + 1, config.repeats, line)
     return measured

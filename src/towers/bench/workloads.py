@@ -18,7 +18,8 @@ from towers.bench.config import OPTIMIZERS
 from towers.datasets import synthetic_images
 from towers.models import SeedCNN
 
-__all__ = ["OPTIMIZERS", "WorkloadSpec", "Workload", "RawTorchWorkload", "TowersWorkload", "make_dataset"]
+__all__ = ["OPTIMIZERS", "WorkloadSpec", "Workload", "IdleWorkload", "RawTorchWorkload", "TowersWorkload",
+           "make_dataset"]
 
 @dataclass(frozen=True, kw_only=True)
 class WorkloadSpec:
@@ -65,6 +66,8 @@ class Workload:
 
     #: What ran, for the report (e.g. ``"torch DDP"``, ``"MirroredStrategy"``).
     engine: str = "?"
+    #: Replicas that train together in each step (global examples/s = steps * batch * this / time).
+    num_replicas: int = 1
 
     def start_epoch(self) -> None:
         """Begin a fresh pass over the data (untimed)."""
@@ -76,6 +79,18 @@ class Workload:
 
     def close(self) -> None:
         """Release what this workload holds (no-op by default)."""
+
+
+class IdleWorkload(Workload):
+    """This rank's part in a run it sits out (a 1-replica baseline runs on rank 0): nothing; it waits at the barriers."""
+
+    engine = "idle"
+
+    def start_epoch(self) -> None:
+        """Nothing to do."""
+
+    def train(self, steps: int) -> None:
+        """Nothing to do."""
 
 
 class RawTorchWorkload(Workload):
@@ -94,6 +109,7 @@ class RawTorchWorkload(Workload):
         if use_ddp:
             model = nn.parallel.DistributedDataParallel(model, process_group=process_group)
         self.model = model
+        self.num_replicas = world_size
         self.engine = "torch DDP" if use_ddp else "torch (no DDP)"
         self.optimizer = spec.make_optimizer(model.parameters())
         data = make_dataset(spec, world_size)
@@ -127,6 +143,7 @@ class TowersWorkload(Workload):
         self.spec = spec
         self.strategy = strategy
         self.engine = type(strategy).__name__
+        self.num_replicas = strategy.num_replicas_in_sync
         with strategy.scope():
             model = spec.make_model()
             optimizer = spec.make_optimizer(model.parameters())
