@@ -41,7 +41,11 @@ def main() -> None:
     trainer = towers.Trainer(model, optimizer, loss=F.cross_entropy, metrics=["accuracy"], strategy=strategy)
     history = trainer.fit(
         train_set, epochs=args.epochs, global_batch_size=args.global_batch_size, validation_data=test_set,
-        callbacks=[towers.callbacks.BackupAndRestore(f"{args.out_dir}/backup", save_freq=20)])  # resume after a crash
+        callbacks=[
+            # The lr change reaches the ps tasks' optimizers with the next push.
+            towers.callbacks.LearningRateScheduler(lambda epoch, lr: 2e-3 * 0.75 ** epoch),
+            towers.callbacks.BackupAndRestore(f"{args.out_dir}/backup", save_freq=20),  # resume after a crash
+        ])
     test = trainer.evaluate(test_set)  # reduced over the workers (through ps task 0): the same numbers everywhere
     if strategy.is_chief:
         stats = strategy.ps_stats()
