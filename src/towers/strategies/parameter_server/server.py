@@ -22,20 +22,13 @@ import torch
 
 from towers._logging import get_logger
 from towers.strategies.parameter_server.gather import GatherTable
+from towers.strategies.parameter_server.requests import RequestError, build_optimizer, clone_state
 from towers.strategies.parameter_server.sharding import FlatLayout, ParamSpec, signature_mismatch
 from towers.strategies.parameter_server.transport import LISTEN_TIMEOUT_S, Link, LinkError, Message, Op, Status
 
-__all__ = ["ParameterServer", "RequestError"]
+__all__ = ["ParameterServer"]
 
 log = get_logger(__name__)
-
-
-class RequestError(Exception):
-    """A request the ps refuses; ``status`` tells the worker which exception to raise."""
-
-    def __init__(self, message: str, status: int = Status.FAILED):
-        super().__init__(message)
-        self.status = status
 
 
 class ParameterServer:
@@ -199,7 +192,7 @@ class ParameterServer:
                 self.params_buf.copy_(msg.flat)
                 return {"ints": (self.version,)}
             if msg.op == Op.GET_STATE:
-                state = None if self.optimizer is None else _clone(self.optimizer.state_dict())
+                state = None if self.optimizer is None else clone_state(self.optimizer.state_dict())
                 return {"meta": state, "ints": (self.version,)}
             if msg.op == Op.SET_STATE:
                 if self.optimizer is not None:
@@ -242,16 +235,7 @@ class ParameterServer:
         self.sum_buf = layout.new_buffer()
         self.round_buf = self.params_buf.clone()
         self.present = [False] * len(specs)
-        spec = meta["optimizer"]
-        if spec is not None and spec["groups"]:
-            groups = [{**hyper, "params": [self.params[i] for i in positions]} for hyper, positions in spec["groups"]]
-            try:
-                self.optimizer = spec["cls"](groups, **spec["defaults"])
-            except Exception as exc:  # noqa: BLE001 - any constructor failure is the user's optimizer spec
-                raise RequestError(
-                    f"ps task {self.ps_index} could not build {spec['cls'].__name__}(**{spec['defaults']}): {exc}. "
-                    "The ps rebuilds the optimizer from its class and its `defaults`; use an optimizer whose "
-                    "constructor accepts its defaults as keyword arguments.", Status.BAD_INPUT) from exc
+        self.optimizer = build_optimizer(meta["optimizer"], self.params, self.ps_index)
         self.signature, self.layout = list(meta["signature"]), layout
         log.info("ps task %d holds %d parameter(s), %.1f MB, optimizer %s, mode %s", self.ps_index, len(specs),
                  layout.nbytes / 1e6, type(self.optimizer).__name__ if self.optimizer else None, self.mode)
@@ -319,14 +303,3 @@ class ParameterServer:
         if hyper and self.optimizer is not None:
             for group, values in zip(self.optimizer.param_groups, hyper):
                 group.update(values)
-
-
-def _clone(state: Any) -> Any:
-    """Deep-copy tensors of a state dict so it can be sent after the lock is released."""
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    if isinstance(state, dict):
-        return {k: _clone(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_clone(v) for v in state]
-    return state
