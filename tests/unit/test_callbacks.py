@@ -203,3 +203,23 @@ def test_resume_with_another_global_batch_and_a_foreign_model(tmp_path, caplog):
     with pytest.raises(ckpt.CheckpointError, match="does not fit this model"):
         wrong.load_checkpoint(str(tmp_path / "backup.pt"))
     assert all(torch.equal(v, before[k]) for k, v in wrong.unwrapped_model.state_dict().items())
+
+
+def test_backup_dir_defaults_to_the_jobs_checkpoint_dir(tmp_path):
+    from towers.cluster import ProcessInfo, from_env
+
+    info = from_env({"TOWERS_CHECKPOINT_DIR": str(tmp_path)})
+    assert info.checkpoint_dir == str(tmp_path)
+    x, y = _data(32)
+
+    def fit(info: ProcessInfo, *callbacks):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 2))
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                          strategy=towers.OneDeviceStrategy("cpu", info=info))
+        trainer.fit((x, y), 1, 16, callbacks=list(callbacks))
+
+    fit(info, C.BackupAndRestore(save_freq=1, delete_checkpoint=False))
+    assert ckpt.load_checkpoint(tmp_path / "backup" / "backup.pt")["global_step"] == 2
+    with pytest.raises(ValueError, match="TOWERS_CHECKPOINT_DIR is unset"):
+        fit(from_env({}), C.BackupAndRestore())

@@ -56,7 +56,8 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     Sources, in order: ``explicit`` keyword arguments (any ``ProcessInfo`` field, e.g. ``rank=1,
     world_size=2``: they replace the detected values); ``TF_CONFIG``; torchrun/Kubeflow variables
     (``RANK``, ``WORLD_SIZE``, ...); SLURM (``SLURM_PROCID``, ...); else one local process.
-    ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` (set by ``towers launch``) fill ``strategy``/``num_ps``.
+    ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` (set by ``towers launch``) fill ``strategy``/``num_ps``;
+    ``TOWERS_CHECKPOINT_DIR`` (set by ``towers k8s`` manifests) fills ``checkpoint_dir``.
     ``environ=None`` reads ``os.environ``; pass a dict in tests.
 
     Raises:
@@ -69,6 +70,9 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     environ = read_environ() if environ is None else environ
     info = detect_environment(environ).process_info(environ)
     _check_no_conflict(info, environ)
+    checkpoint_dir = environ.get("TOWERS_CHECKPOINT_DIR", "").strip()
+    if checkpoint_dir:
+        info = dataclasses.replace(info, checkpoint_dir=checkpoint_dir)
     if explicit:
         explicit.setdefault("source", f"explicit+{info.source}")
         try:

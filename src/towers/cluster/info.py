@@ -72,7 +72,9 @@ class ProcessInfo:
 
     ``rank``/``world_size`` count every process of the job (ps tasks included);
     ``local_rank``/``local_world_size`` count the processes on this host.
-    ``strategy``/``num_ps`` carry what ``towers launch --strategy/--num-ps`` asked for.
+    ``strategy``/``num_ps`` carry what ``towers launch --strategy/--num-ps`` asked for;
+    ``checkpoint_dir`` is where the job keeps checkpoints (``TOWERS_CHECKPOINT_DIR``, set by the
+    manifests ``towers k8s`` renders), or None.
     """
 
     rank: int = 0
@@ -88,6 +90,7 @@ class ProcessInfo:
     strategy: str | None = None
     num_ps: int = 0
     chief_rank: int = 0
+    checkpoint_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

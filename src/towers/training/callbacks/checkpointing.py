@@ -82,18 +82,20 @@ class BackupAndRestore(Callback):
     atomically. Like Keras, the backup is deleted when ``fit`` finishes normally (also after an
     early stop) unless ``delete_checkpoint=False``; it is kept when ``fit`` raises or the process dies.
     Put it before callbacks whose state should be restored (it restores theirs too).
+    ``backup_dir=None`` uses the job's checkpoint directory (``TOWERS_CHECKPOINT_DIR``, which the
+    manifests of ``towers k8s`` set to their checkpoint volume), so a restarted pod resumes.
     """
 
     FILENAME = "backup.pt"
 
-    def __init__(self, backup_dir: str | os.PathLike[str], *, save_freq: str | int = "epoch",
+    def __init__(self, backup_dir: str | os.PathLike[str] | None = None, *, save_freq: str | int = "epoch",
                  delete_checkpoint: bool = True):
         super().__init__()
         if save_freq != "epoch" and not (isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0):
             raise ValueError(f"save_freq must be 'epoch' or a positive number of steps. Received: {save_freq!r}.")
-        if not os.fspath(backup_dir):
-            raise ValueError("backup_dir must be a non-empty path.")
-        self.backup_dir = Path(backup_dir)
+        if backup_dir is not None and not os.fspath(backup_dir):
+            raise ValueError("backup_dir must be a non-empty path, or None for the job's TOWERS_CHECKPOINT_DIR.")
+        self.backup_dir = Path(backup_dir) if backup_dir is not None else None
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.restored_from: dict[str, int] | None = None
@@ -101,10 +103,20 @@ class BackupAndRestore(Callback):
     @property
     def path(self) -> Path:
         """The backup file."""
+        if self.backup_dir is None:
+            raise ValueError("BackupAndRestore has no backup_dir yet: it is taken from the job at the start of fit().")
         return self.backup_dir / self.FILENAME
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
         strategy = self.trainer.strategy
+        if self.backup_dir is None:
+            job_dir = strategy.process_info.checkpoint_dir
+            if job_dir is None:
+                raise ValueError(
+                    "BackupAndRestore() was given no backup_dir and the job has no checkpoint directory "
+                    "(TOWERS_CHECKPOINT_DIR is unset). Pass BackupAndRestore('path/to/backup') or set "
+                    "TOWERS_CHECKPOINT_DIR.")
+            self.backup_dir = Path(job_dir) / "backup"
         # The chief decides whether there is a backup, so every replica takes the same branch.
         exists = strategy.broadcast_object(self.path.is_file() if strategy.is_chief else None, src=0)
         if not exists:
