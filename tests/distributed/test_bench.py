@@ -59,3 +59,13 @@ def test_tiny_bench_run_produces_table_json_and_plot(tmp_path):
             rows[("mirrored", n)]["median"] / rows[("raw_ddp", n)]["median"])
     assert data["config"]["batch_size"] == 8 and data["config"]["repeats"] == 1
     assert (out_dir / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_job_past_its_deadline_fails_the_command_with_every_rank_named(tmp_path):
+    result = _run_cli(["bench", "--replicas", "2", "--steps", "500", "--repeats", "1", "--timeout-s", "1",
+                       "--no-plot", "--out-dir", str(tmp_path / "bench")], cwd=tmp_path)
+    assert result.returncode == 1
+    assert "towers bench: the benchmark job failed." in result.stderr
+    assert "did not finish within timeout_s=1" in result.stderr
+    assert "rank 0:" in result.stderr and "rank 1:" in result.stderr
+    assert not (tmp_path / "bench" / "bench.json").exists()
