@@ -41,7 +41,8 @@ class MirroredStrategy(SyncStrategy):
     Options: ``precision`` (``"32"``, ``"bf16"``, ``"fp16"``), ``gradient_accumulation_steps``
     (micro-batches per update; no all-reduce on the others), ``gradient_compression``
     (``"fp16"``, ``"bf16"``, ``"powersgd"``), ``sync_batchnorm`` (BatchNorm statistics over
-    the global batch, CPU included), ``bucket_cap_mb`` (DDP bucket size),
+    the global batch, CPU included), ``bucket_cap_mb`` (DDP bucket size; None keeps DDP's own
+    layout, whose small first bucket lets the first all-reduce overlap the rest of backward),
     ``find_unused_parameters`` (DDP's, for models that leave parameters unused),
     ``backend`` (``"auto"``: NCCL on GPUs, Gloo on CPUs) and ``timeout_s`` for every collective.
     """
@@ -51,16 +52,17 @@ class MirroredStrategy(SyncStrategy):
     def __init__(self, *, info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  backend: str = "auto", precision: str | int | None = "32", gradient_accumulation_steps: int = 1,
                  gradient_compression: str | None = None, sync_batchnorm: bool = False,
-                 bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  powersgd_rank: int = 1, powersgd_start_iter: int = 10):
         from towers import cluster
         from towers.devices import warn_if_gpus_idle
 
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0. Received: {bucket_cap_mb}. DDP's default is 25.")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0 (or None for DDP's default). Received: {bucket_cap_mb}.")
         self._compression = check_compression(gradient_compression)
         self._sync_batchnorm = bool(sync_batchnorm)
-        self._bucket_cap_mb = float(bucket_cap_mb)
+        # Passed to DDP only when set: an explicit value also drops DDP's small first bucket.
+        self._ddp_options = {} if bucket_cap_mb is None else {"bucket_cap_mb": float(bucket_cap_mb)}
         self._find_unused = bool(find_unused_parameters)
         self._powersgd = {"powersgd_rank": int(powersgd_rank), "powersgd_start_iter": int(powersgd_start_iter)}
         self._owns_group = False
@@ -90,7 +92,7 @@ class MirroredStrategy(SyncStrategy):
         check_same_parameters(model, self._comm.all_gather_object)
         ddp = TowersDDP(model, policy=self._policy, scaler=self._scaler,
                         device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                        bucket_cap_mb=self._bucket_cap_mb, find_unused_parameters=self._find_unused)
+                        find_unused_parameters=self._find_unused, **self._ddp_options)
         register_sum_hook(ddp, self._compression, self.num_replicas_in_sync, **self._powersgd)
         self._ddp_models.append(ddp)
         return ddp
