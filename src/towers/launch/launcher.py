@@ -9,7 +9,11 @@ variables). This module adds what ``towers launch`` promises on top:
 - checks before anything starts: the script exists, the rendezvous port is free;
 - a failure report naming the failed rank. The agent polls every ``monitor_interval_s``; on the
   first failed worker it sends SIGTERM to every other worker (SIGKILL after ``shutdown_timeout``,
-  torchrun's default 30 s) and waits for them, so no process is left behind.
+  torchrun's default 30 s) and waits for them, so no process is left behind;
+- under ``--strategy ps`` (``spec.tolerate_worker_failures``), every process runs under
+  ``towers.launch.supervise``, which hides a non-chief worker's failure from the agent (exit 0), so
+  an async job finishes with the other workers; the launcher then names each such worker and its
+  exit code at the end (and in the error, when the job fails later for another reason).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import shutil
 import signal
 import socket
+import tempfile
 from typing import Any, Mapping
 
 from towers._logging import get_logger
@@ -159,6 +164,17 @@ def _failure_error(exc: Any, spec: LaunchSpec) -> LaunchError:
     return LaunchError(text, exit_code=_exit_code(first.exitcode), failed_rank=first_rank)
 
 
+def _tolerated_text(report_dir: str | None) -> list[str]:
+    """Return one phrase per non-chief worker whose failure the supervisors hid from the agent."""
+    if report_dir is None:
+        return []
+    # Imported here, not at the top: `python -m towers.launch.supervise` must not find it imported already.
+    from towers.launch.supervise import read_reports
+
+    return [f"worker rank {r.get('rank')} (local rank {r.get('local_rank')}) {r.get('description')}"
+            for r in read_reports(report_dir)]
+
+
 def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> None:
     """Run ``spec``'s script on its processes and return when every one has finished successfully.
 
@@ -167,7 +183,8 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
     Raises:
         LaunchError: before starting, when the script or port is unusable; afterwards, when a worker
             failed (the message names its rank; ``exit_code`` is the worker's) or the launcher was
-            signalled. Every worker has been stopped by then.
+            signalled. Every worker has been stopped by then. With ``spec.tolerate_worker_failures``
+            a failed non-chief worker is not an error: it is logged (WARNING) and the job goes on.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -181,17 +198,30 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
     updates = spec.worker_environment(environ)
     rendezvous = spec.rdzv_endpoint or f"{spec.master_addr}:{spec.master_port}"
     log.info("launching %d process(es) per node on %s node(s), rendezvous %s (%s), strategy=%s num_ps=%s, "
-             "OMP_NUM_THREADS=%s: %s", spec.nproc_per_node,
+             "OMP_NUM_THREADS=%s%s: %s", spec.nproc_per_node,
              spec.min_nodes if spec.is_single_node or spec.min_nodes == spec.max_nodes
              else f"{spec.min_nodes}-{spec.max_nodes}", rendezvous, spec.rdzv_backend, spec.strategy or "default",
-             spec.num_ps, updates.get("OMP_NUM_THREADS", environ.get("OMP_NUM_THREADS")), " ".join(spec.command()))
+             spec.num_ps, updates.get("OMP_NUM_THREADS", environ.get("OMP_NUM_THREADS")),
+             ", a failed non-chief worker does not stop the job" if spec.tolerate_worker_failures else "",
+             " ".join(spec.command()))
+    report_dir = tempfile.mkdtemp(prefix="towers-launch-") if spec.tolerate_worker_failures else None
     # The agent's workers inherit this process's environment, so the additions go there for the call.
     with environ_overrides({**environ, **updates}):
         try:
             config, cmd, cmd_args = config_from_args(_torchrun_namespace(spec))
+            if report_dir is not None:  # the supervisor wraps the command; torchrun's variables reach it unchanged
+                from towers.launch.supervise import supervised_command
+
+                cmd, cmd_args = supervised_command(cmd, cmd_args, report_dir=report_dir)
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
         except ChildFailedError as exc:
-            raise _failure_error(exc, spec) from None
+            error = _failure_error(exc, spec)
+            tolerated = _tolerated_text(report_dir)
+            if tolerated:
+                error = LaunchError(f"{error}\nBefore that, {'; '.join(tolerated)}, and the job went on without "
+                                    f"{'it' if len(tolerated) == 1 else 'them'} (--tolerate-worker-failures).",
+                                    exit_code=error.exit_code, failed_rank=error.failed_rank)
+            raise error from None
         except SignalException as exc:
             sig = signal.Signals(exc.sigval)
             raise LaunchError(f"towers launch received {sig.name} and stopped every worker.",
@@ -200,3 +230,10 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
             raise LaunchError(
                 f"The job could not start: {type(exc).__name__}: {exc}. Check that every node reaches the rendezvous "
                 f"{rendezvous} and that --nnodes/--node-rank agree across nodes.") from exc
+        finally:
+            tolerated = _tolerated_text(report_dir)
+            if report_dir is not None:
+                shutil.rmtree(report_dir, ignore_errors=True)
+    for line in tolerated:
+        log.warning("%s during the job; the parameter-server job finished without it "
+                    "(--tolerate-worker-failures; --no-tolerate-worker-failures stops the job instead)", line)

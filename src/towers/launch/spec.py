@@ -1,8 +1,8 @@
 """``LaunchSpec``: what ``towers launch`` was asked to run, validated once, frozen.
 
 The flags are torchrun's own (``torch.distributed.run``'s parser is reused, so every torchrun flag
-works and ``PET_*`` variables fill defaults as under torchrun) plus ``--strategy`` and ``--num-ps``.
-This module imports torch only inside ``launch_parser``/``parse_launch_args``.
+works and ``PET_*`` variables fill defaults as under torchrun) plus ``--strategy``, ``--num-ps`` and
+``--[no-]tolerate-worker-failures``. This module imports torch only inside ``launch_parser``/``parse_launch_args``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ DEFAULT_MONITOR_INTERVAL_S = 0.5
 _SPEC_OPTIONS = frozenset({
     "training_script", "training_script_args", "module", "no_python", "run_path", "nproc_per_node", "nnodes",
     "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "standalone",
-    "max_restarts", "monitor_interval", "strategy", "num_ps",
+    "max_restarts", "monitor_interval", "strategy", "num_ps", "tolerate_worker_failures",
 })
 
 
@@ -119,8 +119,10 @@ class LaunchSpec:
 
     ``master_port=None`` means "pick one": a free loopback port on a single node, torchrun's 29500
     across nodes. ``num_ps=None`` means "not given": 1 under ``strategy="ps"``, else 0; a positive
-    ``num_ps`` without a strategy implies ``"ps"``. ``torchrun_options`` carries every other
-    torchrun flag unchanged (``log_dir``, ``redirects``, ``start_method``, ...).
+    ``num_ps`` without a strategy implies ``"ps"``. ``tolerate_worker_failures=None`` means "not
+    given": True under ``strategy="ps"`` (a non-chief worker that fails does not stop the job; see
+    ``towers.launch.supervise``), else False. ``torchrun_options`` carries every other torchrun flag
+    unchanged (``log_dir``, ``redirects``, ``start_method``, ...).
     """
 
     script: str
@@ -141,6 +143,7 @@ class LaunchSpec:
     monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
     strategy: str | None = None
     num_ps: int | None = None
+    tolerate_worker_failures: bool | None = None
     torchrun_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -202,8 +205,17 @@ class LaunchSpec:
             raise ValueError(
                 f"--strategy one_device trains one replica, but the job starts {self.max_world_size} processes. "
                 "Use --nproc-per-node 1 --nnodes 1, or --strategy mirrored / multi_worker_mirrored.")
+        tolerate = self.tolerate_worker_failures
+        if tolerate is not None and not isinstance(tolerate, bool):
+            raise ValueError(f"tolerate_worker_failures must be True, False or None. Received: {tolerate!r}.")
+        if tolerate and strategy != "ps":
+            raise ValueError(
+                f"--tolerate-worker-failures only applies to --strategy ps (async parameter servers go on without a "
+                f"dead worker; every other strategy needs all of them). Received: --strategy {strategy}. Drop the "
+                "flag or use --strategy ps.")
         set_("strategy", strategy)
         set_("num_ps", num_ps)
+        set_("tolerate_worker_failures", strategy == "ps" if tolerate is None else tolerate)
 
     @property
     def min_world_size(self) -> int:
@@ -248,15 +260,18 @@ def _usable_cores() -> int:
 
 
 def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
-    """Return torchrun's argument parser with ``--strategy`` and ``--num-ps`` added (imports torch)."""
+    """Return torchrun's argument parser with towers' flags added (imports torch).
+
+    The additions: ``--strategy``, ``--num-ps`` and ``--[no-]tolerate-worker-failures``.
+    """
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.prog = prog
-    parser.description = ("Run a training script on N processes per node: torchrun's flags, plus --strategy "
-                          "and --num-ps. Workers get torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, "
-                          "MASTER_ADDR, MASTER_PORT, ...), TOWERS_STRATEGY/TOWERS_NUM_PS, and OMP_NUM_THREADS "
-                          "= cores // nproc-per-node unless set.")
+    parser.description = ("Run a training script on N processes per node: torchrun's flags, plus --strategy, "
+                          "--num-ps and --[no-]tolerate-worker-failures. Workers get torchrun's variables (RANK, "
+                          "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...), TOWERS_STRATEGY/TOWERS_NUM_PS, "
+                          "and OMP_NUM_THREADS = cores // nproc-per-node unless set.")
     parser.set_defaults(monitor_interval=DEFAULT_MONITOR_INTERVAL_S)
     group = parser.add_argument_group("towers")
     group.add_argument("--strategy", default=None, metavar="NAME",
@@ -264,6 +279,13 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
                             "(alias: parameter_server); sets TOWERS_STRATEGY for every worker")
     group.add_argument("--num-ps", "--num_ps", type=int, default=None, metavar="K",
                        help="parameter-server processes (the last K ranks; implies --strategy ps); sets TOWERS_NUM_PS")
+    group.add_argument("--tolerate-worker-failures", default=None,
+                       action=argparse.BooleanOptionalAction,
+                       help="--strategy ps only (default: on there): a non-chief worker that fails does not stop the "
+                            "job; the launcher names it and the others finish (async mode; a sync-mode job still "
+                            "stops). The chief or a ps task failing always stops it. Such a worker "
+                            "death never triggers --max-restarts; --no-tolerate-worker-failures makes it stop (or "
+                            "restart) the whole job, as torchrun does")
     return parser
 
 
@@ -308,6 +330,7 @@ def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
         monitor_interval_s=float(args.monitor_interval),
         strategy=args.strategy,
         num_ps=args.num_ps,
+        tolerate_worker_failures=getattr(args, "tolerate_worker_failures", None),
         torchrun_options=passthrough,
     )
 

@@ -1,0 +1,244 @@
+"""Run one worker's command under a supervisor so that a dead non-chief worker does not end a ps job.
+
+torchrun's elastic agent has gang semantics: as soon as one of its processes exits non-zero it
+stops all the others (and restarts the group when ``--max-restarts`` allows). In
+``--strategy ps`` ``async`` mode that is wrong for a non-chief worker: the ps tasks notice it is
+gone and the others train on. So ``towers launch --strategy ps`` starts every process as
+
+    python -u -m towers.launch.supervise [--report-dir DIR] -- <the worker's command>
+
+which runs the real command as its child (same environment: torchrun's variables pass through),
+forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 to it, waits, and then decides
+(``decide``) from this rank's role, read through ``towers.cluster``:
+
+- the child succeeded, or the supervisor itself was signalled (the agent is stopping the job):
+  exit as the child did;
+- a non-chief worker failed: print one line on stderr naming the rank and code, leave a report
+  for the launcher in ``--report-dir``, and exit 0, so the agent lets the job go on;
+- the chief or a ps task failed (or the role is unknown): exit as the child did (a signal death
+  is re-raised on the supervisor), so the agent stops the job and the launcher names the rank.
+
+In ``sync`` mode the job still stops: the ps tasks fail the round that misses the dead worker,
+and the error of the ps task or the chief ends the job (see ``docs/architecture.md``).
+
+On Linux the child leads its own process group and dies with the supervisor
+(``PR_SET_PDEATHSIG``), as under ``dumb-init``/``tini -p``: the agent's ``killpg`` reaches the
+supervisor, which forwards the signal to the child's group exactly once, and the agent's SIGKILL
+of the supervisor (after its ``shutdown_timeout``) takes the child with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from towers.cluster.info import ProcessInfo
+
+__all__ = ["FORWARDED_SIGNALS", "Decision", "decide", "supervised_command", "read_reports", "main"]
+
+#: Signals the supervisor passes on to its child (the ones torchrun's agent stops its workers with, and SLURM's).
+FORWARDED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1",
+                                                             "SIGUSR2") if hasattr(signal, name))
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the supervisor does once its child exited.
+
+    ``exit_code`` is the supervisor's exit code; ``signal_number`` (when set) is re-raised on the
+    supervisor instead, so the agent sees the same "killed by signal" as without a supervisor.
+    ``message`` is the stderr line for a tolerated failure (``tolerated`` is then True).
+    """
+
+    exit_code: int
+    signal_number: int | None = None
+    tolerated: bool = False
+    message: str = ""
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def _propagate(returncode: int) -> Decision:
+    if returncode < 0:
+        return Decision(exit_code=128 + (-returncode), signal_number=-returncode)
+    return Decision(exit_code=returncode)
+
+
+def decide(info: ProcessInfo | None, returncode: int, *, stop_requested: bool = False) -> Decision:
+    """Return what to do after the child exited with ``returncode`` (negative: killed by that signal).
+
+    A failure is tolerated only on a non-chief worker (``info.task.type == "worker"``, not the
+    chief) and only when the supervisor was not itself told to stop; ``info=None`` (the role could
+    not be read) tolerates nothing.
+    """
+    if returncode == 0 or stop_requested or info is None:
+        return _propagate(returncode)
+    if info.task.type != "worker" or info.is_chief:
+        return _propagate(returncode)
+    message = (f"towers: worker rank {info.rank} {_describe(returncode)}; the parameter-server job continues "
+               "without it (async mode; a sync-mode job stops at its next round)")
+    return Decision(exit_code=0, tolerated=True, message=message)
+
+
+def supervised_command(cmd: str | Callable[..., Any], cmd_args: Sequence[str], *,
+                       report_dir: str | None = None, python: str | None = None) -> tuple[str, list[str]]:
+    """Return the agent's ``(entrypoint, args)`` that run ``cmd cmd_args`` under this supervisor.
+
+    ``cmd`` is what ``torch.distributed.run.config_from_args`` returned: an executable, or (for
+    ``--run-path``) a function that runs ``cmd_args[0]`` as a script, which becomes ``python -u``.
+    """
+    python = python or sys.executable
+    child = [cmd, *cmd_args] if isinstance(cmd, str) else [python, "-u", *cmd_args]
+    head = ["-u", "-m", "towers.launch.supervise"]
+    if report_dir is not None:
+        head += ["--report-dir", report_dir]
+    return python, [*head, "--", *(str(part) for part in child)]
+
+
+def read_reports(report_dir: str) -> list[dict[str, Any]]:
+    """Return the tolerated failures the supervisors wrote to ``report_dir``, by rank (unreadable files are skipped)."""
+    reports = []
+    try:
+        names = sorted(os.listdir(report_dir))
+    except OSError:
+        return []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(report_dir, name), encoding="utf-8") as fh:
+                reports.append(json.load(fh))
+        except (OSError, ValueError):
+            continue
+    return sorted(reports, key=lambda r: (r.get("rank", 0), r.get("pid", 0)))
+
+
+def _write_report(report_dir: str, info: ProcessInfo, returncode: int) -> None:
+    # Written under a temporary name and renamed, so the launcher never reads half a report; the pid
+    # keeps the reports of a rank apart across restarts.
+    record = {"rank": info.rank, "local_rank": info.local_rank, "returncode": returncode,
+              "description": _describe(returncode), "pid": os.getpid()}
+    path = os.path.join(report_dir, f"rank{info.rank}-pid{os.getpid()}.json")
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump(record, fh)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # the stderr line has already said it; the launcher's summary is a convenience
+
+
+def _child_setup(parent_pid: int) -> Callable[[], None]:
+    """Return the child's pre-exec step: its own process group, and SIGKILL when the supervisor dies (Linux)."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here: the child only calls it
+    except (OSError, AttributeError):
+        prctl = None
+
+    def preexec() -> None:  # runs in the child between fork and exec: keep it minimal
+        os.setpgid(0, 0)  # a killpg of the supervisor's group then reaches the child once, through us
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+                os._exit(128 + int(signal.SIGKILL))
+
+    return preexec
+
+
+def _send(pid: int, signum: int, *, group: bool) -> None:
+    # On Linux the child leads its own process group: signal the group, as the agent's killpg would have.
+    try:
+        if group:
+            os.killpg(pid, signum)
+        else:
+            os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _process_info() -> ProcessInfo | None:
+    from towers import cluster
+
+    try:
+        return cluster.from_env()
+    except ValueError as exc:  # ClusterConfigError: the child will say so too; tolerate nothing
+        print(f"towers: the supervisor cannot tell this process's role ({exc}); a failure of it stops the job",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m towers.launch.supervise",
+        description="Run COMMAND; exit 0 when a non-chief parameter-server worker fails (towers launch --strategy ps).")
+    parser.add_argument("--report-dir", default=None, help="directory for the launcher's report of tolerated failures")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS ...]")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command after ``--`` and return the supervisor's exit code (see the module docstring)."""
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("towers: supervise needs a command after `--`. Usage: python -m towers.launch.supervise -- python -u "
+              "train.py", file=sys.stderr)
+        return 2
+    info = _process_info()
+
+    received: list[int] = []
+    forwarded: list[int] = []
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        if child is not None and child.returncode is None:  # returncode is set once wait() reaped it
+            forwarded.append(signum)
+            _send(child.pid, signum, group=linux)
+
+    linux = sys.platform.startswith("linux")
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
+    try:
+        child = subprocess.Popen(command, preexec_fn=_child_setup(os.getpid()) if linux else None)
+    except OSError as exc:
+        print(f"towers: cannot start {command[0]!r}: {exc}. Check the command.", file=sys.stderr, flush=True)
+        return 127
+    if received and not forwarded:  # a signal came before the child existed: pass it on now
+        _send(child.pid, received[-1], group=linux)
+    returncode = child.wait()
+
+    decision = decide(info, returncode, stop_requested=bool(received))
+    if decision.tolerated and info is not None:
+        print(decision.message, file=sys.stderr, flush=True)
+        if args.report_dir:
+            _write_report(args.report_dir, info, returncode)
+    if decision.signal_number is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            signal.signal(decision.signal_number, signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL/SIGSTOP have no handler to reset
+            pass
+        os.kill(os.getpid(), decision.signal_number)
+    return decision.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

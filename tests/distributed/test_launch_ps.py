@@ -1,0 +1,151 @@
+"""`towers launch --strategy ps` with a dead non-chief worker: async finishes without it, sync stops.
+
+The real command in a new session with a deadline (the process group is killed on timeout), and
+no process left behind. One job of 1 ps task + 2 workers; worker rank 1 exits with code 3 after
+``VICTIM_STEPS`` pushes (``os._exit``, no goodbye). Under every rank runs the supervisor
+(``towers.launch.supervise``), which hides that worker's failure from torchrun's agent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+DEADLINE_S = 90.0
+STEPS = 40
+VICTIM_STEPS = 3
+
+SCRIPT = f"""
+    import os, sys, time
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    import towers
+
+    MODE, STEPS, VICTIM_STEPS = sys.argv[1], {STEPS}, {VICTIM_STEPS}
+
+    strategy = towers.strategy_from_env(mode=MODE, timeout_s=30)  # the ps task serves here, then exits 0
+    rank = strategy.process_info.rank
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    net, optimizer = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(rank)
+    steps = 0
+    for step in range(STEPS):
+        if rank == 1 and step == VICTIM_STEPS:
+            print(f"worker rank 1 dies at {{time.time()}}", flush=True)
+            os._exit(3)
+        if rank == 0 and step == 10:  # async: make sure the death happens while the chief still trains
+            deadline = time.monotonic() + 30
+            while not strategy.ps_stats()[0]["dead"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+        x = torch.randn(8, 4, generator=g)
+        F.cross_entropy(net(x), (x[:, 0] > 0).long()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+        time.sleep(0.02)
+    if strategy.is_chief:
+        stats = strategy.ps_stats()[0]
+        print(f"chief finished steps={{steps}} applied={{stats['worker_versions']}} version={{stats['version']}} "
+              f"dead={{sorted(stats['dead'])}}", flush=True)
+    strategy.shutdown()
+"""
+
+
+def _towers_command() -> list[str]:
+    script = Path(sys.executable).with_name("towers")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("towers")
+    return [found] if found else [sys.executable, "-m", "towers.cli"]
+
+
+def _processes_running(marker: str) -> list[int]:
+    """Return pids of live processes whose command line contains ``marker`` (supervisors and their children)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if marker in cmdline and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_ps_launch(tmp_path: Path, mode: str) -> tuple[int, str, str, float]:
+    """Run the ps job in ``mode``; return (exit code, stdout, stderr, end time). Fails the test on the deadline."""
+    script = tmp_path / f"ps_job_{mode}.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TOWERS_STRATEGY", "TOWERS_NUM_PS")}
+    env["PYTHONUNBUFFERED"] = "1"
+    command = [*_towers_command(), "launch", "--strategy", "ps", "--num-ps", "1", "--nproc-per-node", "3",
+               "--monitor-interval", "0.2", str(script), mode]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        _kill(_processes_running(str(script)))
+        pytest.fail(f"towers launch did not finish within {DEADLINE_S} s\nstdout:\n{out}\nstderr:\n{err}")
+    ended = time.time()
+    leftovers = _processes_running(str(script))
+    _kill(leftovers)
+    assert not leftovers, f"processes left behind after towers launch exited: {leftovers}\n{out}\n{err}"
+    return proc.returncode, out, err, ended
+
+
+def test_async_job_finishes_without_a_dead_worker(tmp_path):
+    code, out, err, _ = run_ps_launch(tmp_path, "async")
+    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "worker rank 1 dies at" in out, out
+    # the supervisor's line when it happens, and the launcher's summary at the end
+    assert "towers: worker rank 1 exited with code 3; the parameter-server job continues without it" in err, err
+    assert re.search(r"WARNING towers\.launch\.launcher: worker rank 1 \(local rank 1\) exited with code 3 during "
+                     r"the job; the parameter-server job finished without it", err), err
+    # the chief logged it and trained to the end; the ps applied every push of both workers, once
+    assert "worker 1 (rank 1) is gone" in err and "the other workers go on (async mode)" in err, err
+    expected = f"chief finished steps={STEPS} applied=[{STEPS}, {VICTIM_STEPS}] version={STEPS + VICTIM_STEPS} dead=[1]"
+    assert expected in out, f"missing {expected!r} in:\n{out}\nstderr:\n{err}"
+
+
+def test_sync_job_stops_when_a_worker_dies(tmp_path):
+    code, out, err, ended = run_ps_launch(tmp_path, "sync")
+    assert code != 0, f"stdout:\n{out}\nstderr:\n{err}"
+    match = re.search(r"worker rank 1 dies at ([0-9.]+)", out)
+    assert match, out
+    assert ended - float(match.group(1)) < 20.0, f"the job took too long to stop\n{err}"
+    assert "chief finished" not in out, out
+    assert "worker 1 (rank 1) is gone" in err and "sync mode needs every worker, so the job stops" in err, err
+    # the launcher's own error names the rank that stopped the job and, before it, the dead worker
+    assert re.search(r"towers launch: rank [02] \(local rank [02], pid \d+\) exited with code 1", err), err
+    assert "Before that, worker rank 1 (local rank 1) exited with code 3" in err, err
