@@ -61,6 +61,8 @@ class TowersDDP(DistributedDataParallel):
 
     def __init__(self, module: nn.Module, *, policy: PrecisionPolicy, scaler: torch.amp.GradScaler | None,
                  **ddp_kwargs: Any):
+        # Gradients as views of the all-reduce buckets: one copy less per bucket and step.
+        ddp_kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(module, **ddp_kwargs)
         self._towers_policy = policy
         self._towers_scaler = scaler
