@@ -77,7 +77,7 @@ def init_process_group(
     try:
         dist.init_process_group(
             backend,
-            init_method=init_method,
+            store=_rendezvous_store(info, timeout_s),
             rank=info.rank,
             world_size=info.world_size,
             timeout=timedelta(seconds=timeout_s),
@@ -94,6 +94,24 @@ def init_process_group(
             f"within {timeout_s:g} s: {_first_line(exc)}. {hint}") from exc
     log.info("joined process group: backend=%s world_size=%d", backend, info.world_size)
     return backend
+
+
+def _rendezvous_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
+    """Return the job's key-value store, with keys private to this restart attempt.
+
+    Under torchrun the agent's store outlives a failed attempt. Without a per-attempt prefix a
+    restarted rank can read a peer's address from the dead attempt and fail to connect.
+    """
+    store = dist.TCPStore(
+        info.master_addr,
+        int(info.master_port),  # type: ignore[arg-type]  # init_method above raised if it was None
+        world_size=info.world_size,
+        is_master=info.rank == 0 and not info.agent_store,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"towers/attempt_{info.restart_count}", store)
 
 
 def destroy_process_group() -> None:

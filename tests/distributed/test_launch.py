@@ -194,3 +194,74 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         _kill(_processes_running(str(script)))
+
+
+def test_max_restarts_resumes_from_the_backup_with_the_uninterrupted_result(tmp_path):
+    # Rank 1 dies at global step 7 of the first attempt; the launcher restarts the job, which resumes
+    # from the step-6 backup and must end exactly where a run that never crashed ends. That run is
+    # computed here on one device: Mirrored on 2 replicas is the same maths as one device.
+    import torch
+
+    body = """
+        import os, sys
+        import torch, torch.nn.functional as F
+        from torch import nn
+        import towers
+
+        def build(strategy):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(96, 4, generator=g)
+            torch.manual_seed(0)
+            with strategy.scope():
+                model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            return towers.Trainer(model, optimizer, F.cross_entropy, strategy=strategy), (x, (x[:, 0] > 0).long())
+
+        if __name__ == "__main__":
+            attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+            strategy = towers.strategy_from_env()
+            trainer, data = build(strategy)
+
+            class Crash(towers.callbacks.Callback):
+                def on_train_batch_end(self, batch, logs=None):
+                    if attempt == 0 and strategy.replica_id == 1 and logs["global_step"] == 7:
+                        os._exit(3)
+
+            backup = towers.callbacks.BackupAndRestore(sys.argv[1], save_freq=2)
+            trainer.fit(data, epochs=2, global_batch_size=16, callbacks=[backup, Crash()])
+            print(f"rank {strategy.replica_id} attempt {attempt} resumed_from {backup.restored_from} "
+                  f"global_step {trainer.progress.global_step}", flush=True)
+            if strategy.is_chief:
+                torch.save(trainer.unwrapped_model.state_dict(), sys.argv[2])
+    """
+    script = write_script(tmp_path, "restarts.py", body)
+    backup_dir, out_file = tmp_path / "backup", tmp_path / "final.pt"
+    env_args = ["--nproc-per-node", "2", "--monitor-interval", "0.2", "--max-restarts", "1", "--strategy", "mirrored"]
+    proc_args = [*_towers_command(), "launch", *env_args, str(script), str(backup_dir), str(out_file)]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TOWERS_STRATEGY", "TOWERS_NUM_PS")}
+    proc = subprocess.Popen(proc_args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"towers launch --max-restarts did not finish within {DEADLINE_S} s\n{out}\n{err}")
+    finally:
+        leftovers = _processes_running(str(script))
+        _kill(leftovers)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    for rank in (0, 1):
+        line = f"rank {rank} attempt 1 resumed_from {{'epoch': 0, 'step': 6, 'global_step': 6}} global_step 12"
+        assert line in out, f"missing {line!r} in:\n{out}\nstderr:\n{err}"
+
+    namespace: dict = {}
+    exec(compile(textwrap.dedent(body), str(script), "exec"), namespace)  # build() without running __main__
+    import towers
+
+    reference, data = namespace["build"](towers.OneDeviceStrategy("cpu"))
+    reference.fit(data, epochs=2, global_batch_size=16)
+    final = torch.load(out_file, weights_only=True)
+    for name, value in reference.unwrapped_model.state_dict().items():
+        assert torch.allclose(final[name], value, atol=1e-5), name

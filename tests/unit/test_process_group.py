@@ -45,3 +45,29 @@ def test_collective_wraps_torch_errors_with_the_operation():
     with pytest.raises(DistributedError, match=r"\[rank 0/1\] all_reduce\(loss\) failed: Connection reset"):
         with collective("all_reduce(loss)"):
             raise RuntimeError("Connection reset by peer\nmore torch detail")
+
+
+def test_each_restart_attempt_sees_only_its_own_rendezvous_keys():
+    # torchrun's agent store outlives a failed attempt: a restarted rank must not read a peer's
+    # address from the dead attempt (it would try to connect to a closed port).
+    import dataclasses
+
+    from towers.process_group import _rendezvous_store
+
+    first = ProcessInfo(master_port=free_port())
+    host = _rendezvous_store(first, timeout_s=5)  # rank 0, no agent: hosts the store
+    host.set("rank_1_address", "old")
+    again = _rendezvous_store(dataclasses.replace(first, agent_store=True), timeout_s=5)
+    assert again.get("rank_1_address") == b"old"  # same attempt: same keys, through a client
+    restarted = _rendezvous_store(dataclasses.replace(first, agent_store=True, restart_count=1), timeout_s=5)
+    assert restarted.check(["rank_1_address"]) is False
+
+
+def test_torchrun_restart_variables_reach_process_info():
+    from towers.cluster import from_env
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    info = from_env(env)
+    assert (info.restart_count, info.agent_store) == (2, True)
+    assert (from_env({"RANK": "0", "WORLD_SIZE": "1"}).restart_count, from_env({}).agent_store) == (0, False)

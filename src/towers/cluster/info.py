@@ -74,7 +74,9 @@ class ProcessInfo:
     ``local_rank``/``local_world_size`` count the processes on this host.
     ``strategy``/``num_ps`` carry what ``towers launch --strategy/--num-ps`` asked for;
     ``checkpoint_dir`` is where the job keeps checkpoints (``TOWERS_CHECKPOINT_DIR``, set by the
-    manifests ``towers k8s`` renders), or None.
+    manifests ``towers k8s`` renders), or None. ``restart_count`` counts the launcher's restarts
+    of this job; ``agent_store`` is True when the launcher's agent hosts the rendezvous store
+    (torchrun), so no rank starts its own.
     """
 
     rank: int = 0
@@ -91,6 +93,8 @@ class ProcessInfo:
     num_ps: int = 0
     chief_rank: int = 0
     checkpoint_dir: str | None = None
+    restart_count: int = 0
+    agent_store: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -105,6 +109,8 @@ class ProcessInfo:
                 f"Received: local_rank={self.local_rank}.")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in 1..65535. Received: {self.master_port}.")
+        if self.restart_count < 0:
+            raise ValueError(f"restart_count must be >= 0. Received: {self.restart_count}.")
         if self.num_ps < 0:
             raise ValueError(f"num_ps must be >= 0. Received: {self.num_ps}.")
 

@@ -5,6 +5,9 @@ torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``
 ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` for its one process per pod; then
 ``local_rank`` is 0 of 1 and the node rank is the rank.
 
+Under torchrun's agent, ``TORCHELASTIC_RESTART_COUNT`` counts restarts and
+``TORCHELASTIC_USE_AGENT_STORE=True`` says the agent hosts the rendezvous store.
+
 With ``TOWERS_NUM_PS=K`` (``towers launch --num-ps K``) the last K ranks are parameter servers,
 the same order as TF_CONFIG's (chief/workers first, ps last).
 """
@@ -71,4 +74,6 @@ class TorchrunEnvironment(ClusterEnvironment):
         return ProcessInfo(rank=rank, world_size=world_size, local_rank=local_rank,
                            local_world_size=local_world_size, node_rank=node_rank, master_addr=master_addr,
                            master_port=master_port, task=task, source=self.name, strategy=strategy,
-                           num_ps=num_ps, chief_rank=0)
+                           num_ps=num_ps, chief_rank=0,
+                           restart_count=env_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+                           agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip() == "True")
