@@ -9,7 +9,7 @@ same bytes between the workers (no ps) is timed too, and the shipped towers tran
 
     python benchmarks/ps_transport.py --repeats 7
 
-Results go in benchmarks/ps.md.
+Results go in BENCHMARKS.md.
 """
 
 from __future__ import annotations
