@@ -6,12 +6,11 @@ No timing assertions: the numbers are measurements, the test checks that they ex
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import pytest
+from cli_support import run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,16 +18,7 @@ DEADLINE_S = 90
 
 
 def _run_cli(argv: list[str], cwd) -> subprocess.CompletedProcess:
-    # A new session, so a timeout can kill the CLI and every rank it spawned in one go.
-    proc = subprocess.Popen([sys.executable, "-m", "towers.cli", *argv], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"towers bench did not finish within {DEADLINE_S} s.\nstdout:\n{out}\nstderr:\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run([sys.executable, "-m", "towers.cli", *argv], cwd=cwd, deadline_s=DEADLINE_S)
 
 
 def test_tiny_bench_run_produces_table_json_and_plot(tmp_path):

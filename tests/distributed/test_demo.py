@@ -3,35 +3,20 @@
 from __future__ import annotations
 
 import csv
-import os
-import shutil
-import signal
 import subprocess
-import sys
+from pathlib import Path
 
 import pytest
+from cli_support import run, towers_command
 
 
-def _towers(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
-    exe = shutil.which("towers")
-    cmd = [exe, *args] if exe else [sys.executable, "-m", "towers.cli", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            stdin=subprocess.DEVNULL)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the CLI and every replica it started
-        out, err = proc.communicate()
-        pytest.fail(f"towers {' '.join(args)} did not finish within {timeout_s} s.\nstdout:\n{out}\nstderr:\n{err}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+def _towers(*args: str, cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    return run([*towers_command(), *args], cwd=cwd, deadline_s=timeout_s)
 
 
 def test_demo_one_epoch_trains_on_1_and_2_replicas(tmp_path):
     out_dir = tmp_path / "demo"
-    result = _towers("demo", "--epochs", "1", "--out-dir", str(out_dir), timeout_s=240)
+    result = _towers("demo", "--epochs", "1", "--out-dir", str(out_dir), cwd=tmp_path, timeout_s=240)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "[1/2] 1 replica (one_device)" in out and "[2/2] 2 replicas (mirrored, 2 processes)" in out
@@ -49,7 +34,7 @@ def test_demo_one_epoch_trains_on_1_and_2_replicas(tmp_path):
 
 
 def test_demo_rejects_bad_flags_with_exit_code_2(tmp_path):
-    result = _towers("demo", "--replicas", "0", "--out-dir", str(tmp_path), timeout_s=60)
+    result = _towers("demo", "--replicas", "0", "--out-dir", str(tmp_path), cwd=tmp_path, timeout_s=60)
     assert result.returncode == 2 and "--replicas must be a positive integer. Received: 0" in result.stderr
-    result = _towers("demo", "--strategy", "ps", timeout_s=60)
+    result = _towers("demo", "--strategy", "ps", cwd=tmp_path, timeout_s=60)
     assert result.returncode == 2 and "--strategy must be one of" in result.stderr

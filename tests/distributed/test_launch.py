@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from cli_support import clean_env, kill, processes_running, run, towers_command
 
 from towers.launch import cpu_threads_per_process
 
@@ -21,64 +20,11 @@ pytestmark = pytest.mark.timeout(180)
 DEADLINE_S = 90.0
 
 
-def _towers_command() -> list[str]:
-    # The console script next to this interpreter, else the same main() through -m.
-    script = Path(sys.executable).with_name("towers")
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("towers")
-    return [found] if found else [sys.executable, "-m", "towers.cli"]
-
-
-def _processes_running(marker: str) -> list[int]:
-    """Return pids of live processes whose command line contains ``marker``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue  # exited meanwhile
-        if marker in cmdline:
-            pids.append(int(entry.name))
-    return pids
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def run_launch(args: list[str], script: Path, *, deadline_s: float = DEADLINE_S) -> tuple[int, str, str, float]:
-    """Run ``towers launch ARGS SCRIPT`` in a new session; return (exit code, stdout, stderr, end time).
-
-    On the deadline the whole process group is ended (and the workers, which torch starts in
-    sessions of their own), and the test fails.
-    """
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TOWERS_STRATEGY", "TOWERS_NUM_PS")}
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen([*_towers_command(), "launch", *args, str(script)], cwd=script.parent, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=deadline_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the launcher forwards SIGTERM to its workers
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        _kill(_processes_running(str(script)))
-        pytest.fail(f"towers launch did not finish within {deadline_s} s\nstdout:\n{out}\nstderr:\n{err}")
-    ended = time.time()
-    leftovers = _processes_running(str(script))
-    _kill(leftovers)
-    assert not leftovers, f"processes left behind after towers launch exited: {leftovers}\n{out}\n{err}"
-    return proc.returncode, out, err, ended
+    """Run ``towers launch ARGS SCRIPT`` as a user would; return (exit code, stdout, stderr, end time)."""
+    result = run([*towers_command(), "launch", *args, str(script)], cwd=script.parent, deadline_s=deadline_s,
+                 marker=str(script))
+    return result.returncode, result.stdout, result.stderr, time.time()
 
 
 def write_script(tmp_path: Path, name: str, body: str) -> Path:
@@ -167,8 +113,8 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
         print(f"ready {os.environ['RANK']}", flush=True)
         time.sleep(600)
     """)
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    proc = subprocess.Popen([*_towers_command(), "launch", "--nproc-per-node", "2", "--monitor-interval", "0.2",
+    env = clean_env()
+    proc = subprocess.Popen([*towers_command(), "launch", "--nproc-per-node", "2", "--monitor-interval", "0.2",
                              str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -188,12 +134,12 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM, err
         assert "received SIGTERM and stopped every worker" in err, err
-        assert _processes_running(str(script)) == []
+        assert processes_running(str(script)) == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        _kill(_processes_running(str(script)))
+        kill(processes_running(str(script)))
 
 
 def test_max_restarts_resumes_from_the_backup_with_the_uninterrupted_result(tmp_path):
@@ -236,22 +182,11 @@ def test_max_restarts_resumes_from_the_backup_with_the_uninterrupted_result(tmp_
     """
     script = write_script(tmp_path, "restarts.py", body)
     backup_dir, out_file = tmp_path / "backup", tmp_path / "final.pt"
-    env_args = ["--nproc-per-node", "2", "--monitor-interval", "0.2", "--max-restarts", "1", "--strategy", "mirrored"]
-    proc_args = [*_towers_command(), "launch", *env_args, str(script), str(backup_dir), str(out_file)]
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TOWERS_STRATEGY", "TOWERS_NUM_PS")}
-    proc = subprocess.Popen(proc_args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
-        pytest.fail(f"towers launch --max-restarts did not finish within {DEADLINE_S} s\n{out}\n{err}")
-    finally:
-        leftovers = _processes_running(str(script))
-        _kill(leftovers)
-    assert not leftovers, f"processes left behind: {leftovers}"
-    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    launch_args = ["--nproc-per-node", "2", "--monitor-interval", "0.2", "--max-restarts", "1", "--strategy", "mirrored"]
+    result = run([*towers_command(), "launch", *launch_args, str(script), str(backup_dir), str(out_file)],
+                 cwd=tmp_path, deadline_s=DEADLINE_S, marker=str(script))
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
     for rank in (0, 1):
         line = f"rank {rank} attempt 1 resumed_from {{'epoch': 0, 'step': 6, 'global_step': 6}} global_step 12"
         assert line in out, f"missing {line!r} in:\n{out}\nstderr:\n{err}"

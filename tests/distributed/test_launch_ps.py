@@ -8,17 +8,13 @@ no process left behind. One job of 1 ps task + 2 workers; worker rank 1 exits wi
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from cli_support import run, towers_command
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,7 +51,6 @@ SCRIPT = f"""
         optimizer.step()
         optimizer.zero_grad()
         steps += 1
-        time.sleep(0.02)
     if strategy.is_chief:
         stats = strategy.ps_stats()[0]
         print(f"chief finished steps={{steps}} applied={{stats['worker_versions']}} version={{stats['version']}} "
@@ -64,64 +59,14 @@ SCRIPT = f"""
 """
 
 
-def _towers_command() -> list[str]:
-    script = Path(sys.executable).with_name("towers")
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("towers")
-    return [found] if found else [sys.executable, "-m", "towers.cli"]
-
-
-def _processes_running(marker: str) -> list[int]:
-    """Return pids of live processes whose command line contains ``marker`` (supervisors and their children)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue  # exited meanwhile
-        if marker in cmdline and state != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def run_ps_launch(tmp_path: Path, mode: str) -> tuple[int, str, str, float]:
     """Run the ps job in ``mode``; return (exit code, stdout, stderr, end time). Fails the test on the deadline."""
     script = tmp_path / f"ps_job_{mode}.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TOWERS_STRATEGY", "TOWERS_NUM_PS")}
-    env["PYTHONUNBUFFERED"] = "1"
-    command = [*_towers_command(), "launch", "--strategy", "ps", "--num-ps", "1", "--nproc-per-node", "3",
+    command = [*towers_command(), "launch", "--strategy", "ps", "--num-ps", "1", "--nproc-per-node", "3",
                "--monitor-interval", "0.2", str(script), mode]
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        _kill(_processes_running(str(script)))
-        pytest.fail(f"towers launch did not finish within {DEADLINE_S} s\nstdout:\n{out}\nstderr:\n{err}")
-    ended = time.time()
-    leftovers = _processes_running(str(script))
-    _kill(leftovers)
-    assert not leftovers, f"processes left behind after towers launch exited: {leftovers}\n{out}\n{err}"
-    return proc.returncode, out, err, ended
+    result = run(command, cwd=tmp_path, deadline_s=DEADLINE_S, marker=str(script))
+    return result.returncode, result.stdout, result.stderr, time.time()
 
 
 def test_async_job_finishes_without_a_dead_worker(tmp_path):

@@ -9,15 +9,13 @@ Every command runs in a new session with a deadline; on timeout the whole proces
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from cli_support import finish, run, start
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,34 +59,14 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _start(argv: list[str], cwd: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TOWERS_", "RANK", "WORLD_SIZE", "LOCAL_",
-                                                                     "MASTER_", "TF_CONFIG", "SLURM_"))}
-    return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def _finish(procs: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
-    """Wait for every command under one deadline; on timeout kill every process group and fail."""
-    deadline = time.monotonic() + DEADLINE_S
-    done = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        outputs = [p.communicate() for p in procs]
-        pytest.fail(f"not finished within {DEADLINE_S} s: {[' '.join(p.args) for p in procs]}\n{outputs}")
-    for r in done:
+def _succeeded(results: list[subprocess.CompletedProcess]) -> list[subprocess.CompletedProcess]:
+    for r in results:
         assert r.returncode == 0, f"{' '.join(r.args)} exited {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    return done
+    return results
 
 
-def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return _finish([_start(argv, cwd)])[0]
+def _run(argv: list[str], cwd: Path, marker: Path) -> subprocess.CompletedProcess:
+    return _succeeded([run(argv, cwd=cwd, deadline_s=DEADLINE_S, marker=str(marker))])[0]
 
 
 def _result(stdout: str) -> dict:
@@ -107,12 +85,12 @@ def script(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def single(script) -> dict:
     """The script run with plain `python`: one replica."""
-    return _result(_run([sys.executable, str(script)], script.parent).stdout)
+    return _result(_run([sys.executable, str(script)], script.parent, script).stdout)
 
 
 def test_one_script_runs_unchanged_on_one_and_two_replicas(script, single, tmp_path):
     launched = _result(_run([sys.executable, "-m", "towers.cli", "launch", "--nproc-per-node", "2",
-                             "--strategy", "mirrored", str(script)], tmp_path).stdout)
+                             "--strategy", "mirrored", str(script)], tmp_path, script).stdout)
     assert (single["strategy"], single["replicas"]) == ("OneDeviceStrategy", 1)
     assert (launched["strategy"], launched["replicas"]) == ("MirroredStrategy", 2)
     assert len(single["losses"]) == 6  # 21 examples, global batch 8: 8, 8, 5 per epoch
@@ -126,10 +104,10 @@ def test_the_same_script_across_two_launchers_is_multi_worker_mirrored(script, s
     from towers.launch import free_port
 
     port = str(free_port())
-    launchers = [_start([sys.executable, "-m", "towers.cli", "launch", "--nnodes", "2", "--node-rank", str(node),
+    launchers = [start([sys.executable, "-m", "towers.cli", "launch", "--nnodes", "2", "--node-rank", str(node),
                          "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, str(script)],
-                        tmp_path) for node in (0, 1)]
-    chief, worker = _finish(launchers)
+                       cwd=tmp_path) for node in (0, 1)]
+    chief, worker = _succeeded(finish(launchers, deadline_s=DEADLINE_S, marker=str(script)))
     assert "RESULT" not in worker.stdout  # only the chief prints
     launched = _result(chief.stdout)
     assert (launched["strategy"], launched["replicas"]) == ("MultiWorkerMirroredStrategy", 2)
@@ -140,7 +118,7 @@ def test_the_same_script_across_two_launchers_is_multi_worker_mirrored(script, s
 
 def test_custom_loop_example_on_two_replicas(tmp_path):
     result = _run([sys.executable, "-m", "towers.cli", "launch", "--nproc-per-node", "2", str(EXAMPLE),
-                   "--epochs", "2"], tmp_path)
+                   "--epochs", "2"], tmp_path, EXAMPLE)
     lines = result.stdout.splitlines()
     assert lines[0].startswith("2 replica(s) with MirroredStrategy"), result.stdout
     epochs = [line for line in lines if line.startswith("epoch ")]

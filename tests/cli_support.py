@@ -1,0 +1,111 @@
+"""Run commands as a user would: in a new session, under one deadline, with nothing left behind.
+
+Shared by the tests that start the real ``towers`` CLI (launch, demo, bench, the same-script test).
+On the deadline the whole session is ended (SIGTERM, which ``towers launch`` forwards to its
+workers, then SIGKILL) and the test fails; with a ``marker`` (a path on the command line of every
+process the command starts) the test also fails if any such process outlives the command.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import pytest
+
+# Variables a launcher sets for its children: a test's command must not inherit the pytest process's.
+_LAUNCH_VARIABLES = ("TOWERS_", "RANK", "WORLD_SIZE", "LOCAL_", "GROUP_RANK", "MASTER_", "TF_CONFIG", "SLURM_",
+                     "TORCHELASTIC_", "OMP_NUM_THREADS")
+
+
+def towers_command() -> list[str]:
+    """Return the ``towers`` console script beside this interpreter, else ``python -m towers.cli``."""
+    script = Path(sys.executable).with_name("towers")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("towers")
+    return [found] if found else [sys.executable, "-m", "towers.cli"]
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return this process's environment without launcher variables, unbuffered, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARIABLES)}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def processes_running(marker: str) -> list[int]:
+    """Return pids of live (not zombie) processes whose command line contains ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if marker in cmdline and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill(pids: Sequence[int]) -> None:
+    """SIGKILL each pid that still exists."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start(argv: Sequence[str], *, cwd: Path | str, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """Start ``argv`` in a new session (so its whole process group can be ended at once)."""
+    return subprocess.Popen(list(argv), cwd=cwd, env=dict(env) if env is not None else clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+
+
+def finish(procs: Sequence[subprocess.Popen], *, deadline_s: float,
+           marker: str | None = None) -> list[subprocess.CompletedProcess]:
+    """Wait for every command under one deadline and return their results; fail the test on the deadline."""
+    deadline = time.monotonic() + deadline_s
+    done: list[subprocess.CompletedProcess] = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        outputs = [_end_session(p) for p in procs]
+        if marker:
+            kill(processes_running(marker))
+        pytest.fail(f"not finished within {deadline_s} s: {[' '.join(map(str, p.args)) for p in procs]}\n{outputs}")
+    if marker:
+        leftovers = processes_running(marker)
+        kill(leftovers)
+        assert not leftovers, f"processes left behind: {leftovers}\n" + "\n".join(r.stdout + r.stderr for r in done)
+    return done
+
+
+def run(argv: Sequence[str], *, cwd: Path | str, deadline_s: float, marker: str | None = None,
+        env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run one command as ``start`` + ``finish`` and return its result."""
+    return finish([start(argv, cwd=cwd, env=env)], deadline_s=deadline_s, marker=marker)[0]
+
+
+def _end_session(proc: subprocess.Popen) -> tuple[str, str]:
+    if proc.poll() is not None:
+        return proc.communicate()
+    os.killpg(proc.pid, signal.SIGTERM)  # towers launch forwards it to its workers
+    try:
+        return proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()
