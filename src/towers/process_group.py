@@ -118,6 +118,7 @@ def destroy_process_group() -> None:
     """Leave the default process group if this process is in one (idempotent)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        set_rank(0, 1)  # later log lines of this process no longer belong to that job
 
 
 def is_initialized() -> bool:

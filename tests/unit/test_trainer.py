@@ -88,6 +88,9 @@ def test_default_strategy_and_bad_inputs():
         trainer.fit((x, y), 1, 0)
     with pytest.raises(ValueError, match="steps_per_epoch"):
         trainer.fit((x, y), 1, 8, steps_per_epoch=0)
+    for bad in (0, True):  # not silently replaced by the default
+        with pytest.raises(ValueError, match="global_batch_size must be a positive integer.*Received"):
+            trainer.evaluate((x, y), global_batch_size=bad)
     with pytest.raises(TypeError, match="train_data must be a map-style Dataset"):
         trainer.fit(42, 1, 8)
     with pytest.raises(ValueError, match="x and y must have the same length"):

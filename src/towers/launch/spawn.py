@@ -153,22 +153,22 @@ def spawn(
     ctx = mp.get_context("spawn")
     procs: list[mp.process.BaseProcess] = []
     readers: dict[Connection, int] = {}
-    for rank in range(nprocs):
-        child_env = {
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(rank),
-            "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nprocs),
-            "GROUP_RANK": "0", "NODE_RANK": "0", "OMP_NUM_THREADS": str(threads), **dict(env or {}),
-        }
-        reader, writer = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(rank, nprocs, child_env, threads, payload, writer, os.getpid()),
-                        name=f"towers-rank-{rank}", daemon=False)
-        p.start()
-        writer.close()
-        procs.append(p)
-        readers[reader] = rank
     try:
+        for rank in range(nprocs):
+            child_env = {
+                "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(rank),
+                "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nprocs),
+                "GROUP_RANK": "0", "NODE_RANK": "0", "OMP_NUM_THREADS": str(threads), **dict(env or {}),
+            }
+            reader, writer = ctx.Pipe(duplex=False)
+            readers[reader] = rank
+            p = ctx.Process(target=_child, args=(rank, nprocs, child_env, threads, payload, writer, os.getpid()),
+                            name=f"towers-rank-{rank}", daemon=False)
+            p.start()
+            writer.close()
+            procs.append(p)
         return _collect(procs, readers, timeout_s)
-    finally:
+    finally:  # also when starting a later child failed: no child outlives this call
         _stop(procs)
         for reader in readers:
             reader.close()

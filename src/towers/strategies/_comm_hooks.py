@@ -85,6 +85,9 @@ def register_sum_hook(model: DistributedDataParallel, compression: str, num_repl
     else:
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
+        if powersgd_start_iter < 2:  # torch's PowerSGD needs 2 plain steps to build its DDP buckets
+            log.warning("powersgd_start_iter=%d raised to 2: PowerSGD starts after at least 2 plain all-reduce "
+                        "steps.", powersgd_start_iter)
         state = PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
                               start_powerSGD_iter=max(2, powersgd_start_iter))
         model.register_comm_hook(state, _powersgd_sum_hook(num_replicas))

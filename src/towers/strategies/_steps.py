@@ -11,7 +11,7 @@ Without ``distribute_dataset`` batches, every k-th ``run`` call is the last of a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
@@ -142,9 +142,3 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"StrategyOptimizer({self.optimizer!r})"
-
-
-def parameters_of(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
-    """Yield every parameter ``optimizer`` updates."""
-    for group in optimizer.param_groups:
-        yield from group["params"]

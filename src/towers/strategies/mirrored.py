@@ -125,10 +125,6 @@ class MirroredStrategy(SyncStrategy):
             destroy_process_group()
             self._owns_group = False
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(replica {self.replica_id}/{self.num_replicas_in_sync}, device={self.device})"
-
-
 class MultiWorkerMirroredStrategy(MirroredStrategy):
     """MirroredStrategy across hosts: one replica per device on every worker; the chief is ``info.chief_rank``."""
 

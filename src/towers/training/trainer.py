@@ -205,9 +205,11 @@ class Trainer:
     def evaluate(self, data: Any, global_batch_size: int | None = None, *,
                  callbacks: Sequence[Callback] = ()) -> dict[str, float]:
         """Return ``{"loss": ..., metric: ...}`` over ``data``, reduced across replicas (the same on every replica)."""
-        gbs = global_batch_size or self._last_global_batch_size or 32 * self.strategy.num_replicas_in_sync
-        if not isinstance(gbs, int) or gbs < 1:
-            raise ValueError(f"global_batch_size must be a positive integer. Received: {gbs!r}.")
+        gbs = global_batch_size
+        if gbs is None:
+            gbs = self._last_global_batch_size or 32 * self.strategy.num_replicas_in_sync
+        if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs < 1:
+            raise ValueError(f"global_batch_size must be a positive integer (or None for fit's). Received: {gbs!r}.")
         return self._evaluate(as_dataset(data, "data"), gbs, CallbackList(callbacks, trainer=self))
 
     def _evaluate(self, dataset: Dataset, global_batch_size: int, cbs: CallbackList) -> dict[str, float]:

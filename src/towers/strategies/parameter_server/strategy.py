@@ -25,6 +25,7 @@ from torch import nn
 from towers._logging import get_logger, set_rank
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset
+from towers.devices import warn_if_gpus_idle
 from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
 from towers.strategies import base
 from towers.strategies._collectives import as_tensor, check_op
@@ -89,6 +90,7 @@ class ParameterServerStrategy(Strategy):
         self._stats: dict[str, Any] | None = None
         self._comm: PsComm | None = None
         self._tracker = StepTracker(1)
+        self._device = self._replica_device()
         set_rank(info.rank, info.world_size)
         init_process_group(info, backend="gloo", timeout_s=timeout_s)
         links = self._connect()
@@ -99,6 +101,9 @@ class ParameterServerStrategy(Strategy):
                                            world_size=info.world_size, ps_ranks=self.roles.ps_ranks,
                                            timeout_s=timeout_s)
             self._comm = PsComm(self._client, device=self.device)
+            # ps tasks are the last ranks, so on a single host the workers are the first local ranks
+            local_workers = min(info.local_world_size, self.roles.num_workers)
+            warn_if_gpus_idle(local_workers, [self.device], local_rank=info.local_rank)
             atexit.register(self.shutdown)
             log.info("parameter servers: %d ps task(s) at ranks %s, %d worker(s), mode %s%s", self.num_ps,
                      self.roles.ps_ranks, self.roles.num_workers, mode,
@@ -152,12 +157,17 @@ class ParameterServerStrategy(Strategy):
         """True on a ps task (only seen with ``exit_on_ps=False``)."""
         return self.roles.is_ps
 
+    def _replica_device(self) -> torch.device:
+        # ps tasks keep parameters on the CPU; worker i computes on cuda:<local rank> when the host has it.
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not self.roles.is_ps and gpus > self._info.local_rank:
+            return torch.device("cuda", self._info.local_rank)
+        return torch.device("cpu")
+
     @property
     def device(self) -> torch.device:
         """CPU, or ``cuda:<local_rank>`` on a worker of a host with a GPU per local process."""
-        if not self.roles.is_ps and torch.cuda.is_available() and torch.cuda.device_count() > self._info.local_rank:
-            return torch.device("cuda", self._info.local_rank)
-        return torch.device("cpu")
+        return self._device
 
     @property
     def num_replicas_in_sync(self) -> int:
