@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from towers._logging import get_logger
+from towers.process_group import first_line
 
 if TYPE_CHECKING:
     from towers.strategies.base import Strategy
@@ -179,9 +180,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.d
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torn zip, random bytes, pickled classes: all "not readable"
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(
-            f"Checkpoint {path} cannot be read ({type(exc).__name__}: {first}). The file is torn, corrupt "
+            f"Checkpoint {path} cannot be read ({type(exc).__name__}: {first_line(exc)}). The file is torn, corrupt "
             "or not a torch.save file; delete it to start over or restore an older checkpoint.") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__

@@ -20,6 +20,7 @@ __all__ = [
     "destroy_process_group",
     "is_initialized",
     "collective",
+    "first_line",
 ]
 
 log = get_logger(__name__)
@@ -36,7 +37,9 @@ class DistributedError(RuntimeError):
 def choose_backend(local_world_size: int, cuda_device_count: int | None = None) -> str:
     """Return ``"nccl"`` when every local replica has its own GPU and NCCL is built, else ``"gloo"``."""
     if cuda_device_count is None:
-        cuda_device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        from towers.devices import gpu_count
+
+        cuda_device_count = gpu_count()
     if cuda_device_count >= local_world_size > 0 and dist.is_nccl_available():
         return "nccl"
     return "gloo"
@@ -91,7 +94,7 @@ def init_process_group(
         )
         raise DistributedError(
             f"{_rank_tag(info)} could not join the process group ({backend}) at {init_method} "
-            f"within {timeout_s:g} s: {_first_line(exc)}. {hint}") from exc
+            f"within {timeout_s:g} s: {first_line(exc)}. {hint}") from exc
     log.info("joined process group: backend=%s world_size=%d", backend, info.world_size)
     return backend
 
@@ -126,9 +129,11 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """Return the first line of ``exc``'s message, without Gloo's ``[file:line]`` prefix."""
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    line = text[0] if text else type(exc).__name__
+    return line.split("] ", 1)[-1] if line.startswith("[") else line
 
 
 @contextlib.contextmanager
@@ -142,6 +147,6 @@ def collective(operation: str) -> Iterator[None]:
         rank = dist.get_rank() if is_initialized() else 0
         world = dist.get_world_size() if is_initialized() else 1
         raise DistributedError(
-            f"[rank {rank}/{world}] {operation} failed: {_first_line(exc)}. "
+            f"[rank {rank}/{world}] {operation} failed: {first_line(exc)}. "
             "Another process of the job probably died or hung; look for the first error in the "
             "other ranks' output. This process stops here.") from exc

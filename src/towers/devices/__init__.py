@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from towers.devices.idle import check_idle_gpus, warn_if_gpus_idle
-from towers.devices.listing import describe_devices, format_devices, is_available, list_devices
+from towers.devices.listing import describe_devices, format_devices, gpu_count, is_available, list_devices
 from towers.devices.names import ACCEPTED_FORMS, Device, DeviceLike
 from towers.devices.placement_log import (
     PlacementLog,
@@ -42,6 +42,7 @@ __all__ = [
     "format_devices",
     "get_log_device_placement",
     "get_soft_device_placement",
+    "gpu_count",
     "is_available",
     "list_devices",
     "log_device_placement",

@@ -9,9 +9,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-import torch
-
 from towers._logging import get_logger
+from towers.devices.listing import gpu_count
 from towers.devices.names import Device, DeviceLike
 
 __all__ = ["check_idle_gpus", "warn_if_gpus_idle"]
@@ -48,7 +47,7 @@ def check_idle_gpus(
             f"num_local_replicas must be an integer >= 1. Received: {num_local_replicas!r}. "
             "Pass the number of replicas this host runs.")
     if visible_gpus is None:
-        visible_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        visible_gpus = gpu_count()
     if not isinstance(visible_gpus, int) or visible_gpus < 0:
         raise ValueError(
             f"visible_gpus must be an integer >= 0. Received: {visible_gpus!r}. "

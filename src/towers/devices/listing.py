@@ -9,10 +9,11 @@ import torch
 
 from towers.devices.names import Device, DeviceLike
 
-__all__ = ["list_devices", "is_available", "describe_devices", "format_devices"]
+__all__ = ["gpu_count", "list_devices", "is_available", "describe_devices", "format_devices"]
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
+    """Return how many CUDA devices this process sees (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -22,7 +23,7 @@ def list_devices() -> list[Device]:
     GPUs are the CUDA devices torch sees (after ``CUDA_VISIBLE_DEVICES``). The storage-less
     ``meta`` device is always usable but is not listed: it is not hardware.
     """
-    return [Device("cpu")] + [Device(f"gpu:{i}") for i in range(_gpu_count())]
+    return [Device("cpu")] + [Device(f"gpu:{i}") for i in range(gpu_count())]
 
 
 def is_available(spec: DeviceLike) -> bool:
@@ -30,7 +31,7 @@ def is_available(spec: DeviceLike) -> bool:
     dev = Device(spec)
     if dev.kind in ("cpu", "meta"):
         return True
-    return dev.index < _gpu_count()
+    return dev.index < gpu_count()
 
 
 def _host_memory_bytes() -> int | None:
@@ -62,7 +63,7 @@ def describe_devices() -> dict[str, Any]:
         "description": f"{os.cpu_count() or '?'} logical cores, torch uses {torch.get_num_threads()} threads",
         "total_memory_bytes": _host_memory_bytes(),
     }]
-    for i in range(_gpu_count()):
+    for i in range(gpu_count()):
         props = torch.cuda.get_device_properties(i)
         devices.append({
             "name": f"/gpu:{i}",

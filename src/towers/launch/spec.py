@@ -302,9 +302,9 @@ def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
         text = str(args.nproc_per_node).strip().lower()
         gpu_count = 0
         if text in ("auto", "gpu"):
-            import torch
+            from towers.devices import gpu_count as visible_gpus
 
-            gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            gpu_count = visible_gpus()
     cpu_count = _usable_cores() if cpu_count is None else cpu_count
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     rdzv_backend, rdzv_endpoint, rdzv_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id

@@ -31,8 +31,9 @@ log = get_logger(__name__)
 def _replica_device(info: ProcessInfo) -> torch.device:
     # GPUs only when every local replica gets its own (the rule choose_backend uses for NCCL too);
     # otherwise every replica computes on the CPU, and the idle-GPU check says so.
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return torch.device("cuda", info.local_rank) if gpus >= info.local_world_size else torch.device("cpu")
+    from towers.devices import gpu_count
+
+    return torch.device("cuda", info.local_rank) if gpu_count() >= info.local_world_size else torch.device("cpu")
 
 
 class MirroredStrategy(SyncStrategy):

@@ -25,7 +25,7 @@ from torch import nn
 from towers._logging import get_logger, set_rank
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset
-from towers.devices import warn_if_gpus_idle
+from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
 from towers.strategies import base
 from towers.strategies._collectives import as_tensor, check_op
@@ -159,8 +159,7 @@ class ParameterServerStrategy(Strategy):
 
     def _replica_device(self) -> torch.device:
         # ps tasks keep parameters on the CPU; worker i computes on cuda:<local rank> when the host has it.
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not self.roles.is_ps and gpus > self._info.local_rank:
+        if not self.roles.is_ps and gpu_count() > self._info.local_rank:
             return torch.device("cuda", self._info.local_rank)
         return torch.device("cpu")
 

@@ -27,6 +27,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from towers.process_group import first_line
+
 __all__ = ["Op", "Status", "Message", "LinkError", "Link", "open_link", "next_generation", "rendezvous_store",
            "LISTEN_TIMEOUT_S"]
 
@@ -97,7 +99,7 @@ def open_link(store: dist.Store, *, worker: int, ps: int, is_ps: bool, bind_host
     try:
         group = dist.ProcessGroupGloo(prefix, 1 if is_ps else 0, 2, options)
     except RuntimeError as exc:
-        raise LinkError(f"could not connect {name or 'the link'} within {timeout_s:g} s: {_first_line(exc)}",
+        raise LinkError(f"could not connect {name or 'the link'} within {timeout_s:g} s: {first_line(exc)}",
                         "timeout" if "timeout" in str(exc).lower() else "gone") from exc
     return Link(group, peer=0 if is_ps else 1, name=name)
 
@@ -162,7 +164,7 @@ class Link:
             text = str(exc)
             kind = "timeout" if "timed out" in text.lower() or "timeout" in text.lower() else "gone"
             reason = (f"no {what} completed within {timeout_s:g} s" if kind == "timeout"
-                      else f"connection lost ({_first_line(exc)})")
+                      else f"connection lost ({first_line(exc)})")
             # A Gloo timeout or I/O error leaves the pair unusable: fail fast from now on.
             self.broken = reason
             raise LinkError(reason, kind) from exc
@@ -172,10 +174,3 @@ class Link:
         if self.broken is None:
             self.broken = "link closed"
         self._group = None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else type(exc).__name__
-    # Gloo prefixes its source location; keep the message readable.
-    return line.split("] ", 1)[-1] if line.startswith("[") else line
