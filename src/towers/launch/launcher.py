@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 from towers._logging import get_logger
 from towers.cluster import environ_overrides, read_environ
+from towers.launch.exits import describe_exit
 from towers.launch.spawn import free_port
 from towers.launch.spec import LaunchSpec
 
@@ -128,15 +129,6 @@ def _torchrun_namespace(spec: LaunchSpec) -> Any:
     return args
 
 
-def _describe_exit(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
-
-
 def _exit_code(exitcode: int) -> int:
     if exitcode < 0:
         return 128 + (-exitcode)
@@ -152,10 +144,10 @@ def _failure_error(exc: Any, spec: LaunchSpec) -> LaunchError:
 
     failures = sorted(exc.failures.items(), key=cause_first)
     first_rank, first = failures[0]
-    text = (f"rank {first_rank} (local rank {first.local_rank}, pid {first.pid}) {_describe_exit(first.exitcode)}; "
+    text = (f"rank {first_rank} (local rank {first.local_rank}, pid {first.pid}) {describe_exit(first.exitcode)}; "
             "towers launch stopped every other process of the job on this node")
     if len(failures) > 1:
-        others = ", ".join(f"rank {rank} {_describe_exit(f.exitcode)}" for rank, f in failures[1:])
+        others = ", ".join(f"rank {rank} {describe_exit(f.exitcode)}" for rank, f in failures[1:])
         text += f" ({others})"
     text += f". Command: {' '.join(spec.command())}"
     message = getattr(first, "message", "")

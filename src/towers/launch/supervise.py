@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from towers.cluster.info import ProcessInfo
+from towers.launch.exits import describe_exit
 
 __all__ = ["FORWARDED_SIGNALS", "Decision", "decide", "supervised_command", "read_reports", "main"]
 
@@ -64,15 +65,6 @@ class Decision:
     message: str = ""
 
 
-def _describe(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
 def _propagate(returncode: int) -> Decision:
     if returncode < 0:
         return Decision(exit_code=128 + (-returncode), signal_number=-returncode)
@@ -90,7 +82,7 @@ def decide(info: ProcessInfo | None, returncode: int, *, stop_requested: bool = 
         return _propagate(returncode)
     if info.task.type != "worker" or info.is_chief:
         return _propagate(returncode)
-    message = (f"towers: worker rank {info.rank} {_describe(returncode)}; the parameter-server job continues "
+    message = (f"towers: worker rank {info.rank} {describe_exit(returncode)}; the parameter-server job continues "
                "without it (async mode; a sync-mode job stops at its next round)")
     return Decision(exit_code=0, tolerated=True, message=message)
 
@@ -132,7 +124,7 @@ def _write_report(report_dir: str, info: ProcessInfo, returncode: int) -> None:
     # Written under a temporary name and renamed, so the launcher never reads half a report; the pid
     # keeps the reports of a rank apart across restarts.
     record = {"rank": info.rank, "local_rank": info.local_rank, "returncode": returncode,
-              "description": _describe(returncode), "pid": os.getpid()}
+              "description": describe_exit(returncode), "pid": os.getpid()}
     path = os.path.join(report_dir, f"rank{info.rank}-pid{os.getpid()}.json")
     try:
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
