@@ -17,7 +17,6 @@ from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset
 from towers.precision import MixedPrecisionModule, make_grad_scaler, resolve_precision
-from towers.strategies import base
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op
 from towers.strategies._steps import StepTracker, StrategyOptimizer
 from towers.strategies.base import ReplicaContext, Strategy
@@ -150,14 +149,13 @@ class SyncStrategy(Strategy):
         global_batch, padding, micro_batches = self._tracker.begin_run()
         context = ReplicaContext(self, global_batch_size=global_batch, num_padding_examples=padding,
                                  accumulation_steps=micro_batches)
-        strategy_token = base._current_strategy.set(self)
-        replica_token = base._current_replica.set(context)
         defer = not self._tracker.sync and self._ddp_models
         try:
             if defer:  # accumulate locally: DDP reads this flag in forward() (what no_sync() sets)
                 for ddp in self._ddp_models:
                     ddp.require_backward_grad_sync = False
-            return fn(*args, **dict(kwargs or {}))
+            with self._entered(context):
+                return fn(*args, **dict(kwargs or {}))
         except Exception as exc:
             batch = self._tracker.batch
             if batch is None or batch.local_batch_size or batch.num_padding_examples:
@@ -172,8 +170,6 @@ class SyncStrategy(Strategy):
             if defer:
                 for ddp in self._ddp_models:
                     ddp.require_backward_grad_sync = True
-            base._current_replica.reset(replica_token)
-            base._current_strategy.reset(strategy_token)
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -132,10 +132,16 @@ class Strategy(ABC):
     # --- steps and communication ------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Call ``fn(*args, **kwargs)`` in this replica's context and return its per-replica result."""
-        strategy_token = _current_strategy.set(self)
-        replica_token = _current_replica.set(self._replica_context())
-        try:
+        with self._entered(self._replica_context()):
             return fn(*args, **dict(kwargs or {}))
+
+    @contextlib.contextmanager
+    def _entered(self, context: ReplicaContext) -> Iterator[None]:
+        """Make this the current strategy and ``context`` the current replica context, restored on exit."""
+        strategy_token = _current_strategy.set(self)
+        replica_token = _current_replica.set(context)
+        try:
+            yield
         finally:
             _current_replica.reset(replica_token)
             _current_strategy.reset(strategy_token)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import atexit
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -27,7 +27,6 @@ from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
-from towers.strategies import base
 from towers.strategies._collectives import as_tensor, check_op
 from towers.strategies._steps import StepTracker
 from towers.strategies.base import ReplicaContext, Strategy
@@ -220,17 +219,10 @@ class ParameterServerStrategy(Strategy):
             device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
             pad_empty_batches=pad_empty_batches, collate_fn=collate_fn, on_batch=self._tracker.on_batch)
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
-        """Call ``fn(*args, **kwargs)`` as this worker's step; its context knows the step's global batch size."""
+    def _replica_context(self) -> ReplicaContext:
+        """This worker's step context: it knows the step's global batch size (for compute_average_loss)."""
         global_batch, padding, _ = self._tracker.begin_run()
-        context = ReplicaContext(self, global_batch_size=global_batch, num_padding_examples=padding)
-        strategy_token = base._current_strategy.set(self)
-        replica_token = base._current_replica.set(context)
-        try:
-            return fn(*args, **dict(kwargs or {}))
-        finally:
-            base._current_replica.reset(replica_token)
-            base._current_strategy.reset(strategy_token)
+        return ReplicaContext(self, global_batch_size=global_batch, num_padding_examples=padding)
 
     # --- communication (met at ps task 0: see comm.py) ---------------------------------------------------
     def _comm_or_fail(self, what: str) -> PsComm:
