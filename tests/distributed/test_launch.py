@@ -109,8 +109,10 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     import selectors
 
     script = write_script(tmp_path, "sleeps.py", """
-        import os, time
-        print(f"ready {os.environ['RANK']}", flush=True)
+        import os, sys, time
+        # one write per line: unbuffered print() writes text and newline apart, and two ranks share the pipe
+        sys.stdout.write(f"ready {os.environ['RANK']}\\n")
+        sys.stdout.flush()
         time.sleep(600)
     """)
     env = clean_env()
