@@ -244,9 +244,37 @@ _PARSERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 )
 
 
+_DESCRIPTION = """\
+Data-parallel training on PyTorch across devices and machines: run one training script on 1
+CPU, N GPUs or N machines (mirrored replicas, parameter servers), and measure how close to Nx
+the speed-up is."""
+
+_EPILOG = """\
+examples:
+  towers demo                                             train on 1 and 2 replicas, compare speed
+  towers devices                                          what this machine has
+  towers launch --nproc-per-node 2 --strategy mirrored train.py
+  towers bench --replicas 1,2                             scaling of the built-in CNN
+  towers bench --model mypkg.models:build --input-shape 3,32,32   scaling of your model
+  towers k8s --name job --image me/train:1 --nnodes 2 train.py    Kubernetes manifests
+
+`towers COMMAND --help` describes each command. Python API: `import towers`."""
+
+
+def _version() -> str:
+    import platform
+
+    from towers import __version__
+
+    return f"towers {__version__} (Python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the ``towers`` argument parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(prog="towers", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="towers", description=_DESCRIPTION, epilog=_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-V", "--version", action="version", version=_version(),
+                        help="print the towers and Python versions, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in _PARSERS:
         add(sub)

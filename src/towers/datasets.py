@@ -1,8 +1,9 @@
-"""Data that needs no network: scikit-learn's bundled digits, MNIST IDX files from a path, synthetic images."""
+"""Data that needs no network: the digits bundled in the package, MNIST IDX files from a path, synthetic images."""
 
 from __future__ import annotations
 
 import gzip
+import importlib.resources
 import struct
 from pathlib import Path
 
@@ -10,26 +11,48 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-__all__ = ["load_digits", "load_mnist_idx", "read_idx", "write_idx", "synthetic_images", "load_data_spec"]
+__all__ = ["load_digits", "load_digits_arrays", "DIGITS_FILE", "load_mnist_idx", "read_idx", "write_idx", "synthetic_images", "load_data_spec"]
+
+
+#: The digits file inside the package: ``images`` uint8 ``[1797, 8, 8]`` (0..16) and ``labels`` uint8 ``[1797]``.
+DIGITS_FILE = "assets/digits.npz"
+
+
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """Return the 1,797 bundled 8x8 digits as ``(images, labels)``: uint8 ``[N, 8, 8]`` in 0..16 and ``[N]``.
+
+    The data (the test set of the UCI "Optical Recognition of Handwritten Digits" collection, the
+    same 1,797 images as scikit-learn's ``load_digits``) ships inside the package: no network and
+    no scikit-learn needed.
+
+    Raises:
+        FileNotFoundError: when the package was installed without its data file.
+    """
+    resource = importlib.resources.files("towers").joinpath(DIGITS_FILE)
+    try:
+        with resource.open("rb") as f, np.load(f, allow_pickle=False) as data:
+            return data["images"].copy(), data["labels"].copy()
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(
+            f"towers' bundled digits ({DIGITS_FILE} inside the package) are missing. The package was built "
+            "without its data: reinstall towers from a wheel or the repository (pip install -e .).") from exc
 
 
 def load_digits(*, size: int = 28, test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """Return ``(train, test)`` of scikit-learn's 1,797 bundled 8x8 digits, upsampled to ``size`` x ``size``.
+    """Return ``(train, test)`` of the 1,797 bundled 8x8 digits, upsampled to ``size`` x ``size``.
 
     Images are float32 ``[N, 1, size, size]`` scaled to [0, 1]; labels are int64. The split is
-    stratified-free but deterministic for a given ``seed``.
+    not stratified but deterministic for a given ``seed``.
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1). Received: {test_fraction}.")
     if size < 8:
         raise ValueError(f"size must be >= 8 pixels. Received: {size}.")
-    from sklearn.datasets import load_digits as sk_load_digits
-
-    bunch = sk_load_digits()
-    images = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)
+    raw_images, raw_labels = load_digits_arrays()
+    images = torch.from_numpy(raw_images.astype(np.float32) / 16.0).unsqueeze(1)
     if size != 8:
         images = torch.nn.functional.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
-    labels = torch.from_numpy(bunch.target.astype(np.int64))
+    labels = torch.from_numpy(raw_labels.astype(np.int64))
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     n_test = int(round(len(labels) * test_fraction))
     test_idx, train_idx = order[:n_test], order[n_test:]
