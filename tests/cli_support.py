@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -98,6 +100,57 @@ def run(argv: Sequence[str], *, cwd: Path | str, deadline_s: float, marker: str 
         env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run one command as ``start`` + ``finish`` and return its result."""
     return finish([start(argv, cwd=cwd, env=env)], deadline_s=deadline_s, marker=marker)[0]
+
+
+class OutputReader:
+    """Read a started command's stdout and stderr in two threads, so a test can wait for lines as they come.
+
+    ``select`` on ``proc.stdout`` is wrong for this: the text stream reads ahead, so one ``readline``
+    may leave the next line in Python's buffer, where ``select`` cannot see it, and the test waits
+    for a line it already holds. The threads own the pipes: use ``wait_for_lines`` while the command
+    runs and ``collect`` (not ``communicate``) once it ends.
+    """
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._out: list[str] = []
+        self._err: list[str] = []
+        self._threads = [threading.Thread(target=self._drain, args=(proc.stdout, self._out, True), daemon=True),
+                         threading.Thread(target=self._drain, args=(proc.stderr, self._err, False), daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def _drain(self, stream, into: list[str], announce: bool) -> None:
+        for line in stream:
+            into.append(line)
+            if announce:
+                self._lines.put(line)
+
+    def wait_for_lines(self, wanted: int, prefix: str, *, deadline_s: float) -> list[str]:
+        """Return the stdout lines starting with ``prefix`` once ``wanted`` of them came (fewer on the deadline or EOF)."""
+        deadline = time.monotonic() + deadline_s
+        found: list[str] = []
+        while len(found) < wanted:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                line = self._lines.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                if not self._threads[0].is_alive() and self._lines.empty():
+                    break  # stdout closed: no more lines will come
+                continue
+            if line.startswith(prefix):
+                found.append(line)
+        return found
+
+    def collect(self, *, timeout_s: float) -> tuple[str, str]:
+        """Wait for the command to exit and its pipes to close; return (stdout, stderr)."""
+        self.proc.wait(timeout=timeout_s)
+        for thread in self._threads:
+            thread.join(timeout=timeout_s)
+        return "".join(self._out), "".join(self._err)
 
 
 def _end_session(proc: subprocess.Popen) -> tuple[str, str]:

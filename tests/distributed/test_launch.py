@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_support import clean_env, kill, processes_running, run, towers_command
+from cli_support import OutputReader, clean_env, kill, processes_running, run, towers_command
 
 from towers.launch import cpu_threads_per_process
 
@@ -106,8 +106,6 @@ def test_parameter_server_flags_reach_the_workers(tmp_path):
 
 def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     # What Kubernetes or SLURM does on preemption: SIGTERM to the launcher, which must end its workers.
-    import selectors
-
     script = write_script(tmp_path, "sleeps.py", """
         import os, sys, time
         # one write per line: unbuffered print() writes text and newline apart, and two ranks share the pipe
@@ -115,25 +113,15 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
         sys.stdout.flush()
         time.sleep(600)
     """)
-    env = clean_env()
     proc = subprocess.Popen([*towers_command(), "launch", "--nproc-per-node", "2", "--monitor-interval", "0.2",
-                             str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                             str(script)], cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        ready: set[str] = set()
-        selector = selectors.DefaultSelector()
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + DEADLINE_S
-        while len(ready) < 2 and time.monotonic() < deadline:
-            if selector.select(timeout=deadline - time.monotonic()):
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                if line.startswith("ready"):
-                    ready.add(line.split()[1])
+        output = OutputReader(proc)
+        ready = {line.split()[1] for line in output.wait_for_lines(2, "ready ", deadline_s=DEADLINE_S)}
         assert ready == {"0", "1"}, f"workers did not start: {ready}"
         os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        _, err = output.collect(timeout_s=30)
         assert proc.returncode == 128 + signal.SIGTERM, err
         assert "received SIGTERM and stopped every worker" in err, err
         assert processes_running(str(script)) == []
