@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from towers._logging import get_logger, set_rank
 from towers.cluster.info import ProcessInfo
+from towers.network import use_interface
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -56,8 +57,12 @@ def init_process_group(
 
     A no-op (returning the current backend) when the group already exists.
 
+    Across hosts, Gloo/NCCL bind the interface ``towers.network.use_interface`` picks (the one
+    named by ``info.interface``, else the one that routes to the other hosts).
+
     Raises:
-        ValueError: on a bad backend or timeout.
+        ValueError: on a bad backend or timeout; ``towers.network.NetworkError`` when no usable
+            interface can be chosen.
         DistributedError: when the rendezvous fails or times out; the message names this rank,
             the rendezvous address and what to check.
     """
@@ -76,6 +81,8 @@ def init_process_group(
         # Each replica owns cuda:<local_rank>; NCCL needs it selected before the first collective.
         torch.cuda.set_device(info.local_rank)
     init_method = info.init_method
+    if backend in ("gloo", "nccl"):
+        use_interface(info)  # before the group exists: torch reads GLOO/NCCL_SOCKET_IFNAME when it makes one
     log.debug("joining process group: backend=%s init_method=%s timeout_s=%s", backend, init_method, timeout_s)
     try:
         dist.init_process_group(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from towers.cluster.base import ClusterConfigError, ClusterEnvironment
+from towers.cluster.base import JOIN_TIMEOUT_VARIABLE, ClusterConfigError, ClusterEnvironment, read_join_timeout
 from towers.cluster.environ import read_environ
 from towers.cluster.info import ProcessInfo
 from towers.cluster.local import LocalEnvironment
@@ -57,7 +57,9 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     world_size=2``: they replace the detected values); ``TF_CONFIG``; torchrun/Kubeflow variables
     (``RANK``, ``WORLD_SIZE``, ...); SLURM (``SLURM_PROCID``, ...); else one local process.
     ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` (set by ``towers launch``) fill ``strategy``/``num_ps``;
-    ``TOWERS_CHECKPOINT_DIR`` (set by ``towers k8s`` manifests) fills ``checkpoint_dir``.
+    ``TOWERS_CHECKPOINT_DIR`` (set by ``towers k8s`` manifests) fills ``checkpoint_dir``;
+    ``TOWERS_JOIN_TIMEOUT_S`` (set by ``towers launch --join-timeout``) fills ``join_timeout_s``;
+    ``TOWERS_INTERFACE`` (set by ``towers launch --interface``), else ``GLOO_SOCKET_IFNAME``, fills ``interface``.
     ``environ=None`` reads ``os.environ``; pass a dict in tests.
 
     Raises:
@@ -73,6 +75,11 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     checkpoint_dir = environ.get("TOWERS_CHECKPOINT_DIR", "").strip()
     if checkpoint_dir:
         info = dataclasses.replace(info, checkpoint_dir=checkpoint_dir)
+    if environ.get(JOIN_TIMEOUT_VARIABLE, "").strip():
+        info = dataclasses.replace(info, join_timeout_s=read_join_timeout(environ))
+    interface = environ.get("TOWERS_INTERFACE", "").strip() or environ.get("GLOO_SOCKET_IFNAME", "").strip()
+    if interface:
+        info = dataclasses.replace(info, interface=interface)
     if explicit:
         explicit.setdefault("source", f"explicit+{info.source}")
         try:

@@ -1,4 +1,5 @@
-"""The one place in towers that touches ``os.environ``: a snapshot to read, a scoped override to write.
+"""The one place in towers that touches ``os.environ``: a snapshot to read, a scoped override to write,
+and the network interface the job binds (``export_interface``).
 
 Everything else receives a mapping (or a ``ProcessInfo``), so tests pass plain dicts.
 """
@@ -9,7 +10,7 @@ import contextlib
 import os
 from typing import Iterator, Mapping
 
-__all__ = ["read_environ", "environ_overrides"]
+__all__ = ["read_environ", "environ_overrides", "export_interface"]
 
 
 def read_environ() -> dict[str, str]:
@@ -30,3 +31,14 @@ def environ_overrides(updates: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
+
+
+def export_interface(name: str) -> None:
+    """Make this process's Gloo and NCCL groups bind interface ``name``, for the rest of its life.
+
+    Sets ``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME`` and ``TOWERS_INTERFACE`` where they are unset
+    (a value the user set wins); torch reads them whenever it creates a process group.
+    """
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TOWERS_INTERFACE"):
+        if not os.environ.get(key, "").strip():
+            os.environ[key] = name

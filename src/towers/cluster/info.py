@@ -9,10 +9,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
-__all__ = ["TASK_TYPES", "ClusterSpec", "TaskInfo", "ProcessInfo"]
+__all__ = ["TASK_TYPES", "DEFAULT_JOIN_TIMEOUT_S", "ClusterSpec", "TaskInfo", "ProcessInfo"]
 
 #: Task types, as tf.distribute names them. ``chief`` is worker 0 when no chief is listed.
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+
+#: How long a process waits for the other processes of its job to join before it gives up (seconds):
+#: ``towers launch --join-timeout`` / ``TOWERS_JOIN_TIMEOUT_S``.
+DEFAULT_JOIN_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,10 @@ class ProcessInfo:
     ``checkpoint_dir`` is where the job keeps checkpoints (``TOWERS_CHECKPOINT_DIR``, set by the
     manifests ``towers k8s`` renders), or None. ``restart_count`` counts the launcher's restarts
     of this job; ``agent_store`` is True when the launcher's agent hosts the rendezvous store
-    (torchrun), so no rank starts its own.
+    (torchrun), so no rank starts its own. ``interface`` names the network interface every link of
+    the job binds (``TOWERS_INTERFACE``, set by ``towers launch --interface``, else
+    ``GLOO_SOCKET_IFNAME``), or None: ``towers.network`` then picks one when the job spans hosts.
+    ``join_timeout_s`` bounds the wait for the other processes at start-up (``TOWERS_JOIN_TIMEOUT_S``).
     """
 
     rank: int = 0
@@ -95,6 +102,8 @@ class ProcessInfo:
     checkpoint_dir: str | None = None
     restart_count: int = 0
     agent_store: bool = False
+    interface: str | None = None
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -113,6 +122,8 @@ class ProcessInfo:
             raise ValueError(f"restart_count must be >= 0. Received: {self.restart_count}.")
         if self.num_ps < 0:
             raise ValueError(f"num_ps must be >= 0. Received: {self.num_ps}.")
+        if not self.join_timeout_s > 0:
+            raise ValueError(f"join_timeout_s must be > 0 seconds. Received: {self.join_timeout_s}.")
 
     @property
     def is_chief(self) -> bool:
@@ -128,6 +139,23 @@ class ProcessInfo:
     def is_distributed(self) -> bool:
         """True when the job has more than one process."""
         return self.world_size > 1
+
+    def describe_rank(self, rank: int) -> str:
+        """Return how a message names process ``rank`` of this job: its task and, when known, address and node.
+
+        ``"rank 1 (worker:1 at host1:2222)"`` under TF_CONFIG; ``"rank 5 (node 1)"`` when the job
+        spreads over nodes; ``"rank 3 (ps:0)"`` for a parameter server of ``towers launch --num-ps``.
+        """
+        ordered = [(t, i, a) for t in ("chief", "worker", "ps") for i, a in enumerate(self.cluster.addresses(t))]
+        if len(ordered) == self.world_size and 0 <= rank < len(ordered):
+            task_type, index, address = ordered[rank]
+            return f"rank {rank} ({task_type}:{index} at {address})"
+        details = []
+        if self.num_ps and rank >= self.world_size - self.num_ps:
+            details.append(f"ps:{rank - (self.world_size - self.num_ps)}")
+        if self.world_size > self.local_world_size and self.world_size % self.local_world_size == 0:
+            details.append(f"node {rank // self.local_world_size}")
+        return f"rank {rank}" + (f" ({', '.join(details)})" if details else "")
 
     @property
     def init_method(self) -> str:

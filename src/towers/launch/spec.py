@@ -47,7 +47,7 @@ DEFAULT_MONITOR_INTERVAL_S = 0.5
 _SPEC_OPTIONS = frozenset({
     "training_script", "training_script_args", "module", "no_python", "run_path", "nproc_per_node", "nnodes",
     "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "standalone",
-    "max_restarts", "monitor_interval", "strategy", "num_ps", "tolerate_worker_failures",
+    "max_restarts", "monitor_interval", "strategy", "num_ps", "tolerate_worker_failures", "interface",
 })
 
 
@@ -144,6 +144,7 @@ class LaunchSpec:
     strategy: str | None = None
     num_ps: int | None = None
     tolerate_worker_failures: bool | None = None
+    interface: str | None = None
     torchrun_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -178,6 +179,9 @@ class LaunchSpec:
         if not self.monitor_interval_s > 0:
             raise ValueError(f"--monitor-interval must be > 0 seconds. Received: {self.monitor_interval_s}. "
                              f"Example: --monitor-interval {DEFAULT_MONITOR_INTERVAL_S}.")
+        if self.interface is not None and (not self.interface.strip() or any(c.isspace() for c in self.interface)):
+            raise ValueError(f"--interface must name one network interface of this host, e.g. --interface eth0. "
+                             f"Received: {self.interface!r}. `towers doctor` lists this host's interfaces.")
         self._resolve_strategy(set_)
 
     def _resolve_strategy(self, set_: Any) -> None:
@@ -243,10 +247,14 @@ class LaunchSpec:
     def worker_environment(self, environ: Mapping[str, str], *, cores: int | None = None) -> dict[str, str]:
         """Return the variables ``towers launch`` adds to every worker's environment (on top of torchrun's).
 
-        ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` when a strategy was asked for; ``OMP_NUM_THREADS`` =
+        ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` when a strategy was asked for; ``GLOO_SOCKET_IFNAME``,
+        ``NCCL_SOCKET_IFNAME`` and ``TOWERS_INTERFACE`` under ``--interface``; ``OMP_NUM_THREADS`` =
         max(1, cores // nproc_per_node) unless ``environ`` already sets it.
         """
         updates: dict[str, str] = {}
+        if self.interface is not None:  # one interface for every link: Gloo, NCCL and towers' own
+            updates.update(GLOO_SOCKET_IFNAME=self.interface, NCCL_SOCKET_IFNAME=self.interface,
+                           TOWERS_INTERFACE=self.interface)
         if self.strategy is not None:
             updates["TOWERS_STRATEGY"] = self.strategy
             updates["TOWERS_NUM_PS"] = str(self.num_ps)
@@ -286,6 +294,10 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
                             "stops). The chief or a ps task failing always stops it. Such a worker "
                             "death never triggers --max-restarts; --no-tolerate-worker-failures makes it stop (or "
                             "restart) the whole job, as torchrun does")
+    group.add_argument("--interface", default=None, metavar="NAME",
+                       help="network interface for every link of the job (Gloo/NCCL collectives, parameter "
+                            "servers), e.g. eth0; sets GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME and TOWERS_INTERFACE. "
+                            "Default: across nodes, the interface that routes to the other nodes")
     return parser
 
 
@@ -331,6 +343,7 @@ def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
         strategy=args.strategy,
         num_ps=args.num_ps,
         tolerate_worker_failures=getattr(args, "tolerate_worker_failures", None),
+        interface=getattr(args, "interface", None),
         torchrun_options=passthrough,
     )
 

@@ -1,9 +1,11 @@
 """The only module that talks to the wire: Gloo point-to-point messages between a worker and a ps task.
 
 Each (worker, ps task) pair gets its own two-rank Gloo group, built over the job's rendezvous
-store and bound to the address this process is given (loopback for a one-host job). A dead
-worker therefore breaks only its own pairs; a Gloo timeout (which leaves a group unusable)
-likewise stays inside one pair.
+store. A dead worker therefore breaks only its own pairs; a Gloo timeout (which leaves a group
+unusable) likewise stays inside one pair. The pairs bind where the job's process group binds:
+they share its Gloo device, so the interface chosen for the job (``towers launch --interface``,
+``GLOO_SOCKET_IFNAME``, or the one ``towers.network`` detects across hosts) carries them too, and
+a host name that resolves to loopback on its own host cannot send a peer to 127.0.1.1.
 
 A message is a fixed header, then an optional pickled ``meta`` object, then an optional flat
 byte buffer (a whole shard: one send per shard)::
@@ -88,12 +90,12 @@ def open_link(store: dist.Store, *, worker: int, ps: int, is_ps: bool, bind_host
               generation: int = 0, name: str = "") -> "Link":
     """Open the two-rank Gloo group of (worker, ps task) and return this side's ``Link``.
 
+    The group binds the default process group's interface; ``bind_host`` only matters without one.
+
     Blocks until the peer opens its side too (at most ``timeout_s``). Raises ``LinkError`` on failure.
     """
     options = dist.ProcessGroupGloo._Options()
-    device = dist.ProcessGroupGloo.create_device(hostname=bind_host) if bind_host else \
-        dist.ProcessGroupGloo.create_default_device()
-    options._devices = [device]
+    options._devices = _devices(bind_host)
     options._timeout = datetime.timedelta(seconds=timeout_s)
     prefix = dist.PrefixStore(f"towers/ps/{generation}/w{worker}-p{ps}", store)
     try:
@@ -102,6 +104,20 @@ def open_link(store: dist.Store, *, worker: int, ps: int, is_ps: bool, bind_host
         raise LinkError(f"could not connect {name or 'the link'} within {timeout_s:g} s: {first_line(exc)}",
                         "timeout" if "timeout" in str(exc).lower() else "gone") from exc
     return Link(group, peer=0 if is_ps else 1, name=name)
+
+
+def _devices(bind_host: str) -> list[Any]:
+    """The Gloo devices of the job's default group (bound to the job's interface), else one for ``bind_host``."""
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        devices = list(backend.options._devices)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError, ValueError):  # no default group, not Gloo, or an older torch
+        devices = []
+    if devices:
+        return devices
+    if bind_host:
+        return [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    return [dist.ProcessGroupGloo.create_default_device()]
 
 
 class Link:
