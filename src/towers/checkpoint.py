@@ -24,6 +24,14 @@ key                value
 ``callbacks``      ``{key: state}`` of callbacks that implement ``state_dict``
 =================  ========================================================================
 
+A **user checkpoint** (``kind="user"``, what a custom loop saves) is any dict of your own:
+``save_checkpoint(path, {"model": model, "optimizer": optimizer, "epoch": 3})``. Objects with a
+``state_dict()`` (modules, optimizers, schedulers, scalers) are saved as their state dicts, a
+prepared model through its strategy; every other value must load with ``weights_only=True``
+(tensors, numbers, strings, bools, None, and lists, tuples and dicts of them).
+``restore_checkpoint(path, {"model": model, "optimizer": optimizer})`` loads them back and
+returns the whole dict (so ``["epoch"]`` too). ``CheckpointManager`` keeps the last N of them.
+
 Writing is atomic: the chief writes a temporary file in the checkpoint's directory, flushes and
 fsyncs it, ``os.replace``-s it over the target and fsyncs the directory. A process killed at any
 instant leaves either the previous checkpoint or the new one, never a torn file under the name.
@@ -58,15 +66,19 @@ if TYPE_CHECKING:
     from towers.strategies.base import Strategy
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
-    "rng_state", "set_rng_state", "check_model_state", "check_optimizer_state", "load_model_state",
+    "FORMAT", "FORMAT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "restore_checkpoint",
+    "CheckpointManager", "rng_state", "set_rng_state", "check_model_state", "check_optimizer_state",
+    "load_model_state",
 ]
 
 log = get_logger(__name__)
 
 FORMAT = "towers.checkpoint"
 FORMAT_VERSION = 1
-_REQUIRED = {"full": ("model", "optimizer", "epoch", "step", "global_step", "data", "rng"), "weights": ("model",)}
+_REQUIRED = {"full": ("model", "optimizer", "epoch", "step", "global_step", "data", "rng"), "weights": ("model",),
+             "user": ()}
+#: Keys the file format itself uses; a user dict cannot hold them.
+_RESERVED = ("format", "version", "kind")
 
 
 class CheckpointError(ValueError):
@@ -133,23 +145,102 @@ def _write_atomic(path: Path, state: Mapping[str, Any]) -> None:
             stale.unlink()
 
 
+# --- user dicts -----------------------------------------------------------------------------------
+_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and not isinstance(value, Mapping)
+
+
+def _check_loadable(value: Any, where: str, path: Path) -> None:
+    """Raise ``CheckpointError`` naming ``where`` unless ``value`` loads with ``torch.load(weights_only=True)``."""
+    if isinstance(value, _LEAVES):
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise CheckpointError(f"Cannot write checkpoint {path}: {where} has a key {key!r} of type "
+                                      f"{type(key).__name__}; use str or int keys.")
+            _check_loadable(item, f"{where}[{key!r}]", path)
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_loadable(item, f"{where}[{i}]", path)
+        return
+    hint = (" Convert it with torch.from_numpy(value)." if type(value).__module__.startswith("numpy") else
+            " Store its fields (numbers, strings, tensors) instead, or give it state_dict()/load_state_dict().")
+    raise CheckpointError(
+        f"Cannot write checkpoint {path}: {where} is a {type(value).__name__}, which torch.load(weights_only=True) "
+        f"refuses (checkpoints never unpickle arbitrary objects). Allowed: tensors, numbers, strings, bools, None, "
+        f"and lists, tuples and dicts of them, or objects with state_dict().{hint}")
+
+
+def _user_state(state: Mapping[str, Any], path: Path, strategy: "Strategy | None") -> dict[str, Any]:
+    """Return ``state`` with every object that has ``state_dict()`` replaced by its state dict, checked loadable."""
+    bad = [k for k in state if not isinstance(k, str) or k in _RESERVED]
+    if bad:
+        raise CheckpointError(f"Cannot write checkpoint {path}: keys must be strings other than {list(_RESERVED)} "
+                              f"(the file format uses those). Received: {bad}. Rename them.")
+    out = dict(state)
+    modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
+    optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+    if strategy is not None and len(modules) == 1 and len(optimizers) <= 1:
+        # One model (and its optimizer): the strategy gathers them, full or from wherever they live.
+        opt_key = optimizers[0] if optimizers else None
+        full = strategy.state_dict(state[modules[0]], state[opt_key] if opt_key else None)
+        out[modules[0]] = full["model"]
+        if opt_key is not None:
+            out[opt_key] = full["optimizer"]
+    for key, value in state.items():
+        if out[key] is not value:
+            continue  # done by the strategy above
+        if isinstance(value, nn.Module):
+            out[key] = (strategy.unwrap(value) if strategy is not None else value).state_dict()
+        elif _is_stateful(value):
+            out[key] = value.state_dict()
+        _check_loadable(out[key], repr(key) if out[key] is value else f"{key!r}.state_dict()", path)
+    return out
+
+
+def _is_full_training_state(state: Mapping[str, Any]) -> bool:
+    return all(k in state for k in _REQUIRED["full"]) and not any(_is_stateful(v) for v in state.values())
+
+
 def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *,
-                    strategy: "Strategy | None" = None, kind: str = "full") -> Path:
+                    strategy: "Strategy | None" = None, kind: str | None = None) -> Path:
     """Write ``state`` (plus the format marker) to ``path`` atomically, on the chief only; return the path.
+
+    ``state`` is your own dict (``kind="user"``): ``{"model": model, "optimizer": optimizer,
+    "epoch": 3}`` — objects with ``state_dict()`` are saved as their state dicts (a prepared model
+    through ``strategy``), everything else must load with ``weights_only=True``. ``kind="full"``
+    (the Trainer's training state) and ``"weights"`` check the keys the Trainer needs; ``None``
+    picks ``"full"`` for such a state and ``"user"`` otherwise.
 
     Every replica must call this (it ends with a collective that tells every replica whether the
     chief's write succeeded, so they all return or all raise).
 
     Raises:
-        CheckpointError: when ``state`` lacks a key the format needs.
+        CheckpointError: when ``state`` lacks a key its kind needs, or holds a value that would not
+            load with ``weights_only=True`` (the message names the key and the fix).
         OSError: on every replica, when the chief could not write the file.
     """
     path = Path(path)
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"Cannot write checkpoint {path}: state must be a dict. Received: "
+                              f"{type(state).__name__}. Example: save_checkpoint(path, {{'model': model, 'epoch': 3}}).")
+    if kind is None:
+        kind = "full" if _is_full_training_state(state) else "user"
     if kind not in _REQUIRED:
-        raise ValueError(f"kind must be 'full' or 'weights'. Received: {kind!r}.")
+        raise ValueError(f"kind must be 'user', 'full' or 'weights' (or None to choose). Received: {kind!r}.")
     missing = [k for k in _REQUIRED[kind] if k not in state]
     if missing:
-        raise CheckpointError(f"Cannot write checkpoint {path}: the state lacks {missing} needed by a {kind!r} checkpoint.")
+        raise CheckpointError(
+            f"Cannot write checkpoint {path}: the state lacks {missing} needed by a {kind!r} checkpoint (the "
+            "Trainer's training state). To save your own dict, pass kind='user' (or leave kind=None); "
+            "trainer.save_checkpoint(path) writes a full one.")
+    if kind == "user":
+        state = _user_state(state, path, strategy)
     error = None
     if strategy is None or strategy.is_chief:
         try:
@@ -194,10 +285,16 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.d
             f"Checkpoint {path} has format version {version!r}; this towers reads versions 1..{FORMAT_VERSION}. "
             "Upgrade towers to read it.")
     file_kind = state.get("kind", "full")
+    if kind == "full" and file_kind == "user":
+        raise CheckpointError(f"Checkpoint {path} is a user checkpoint (your own dict, kind='user'), not the Trainer's "
+                              "training state. Load it with towers.checkpoint.restore_checkpoint(path, {...}).")
     if kind == "full" and file_kind != "full":
         raise CheckpointError(f"Checkpoint {path} holds only model weights (kind={file_kind!r}); "
                               "resuming training needs a full checkpoint (BackupAndRestore or save_weights_only=False).")
-    missing = [k for k in _REQUIRED.get(file_kind, ("model",)) if k not in state]
+    if file_kind not in _REQUIRED:
+        raise CheckpointError(f"Checkpoint {path} has kind {file_kind!r}; this towers reads {sorted(_REQUIRED)}. "
+                              "Upgrade towers to read it.")
+    missing = [k for k in _REQUIRED[file_kind] if k not in state]
     if missing:
         raise CheckpointError(f"Checkpoint {path} is incomplete: it lacks {missing}. It was not written by "
                               "towers.checkpoint.save_checkpoint; restore an older checkpoint.")
@@ -243,3 +340,58 @@ def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], *, pat
     """
     check_model_state(model, state, path=path)
     model.load_state_dict(state, strict=True)
+
+
+def restore_checkpoint(path: str | os.PathLike[str], objects: Mapping[str, Any] | None = None, *,
+                       strategy: "Strategy | None" = None, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``objects`` and return everything it holds.
+
+    ``objects`` maps keys of the saved dict to live objects: modules (checked key by key and shape
+    by shape, never a partial load), optimizers and anything with ``load_state_dict``. Keys of the
+    file not in ``objects`` (``"epoch"``, ...) are only returned. Every replica calls it.
+
+    Raises:
+        FileNotFoundError: when there is no file at ``path``.
+        CheckpointError: when the file is torn or foreign, or lacks a key of ``objects``, or a state
+            does not fit its object (naming the key and the mismatch).
+    """
+    state = load_checkpoint(path, map_location=map_location)
+    objects = dict(objects or {})
+    missing = [k for k in objects if k not in state]
+    if missing:
+        raise CheckpointError(f"Checkpoint {path} has no {missing}; it holds {sorted(k for k in state if k not in _RESERVED)}. "
+                              "Pass the keys you saved.")
+    modules = [k for k, v in objects.items() if isinstance(v, nn.Module)]
+    optimizers = [k for k, v in objects.items() if isinstance(v, torch.optim.Optimizer)]
+    done: set[str] = set()
+    if strategy is not None and len(modules) == 1 and len(optimizers) <= 1:
+        key, opt_key = modules[0], (optimizers[0] if optimizers else None)
+        check_model_state(strategy.unwrap(objects[key]), state[key], path=path)
+        if opt_key is not None:
+            check_optimizer_state(objects[opt_key], state[opt_key], path=path)
+        strategy.load_state_dict({"model": state[key], "optimizer": state[opt_key] if opt_key else None},
+                                 objects[key], objects[opt_key] if opt_key else None)
+        done = {key, *([opt_key] if opt_key else [])}
+    for key, obj in objects.items():
+        if key in done:
+            continue
+        if isinstance(obj, nn.Module):
+            load_model_state(strategy.unwrap(obj) if strategy is not None else obj, state[key], path=path)
+        elif isinstance(obj, torch.optim.Optimizer):
+            check_optimizer_state(obj, state[key], path=path)
+            obj.load_state_dict(state[key])
+        elif callable(getattr(obj, "load_state_dict", None)):
+            obj.load_state_dict(state[key])
+        else:
+            raise CheckpointError(f"Cannot restore {key!r} in place: {type(obj).__name__} has no load_state_dict. "
+                                  f"Read plain values from the returned dict instead: restore_checkpoint(...)[{key!r}].")
+    return state
+
+
+def __getattr__(name: str) -> Any:
+    # The manager lives in its own module (it builds on this one); import it on first use.
+    if name == "CheckpointManager":
+        from towers.checkpoint_manager import CheckpointManager
+
+        return CheckpointManager
+    raise AttributeError(f"module 'towers.checkpoint' has no attribute {name!r}")
