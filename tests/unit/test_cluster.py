@@ -20,7 +20,8 @@ from towers.cluster import (
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
 SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
-         "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_JOB_NODELIST": "gpu[07-10]", "SLURM_JOB_ID": "123456"}
+         "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_JOB_NODELIST": "gpu[07-10]", "SLURM_JOB_ID": "123456",
+         "SLURM_STEP_ID": "0"}  # an srun task
 CLUSTER = {"chief": ["host0:2222"], "worker": ["host1:2222", "host1:2223"], "ps": ["host2:2222", "host2:2223"]}
 
 

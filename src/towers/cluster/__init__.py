@@ -1,16 +1,19 @@
 """Who am I in the job: ``from_env()`` reads this process's place from the environment.
 
 Sources are detected in a fixed order: explicit arguments, ``TF_CONFIG``, torchrun/Kubeflow
-(``RANK``, ``WORLD_SIZE``, ...), SLURM (``SLURM_PROCID``, ...), else a single local process.
+(``RANK``, ``WORLD_SIZE``, ...; Kubeflow Trainer v2's ``PET_*``), SLURM (``SLURM_PROCID``, ... under
+``srun``), MPI (``OMPI_COMM_WORLD_*``, ``PMI_*``), else a single local process.
 Only this package reads ``os.environ``; everything else receives the frozen ``ProcessInfo``.
 """
 
-from towers.cluster.base import ClusterConfigError, ClusterEnvironment
+from towers.cluster.base import JOIN_TIMEOUT_VARIABLE, ClusterConfigError, ClusterEnvironment, read_join_timeout
 from towers.cluster.detect import ENVIRONMENTS, describe, detect_environment, from_env
 from towers.cluster.environ import environ_overrides, read_environ
-from towers.cluster.info import TASK_TYPES, ClusterSpec, ProcessInfo, TaskInfo
+from towers.cluster.info import DEFAULT_JOIN_TIMEOUT_S, TASK_TYPES, ClusterSpec, ProcessInfo, TaskInfo
+from towers.cluster.kubeflow import KubeflowTrainerEnvironment
 from towers.cluster.local import LocalEnvironment
-from towers.cluster.slurm import SlurmEnvironment, expand_hostlist, port_from_job_id
+from towers.cluster.mpi import MPIEnvironment
+from towers.cluster.slurm import SlurmEnvironment, expand_hostlist, is_srun_task, port_from_job_id
 from towers.cluster.tf_config import TRAINING_ORDER, TFConfigEnvironment, parse_tf_config
 from towers.cluster.torchrun import TorchrunEnvironment
 
@@ -22,7 +25,9 @@ __all__ = [
     "ClusterEnvironment",
     "TFConfigEnvironment",
     "TorchrunEnvironment",
+    "KubeflowTrainerEnvironment",
     "SlurmEnvironment",
+    "MPIEnvironment",
     "LocalEnvironment",
     "ClusterConfigError",
     "ProcessInfo",
@@ -33,6 +38,10 @@ __all__ = [
     "parse_tf_config",
     "expand_hostlist",
     "port_from_job_id",
+    "is_srun_task",
+    "DEFAULT_JOIN_TIMEOUT_S",
+    "JOIN_TIMEOUT_VARIABLE",
+    "read_join_timeout",
     "read_environ",
     "environ_overrides",
 ]

@@ -5,9 +5,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Mapping
 
-from towers.cluster.info import ProcessInfo, TaskInfo
+from towers.cluster.info import DEFAULT_JOIN_TIMEOUT_S, ProcessInfo, TaskInfo
 
-__all__ = ["ClusterConfigError", "ClusterEnvironment", "env_int", "launch_options", "role_of_rank"]
+__all__ = ["ClusterConfigError", "ClusterEnvironment", "env_int", "launch_options", "role_of_rank",
+           "JOIN_TIMEOUT_VARIABLE", "read_join_timeout"]
+
+#: The variable that sets how long processes wait for each other at start-up (``towers launch --join-timeout``).
+JOIN_TIMEOUT_VARIABLE = "TOWERS_JOIN_TIMEOUT_S"
 
 
 class ClusterConfigError(ValueError):
@@ -61,6 +65,26 @@ def env_int(environ: Mapping[str, str], name: str, default: int | None = None, *
     if value < minimum:
         raise ClusterConfigError(
             f"{name} must be an integer >= {minimum}. Received: {name}={raw!r}. Fix the value that sets {name}.")
+    return value
+
+
+def read_join_timeout(environ: Mapping[str, str], default: float = DEFAULT_JOIN_TIMEOUT_S) -> float:
+    """Return ``TOWERS_JOIN_TIMEOUT_S`` in seconds (``default`` when unset).
+
+    Raises:
+        ClusterConfigError: when the value is not a number > 0.
+    """
+    raw = environ.get(JOIN_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ClusterConfigError(
+            f"{JOIN_TIMEOUT_VARIABLE} must be a number of seconds > 0. Received: {JOIN_TIMEOUT_VARIABLE}={raw!r}. "
+            f"Example: {JOIN_TIMEOUT_VARIABLE}=600, or unset it for the default ({default:g} s).")
     return value
 
 

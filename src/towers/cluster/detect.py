@@ -8,7 +8,9 @@ from typing import Any, Mapping, Sequence
 from towers.cluster.base import JOIN_TIMEOUT_VARIABLE, ClusterConfigError, ClusterEnvironment, read_join_timeout
 from towers.cluster.environ import read_environ
 from towers.cluster.info import ProcessInfo
+from towers.cluster.kubeflow import KubeflowTrainerEnvironment
 from towers.cluster.local import LocalEnvironment
+from towers.cluster.mpi import MPIEnvironment
 from towers.cluster.slurm import SlurmEnvironment
 from towers.cluster.tf_config import TFConfigEnvironment
 from towers.cluster.torchrun import TorchrunEnvironment
@@ -20,7 +22,9 @@ __all__ = ["ENVIRONMENTS", "detect_environment", "from_env", "describe"]
 ENVIRONMENTS: tuple[ClusterEnvironment, ...] = (
     TFConfigEnvironment(),
     TorchrunEnvironment(),
+    KubeflowTrainerEnvironment(),
     SlurmEnvironment(),
+    MPIEnvironment(),
     LocalEnvironment(),
 )
 
@@ -55,7 +59,8 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
 
     Sources, in order: ``explicit`` keyword arguments (any ``ProcessInfo`` field, e.g. ``rank=1,
     world_size=2``: they replace the detected values); ``TF_CONFIG``; torchrun/Kubeflow variables
-    (``RANK``, ``WORLD_SIZE``, ...); SLURM (``SLURM_PROCID``, ...); else one local process.
+    (``RANK``, ``WORLD_SIZE``, ...; Kubeflow Trainer v2's ``PET_*`` alone); SLURM (``SLURM_PROCID``, ...
+    of an ``srun`` task); MPI (``OMPI_COMM_WORLD_*``, ``PMI_*``); else one local process.
     ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` (set by ``towers launch``) fill ``strategy``/``num_ps``;
     ``TOWERS_CHECKPOINT_DIR`` (set by ``towers k8s`` manifests) fills ``checkpoint_dir``;
     ``TOWERS_JOIN_TIMEOUT_S`` (set by ``towers launch --join-timeout``) fills ``join_timeout_s``;

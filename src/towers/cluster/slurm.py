@@ -8,6 +8,13 @@ The rendezvous host is ``MASTER_ADDR`` when set, else the first host of ``SLURM_
 The port is ``MASTER_PORT`` when set, else ``15000 + SLURM_JOB_ID % 20000`` (15000..34999): every
 task of a job derives the same port without talking to the others, and two jobs sharing a head
 node rarely collide. ``towers k8s --kind slurm`` uses the same formula.
+
+Only an ``srun`` task (``SLURM_STEP_ID`` set) is a process of a multi-process job. A batch script or
+an ``salloc`` shell also carries ``SLURM_PROCID=0`` and the allocation's ``SLURM_NTASKS``, but
+nothing starts the other tasks there: with more than one task that is refused with one line
+(run under ``srun`` or ``towers launch``), instead of waiting for peers that never come. When MPI's
+variables describe the process and this is not an ``srun`` task (``mpirun`` inside an allocation),
+SLURM steps aside and the MPI source reads it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from towers.cluster.base import ClusterConfigError, ClusterEnvironment, env_int,
 from towers.cluster.info import ProcessInfo
 from towers.cluster.torchrun import read_master
 
-__all__ = ["SlurmEnvironment", "expand_hostlist", "port_from_job_id", "SLURM_PORT_BASE", "SLURM_PORT_SPAN"]
+__all__ = ["SlurmEnvironment", "expand_hostlist", "port_from_job_id", "is_srun_task", "SLURM_PORT_BASE",
+           "SLURM_PORT_SPAN"]
 
 SLURM_PORT_BASE = 15000
 SLURM_PORT_SPAN = 20000
@@ -28,6 +36,11 @@ SLURM_PORT_SPAN = 20000
 def port_from_job_id(job_id: int) -> int:
     """Return the rendezvous port every task of SLURM job ``job_id`` derives (15000..34999)."""
     return SLURM_PORT_BASE + int(job_id) % SLURM_PORT_SPAN
+
+
+def is_srun_task(environ: Mapping[str, str]) -> bool:
+    """Return True when ``environ`` is an ``srun`` task's (a job step), not a batch or ``salloc`` shell's."""
+    return any(environ.get(name, "").strip() for name in ("SLURM_STEP_ID", "SLURM_STEPID"))
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -102,21 +115,30 @@ class SlurmEnvironment(ClusterEnvironment):
     name = "slurm"
 
     def detect(self, environ: Mapping[str, str]) -> bool:
-        """Return True when ``SLURM_PROCID`` and ``SLURM_NTASKS`` are set."""
-        return "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ
+        """Return True when ``SLURM_PROCID`` and ``SLURM_NTASKS`` are set (and MPI does not describe a non-srun process)."""
+        if "SLURM_PROCID" not in environ or "SLURM_NTASKS" not in environ:
+            return False
+        from towers.cluster.mpi import MPIEnvironment  # the two sources know about each other only here
+
+        return is_srun_task(environ) or not MPIEnvironment().detect(environ)
 
     def process_info(self, environ: Mapping[str, str]) -> ProcessInfo:
-        """Return this task's ``ProcessInfo``; raises ``ClusterConfigError`` on bad values."""
-        world_size = env_int(environ, "SLURM_NTASKS", minimum=1)
+        """Return this task's ``ProcessInfo``; raises ``ClusterConfigError`` on bad values or outside ``srun``."""
+        if not is_srun_task(environ):
+            return self._allocation_shell(environ)
+        count_variable = "SLURM_STEP_NUM_TASKS" if environ.get("SLURM_STEP_NUM_TASKS", "").strip() else "SLURM_NTASKS"
+        world_size = env_int(environ, count_variable, minimum=1)
         rank = env_int(environ, "SLURM_PROCID")
         if rank >= world_size:
             raise ClusterConfigError(
-                f"SLURM_PROCID must be < SLURM_NTASKS. Received: SLURM_PROCID={rank}, SLURM_NTASKS={world_size}. "
+                f"SLURM_PROCID must be < {count_variable}. Received: SLURM_PROCID={rank}, {count_variable}={world_size}. "
                 "Start the processes with srun so SLURM sets both.")
         local_rank = env_int(environ, "SLURM_LOCALID", 0)
         node_rank = env_int(environ, "SLURM_NODEID", 0)
         if environ.get("SLURM_NTASKS_PER_NODE", "").strip():
             local_world_size = env_int(environ, "SLURM_NTASKS_PER_NODE", minimum=1)
+        elif environ.get("SLURM_STEP_TASKS_PER_NODE", "").strip():
+            local_world_size = _tasks_on_node(environ["SLURM_STEP_TASKS_PER_NODE"], node_rank)
         elif environ.get("SLURM_TASKS_PER_NODE", "").strip():
             local_world_size = _tasks_on_node(environ["SLURM_TASKS_PER_NODE"], node_rank)
         else:
@@ -136,3 +158,17 @@ class SlurmEnvironment(ClusterEnvironment):
                            local_world_size=local_world_size, node_rank=node_rank, master_addr=master_addr,
                            master_port=master_port, task=role_of_rank(rank, world_size, num_ps),
                            source=self.name, strategy=strategy, num_ps=num_ps, chief_rank=0)
+
+    def _allocation_shell(self, environ: Mapping[str, str]) -> ProcessInfo:
+        # A batch script or salloc shell: SLURM_PROCID=0 of the allocation's tasks, but no srun started them.
+        tasks = env_int(environ, "SLURM_NTASKS", minimum=1)
+        if tasks > 1:
+            job = environ.get("SLURM_JOB_ID", "").strip() or "?"
+            raise ClusterConfigError(
+                f"This process runs in a SLURM allocation shell (SLURM_JOB_ID={job}, SLURM_NTASKS={tasks}), not as an "
+                f"srun task (SLURM_STEP_ID is unset), so the other {tasks - 1} task(s) would never start. Run it as "
+                f"`srun python SCRIPT` (one process per task) or `towers launch --nproc-per-node N SCRIPT`.")
+        master_addr, master_port = read_master(environ)
+        strategy, num_ps = launch_options(environ)
+        return ProcessInfo(master_addr=master_addr, master_port=master_port, source=self.name, strategy=strategy,
+                           num_ps=num_ps)
