@@ -178,10 +178,13 @@ def run_bench(args: argparse.Namespace) -> int:
 def add_k8s_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("k8s", help="render Kubernetes manifests (or a SLURM script) for a multi-machine job",
                        description="Print (or write with -o) the manifests that run `towers launch SCRIPT` on "
-                                   "--nnodes machines: a Kubeflow PyTorchJob, a plain Indexed Job, or an sbatch script.")
+                                   "--nnodes machines: a Kubeflow Trainer v2 TrainJob (default), a Kubeflow v1 "
+                                   "PyTorchJob, a plain Indexed Job, or an sbatch script.")
     p.add_argument("--name", required=True, help="job name (DNS-1123: lower-case letters, digits, '-')")
     p.add_argument("--image", help="container image with towers and the script (Kubernetes kinds)")
-    p.add_argument("--kind", choices=("pytorchjob", "indexed-job", "slurm"), default="pytorchjob")
+    p.add_argument("--kind", choices=("trainjob", "pytorchjob", "indexed-job", "slurm"), default="trainjob",
+                   help="trainjob: Kubeflow Trainer v2 (default); pytorchjob: Kubeflow training operator v1; "
+                        "indexed-job: plain Kubernetes; slurm: an sbatch script")
     p.add_argument("--nnodes", type=int, default=1, help="machines (pods or SLURM nodes)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", default="1", help="processes per machine: N, auto, gpu, cpu")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs requested per machine (nvidia.com/gpu)")
@@ -192,11 +195,18 @@ def add_k8s_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-ps", "--num_ps", type=int, default=None, help="passed to towers launch --num-ps")
     p.add_argument("--max-restarts", type=int, default=3, help="worker-group restarts inside the job (torchrun's)")
     p.add_argument("--backoff-limit", type=int, default=6, help="pod restarts before Kubernetes fails the job")
-    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: 23456 Kubeflow, 29500 "
-                                                          "Indexed Job, 15000 + job id %% 20000 SLURM)")
+    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: the runtime's for trainjob, "
+                                                          "23456 pytorchjob, 29500 indexed-job, 15000 + job id %% 20000 "
+                                                          "slurm)")
     p.add_argument("--checkpoint-pvc", help="existing PersistentVolumeClaim for checkpoints (default: render <name>-ckpt)")
     p.add_argument("--checkpoint-size", default="10Gi", help="size of the rendered checkpoint claim")
     p.add_argument("--checkpoint-dir", help="checkpoint directory in the job, exported as TOWERS_CHECKPOINT_DIR")
+    p.add_argument("--checkpoint-access-mode", choices=("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"),
+                   help="access mode of the rendered claim (default: ReadWriteOnce on 1 node, which every default "
+                        "storage class binds; ReadWriteMany on several nodes, which needs a shared-file class)")
+    p.add_argument("--checkpoint-storage-class", help="storage class of the rendered claim (default: the cluster's)")
+    p.add_argument("--runtime", default="torch-distributed",
+                   help="Kubeflow Trainer v2 runtime of a trainjob (default: torch-distributed)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment variable")
     p.add_argument("--partition", help="SLURM partition")
     p.add_argument("--time", dest="time_limit", help="SLURM time limit, e.g. 24:00:00")
@@ -219,7 +229,9 @@ def run_k8s(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node, memory_per_node=args.memory_per_node,
             namespace=args.namespace, strategy=args.strategy, num_ps=args.num_ps, max_restarts=args.max_restarts,
             backoff_limit=args.backoff_limit, port=args.port, checkpoint_pvc=args.checkpoint_pvc,
-            checkpoint_size=args.checkpoint_size, checkpoint_dir=args.checkpoint_dir, env=env,
+            checkpoint_size=args.checkpoint_size, checkpoint_dir=args.checkpoint_dir,
+            checkpoint_access_mode=args.checkpoint_access_mode, checkpoint_storage_class=args.checkpoint_storage_class,
+            runtime=args.runtime, env=env,
             partition=args.partition, time_limit=args.time_limit, module=args.module, script=args.script,
             script_args=tuple(args.script_args))
         text = render(spec, args.kind)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 
 import pytest
+import yaml
 
 from towers.cli import main
 from towers.deploy import (
@@ -13,6 +14,7 @@ from towers.deploy import (
     render_indexed_job,
     render_pytorchjob,
     render_sbatch,
+    render_trainjob,
     to_yaml,
     to_yaml_documents,
 )
@@ -32,9 +34,10 @@ def launch_words(command: str) -> list[str]:
 
 # --- YAML writer ------------------------------------------------------------------------------
 def test_to_yaml_round_trips_through_a_yaml_parser():
-    yaml = pytest.importorskip("yaml")
     doc = {"a": "yes", "b": "1.0", "c": "x: y", "d": [1, {"e": None, "f": True}], "g": {}, "h": [],
-           "i": 'quote " and $VAR', "nested": [[1, 2], []], "nvidia.com/gpu": 4}
+           "i": 'quote " and $VAR', "nested": [[1, 2], []], "nvidia.com/gpu": 4,
+           "numberlike": [".5", ".inf", "-.inf", ".nan", "1e3", "0o17", "0x1F", "012", "1_000", "~", "null", "on"],
+           "numbers": [0.5, 1e-05, float("inf"), -3, 12]}
     assert yaml.safe_load(to_yaml(doc)) == doc
     assert list(yaml.safe_load_all(to_yaml_documents([doc, {"k": 1}]))) == [doc, {"k": 1}]
 
@@ -94,12 +97,11 @@ def test_indexed_job_service_and_rendezvous_on_pod_zero():
     assert words[-4:] == ["-m", "pkg.train", "--epochs", "5"]
 
 
-@pytest.mark.parametrize("kind", ["pytorchjob", "indexed-job"])
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob", "indexed-job"])
 def test_rendered_yaml_parses(kind):
-    yaml = pytest.importorskip("yaml")
     text = render(job(env={"NCCL_DEBUG": "INFO"}, memory_per_node="64Gi", cpus_per_node="16"), kind)
     docs = list(yaml.safe_load_all(text))
-    expected = render_pytorchjob if kind == "pytorchjob" else render_indexed_job
+    expected = {"trainjob": render_trainjob, "pytorchjob": render_pytorchjob, "indexed-job": render_indexed_job}[kind]
     assert docs == expected(job(env={"NCCL_DEBUG": "INFO"}, memory_per_node="64Gi", cpus_per_node="16"))
 
 
@@ -113,6 +115,7 @@ def test_sbatch_script():
         assert f"#SBATCH {directive}" in lines
     assert "head_port=$(( 15000 + SLURM_JOB_ID % 20000 ))" in lines
     (srun,) = [line for line in lines if line.startswith("srun ")]
+    assert "--cpus-per-task=16" in srun.split(" towers launch")[0]  # srun does not inherit it from sbatch
     assert '--nnodes "$SLURM_NNODES"' in srun and '--rdzv-endpoint "$head_node:$head_port"' in srun
     assert srun.endswith("--max-restarts 3 train.py --epochs 5")
     assert 'export TOWERS_CHECKPOINT_DIR="$SLURM_SUBMIT_DIR/checkpoints/digits"' in lines
@@ -157,6 +160,9 @@ def test_cli_prints_and_writes(tmp_path, capsys):
     argv = ["k8s", "--name", "digits", "--image", "img:1", "--nnodes", "2", "--nproc-per-node", "4",
             "--gpus-per-node", "4", "train.py", "--epochs", "5"]
     assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "kind: TrainJob" in out and "numNodes: 2" in out and "--epochs 5" in out
+    assert main([*argv[:1], "--kind", "pytorchjob", *argv[1:]]) == 0
     out = capsys.readouterr().out
     assert "kind: PyTorchJob" in out and "replicas: 1" in out and "--epochs 5" in out
     target = tmp_path / "job.yaml"

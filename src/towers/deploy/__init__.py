@@ -1,16 +1,18 @@
-"""Run a towers job on many machines: Kubernetes manifests (Kubeflow PyTorchJob or Indexed Job) and SLURM scripts."""
+"""Run a towers job on many machines: Kubernetes manifests (Kubeflow TrainJob or PyTorchJob, Indexed Job) and SLURM scripts."""
 
 from __future__ import annotations
 
-from towers.deploy.kubernetes import render_indexed_job, render_kubernetes, render_pytorchjob
+from towers.deploy.kubernetes import render_indexed_job, render_kubernetes, render_pytorchjob, render_trainjob
 from towers.deploy.slurm import render_sbatch
-from towers.deploy.spec import KINDS, DeploySpec, check_dns1123_label, check_dns1123_subdomain
+from towers.deploy.spec import ACCESS_MODES, KINDS, DeploySpec, check_dns1123_label, check_dns1123_subdomain
 from towers.deploy.yaml import to_yaml, to_yaml_documents
 
 __all__ = [
     "DeploySpec",
     "KINDS",
+    "ACCESS_MODES",
     "render",
+    "render_trainjob",
     "render_pytorchjob",
     "render_indexed_job",
     "render_kubernetes",
@@ -23,7 +25,7 @@ __all__ = [
 
 
 def render(spec: DeploySpec, kind: str = "pytorchjob") -> str:
-    """Return the text for ``kind``: YAML for ``pytorchjob``/``indexed-job``, a shell script for ``slurm``.
+    """Return the text for ``kind``: YAML for ``trainjob``/``pytorchjob``/``indexed-job``, a shell script for ``slurm``.
 
     Raises:
         ValueError: on an unknown kind, or a spec the kind cannot express (e.g. no image for Kubernetes).

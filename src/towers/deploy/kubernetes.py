@@ -1,4 +1,4 @@
-"""Kubernetes manifests for a multi-machine job: a Kubeflow ``PyTorchJob``, or a plain Indexed ``Job``.
+"""Kubernetes manifests for a multi-machine job: Kubeflow ``TrainJob`` or ``PyTorchJob``, or a plain Indexed ``Job``.
 
 Each pod runs ``towers launch`` with ``nproc_per_node`` processes and a c10d rendezvous, so the
 job survives worker restarts (``--max-restarts``) and a restarted pod (``restartPolicy: OnFailure``)
@@ -6,7 +6,11 @@ rejoins; checkpoints live on a PersistentVolumeClaim mounted in every pod, so th
 from the last one. ``/dev/shm`` is a memory volume (the container default of 64 MB breaks
 DataLoader workers and NCCL).
 
-- ``pytorchjob`` needs the Kubeflow training operator. It creates a ``Master`` pod and
+- ``trainjob`` needs Kubeflow Trainer v2 (``trainer.kubeflow.org/v1alpha1``) and its
+  ``torch-distributed`` runtime (``runtime``). The runtime sets ``PET_NNODES``,
+  ``PET_MASTER_ADDR`` and ``PET_MASTER_PORT`` in each node's pod; the rendezvous runs on node 0.
+  The checkpoint volume reaches the runtime's ``node`` container through ``podTemplateOverrides``.
+- ``pytorchjob`` needs the Kubeflow training operator v1 (legacy). It creates a ``Master`` pod and
   ``nnodes - 1`` ``Worker`` pods and sets ``MASTER_ADDR``/``MASTER_PORT`` in each; the rendezvous
   runs on the master.
 - ``indexed-job`` needs nothing but Kubernetes >= 1.24: a headless Service gives pod ``i`` the
@@ -21,8 +25,8 @@ from typing import Any
 from towers.deploy.spec import DeploySpec
 from towers.deploy.yaml import to_yaml_documents
 
-__all__ = ["render_pytorchjob", "render_indexed_job", "render_kubernetes", "KUBEFLOW_PORT", "RDZV_PORT",
-           "CHECKPOINT_MOUNT"]
+__all__ = ["render_trainjob", "render_pytorchjob", "render_indexed_job", "render_kubernetes", "KUBEFLOW_PORT",
+           "RDZV_PORT", "CHECKPOINT_MOUNT", "TRAINER_API"]
 
 #: Port the Kubeflow operator publishes as MASTER_PORT (its container port ``pytorchjob-port``).
 KUBEFLOW_PORT = 23456
@@ -30,6 +34,10 @@ KUBEFLOW_PORT = 23456
 RDZV_PORT = 29500
 #: Where the checkpoint claim is mounted unless ``checkpoint_dir`` says otherwise.
 CHECKPOINT_MOUNT = "/checkpoints"
+#: Kubeflow Trainer v2's API group and version.
+TRAINER_API = "trainer.kubeflow.org/v1alpha1"
+#: The container (and replicated job) of a Trainer v2 runtime that runs the training script.
+TRAINER_NODE = "node"
 
 
 def _labels(spec: DeploySpec) -> dict[str, str]:
@@ -47,8 +55,7 @@ def _require_image(spec: DeploySpec, kind: str) -> str:
     return spec.image
 
 
-def _pod_spec(spec: DeploySpec, command: str, port: int, *, port_name: str) -> dict[str, Any]:
-    mount = spec.checkpoint_dir or CHECKPOINT_MOUNT
+def _resources(spec: DeploySpec) -> dict[str, Any]:
     limits: dict[str, Any] = {}
     requests: dict[str, Any] = {}
     if spec.gpus_per_node:
@@ -62,25 +69,37 @@ def _pod_spec(spec: DeploySpec, command: str, port: int, *, port_name: str) -> d
         resources["requests"] = requests
     if limits:
         resources["limits"] = limits
-    env = [{"name": "TOWERS_CHECKPOINT_DIR", "value": mount}]
-    env += [{"name": k, "value": v} for k, v in spec.env.items() if k != "TOWERS_CHECKPOINT_DIR"]
+    return resources
+
+
+def _env(spec: DeploySpec) -> list[dict[str, str]]:
+    env = [{"name": "TOWERS_CHECKPOINT_DIR", "value": spec.checkpoint_dir or CHECKPOINT_MOUNT}]
+    return env + [{"name": k, "value": v} for k, v in spec.env.items() if k != "TOWERS_CHECKPOINT_DIR"]
+
+
+def _volume_mounts(spec: DeploySpec) -> list[dict[str, str]]:
+    return [{"name": "checkpoints", "mountPath": spec.checkpoint_dir or CHECKPOINT_MOUNT},
+            {"name": "dshm", "mountPath": "/dev/shm"}]
+
+
+def _volumes(spec: DeploySpec) -> list[dict[str, Any]]:
+    return [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.claim_name}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+
+
+def _pod_spec(spec: DeploySpec, command: str, port: int, *, port_name: str) -> dict[str, Any]:
     container = {
         "name": "pytorch",  # the Kubeflow operator looks for this container name
         "image": spec.image,
         "command": ["sh", "-c", command],
-        "env": env,
+        "env": _env(spec),
         "ports": [{"name": port_name, "containerPort": port}],
-        "volumeMounts": [{"name": "checkpoints", "mountPath": mount}, {"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": _volume_mounts(spec),
     }
+    resources = _resources(spec)
     if resources:
         container["resources"] = resources
-    return {
-        "containers": [container],
-        "volumes": [
-            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.claim_name}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-        ],
-    }
+    return {"containers": [container], "volumes": _volumes(spec)}
 
 
 def _claim(spec: DeploySpec) -> list[dict[str, Any]]:
@@ -90,8 +109,11 @@ def _claim(spec: DeploySpec) -> list[dict[str, Any]]:
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
         "metadata": _metadata(spec, spec.claim_name),
-        # Every node mounts it (only the chief writes), so it must be shareable across nodes.
-        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": spec.checkpoint_size}}},
+        # Every pod mounts it (only the chief writes, every replica reads): on several nodes it must
+        # be shareable across nodes (ReadWriteMany); one node's pods can share ReadWriteOnce.
+        "spec": {"accessModes": [spec.checkpoint_access_mode],
+                 **({"storageClassName": spec.checkpoint_storage_class} if spec.checkpoint_storage_class else {}),
+                 "resources": {"requests": {"storage": spec.checkpoint_size}}},
     }]
 
 
@@ -116,6 +138,36 @@ def render_pytorchjob(spec: DeploySpec) -> list[dict[str, Any]]:
         "metadata": _metadata(spec),
         "spec": {"runPolicy": {"backoffLimit": spec.backoff_limit, "cleanPodPolicy": "Running"},
                  "pytorchReplicaSpecs": replicas},
+    }
+    return [*_claim(spec), job]
+
+
+def render_trainjob(spec: DeploySpec) -> list[dict[str, Any]]:
+    """Return the manifests (checkpoint claim, Kubeflow Trainer v2 ``TrainJob``) as plain dicts."""
+    image = _require_image(spec, "trainjob")
+    command = "exec " + spec.launch_command(nnodes='"${PET_NNODES}"',
+                                            rdzv_endpoint='"${PET_MASTER_ADDR}:${PET_MASTER_PORT}"',
+                                            rdzv_id=shlex.quote(spec.name))
+    nproc: int | str = int(spec.nproc_per_node) if spec.nproc_per_node.isdigit() else spec.nproc_per_node
+    trainer: dict[str, Any] = {"image": image, "command": ["sh", "-c", command], "env": _env(spec),
+                               "numNodes": spec.nnodes, "numProcPerNode": nproc}
+    resources = _resources(spec)
+    if resources:
+        trainer["resourcesPerNode"] = resources
+    job = {
+        "apiVersion": TRAINER_API,
+        "kind": "TrainJob",
+        "metadata": _metadata(spec),
+        "spec": {
+            "runtimeRef": {"name": spec.runtime},
+            "trainer": trainer,
+            "labels": _labels(spec),
+            "podTemplateOverrides": [{
+                "targetJobs": [{"name": TRAINER_NODE}],
+                "spec": {"volumes": _volumes(spec),
+                         "containers": [{"name": TRAINER_NODE, "volumeMounts": _volume_mounts(spec)}]},
+            }],
+        },
     }
     return [*_claim(spec), job]
 
@@ -149,14 +201,19 @@ def render_indexed_job(spec: DeploySpec) -> list[dict[str, Any]]:
 
 
 def render_kubernetes(spec: DeploySpec, kind: str = "pytorchjob") -> str:
-    """Return the YAML text of ``kind`` (``pytorchjob`` or ``indexed-job``) for ``spec``.
+    """Return the YAML text of ``kind`` (``trainjob``, ``pytorchjob`` or ``indexed-job``) for ``spec``.
 
     Raises:
         ValueError: on an unknown kind or a missing image.
     """
-    renderers = {"pytorchjob": render_pytorchjob, "indexed-job": render_indexed_job}
+    renderers = {"trainjob": render_trainjob, "pytorchjob": render_pytorchjob, "indexed-job": render_indexed_job}
     if kind not in renderers:
         raise ValueError(f"--kind must be one of {', '.join(renderers)} for Kubernetes. Received: {kind!r}.")
     header = (f"# {kind} {spec.name!r}: {spec.nnodes} node(s) x {spec.nproc_per_node} process(es), rendered by "
               f"`towers k8s`.\n# Apply with: kubectl apply -f <this file>\n")
+    if spec.checkpoint_pvc is None:
+        header += (f"# Checkpoints: a new {spec.checkpoint_access_mode} claim {spec.claim_name!r} on the "
+                   f"{'storage class ' + repr(spec.checkpoint_storage_class) if spec.checkpoint_storage_class else 'default storage class'}"
+                   + (" (several nodes share it: the class must offer ReadWriteMany, e.g. NFS, CephFS, EFS, Filestore, "
+                      "Azure Files)" if spec.checkpoint_access_mode == "ReadWriteMany" else "") + ".\n")
     return header + to_yaml_documents(renderers[kind](spec))

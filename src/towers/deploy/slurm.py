@@ -47,6 +47,7 @@ def render_sbatch(spec: DeploySpec) -> str:
         directives.append(f"--partition={spec.partition}")
     if spec.time_limit:
         directives.append(f"--time={spec.time_limit}")
+    cpus = f" --cpus-per-task={spec.cpus_per_node}" if spec.cpus_per_node else ""
     checkpoint_dir = spec.checkpoint_dir or f"$SLURM_SUBMIT_DIR/checkpoints/{spec.name}"
     port = str(spec.port) if spec.port else f"$(( {SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN} ))"
     launch = spec.launch_command(nnodes='"$SLURM_NNODES"', rdzv_endpoint='"$head_node:$head_port"',
@@ -60,14 +61,16 @@ def render_sbatch(spec: DeploySpec) -> str:
         "set -euo pipefail",
         "",
         "# The rendezvous runs on the allocation's first host; every node's `towers launch` joins it.",
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# (awk reads the whole list: `| head -n 1` would end scontrol with SIGPIPE, fatal under pipefail.)",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk \'NR == 1\')',
         f"head_port={port}",
         f'export TOWERS_CHECKPOINT_DIR="{checkpoint_dir}"',
         'mkdir -p "$TOWERS_CHECKPOINT_DIR"',
         *(f"export {k}={shlex.quote(v)}" for k, v in spec.env.items() if k != "TOWERS_CHECKPOINT_DIR"),
         "",
         "# One task per node; --kill-on-bad-exit ends the other nodes when one node's launcher fails.",
-        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {launch}",
+        "# srun does not inherit --cpus-per-task from sbatch (SLURM >= 22.05): it is passed again.",
+        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1{cpus} {launch}",
         "",
     ]
     return "\n".join(lines)

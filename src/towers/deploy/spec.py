@@ -10,10 +10,12 @@ from typing import Mapping
 
 from towers.launch.spec import LaunchSpec
 
-__all__ = ["DeploySpec", "KINDS", "check_dns1123_label", "check_dns1123_subdomain", "MAX_NAME_LENGTH"]
+__all__ = ["DeploySpec", "KINDS", "ACCESS_MODES", "check_dns1123_label", "check_dns1123_subdomain", "MAX_NAME_LENGTH"]
 
 #: What ``towers k8s --kind`` renders.
-KINDS = ("pytorchjob", "indexed-job", "slurm")
+KINDS = ("pytorchjob", "trainjob", "indexed-job", "slurm")
+#: Access modes of the rendered checkpoint claim (``--checkpoint-access-mode``).
+ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod")
 #: Job names stay short enough for the pod names Kubernetes derives (``<name>-worker-12``) to fit 63 characters.
 MAX_NAME_LENGTH = 45
 
@@ -58,9 +60,14 @@ class DeploySpec:
     """A training job on ``nnodes`` machines, each running ``towers launch`` with ``nproc_per_node`` processes.
 
     ``nproc_per_node`` is passed to ``towers launch`` as is (a number, or ``auto``/``gpu``/``cpu``).
-    ``checkpoint_pvc=None`` renders a new ReadWriteMany claim ``<name>-ckpt`` of ``checkpoint_size``;
-    a name uses an existing claim. Every process gets ``TOWERS_CHECKPOINT_DIR`` = the mount path, so a
-    restarted job resumes from the last checkpoint there.
+    ``checkpoint_pvc=None`` renders a new claim ``<name>-ckpt`` of ``checkpoint_size``; a name uses
+    an existing claim. Every process gets ``TOWERS_CHECKPOINT_DIR`` = the mount path, so a restarted
+    job resumes from the last checkpoint there. The claim's access mode (``checkpoint_access_mode``)
+    defaults to ``ReadWriteOnce`` on one node — what the default storage class of GKE, EKS, AKS,
+    kind, minikube and k3s provides, so it binds — and to ``ReadWriteMany`` on several nodes, since
+    every pod reads the checkpoint: that needs a shared-file storage class (NFS, CephFS, EFS,
+    Filestore, Azure Files), named with ``checkpoint_storage_class``. ``runtime``: the Kubeflow
+    Trainer v2 runtime a ``TrainJob`` uses.
     """
 
     name: str
@@ -82,6 +89,9 @@ class DeploySpec:
     checkpoint_pvc: str | None = None
     checkpoint_size: str = "10Gi"
     checkpoint_dir: str | None = None
+    checkpoint_access_mode: str | None = None
+    checkpoint_storage_class: str | None = None
+    runtime: str = "torch-distributed"
     env: Mapping[str, str] = field(default_factory=dict)
     partition: str | None = None
     time_limit: str | None = None
@@ -127,6 +137,20 @@ class DeploySpec:
         _check_quantity(self.checkpoint_size, "--checkpoint-size")
         if self.checkpoint_pvc is not None:
             check_dns1123_subdomain(self.checkpoint_pvc, "--checkpoint-pvc")
+        if self.checkpoint_access_mode is None:
+            set_("checkpoint_access_mode", "ReadWriteOnce" if self.nnodes == 1 else "ReadWriteMany")
+        elif self.checkpoint_access_mode not in ACCESS_MODES:
+            raise ValueError(f"--checkpoint-access-mode must be one of {', '.join(ACCESS_MODES)}. "
+                             f"Received: {self.checkpoint_access_mode!r}.")
+        if self.nnodes > 1 and self.checkpoint_access_mode != "ReadWriteMany" and self.checkpoint_pvc is None:
+            raise ValueError(
+                f"--checkpoint-access-mode {self.checkpoint_access_mode} cannot serve {self.nnodes} nodes: every pod "
+                "reads the checkpoint, so pods on different nodes need ReadWriteMany (a shared-file storage class "
+                "such as NFS, CephFS, EFS, Filestore or Azure Files: --checkpoint-storage-class NAME). Use "
+                "--checkpoint-access-mode ReadWriteMany, or --checkpoint-pvc with an existing shared claim.")
+        if self.checkpoint_storage_class is not None:
+            check_dns1123_subdomain(self.checkpoint_storage_class, "--checkpoint-storage-class")
+        check_dns1123_subdomain(self.runtime, "--runtime")
         if self.checkpoint_dir is not None and (not self.checkpoint_dir.startswith("/")
                                                 or any(c in self.checkpoint_dir for c in "\"'`\\ ")):
             raise ValueError(f"--checkpoint-dir must be an absolute path without spaces or quotes. "

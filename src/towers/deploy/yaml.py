@@ -1,64 +1,40 @@
-"""A tiny YAML writer for manifests: dicts, lists, strings, numbers, booleans, None. No PyYAML needed.
+"""YAML text for manifests, written by PyYAML's ``safe_dump``: strings stay strings.
 
-Strings that YAML could read as something else (``"yes"``, ``"1.0"``, ``"a: b"``, ...) are written
-as JSON strings, which are valid YAML double-quoted scalars.
+PyYAML quotes every string that a YAML reader would resolve to another type (``"yes"``,
+``"1.0"``, ``".5"``, ``".inf"``, ``".nan"``, ``"null"``, ...), so Kubernetes receives exactly the
+values we rendered. Lines are never folded, and keys keep the order they were built in.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any, Iterable
+
+import re
+
+import yaml
 
 __all__ = ["to_yaml", "to_yaml_documents"]
 
-_PLAIN = re.compile(r"^[A-Za-z_/.][A-Za-z0-9_./-]*$")
-_RESERVED = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "~"}
+
+class _Dumper(yaml.SafeDumper):
+    """``SafeDumper`` that indents list items under their key, as ``kubectl`` writes them."""
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)
 
 
-def _scalar(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return json.dumps(value)
-    text = str(value)
-    if _PLAIN.match(text) and text.lower() not in _RESERVED:
-        return text
-    return json.dumps(text)
-
-
-def _lines(value: Any, indent: int) -> list[str]:
-    pad = " " * indent
-    if isinstance(value, dict):
-        if not value:
-            return [pad + "{}"]
-        out = []
-        for key, item in value.items():
-            head = f"{pad}{_scalar(str(key))}:"
-            if isinstance(item, (dict, list)) and item:
-                out.append(head)
-                out.extend(_lines(item, indent + 2 if isinstance(item, dict) else indent))
-            else:
-                out.append(f"{head} {_lines(item, 0)[0]}")
-        return out
-    if isinstance(value, (list, tuple)):
-        if not value:
-            return [pad + "[]"]
-        out = []
-        for item in value:
-            inner = _lines(item, indent + 2)
-            # "- " replaces the first two spaces of the item's first line.
-            out.append(f"{pad}- {inner[0][indent + 2:]}")
-            out.extend(inner[1:])
-        return out
-    return [pad + _scalar(value)]
+# PyYAML reads YAML 1.1; Kubernetes' reader (Go) also takes YAML 1.2's "1e3" and "0o17" as numbers.
+# Marking those forms as numbers here makes the dumper quote strings that look like them.
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$"), list("-+.0123456789"))
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(0o[0-7]+|0x[0-9a-fA-F]+|[0-9]+)$"),
+                              list("-+0123456789"))
 
 
 def to_yaml(document: Any) -> str:
     """Return ``document`` (plain dicts/lists/scalars) as block-style YAML text."""
-    return "\n".join(_lines(document, 0)) + "\n"
+    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True,
+                     width=2**31 - 1)
 
 
 def to_yaml_documents(documents: Iterable[Any]) -> str:
