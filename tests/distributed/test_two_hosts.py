@@ -1,0 +1,228 @@
+"""Jobs across two hosts: two network namespaces joined by a veth pair, each with its own address.
+
+Host ``hosta`` is 10.77.0.1 on its veth end, ``hostb`` 10.77.0.2; the addresses live only inside
+the namespaces. By default each host's own name resolves to 127.0.1.1 *on that host* (Debian's
+``/etc/hosts``), the case where Gloo's default binds loopback and the parameter-server links used
+to fail; a process runs "on" a host under ``ip netns exec`` with a private host name (``unshare
+--uts``) and a private ``/etc/hosts`` (``unshare --mount`` + a bind mount). Nobody names an
+interface except node 1 of the launch job (``--interface``): every other process finds it.
+
+Scenarios: MirroredStrategy over ``towers launch --nnodes 2``; a TF_CONFIG chief + worker job
+(MultiWorkerMirrored), also with plain names; a TF_CONFIG parameter-server job of 1 ps + 2 workers,
+sync and async, with the chief on one host and the worker and ps task on the other. Each checks
+that the final parameters agree bit for bit across hosts, that the collectives used the veth
+interface, and that no process is left behind. Skipped (with the reason) without root or ``ip netns``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from cli_support import clean_env, finish, start, towers_command
+
+pytestmark = pytest.mark.timeout(120)
+
+DEADLINE_S = 60.0
+PORT = 29411
+_COUNTER = itertools.count()
+
+SCRIPT = """
+    import json, os, socket, sys
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    import towers
+
+    MODE = sys.argv[1]  # "-" (not a parameter-server job), "sync" or "async"
+    strategy = towers.strategy_from_env(timeout_s=30, **({} if MODE == "-" else {"mode": MODE}))
+    torch.manual_seed(0)
+    with strategy.scope():
+        net = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, optimizer = strategy.prepare(net, optimizer)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 4, generator=g)
+    batches = strategy.distribute_dataset((x, (x[:, 0] > 0).long()), 8, shuffle=False)
+
+    def step(xb, yb):
+        loss = towers.compute_average_loss(F.cross_entropy(net(xb), yb, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    for xb, yb in batches:
+        strategy.run(step, args=(xb, yb))
+    strategy.barrier()  # every update is applied before anyone reads the parameters
+    state = strategy.unwrap(net).state_dict()  # under ps: pulled from the ps tasks
+    print("RESULT " + json.dumps({
+        "rank": strategy.process_info.rank, "host": socket.gethostname(),
+        "interface": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "params": {k: [float(v).hex() for v in t.flatten().tolist()] for k, t in state.items()}}), flush=True)
+    strategy.shutdown()
+"""
+
+
+@dataclass(frozen=True)
+class Host:
+    """One simulated host: a network namespace, its veth end and address, its name and /etc/hosts."""
+
+    name: str
+    netns: str
+    interface: str
+    address: str
+    hosts_file: Path
+
+    def command(self, argv: list[str]) -> list[str]:
+        """Return ``argv`` run on this host: in its namespace, with its host name and /etc/hosts."""
+        shell = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
+        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount", "sh", "-c", shell, "sh",
+                self.name, str(self.hosts_file), *argv]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
+
+
+def _skip_reason() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "creating network namespaces (ip netns, veth) needs root"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed"
+    return None
+
+
+@pytest.fixture
+def two_hosts(tmp_path, request):
+    """Return ``make(loopback_names=True) -> (hosta, hostb)``; the namespaces are deleted after the test."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    created: list[str] = []
+
+    def cleanup() -> None:
+        for netns in created:  # deleting a namespace deletes the veth end inside it
+            subprocess.run(["ip", "netns", "delete", netns], capture_output=True, timeout=20)
+
+    request.addfinalizer(cleanup)
+
+    def make(loopback_names: bool = True) -> tuple[Host, Host]:
+        tag = f"{os.getpid() % 10**6}x{next(_COUNTER)}"
+        names, addresses = ("hosta", "hostb"), ("10.77.0.1", "10.77.0.2")
+        netns = [f"towers-test-{tag}{s}" for s in "ab"]
+        veth = [f"tw{tag}{s}" for s in "ab"]
+        try:
+            for ns in netns:
+                _ip("netns", "add", ns)
+                created.append(ns)
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"cannot create a network namespace here: {exc.stderr.strip()}")
+        _ip("link", "add", veth[0], "netns", netns[0], "type", "veth", "peer", "name", veth[1], "netns", netns[1])
+        hosts = []
+        for i in range(2):
+            _ip("-n", netns[i], "link", "set", "lo", "up")
+            _ip("-n", netns[i], "addr", "add", f"{addresses[i]}/24", "dev", veth[i])
+            _ip("-n", netns[i], "link", "set", veth[i], "up")
+            other = 1 - i
+            lines = ["127.0.0.1 localhost"]
+            if loopback_names:  # Debian's way: this host's own name is 127.0.1.1 here
+                lines += [f"127.0.1.1 {names[i]}", f"{addresses[other]} {names[other]}"]
+            else:
+                lines += [f"{addresses[j]} {names[j]}" for j in range(2)]
+            hosts_file = tmp_path / f"hosts.{names[i]}.{tag}"
+            hosts_file.write_text("\n".join(lines) + "\n")
+            hosts.append(Host(names[i], netns[i], veth[i], addresses[i], hosts_file))
+        return hosts[0], hosts[1]
+
+    return make
+
+
+def _script(tmp_path: Path) -> Path:
+    path = tmp_path / "two_host_job.py"
+    path.write_text(textwrap.dedent(SCRIPT))
+    return path
+
+
+def _run_on(runs: list[tuple[Host, list[str], dict[str, str]]], *, cwd: Path, marker: str) -> tuple[list, float]:
+    """Start every ``(host, argv, extra env)`` at once; return their results and the wall time (deadline enforced)."""
+    began = time.monotonic()
+    procs = [start(host.command(argv), cwd=cwd, env=clean_env({"OMP_NUM_THREADS": "1", **env}))
+             for host, argv, env in runs]
+    done = finish(procs, deadline_s=DEADLINE_S, marker=marker)
+    return done, time.monotonic() - began
+
+
+def _results(done: list[subprocess.CompletedProcess]) -> dict[int, dict]:
+    for result in done:
+        assert result.returncode == 0, f"{' '.join(result.args)}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    lines = [line for r in done for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    return {entry["rank"]: entry for entry in (json.loads(line[len("RESULT "):]) for line in lines)}
+
+
+def _check_agreement(results: dict[int, dict], expected: dict[int, Host]) -> None:
+    assert sorted(results) == sorted(expected), results
+    for rank, host in expected.items():
+        assert results[rank]["host"] == host.name
+        assert results[rank]["interface"] == host.interface, (rank, results[rank])  # never loopback
+    params = [results[rank]["params"] for rank in sorted(results)]
+    assert all(p == params[0] for p in params), params  # bit for bit, across hosts
+
+
+def _tf_config(cluster: dict[str, list[str]], task_type: str, index: int) -> dict[str, str]:
+    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
+
+
+def test_mirrored_over_towers_launch_nnodes_2(two_hosts, tmp_path):
+    hosta, hostb = two_hosts()
+    script = _script(tmp_path)
+
+    def node(rank: int, *extra: str) -> list[str]:
+        return [*towers_command(), "launch", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                "--master-addr", hosta.name, "--master-port", str(PORT), "--strategy", "mirrored",
+                "--monitor-interval", "0.2", *extra, str(script), "-"]
+
+    # node 0 finds its interface (its own name is loopback here); node 1 is told which one
+    done, seconds = _run_on([(hosta, node(0), {}), (hostb, node(1, "--interface", hostb.interface), {})],
+                            cwd=tmp_path, marker=str(script))
+    _check_agreement(_results(done), {0: hosta, 1: hostb})
+    print(f"mirrored over towers launch --nnodes 2: {seconds:.1f} s")
+
+
+@pytest.mark.parametrize("loopback_names", [True, False], ids=["own-name-is-loopback", "plain-names"])
+def test_tf_config_chief_and_worker(two_hosts, tmp_path, loopback_names):
+    hosta, hostb = two_hosts(loopback_names)
+    script = _script(tmp_path)
+    cluster = {"chief": [f"{hosta.name}:{PORT}"], "worker": [f"{hostb.name}:{PORT}"]}
+    argv = [sys.executable, str(script), "-"]
+    done, seconds = _run_on([(hosta, argv, _tf_config(cluster, "chief", 0)),
+                             (hostb, argv, _tf_config(cluster, "worker", 0))], cwd=tmp_path, marker=str(script))
+    _check_agreement(_results(done), {0: hosta, 1: hostb})
+    print(f"TF_CONFIG chief + worker ({'loopback' if loopback_names else 'plain'} names): {seconds:.1f} s")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_parameter_servers_across_hosts(two_hosts, tmp_path, mode):
+    hosta, hostb = two_hosts()
+    script = _script(tmp_path)
+    # the chief on one host; the other worker and the ps task on the other: chief <-> ps crosses hosts
+    cluster = {"chief": [f"{hosta.name}:{PORT}"], "worker": [f"{hostb.name}:{PORT + 1}"],
+               "ps": [f"{hostb.name}:{PORT + 2}"]}
+    argv = [sys.executable, str(script), mode]
+    done, seconds = _run_on([(hosta, argv, _tf_config(cluster, "chief", 0)),
+                             (hostb, argv, _tf_config(cluster, "worker", 0)),
+                             (hostb, argv, _tf_config(cluster, "ps", 0))], cwd=tmp_path, marker=str(script))
+    _check_agreement(_results(done), {0: hosta, 1: hostb})
+    print(f"parameter servers ({mode}) across hosts: {seconds:.1f} s")
