@@ -11,6 +11,11 @@ it is empty gets an empty batch (every tensor with first dimension 0) and still 
 the step. Models that cannot take an empty batch can ask for ``pad_empty_batches=True``: that
 replica then gets one copy of an example of the batch, and ``compute_average_loss`` gives it
 weight zero.
+
+**A batch carries its own accounting.** Every tensor of a yielded batch carries the batch's
+``BatchInfo`` (global batch size, padding, place in an accumulation window): ``strategy.run``
+reads it from the arguments it is given (``batch_info``), so fetching batches ahead, running an
+evaluation pass in between, or running a kept batch again never changes what a step divides by.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from torch.utils.data import IterableDataset, TensorDataset, default_collate
 
 from towers._logging import get_logger
 
-__all__ = ["BatchInfo", "DistributedDataset", "distribute_dataset", "shard_bounds", "global_batch_sizes"]
+__all__ = ["BatchInfo", "DistributedDataset", "distribute_dataset", "shard_bounds", "global_batch_sizes", "batch_info",
+           "find_batch_info"]
 
 log = get_logger(__name__)
 
@@ -43,7 +49,7 @@ def global_batch_sizes(num_examples: int, global_batch_size: int, *, drop_remain
 
 @dataclass(frozen=True)
 class BatchInfo:
-    """What the strategy learns about a batch when it is yielded (the step's global batch size, padding, update window)."""
+    """The accounting a yielded batch carries: its global batch size, padding and place in an update window."""
 
     index: int
     num_batches: int
@@ -56,6 +62,60 @@ class BatchInfo:
     batches_per_update: int
     #: True on the last micro-batch of an update: gradients are all-reduced and the optimizer steps.
     last_in_update: bool
+
+
+#: Attribute under which a yielded tensor carries its batch's ``BatchInfo``.
+_INFO_ATTR = "_towers_batch"
+
+
+def batch_info(value: Any) -> BatchInfo | None:
+    """Return the ``BatchInfo`` a tensor yielded by ``distribute_dataset`` carries, or None for any other value."""
+    return getattr(value, _INFO_ATTR, None) if isinstance(value, torch.Tensor) else None
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, Mapping):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def find_batch_info(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> BatchInfo | None:
+    """Return the ``BatchInfo`` carried by the tensors among ``args``/``kwargs`` (nested), or None when none carries one.
+
+    Raises:
+        ValueError: when tensors of batches with different accounting are mixed in one call.
+    """
+    found: BatchInfo | None = None
+    for leaf in _leaves((tuple(args), dict(kwargs or {}))):
+        info = batch_info(leaf)
+        if info is None or info == found:
+            continue
+        if found is not None and _accounting(info) != _accounting(found):
+            raise ValueError(
+                f"strategy.run got tensors of two different batches: global batch {found.index} "
+                f"({found.global_batch_size} examples) and global batch {info.index} ({info.global_batch_size} "
+                "examples), so the step's global batch size is ambiguous. Pass the tensors of one batch from "
+                "strategy.distribute_dataset, or compute the loss with "
+                "towers.compute_average_loss(..., global_batch_size=N).")
+        found = found or info
+    return found
+
+
+def _accounting(info: BatchInfo) -> tuple[int, int, int, int, bool]:
+    return (info.global_batch_size, info.num_padding_examples, info.examples_per_update, info.batches_per_update,
+            info.last_in_update)
+
+
+def _attach(batch: Any, info: BatchInfo) -> Any:
+    for leaf in _leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            setattr(leaf, _INFO_ATTR, info)
+    return batch
 
 
 class _TensorSource:
@@ -127,8 +187,7 @@ class DistributedDataset:
     def __init__(self, dataset: Any, global_batch_size: int, *, num_replicas: int = 1, replica_id: int = 0,
                  device: torch.device | str = "cpu", shuffle: bool = True, seed: int = 0,
                  drop_remainder: bool = False, pad_empty_batches: bool = False, accumulation_steps: int = 1,
-                 collate_fn: Callable[[list[Any]], Any] | None = None,
-                 on_batch: Callable[[BatchInfo | None], None] | None = None):
+                 collate_fn: Callable[[list[Any]], Any] | None = None):
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ValueError(
                 f"global_batch_size must be a positive integer. Received: {global_batch_size!r}. "
@@ -156,7 +215,6 @@ class DistributedDataset:
         self.device = torch.device(device)
         self.shuffle, self.seed, self.drop_remainder = bool(shuffle), int(seed), bool(drop_remainder)
         self.pad_empty_batches = bool(pad_empty_batches)
-        self._on_batch = on_batch
         self._infos = self._batch_infos(sizes, max(1, int(accumulation_steps)))
         self._epoch = 0
         self._position = 0  # batches consumed in the current epoch
@@ -227,18 +285,12 @@ class DistributedDataset:
             raise ValueError(f"batch must be in [0, {len(self)}]. Received: {batch}.")
         order = self.order() if self.shuffle else None
         self._position = batch
-        try:
-            for info in self._infos[batch:]:
-                value = self._fetch(order, info)
-                self._position = info.index + 1
-                if self._on_batch is not None:
-                    self._on_batch(info)
-                yield value
-            self._epoch += 1
-            self._position = 0
-        finally:
-            if self._on_batch is not None:
-                self._on_batch(None)
+        for info in self._infos[batch:]:
+            value = _attach(self._fetch(order, info), info)
+            self._position = info.index + 1
+            yield value
+        self._epoch += 1
+        self._position = 0
 
     def _fetch(self, order: torch.Tensor | None, info: BatchInfo) -> Any:
         first = info.index * self.global_batch_size

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from towers.strategies.base import current_replica_context
+from towers.strategies.base import ReplicaContext, current_replica_context, current_strategy
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
 
@@ -18,15 +18,16 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
                          sample_weight: torch.Tensor | float | None = None) -> torch.Tensor:
     """Return ``sum(per_example_loss * sample_weight) / global_batch_size`` for this replica.
 
-    ``global_batch_size`` defaults to what the strategy knows inside ``strategy.run``: the
-    number of examples (over all replicas) in this optimizer update, i.e. the global batch
-    of ``distribute_dataset`` (times the micro-batches of an update under gradient
-    accumulation). Inside a run without that knowledge it is ``local batch * replicas *
-    accumulation steps``; outside any strategy it is the local batch size. Padding examples
-    (``pad_empty_batches``) weigh zero.
+    ``global_batch_size`` defaults to what the batch given to ``strategy.run`` carries: the
+    number of examples (over all replicas) in this optimizer update, i.e. the global batch of
+    ``distribute_dataset`` (the sum of an update's micro-batches under gradient accumulation).
+    Padding examples (``pad_empty_batches``) weigh zero. With one replica and no accumulation the
+    local batch is the global batch, so any batch works there.
 
     Raises:
-        ValueError: when ``per_example_loss`` is a scalar or ``global_batch_size`` is not positive.
+        ValueError: when ``per_example_loss`` is a scalar or ``global_batch_size`` is not positive; when
+            the global batch size is unknown because several replicas (or micro-batches) share the step:
+            outside ``strategy.run``, or inside it on a batch that did not come from ``distribute_dataset``.
     """
     if not isinstance(per_example_loss, torch.Tensor) or per_example_loss.dim() == 0:
         shape = tuple(per_example_loss.shape) if isinstance(per_example_loss, torch.Tensor) else type(per_example_loss).__name__
@@ -40,18 +41,45 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
     if padding:
         per_example_loss = per_example_loss[: per_example_loss.shape[0] - padding]
     if global_batch_size is None:
-        if ctx is None:
-            global_batch_size = per_example_loss.shape[0]
-        elif ctx.global_batch_size is not None:
-            global_batch_size = ctx.global_batch_size
-        else:
-            global_batch_size = per_example_loss.shape[0] * ctx.num_replicas_in_sync * ctx.accumulation_steps
-        global_batch_size = max(int(global_batch_size), 1)  # an empty local batch outside a strategy: loss 0
+        global_batch_size = _known_global_batch_size(ctx, per_example_loss.shape[0])
     elif isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ValueError(
             f"global_batch_size must be a positive integer. Received: {global_batch_size!r}. "
             "Pass the number of examples in the step over all replicas, or leave it out inside strategy.run.")
     return per_example_loss.sum() / global_batch_size
+
+
+def _known_global_batch_size(ctx: ReplicaContext | None, local_batch_size: int) -> int:
+    """The step's global batch size when it can be known without the caller; raise the fix otherwise."""
+    if ctx is not None and ctx.global_batch_size is not None:
+        return int(ctx.global_batch_size)
+    replicas = ctx.num_replicas_in_sync if ctx is not None else _replicas_outside_run()
+    accumulation = ctx.accumulation_steps if ctx is not None else 1
+    if replicas == 1 and accumulation == 1:
+        return max(local_batch_size, 1)  # an empty batch on one device: loss 0
+    if ctx is None:
+        raise ValueError(
+            f"compute_average_loss was called outside strategy.run while {replicas} replicas train in sync, so it "
+            f"cannot know the global batch size (this replica holds {local_batch_size} example(s) of it). Call it "
+            "inside the step function given to strategy.run(step, args=(x, y)) with the batch from "
+            "strategy.distribute_dataset, or pass global_batch_size=N explicitly.")
+    what = f"{replicas} replicas" if replicas > 1 else f"{accumulation} accumulated micro-batches"
+    raise ValueError(
+        f"compute_average_loss cannot know the global batch size: strategy.run was not given a batch from "
+        f"strategy.distribute_dataset (this replica's batch has {local_batch_size} example(s); {what} share the "
+        "step). Pass the batch exactly as distribute_dataset yielded it to strategy.run(step, args=(x, y)) and "
+        "transform it inside the step, or pass global_batch_size=N (examples over all replicas and micro-batches "
+        "of the update).")
+
+
+def _replicas_outside_run() -> int:
+    """Replicas training in sync when no ``strategy.run`` encloses the call: the enclosing scope's strategy, or the job."""
+    strategy = current_strategy()
+    if strategy is not None:
+        return int(strategy.num_replicas_in_sync)
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def scale_regularization_loss(regularization_loss: torch.Tensor | float) -> torch.Tensor | float:

@@ -1,15 +1,23 @@
-"""The flagship test (invariant 1): Mirrored on 2 and 3 CPU replicas gives the same parameters and
-losses after k steps as OneDeviceStrategy on the same global batches.
+"""The flagship test (invariant 1): every synchronous strategy in the strategy table (Mirrored,
+MultiWorkerMirrored, parameter servers in sync mode, ...) on 2 CPU replicas, and Mirrored on 3,
+gives the same parameters and losses after k steps as OneDeviceStrategy on the same global batches.
+The strategies come from the table (``towers.cluster.roles.STRATEGIES``): a new strategy with a
+``same_maths_options`` entry is tested here without a line of this file changing.
 
 Cases: a ragged last batch (22 examples, global batch 8 -> 8, 8, 6); a last batch of ONE example
 (one or two replicas get an empty share); gradient accumulation (micro-batches of 4, two per
 update) against one device taking batches of 8 without accumulation; SyncBatchNorm against plain
 BatchNorm on one device over the global batch (parameters and running statistics), also with an
-empty share; and a model that cannot take an empty batch, with ``pad_empty_batches``. The one-device reference runs in this process; each replica count is one spawn that
-runs every case and returns parameters and losses; all assertions happen here.
+empty share; and a model that cannot take an empty batch, with ``pad_empty_batches``. Cases that need
+an option run for the strategies whose constructor takes it. The one-device reference runs in this
+process; each strategy and replica count is one spawn that runs every case and returns parameters
+and losses; all assertions happen here.
 """
 
 from __future__ import annotations
+
+import importlib
+import inspect
 
 import pytest
 import torch
@@ -17,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import towers
+from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
 
 pytestmark = pytest.mark.timeout(240)
@@ -66,7 +75,7 @@ def train(strategy: towers.Strategy, *, n: int, gbs: int, model: str, epochs: in
 
     def step(x, y):
         loss = towers.compute_average_loss(F.cross_entropy(net(x), y, reduction="none"))
-        loss.backward()
+        strategy.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         return loss
@@ -80,14 +89,32 @@ def train(strategy: towers.Strategy, *, n: int, gbs: int, model: str, epochs: in
     return {"state": state, "losses": torch.stack(losses), "shares": shares}
 
 
-def _replica(case_names: list[str]) -> dict:
+#: Every synchronous multi-process strategy of the table, built with the options that make it synchronous.
+SAME_MATHS = [e for e in roles.STRATEGIES if e.multi_process and e.same_maths_options is not None]
+
+
+def _accepts(entry: roles.StrategyEntry, options: dict) -> bool:
+    module, _, attr = entry.target.partition(":")
+    parameters = inspect.signature(getattr(importlib.import_module(module), attr)).parameters
+    return all(name in parameters for name in options)
+
+
+def _replica(name: str, case_names: list[str]) -> dict | None:
+    entry = roles.strategy_entry(name)
     results = {}
-    for name in case_names:
-        case = CASES[name]
-        strategy = towers.MirroredStrategy(timeout_s=60, **case.get("options", {}))
-        results[name] = train(strategy, n=case["n"], gbs=case["gbs"], model=case["model"], pad=case.get("pad", False))
-        results[name]["replicas"] = strategy.num_replicas_in_sync
-    return results
+    for case_name in case_names:
+        case = CASES[case_name]
+        extra = {"exit_on_ps": False} if entry.has_ps else {}  # a ps task returns here instead of exiting
+        strategy = towers.get_strategy(name, timeout_s=60, **entry.same_maths_options, **case.get("options", {}),
+                                       **extra)
+        if getattr(strategy, "is_ps", False):
+            continue
+        results[case_name] = train(strategy, n=case["n"], gbs=case["gbs"], model=case["model"],
+                                   pad=case.get("pad", False))
+        results[case_name]["replicas"] = strategy.num_replicas_in_sync
+        if entry.has_ps:  # release the ps tasks for the next case (a process group is reused as it is)
+            strategy.shutdown()
+    return results or None
 
 
 def _reference(name: str) -> dict:
@@ -97,23 +124,27 @@ def _reference(name: str) -> dict:
                  pad=case.get("pad", False))
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_mirrored_matches_one_device(replicas):
-    names = list(CASES)
-    per_rank = towers.spawn(_replica, replicas, args=(names,), timeout_s=SPAWN_TIMEOUT_S)
-    for name in names:
-        ref = _reference(name)
-        micro = CASES[name].get("options", {}).get("gradient_accumulation_steps", 1)
+@pytest.mark.parametrize("name,replicas", [(e.name, 2) for e in SAME_MATHS] + [("mirrored", 3)])
+def test_every_synchronous_strategy_matches_one_device(name, replicas):
+    entry = roles.strategy_entry(name)
+    names = [n for n in CASES if _accepts(entry, CASES[n].get("options", {}))]
+    assert {"ragged_last_batch", "one_example_last_batch", "padded_empty_share"} <= set(names)
+    env = {"TOWERS_STRATEGY": entry.name, "TOWERS_NUM_PS": "1"} if entry.has_ps else {}
+    nprocs = replicas + (1 if entry.has_ps else 0)
+    per_rank = towers.spawn(_replica, nprocs, args=(name, names), timeout_s=SPAWN_TIMEOUT_S, env=env)[:replicas]
+    for case_name in names:
+        ref = _reference(case_name)
+        micro = CASES[case_name].get("options", {}).get("gradient_accumulation_steps", 1)
         for rank, result in enumerate(per_rank):
-            got = result[name]
+            got = result[case_name]
             assert got["replicas"] == replicas
             losses = got["losses"]
             if micro > 1:  # a micro-batch's loss is its share of the update's mean: sum them per update
                 losses = losses.reshape(-1, micro).sum(dim=1)
-            assert torch.allclose(losses, ref["losses"], atol=ATOL), (name, rank, losses, ref["losses"])
+            assert torch.allclose(losses, ref["losses"], atol=ATOL), (case_name, rank, losses, ref["losses"])
             assert got["state"].keys() == ref["state"].keys()
             for key, value in ref["state"].items():
-                assert torch.allclose(got["state"][key].double(), value.double(), atol=ATOL), (name, rank, key)
+                assert torch.allclose(got["state"][key].double(), value.double(), atol=ATOL), (case_name, rank, key)
     # The data really was ragged: the last batch of "one_example_last_batch" left some replicas empty.
     last_shares = [r["one_example_last_batch"]["shares"][2] for r in per_rank]
     assert last_shares == [1] + [0] * (replicas - 1)

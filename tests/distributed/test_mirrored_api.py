@@ -132,21 +132,21 @@ def _checks() -> dict:
         net = nn.Linear(2, 1)
         model, opt = st.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
         before = net.weight.detach().clone()
-        scale0 = st._scaler.get_scale()
+        scale0 = st.precision.scale
 
         def step(bad):
             x = torch.tensor([[float("inf") if bad else 1.0, 1.0]])
-            model(x).sum().backward()
+            st.backward(model(x).sum())
             opt.step()
             opt.zero_grad()
             return opt.last_step_skipped
 
         skipped_inf = st.run(step, args=(rank == 1,))  # only rank 1 overflows
         unchanged = torch.equal(net.weight, before)
-        scale1 = st._scaler.get_scale()
+        scale1 = st.precision.scale
         skipped_ok = st.run(step, args=(False,))
         return {"skipped_inf": skipped_inf, "unchanged": unchanged, "scales": [scale0, scale1],
-                "skipped_ok": skipped_ok, "state": st.state_dict()["grad_scaler"]["scale"]}
+                "skipped_ok": skipped_ok, "state": st.state_dict(model)["precision"]["scale"]}
 
     # --- errors -------------------------------------------------------------------------------------
     @check("err_shape")

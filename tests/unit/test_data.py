@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from towers.data import DistributedDataset, global_batch_sizes, shard_bounds
+from towers.data import DistributedDataset, batch_info, find_batch_info, global_batch_sizes, shard_bounds
 
 
 def _replica(data, gbs, n, r, **kw):
@@ -111,28 +111,33 @@ def test_an_empty_share_is_an_empty_batch_of_the_right_structure():
 
 
 def test_padding_gives_an_empty_share_one_weightless_example():
-    seen = []
-    ds = _replica(torch.arange(9), 8, 2, 1, shuffle=False, pad_empty_batches=True, on_batch=seen.append)
+    ds = _replica(torch.arange(9), 8, 2, 1, shuffle=False, pad_empty_batches=True)
     batches = list(ds)
     assert batches[-1].tolist() == [8]
-    infos = [i for i in seen if i is not None]
-    assert [i.num_padding_examples for i in infos] == [0, 1]
-    assert seen[-1] is None  # the strategy forgets the batch when the iteration ends
+    assert [batch_info(b).num_padding_examples for b in batches] == [0, 1]  # each batch carries its own
 
 
 def test_batch_info_describes_the_update_window():
-    seen = []
-    ds = _replica(torch.arange(22), 4, 2, 0, accumulation_steps=2, on_batch=seen.append)
-    list(ds)
-    infos = [i for i in seen if i is not None]
+    ds = _replica(torch.arange(22), 4, 2, 0, accumulation_steps=2)
+    infos = [batch_info(b) for b in ds]
     assert [i.global_batch_size for i in infos] == [4, 4, 4, 4, 4, 2]
     assert [i.examples_per_update for i in infos] == [8, 8, 8, 8, 6, 6]
     assert [i.last_in_update for i in infos] == [False, True, False, True, False, True]
-    ds3 = _replica(torch.arange(20), 4, 1, 0, accumulation_steps=3, on_batch=seen.append)
-    seen.clear()
-    list(ds3)
-    infos = [i for i in seen if i is not None]
+    ds3 = _replica(torch.arange(20), 4, 1, 0, accumulation_steps=3)
+    infos = [batch_info(b) for b in ds3]
     assert [(i.examples_per_update, i.batches_per_update) for i in infos] == [(12, 3)] * 3 + [(8, 2)] * 2
+
+
+def test_every_tensor_of_a_batch_carries_the_info_and_mixing_batches_is_refused():
+    ds = _replica((torch.zeros(10, 2), torch.arange(10)), 4, 2, 0, shuffle=False)
+    first, second, _ = list(ds)
+    assert batch_info(first[0]) == batch_info(first[1]) and batch_info(first[0]).index == 0
+    assert find_batch_info((first[0],), {"y": first[1]}) == batch_info(first[0])
+    assert find_batch_info((torch.ones(2),)) is None and batch_info(first[0] * 2) is None
+    assert find_batch_info((first[0], second[1])) == batch_info(first[0])  # same accounting: no ambiguity
+    last = list(ds)[-1]
+    with pytest.raises(ValueError, match="tensors of two different batches"):
+        find_batch_info((first[0], last[1]))
 
 
 @pytest.mark.parametrize("gbs", [0, -4, 2.5, True])

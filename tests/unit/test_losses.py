@@ -37,7 +37,7 @@ def test_inside_a_run_it_divides_by_the_global_batch_from_distribute_dataset():
     batches = strategy.distribute_dataset(torch.ones(10), 4, shuffle=False)
     got = [strategy.run(compute_average_loss, args=(b,)).item() for b in batches]
     assert got == pytest.approx([1.0, 1.0, 1.0])  # the last batch (2 examples) divides by 2
-    seen = [strategy.run(lambda: base.current_replica_context().global_batch_size) for _ in batches]
+    seen = [strategy.run(lambda _: base.current_replica_context().global_batch_size, args=(b,)) for b in batches]
     assert seen == [4, 4, 2]
 
 
@@ -49,11 +49,36 @@ def test_under_accumulation_it_divides_by_the_examples_of_the_update():
     assert got == pytest.approx([0.5, 0.5, 1.0])  # updates of 8 and 2 examples
 
 
-def test_without_batch_knowledge_it_uses_local_batch_times_replicas_and_micro_batches():
-    loss = _in_context(lambda: compute_average_loss(torch.ones(3)), replicas=2, accumulation_steps=2)
-    assert loss.item() == pytest.approx(3 / 12)
+def test_without_batch_knowledge_several_replicas_or_micro_batches_need_the_global_batch_size():
+    for context in ({"replicas": 2}, {"accumulation_steps": 2}):
+        with pytest.raises(ValueError, match="not given a batch from strategy.distribute_dataset.*global_batch_size=N"):
+            _in_context(lambda: compute_average_loss(torch.ones(3)), **context)
+    explicit = _in_context(lambda: compute_average_loss(torch.ones(3), 12), replicas=2, accumulation_steps=2)
+    assert explicit.item() == pytest.approx(3 / 12)
     loss = _in_context(lambda: compute_average_loss(torch.ones(3)), replicas=2, global_batch_size=5)
     assert loss.item() == pytest.approx(3 / 5)
+    assert _in_context(lambda: compute_average_loss(torch.ones(3))).item() == pytest.approx(1.0)  # one replica
+
+
+def test_outside_run_with_several_replicas_in_sync_it_refuses_to_guess():
+    token = base._current_strategy.set(SimpleNamespace(num_replicas_in_sync=2))
+    try:
+        with pytest.raises(ValueError, match="outside strategy.run while 2 replicas train in sync"):
+            compute_average_loss(torch.ones(3))
+        assert compute_average_loss(torch.ones(3), 6).item() == pytest.approx(0.5)
+    finally:
+        base._current_strategy.reset(token)
+
+
+def test_a_kept_batch_a_prefetched_batch_and_an_eval_pass_in_between_keep_their_own_divisor():
+    strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=2)
+    strategy.prepare(torch.nn.Linear(1, 1))
+    train = iter(strategy.distribute_dataset(torch.ones(10), 4, shuffle=False))
+    first, second = next(train), next(train)  # the next batch fetched before the first runs
+    for _ in strategy.distribute_dataset(torch.ones(3), 3):  # another dataset's batch in between
+        pass
+    divisor = lambda b: strategy.run(lambda x: base.current_replica_context().global_batch_size, args=(b,))  # noqa: E731
+    assert [divisor(first), divisor(second), divisor(first), divisor(next(train))] == [8, 8, 8, 2]
 
 
 def test_padding_examples_weigh_zero_and_sample_weights_apply():

@@ -82,7 +82,7 @@ def test_the_optimizer_steps_only_on_the_last_micro_batch():
     strategy = _strategy(gradient_accumulation_steps=3)
     net = nn.Linear(1, 1)
     model, opt = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    flags = [strategy.run(lambda: opt.is_update_step) for _ in strategy.distribute_dataset(torch.ones(10), 2)]
+    flags = [strategy.run(lambda b: opt.is_update_step, args=(b,)) for b in strategy.distribute_dataset(torch.ones(10), 2)]
     assert flags == [False, False, True, False, True]  # 5 batches: an update of 3, then the epoch's last 2
     # Without distribute_dataset batches, every third run updates.
     assert [strategy.run(lambda: opt.is_update_step) for _ in range(6)] == [False, False, True] * 2

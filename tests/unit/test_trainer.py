@@ -109,10 +109,10 @@ def test_default_strategy_and_bad_inputs():
 def test_precision_belongs_to_the_strategy():
     with pytest.raises(ValueError, match="Precision belongs to the strategy"):
         _trainer(precision="bf16")
-    assert _trainer(precision="32").strategy.precision == "32"
+    assert _trainer(precision="32").strategy.precision.name == "32"
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     bf16 = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, precision="bf16")
-    assert bf16.strategy.precision == "bf16"
+    assert bf16.strategy.precision.name == "bf16"
     x, y = _data()
     assert len(bf16.fit((x, y), 1, 16)) == 1

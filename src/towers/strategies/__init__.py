@@ -1,4 +1,4 @@
-"""Strategies: how replicas cooperate. Importing this package registers the built-in names."""
+"""Strategies: how replicas cooperate. Built-in names live in ``towers.cluster.roles.STRATEGIES``."""
 
 from towers.strategies.base import (
     REDUCE_OPS,
@@ -14,11 +14,6 @@ from towers.strategies.base import (
 from towers.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from towers.strategies.one_device import OneDeviceStrategy
 from towers.strategies.parameter_server import ParameterServerStrategy
-
-register_strategy("one_device", OneDeviceStrategy, aliases=("onedevice", "single"))
-register_strategy("mirrored", MirroredStrategy)
-register_strategy("multi_worker_mirrored", MultiWorkerMirroredStrategy, aliases=("multiworkermirrored", "mwms"))
-register_strategy("ps", ParameterServerStrategy, aliases=("parameter_server", "parameterserver"))
 
 __all__ = [
     "REDUCE_OPS",

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from towers.precision import PrecisionPolicy, precision_forward
+from towers.strategies.precision import Precision, precision_forward
 
 __all__ = ["TowersDDP", "check_same_parameters", "unused_parameters_error", "UNUSED_FIX"]
 
@@ -59,22 +59,20 @@ def unused_parameters_error(names: list[str]) -> ValueError:
 class TowersDDP(DistributedDataParallel):
     """DDP whose forward runs under the strategy's precision policy and explains DDP's unused-parameter error."""
 
-    def __init__(self, module: nn.Module, *, policy: PrecisionPolicy, scaler: torch.amp.GradScaler | None,
-                 **ddp_kwargs: Any):
+    def __init__(self, module: nn.Module, *, precision: Precision, **ddp_kwargs: Any):
         # Gradients as views of the all-reduce buckets: one copy less per bucket and step.
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(module, **ddp_kwargs)
-        self._towers_policy = policy
-        self._towers_scaler = scaler
+        self._towers_precision = precision
         self.towers_forward_calls = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Return the wrapped module's output (float32 floats under mixed precision)."""
         self.towers_forward_calls += 1
         try:
-            if not self._towers_policy.enabled:
+            if not self._towers_precision.enabled:
                 return super().forward(*args, **kwargs)
-            return precision_forward(super().forward, self._towers_policy, self._towers_scaler, *args, **kwargs)
+            return precision_forward(super().forward, self._towers_precision, *args, **kwargs)
         except RuntimeError as exc:
             if "Expected to have finished reduction" not in str(exc):
                 raise

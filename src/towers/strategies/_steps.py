@@ -1,27 +1,42 @@
 """Step bookkeeping shared by the synchronous strategies: update windows and the optimizer they wrap.
 
 Gradient accumulation (``gradient_accumulation_steps=k``) keeps the user's script unchanged:
-``strategy.run`` knows, from the batch ``distribute_dataset`` just yielded, whether this is the
-last micro-batch of an update (every k-th batch, and the last batch of an epoch). Non-final
-micro-batches run under DDP's ``no_sync()`` (no all-reduce); the optimizer returned by
-``prepare`` makes ``step()`` a no-op on them and ``zero_grad()`` a no-op while gradients are
-accumulating, so ``zero_grad(); loss.backward(); step()`` in any order just works.
-Without ``distribute_dataset`` batches, every k-th ``run`` call is the last of an update.
+``strategy.run`` reads, from the batch it is given (every tensor ``distribute_dataset`` yields
+carries its ``BatchInfo``), whether this is the last micro-batch of an update (every k-th batch,
+and the last batch of an epoch). Non-final micro-batches run without gradient synchronisation;
+the optimizer returned by ``prepare`` makes ``step()`` a no-op on them and ``zero_grad()`` a
+no-op while gradients are accumulating, so ``zero_grad(); loss.backward(); step()`` in any order
+just works. A ``run`` given no such batch counts: every k-th call is the last of an update.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from towers.data import BatchInfo
+from towers.strategies.precision import Precision
 
-__all__ = ["StepTracker", "StrategyOptimizer"]
+__all__ = ["RunAccounting", "StepTracker", "StrategyOptimizer"]
+
+
+@dataclass(frozen=True)
+class RunAccounting:
+    """What one ``strategy.run`` knows about its step, read from the batch it was given."""
+
+    #: Examples (over all replicas) in the optimizer update this run belongs to; None when unknown.
+    global_batch_size: int | None
+    num_padding_examples: int
+    accumulation_steps: int
+    #: True when this run's backward synchronises gradients and the optimizer steps.
+    sync: bool
+    batch: BatchInfo | None
 
 
 class StepTracker:
-    """Knows, for the current ``run``, the update's global batch size, padding and whether gradients sync."""
+    """Decides, for each ``run``, the step's accounting from the batch it was given."""
 
     def __init__(self, accumulation_steps: int = 1):
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -29,24 +44,19 @@ class StepTracker:
                 f"gradient_accumulation_steps must be a positive integer. Received: {accumulation_steps!r}. "
                 "Use 1 for no accumulation.")
         self.accumulation_steps = accumulation_steps
-        self.batch: BatchInfo | None = None
-        self.sync = True  # whether the current run's backward all-reduces and the optimizer steps
-        self._runs = 0  # runs since the last update, when no batch info is known
+        self.sync = True  # whether the run in progress (or the last one) synchronises and steps
+        self._runs = 0  # runs without a batch since the last update
 
-    def on_batch(self, info: BatchInfo | None) -> None:
-        """Record the batch ``distribute_dataset`` just yielded (None when its iteration ended)."""
-        self.batch = info
-
-    def begin_run(self) -> tuple[int | None, int, int]:
-        """Start a run; return ``(global_batch_size, num_padding_examples, accumulation_steps)`` for its context."""
-        info = self.batch
+    def begin_run(self, info: BatchInfo | None) -> RunAccounting:
+        """Start a run on a batch carrying ``info`` (None: a batch not from ``distribute_dataset``)."""
         if info is not None:
             self.sync = info.last_in_update
-            return info.examples_per_update, info.num_padding_examples, info.batches_per_update
+            return RunAccounting(info.examples_per_update, info.num_padding_examples, info.batches_per_update,
+                                 self.sync, info)
         k = self.accumulation_steps
         self._runs = self._runs % k + 1
         self.sync = self._runs == k
-        return None, 0, k
+        return RunAccounting(None, 0, k, self.sync, None)
 
 
 class StrategyOptimizer(torch.optim.Optimizer):
@@ -55,18 +65,20 @@ class StrategyOptimizer(torch.optim.Optimizer):
     Everything else (``param_groups``, ``state``, ``state_dict``, LR schedulers) is the wrapped optimizer's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, tracker: StepTracker, *,
-                 scaler: torch.amp.GradScaler | None = None,
+    def __init__(self, optimizer: torch.optim.Optimizer, tracker: StepTracker, precision: Precision, *,
                  all_reduce_max: Callable[[torch.Tensor], None] | None = None,
                  before_step: Callable[[], None] | None = None):
         # Deliberately no super().__init__: this object is a view of `optimizer`, not a second optimizer.
         self.optimizer = optimizer
         self._tracker = tracker
-        self._scaler = scaler
+        self._precision = precision
         self._all_reduce_max = all_reduce_max
         self._before_step = before_step
         self._accumulating = False
+        #: True when the last update was skipped (fp16: inf/NaN gradients on some replica).
         self.last_step_skipped = False
+        #: Updates really applied (skipped fp16 steps and accumulating micro-batches do not count).
+        self.iterations = 0
 
     # --- the wrapped optimizer's state --------------------------------------------------------------
     @property
@@ -117,21 +129,24 @@ class StrategyOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Update the parameters on the last micro-batch of an update; otherwise keep accumulating."""
+        """Update the parameters on the last micro-batch of an update; otherwise keep accumulating.
+
+        ``last_step_skipped`` says afterwards whether the update was skipped (fp16 inf/NaN) and
+        ``iterations`` counts the updates applied.
+        """
         if not self._tracker.sync:
             self._accumulating = True
             return None
         self._accumulating = False
         if self._before_step is not None:
             self._before_step()
-        if self._scaler is None:
+        if closure is not None and not self._precision.needs_loss_scaling:
             self.last_step_skipped = False
-            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        if closure is not None:
-            raise ValueError("optimizer.step(closure) is not supported with precision='fp16'. Call step() without a closure.")
-        from towers.precision import scaler_step
-
-        self.last_step_skipped = not scaler_step(self._scaler, self.optimizer, self._all_reduce_max)
+            self.iterations += 1
+            return self.optimizer.step(closure)
+        stepped = self._precision.optimizer_step(self.optimizer, all_reduce_max=self._all_reduce_max, closure=closure)
+        self.last_step_skipped = not stepped
+        self.iterations += int(stepped)
         return None
 
     def __getstate__(self) -> dict[str, Any]:

@@ -1,9 +1,10 @@
-"""What the synchronous strategies (OneDevice, Mirrored, MultiWorkerMirrored) share.
+"""What the synchronous strategies (OneDevice, Mirrored, MultiWorkerMirrored, sharded) share.
 
 A replica computes on one device; ``comm`` says how it talks to the others (``LocalComm`` for
-one replica, ``ProcessGroupComm`` over torch.distributed); subclasses decide how ``prepare``
-wraps a model (``_wrap_model``). Hot path: ``run`` sets two context variables and, under
-gradient accumulation, DDP's sync flag — no collective of its own.
+one replica, ``ProcessGroupComm`` over torch.distributed). Subclasses decide how ``prepare``
+wraps a model (``_wrap_model``) and how gradient synchronisation is switched off on the
+non-final micro-batches of an update (``_set_gradient_sync``). Hot path: ``run`` finds the
+batch's accounting among its arguments and sets two context variables — no collective of its own.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
-from towers.data import DistributedDataset
-from towers.precision import MixedPrecisionModule, make_grad_scaler, resolve_precision
+from towers.data import DistributedDataset, find_batch_info
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op
 from towers.strategies._steps import StepTracker, StrategyOptimizer
 from towers.strategies.base import ReplicaContext, Strategy
+from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
 
 __all__ = ["SyncStrategy"]
 
@@ -34,13 +35,11 @@ class SyncStrategy(Strategy):
         self._info = info
         self._device = device
         self._comm = comm
-        self._policy = resolve_precision(precision, device)
-        self._scaler = make_grad_scaler(self._policy)
+        self._precision = resolve_precision(precision, device)
         self._tracker = StepTracker(gradient_accumulation_steps)
         self._user_modules: list[nn.Module] = []  # what prepare() received
         self._wrapped: list[nn.Module] = []  # what prepare() returned
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._ddp_models: list[Any] = []
 
     # --- who am I -------------------------------------------------------------------------------------
     @property
@@ -64,9 +63,9 @@ class SyncStrategy(Strategy):
         return self.replica_id == self._info.chief_rank if self._comm.num_replicas > 1 else True
 
     @property
-    def precision(self) -> str:
-        """The precision policy's name: ``"32"``, ``"bf16"`` or ``"fp16"``."""
-        return self._policy.name
+    def precision(self) -> Precision:
+        """The precision object this strategy computes with (``.name``: ``"32"``, ``"bf16"`` or ``"fp16"``)."""
+        return self._precision
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -92,7 +91,7 @@ class SyncStrategy(Strategy):
                 "and keep using the model it returned.")
         if isinstance(optimizer, StrategyOptimizer) or any(optimizer is o for o in self._optimizers):
             raise ValueError("This optimizer was already prepared. Call prepare once and keep using the optimizer it returned.")
-        if optimizer is not None and self._scaler is not None and self._optimizers:
+        if optimizer is not None and self._precision.needs_loss_scaling and self._optimizers:
             raise ValueError("precision='fp16' supports one optimizer per strategy (one loss scale). Use 'bf16' "
                              "for several optimizers.")
         model = model.to(self._device)
@@ -103,16 +102,22 @@ class SyncStrategy(Strategy):
             return wrapped, None
         self._optimizers.append(optimizer)
         multi = self._comm.num_replicas > 1
-        wrapper = StrategyOptimizer(optimizer, self._tracker, scaler=self._scaler,
+        wrapper = StrategyOptimizer(optimizer, self._tracker, self._precision,
                                     all_reduce_max=self._comm.all_reduce_max_ if multi else None,
                                     before_step=self._before_step_check(wrapped))
         return wrapped, wrapper
 
+    def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self._optimizers)
+
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         """Return ``model`` ready for a step (one replica: only the precision wrapper, when enabled)."""
-        if self._policy.enabled:
-            return MixedPrecisionModule(model, self._policy, self._scaler)
+        if self._precision.enabled:
+            return MixedPrecisionModule(model, self._precision)
         return model
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        """Switch gradient synchronisation of the prepared models on or off (nothing to switch on one replica)."""
 
     def _before_step_check(self, wrapped: nn.Module) -> Callable[[], None] | None:
         """Return a check the optimizer runs before each real update (None: nothing to check)."""
@@ -132,32 +137,36 @@ class SyncStrategy(Strategy):
             dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
             device=self._device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
             pad_empty_batches=pad_empty_batches, accumulation_steps=self._tracker.accumulation_steps,
-            collate_fn=collate_fn, on_batch=self._tracker.on_batch)
+            collate_fn=collate_fn)
 
     # --- steps ----------------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Call ``fn(*args, **kwargs)`` as this replica's step and return its result.
 
+        The step's global batch size, padding and accumulation window come from the batch in
+        ``args``/``kwargs`` as ``distribute_dataset`` yielded it.
+
         Raises:
             RuntimeError: when no model was prepared with ``strategy.prepare``.
+            ValueError: when the arguments mix tensors of different batches.
         """
         if not self._wrapped:
             raise RuntimeError(
                 f"strategy.run was called before any model was prepared. Expected `model, optimizer = "
                 f"strategy.prepare(model, optimizer)` first (under {type(self).__name__} gradients are only "
                 "combined across replicas for prepared models); then call the returned model inside the step.")
-        global_batch, padding, micro_batches = self._tracker.begin_run()
-        context = ReplicaContext(self, global_batch_size=global_batch, num_padding_examples=padding,
-                                 accumulation_steps=micro_batches)
-        defer = not self._tracker.sync and self._ddp_models
+        kwargs = dict(kwargs or {})
+        run = self._tracker.begin_run(find_batch_info(args, kwargs))
+        context = ReplicaContext(self, global_batch_size=run.global_batch_size,
+                                 num_padding_examples=run.num_padding_examples,
+                                 accumulation_steps=run.accumulation_steps, is_update_step=run.sync)
         try:
-            if defer:  # accumulate locally: DDP reads this flag in forward() (what no_sync() sets)
-                for ddp in self._ddp_models:
-                    ddp.require_backward_grad_sync = False
+            if not run.sync:  # accumulate locally: no gradient all-reduce on this micro-batch
+                self._set_gradient_sync(False)
             with self._entered(context):
-                return fn(*args, **dict(kwargs or {}))
+                return fn(*args, **kwargs)
         except Exception as exc:
-            batch = self._tracker.batch
+            batch = run.batch
             if batch is None or batch.local_batch_size or batch.num_padding_examples:
                 raise
             raise RuntimeError(
@@ -167,19 +176,8 @@ class SyncStrategy(Strategy):
                 "strategy.distribute_dataset(..., pad_empty_batches=True) (one zero-weight example instead) or "
                 "drop_remainder=True.") from exc
         finally:
-            if defer:
-                for ddp in self._ddp_models:
-                    ddp.require_backward_grad_sync = True
-
-    # --- checkpoints ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Return the fp16 loss scaler's state (``{}`` in other precisions)."""
-        return {"grad_scaler": self._scaler.state_dict()} if self._scaler is not None else {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
-        if self._scaler is not None and state.get("grad_scaler"):
-            self._scaler.load_state_dict(dict(state["grad_scaler"]))
+            if not run.sync:
+                self._set_gradient_sync(True)
 
     # --- communication --------------------------------------------------------------------------------
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:

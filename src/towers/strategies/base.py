@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
+import os
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
+from towers.data import BatchInfo, find_batch_info
+from towers.strategies.precision import Precision
 
 __all__ = [
     "REDUCE_OPS",
@@ -40,24 +45,36 @@ class ReplicaContext:
 
     ``global_batch_size`` is the number of examples (over all replicas) whose mean gradient the
     next optimizer update takes: the global batch, or under gradient accumulation the sum of the
-    update's micro-batches (None when unknown). ``num_padding_examples`` trailing examples of
-    this replica's batch are padding (weight zero). ``accumulation_steps`` is the number of
-    micro-batches in the current update (1 without accumulation).
+    update's micro-batches. It comes from the batch ``run`` was given (None when that batch did
+    not come from ``distribute_dataset``). ``num_padding_examples`` trailing examples of this
+    replica's batch are padding (weight zero). ``accumulation_steps`` is the number of
+    micro-batches in the current update (1 without accumulation); ``is_update_step`` is True on
+    the last of them. TF's names work too: ``replica_id_in_sync_group``, ``all_reduce``.
     """
 
     def __init__(self, strategy: "Strategy", *, global_batch_size: int | None = None,
-                 num_padding_examples: int = 0, accumulation_steps: int = 1):
+                 num_padding_examples: int = 0, accumulation_steps: int = 1, is_update_step: bool = True):
         self.strategy = strategy
         self.replica_id = strategy.replica_id
         self.num_replicas_in_sync = strategy.num_replicas_in_sync
         self.global_batch_size = global_batch_size
         self.num_padding_examples = num_padding_examples
         self.accumulation_steps = accumulation_steps
+        self.is_update_step = is_update_step
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's index (tf.distribute's name for ``replica_id``)."""
+        return self.replica_id
+
+    def all_reduce(self, op: str, value: Any) -> torch.Tensor:
+        """Return ``value`` combined across replicas with ``op`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``)."""
+        return self.strategy.reduce(op, value)
 
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id={self.replica_id}, num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"global_batch_size={self.global_batch_size}, num_padding_examples={self.num_padding_examples}, "
-                f"accumulation_steps={self.accumulation_steps})")
+                f"accumulation_steps={self.accumulation_steps}, is_update_step={self.is_update_step})")
 
 
 def current_strategy() -> "Strategy | None":
@@ -73,7 +90,11 @@ def current_replica_context() -> ReplicaContext | None:
 class Strategy(ABC):
     """How replicas cooperate. Subclasses implement the abstract methods; user code calls only these.
 
-    Every method that communicates is a collective: every replica calls it, in the same order.
+    A strategy owns everything that depends on it: device placement, wrapping (``prepare``),
+    gradient synchronisation and accumulation, precision (``self.precision``), model and
+    optimizer state (``state_dict``/``load_state_dict``), the checkpoint format
+    (``save_checkpoint``/``load_checkpoint``) and the collectives. Every method that
+    communicates is a collective: every replica calls it, in the same order.
     """
 
     #: Registry name (``towers.get_strategy(name)``, ``towers launch --strategy name``).
@@ -105,6 +126,11 @@ class Strategy(ABC):
         """True on the one replica that writes logs, checkpoints and plots."""
         return self.replica_id == 0
 
+    @property
+    @abstractmethod
+    def precision(self) -> Precision:
+        """The precision object this strategy computes with (``.name``: ``"32"``, ``"bf16"`` or ``"fp16"``)."""
+
     # --- placement and preparation ----------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self) -> Iterator["Strategy"]:
@@ -131,9 +157,14 @@ class Strategy(ABC):
 
     # --- steps and communication ------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
-        """Call ``fn(*args, **kwargs)`` in this replica's context and return its per-replica result."""
-        with self._entered(self._replica_context()):
-            return fn(*args, **dict(kwargs or {}))
+        """Call ``fn(*args, **kwargs)`` as this replica's step and return its per-replica result.
+
+        The step's accounting (global batch size, padding, accumulation window) is read from the
+        batch in ``args``/``kwargs`` as ``distribute_dataset`` yielded it.
+        """
+        kwargs = dict(kwargs or {})
+        with self._entered(self._replica_context(find_batch_info(args, kwargs))):
+            return fn(*args, **kwargs)
 
     @contextlib.contextmanager
     def _entered(self, context: ReplicaContext) -> Iterator[None]:
@@ -146,9 +177,34 @@ class Strategy(ABC):
             _current_replica.reset(replica_token)
             _current_strategy.reset(strategy_token)
 
-    def _replica_context(self) -> ReplicaContext:
-        """The context ``run`` enters; subclasses add what they know about the current step."""
-        return ReplicaContext(self)
+    def _replica_context(self, batch: BatchInfo | None) -> ReplicaContext:
+        """The context ``run`` enters for a step on a batch carrying ``batch`` (None: unknown)."""
+        if batch is None:
+            return ReplicaContext(self)
+        return ReplicaContext(self, global_batch_size=batch.examples_per_update,
+                              num_padding_examples=batch.num_padding_examples,
+                              accumulation_steps=batch.batches_per_update, is_update_step=batch.last_in_update)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` under this strategy's precision (fp16 scales the whole loss first).
+
+        ``loss.backward()`` does the same in ``"32"`` and ``"bf16"``; under fp16 use this.
+        """
+        self.precision.scale_loss(loss).backward()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of ``parameters`` to a total norm of ``max_norm``; return the norm before clipping.
+
+        Call it after backward and before ``optimizer.step()``; fp16 gradients are unscaled first.
+        """
+        for optimizer in self._prepared_optimizers():
+            self.precision.unscale_gradients(optimizer)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The user's optimizers this strategy prepared (their gradients are what fp16 unscales)."""
+        return []
 
     @abstractmethod
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
@@ -177,17 +233,43 @@ class Strategy(ABC):
     def shutdown(self) -> None:
         """Release processes, groups and servers this strategy started (idempotent)."""
 
-    # --- checkpoints ----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Return training state the strategy owns that a checkpoint must carry (e.g. the fp16 loss scaler); ``{}`` by default.
+    # --- state and checkpoints -----------------------------------------------------------------------
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """Return ``{"model", "optimizer", "precision"}``: the training state of a prepared model and optimizer.
 
-        Plain tensors, numbers, strings, lists and dicts only (checkpoints load with ``weights_only=True``).
-        A collective when the state lives elsewhere (e.g. on parameter servers): every replica calls it.
+        Full (unsharded) tensors unless the strategy says otherwise; plain tensors, numbers,
+        strings, lists and dicts only (checkpoints load with ``weights_only=True``). A collective
+        where the state lives elsewhere (parameter servers, shards): every replica calls it.
         """
-        return {}
+        return {"model": self.unwrap(model).state_dict(),
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                "precision": self.precision.state_dict()}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned; every replica calls it with the same state."""
+    def load_state_dict(self, state: Mapping[str, Any], model: nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Restore what ``state_dict`` returned into a prepared model (and optimizer); every replica calls it.
+
+        The optimizer loads first: torch checks its state before changing anything.
+        """
+        if optimizer is not None and state.get("optimizer") is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        self.unwrap(model).load_state_dict(state["model"], strict=True)
+        self.precision.load_state_dict(state.get("precision") or {})
+
+    def save_checkpoint(self, path: str | os.PathLike[str], state: Mapping[str, Any], *, kind: str = "full") -> str:
+        """Write ``state`` as a checkpoint in this strategy's format, atomically; return its path (every replica calls it).
+
+        The default format is one file, written by the chief (``towers.checkpoint``).
+        """
+        from towers import checkpoint
+
+        return str(checkpoint.save_checkpoint(path, state, strategy=self, kind=kind))
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Return the state of a checkpoint written by ``save_checkpoint`` (every replica reads it)."""
+        from towers import checkpoint
+
+        return dict(checkpoint.load_checkpoint(path))
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(replica {self.replica_id}/{self.num_replicas_in_sync}, "
@@ -195,39 +277,37 @@ class Strategy(ABC):
 
 
 # --- registry ---------------------------------------------------------------------------------
+# Built-in strategies are rows of towers.cluster.roles.STRATEGIES (imported when first built);
+# register_strategy adds a user's own at run time.
 _REGISTRY: dict[str, Callable[..., Strategy]] = {}
 
 
+def _key(name: str) -> str:
+    return str(name).strip().lower().replace("-", "_")
+
+
 def register_strategy(name: str, factory: Callable[..., Strategy], *, aliases: Sequence[str] = ()) -> None:
-    """Make ``factory`` available as ``get_strategy(name)`` (and under each alias)."""
+    """Make ``factory`` available as ``get_strategy(name)`` (and under each alias), beside the built-in names."""
     for key in (name, *aliases):
-        _REGISTRY[key.lower().replace("-", "_")] = factory
+        _REGISTRY[_key(key)] = factory
 
 
 def strategy_names() -> list[str]:
-    """Return every registered strategy name and alias, sorted."""
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def _load_builtin() -> None:
-    # Importing the package registers the built-in strategies.
-    import towers.strategies  # noqa: F401
+    """Return every strategy name and alias (built-in and registered), sorted."""
+    return sorted({*roles.strategy_names(aliases=True), *_REGISTRY})
 
 
 def get_strategy(name: str, **kwargs: Any) -> Strategy:
-    """Return a new strategy registered as ``name`` (e.g. ``"mirrored"``), built with ``kwargs``.
+    """Return a new strategy named ``name`` (e.g. ``"mirrored"``), built with ``kwargs``.
 
     Raises:
         ValueError: when no strategy has that name; the message lists the names.
     """
-    _load_builtin()
-    key = str(name).lower().replace("-", "_")
-    if key not in _REGISTRY:
-        raise ValueError(
-            f"Unknown strategy {name!r}. Expected one of: {', '.join(sorted(_REGISTRY))}. "
-            "Pick one of these with `towers launch --strategy NAME`.")
-    return _REGISTRY[key](**kwargs)
+    factory = _REGISTRY.get(_key(name))
+    if factory is None:
+        module, _, attr = roles.strategy_entry(name).target.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+    return factory(**kwargs)
 
 
 def strategy_from_env(info: ProcessInfo | None = None, **kwargs: Any) -> Strategy:

@@ -67,6 +67,7 @@ class MirroredStrategy(SyncStrategy):
         self._find_unused = bool(find_unused_parameters)
         self._powersgd = {"powersgd_rank": int(powersgd_rank), "powersgd_start_iter": int(powersgd_start_iter)}
         self._owns_group = False
+        self._ddp_models: list[TowersDDP] = []
         info = info or cluster.from_env()
         device = _replica_device(info)
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
@@ -82,7 +83,7 @@ class MirroredStrategy(SyncStrategy):
         super().__init__(info=info, device=device, comm=comm, precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps)
         log.info("%s: %d replica(s), this one on %s (precision=%s, accumulation=%d, compression=%s%s)",
-                 type(self).__name__, self.num_replicas_in_sync, device, self.precision,
+                 type(self).__name__, self.num_replicas_in_sync, device, self.precision.name,
                  gradient_accumulation_steps, self._compression, ", sync_batchnorm" if sync_batchnorm else "")
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
@@ -91,12 +92,17 @@ class MirroredStrategy(SyncStrategy):
         if self._sync_batchnorm:
             model = convert_sync_batchnorm(model, self.device)
         check_same_parameters(model, self._comm.all_gather_object)
-        ddp = TowersDDP(model, policy=self._policy, scaler=self._scaler,
+        ddp = TowersDDP(model, precision=self._precision,
                         device_ids=[self.device.index] if self.device.type == "cuda" else None,
                         find_unused_parameters=self._find_unused, **self._ddp_options)
         register_sum_hook(ddp, self._compression, self.num_replicas_in_sync, **self._powersgd)
         self._ddp_models.append(ddp)
         return ddp
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        # What DDP's no_sync() sets: read in forward(), so the backward skips (or does) the all-reduce.
+        for ddp in self._ddp_models:
+            ddp.require_backward_grad_sync = enabled
 
     def _before_step_check(self, wrapped: nn.Module) -> Callable[[], None] | None:
         if not isinstance(wrapped, TowersDDP):

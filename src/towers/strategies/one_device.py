@@ -44,5 +44,5 @@ class OneDeviceStrategy(SyncStrategy):
         warn_if_gpus_idle(info.local_world_size, [resolved], local_rank=info.local_rank)
         super().__init__(info=info, device=resolved, comm=LocalComm(), precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps)
-        log.debug("OneDeviceStrategy on %s (precision=%s, accumulation=%d)", resolved, self.precision,
+        log.debug("OneDeviceStrategy on %s (precision=%s, accumulation=%d)", resolved, self.precision.name,
                   gradient_accumulation_steps)

@@ -57,12 +57,13 @@ def capture_state(trainer: "Trainer") -> dict[str, Any]:
     for i, cb in enumerate(trainer._callbacks):
         if cb is not trainer.history and callable(getattr(cb, "state_dict", None)):
             callbacks[f"{i}:{type(cb).__name__}"] = cb.state_dict()
+    training = strategy.state_dict(trainer.model, trainer.optimizer)
     return {
         "strategy": str(strategy.name),
         "num_replicas": int(strategy.num_replicas_in_sync),
-        "model": trainer.unwrapped_model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict() if trainer.optimizer is not None else None,
-        "strategy_state": dict(strategy.state_dict()),
+        "model": training["model"],
+        "optimizer": training["optimizer"],
+        "precision": training.get("precision", {}),
         "epoch": p.epoch,
         "step": p.step,
         "global_step": p.global_step,
@@ -90,14 +91,12 @@ def restore_state(trainer: "Trainer", state: Mapping[str, Any], *, path: str = "
     ckpt.check_model_state(model, state["model"], path=path)
     if optimizer is not None and state.get("optimizer") is not None:
         ckpt.check_optimizer_state(optimizer, state["optimizer"], path=path)
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, TypeError) as exc:  # torch checks before it changes anything
-            raise ckpt.CheckpointError(f"Checkpoint {path} does not fit this optimizer: {exc}. "
-                                       "Build the same optimizer (same parameter groups) that wrote it.") from exc
-    model.load_state_dict(state["model"], strict=True)
-    if state.get("strategy_state"):
-        trainer.strategy.load_state_dict(state["strategy_state"])
+    try:  # the optimizer loads first, and torch checks it before it changes anything
+        trainer.strategy.load_state_dict({"model": state["model"], "optimizer": state.get("optimizer"),
+                                          "precision": state.get("precision", {})}, trainer.model, optimizer)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ckpt.CheckpointError(f"Checkpoint {path} does not fit this optimizer: {exc}. "
+                                   "Build the same optimizer (same parameter groups) that wrote it.") from exc
     trainer.history.load_state_dict(state.get("history", {}))
     saved_metrics = state.get("metrics", {})
     for m in trainer._train_metrics.all():

@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 
 from towers import checkpoint as ckpt
 from towers._logging import get_logger
+from towers.strategies.base import Strategy
 from towers.training._state import TrainingProgress, capture_state, restore_state
 from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn, split_batch
 from towers.training.callbacks.base import Callback, CallbackList
@@ -39,7 +40,7 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any, *,
-                 metrics: Iterable[Any] | Mapping[str, Any] | None = (), strategy: Any = None,
+                 metrics: Iterable[Any] | Mapping[str, Any] | None = (), strategy: Strategy | None = None,
                  precision: Any = None, seed: int = 0):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}.")
@@ -47,9 +48,12 @@ class Trainer:
             from towers.strategies import strategy_from_env
 
             strategy = strategy_from_env(**({} if precision is None else {"precision": precision}))
-        self.strategy = strategy
+        if not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy must be a towers Strategy (e.g. towers.MirroredStrategy()) or None for "
+                            f"towers.strategy_from_env(). Received: {type(strategy).__name__}.")
+        self.strategy: Strategy = strategy
         self.loss_fn = per_example_loss_fn(loss)
-        self.metrics: list[Metric | ExternalMetric] = build_metrics(metrics)
+        self.metrics: list[Metric | ExternalMetric] = build_metrics(metrics, strategy=strategy)
         self._train_metrics = MetricSet(self.metrics)
         self._val_metrics = MetricSet(copy.deepcopy(self.metrics))
         _check_precision(strategy, precision)
@@ -180,7 +184,7 @@ class Trainer:
             y_pred = self.model(x)  # the strategy's prepared model applies its precision policy
             per_example = self.loss_fn(y_pred, y)
             loss = compute_average_loss(per_example)
-            loss.backward()
+            self.strategy.backward(loss)  # the strategy's precision: fp16 scales the loss first
             self.optimizer.step()  # the prepared optimizer: all-reduced, accumulated or pushed to servers
             self.optimizer.zero_grad(set_to_none=True)
             return per_example.detach(), y_pred.detach()
@@ -280,31 +284,32 @@ class Trainer:
         self._resume = restore_state(self, state, path=path)
 
     def save_checkpoint(self, path: str, *, weights_only: bool = False) -> str:
-        """Write a checkpoint of this Trainer (chief writes, atomically; call on every replica); return its path."""
+        """Write a checkpoint of this Trainer in the strategy's format (call on every replica); return its path."""
         if weights_only:
-            state = {"model": self.unwrapped_model.state_dict(), "strategy": self.strategy.name,
+            state = {"model": self.strategy.state_dict(self.model)["model"], "strategy": self.strategy.name,
                      "num_replicas": self.strategy.num_replicas_in_sync}
-            return str(ckpt.save_checkpoint(path, state, strategy=self.strategy, kind="weights"))
-        return str(ckpt.save_checkpoint(path, self.state_dict(), strategy=self.strategy))
+            return self.strategy.save_checkpoint(path, state, kind="weights")
+        return self.strategy.save_checkpoint(path, self.state_dict())
 
     def load_checkpoint(self, path: str) -> None:
         """Read a checkpoint (every replica reads it); a full one makes the next ``fit`` resume from it."""
-        state = ckpt.load_checkpoint(path)
+        state = self.strategy.load_checkpoint(path)
         if state.get("kind", "full") == "weights":
-            ckpt.load_model_state(self.unwrapped_model, state["model"], path=str(path))
+            ckpt.check_model_state(self.unwrapped_model, state["model"], path=str(path))
+            self.strategy.load_state_dict({"model": state["model"]}, self.model)
         else:
             self.load_state_dict(state, path=str(path))
 
 
-def _check_precision(strategy: Any, precision: Any) -> None:
-    # Precision is the strategy's (its prepared model autocasts, its optimizer scales the loss):
+def _check_precision(strategy: Strategy, precision: Any) -> None:
+    # Precision is the strategy's (its prepared model autocasts, its backward scales the loss):
     # the Trainer only checks that the two agree.
     if precision is None:
         return
-    from towers.precision import resolve_precision
+    from towers.strategies.precision import resolve_precision
 
     wanted = resolve_precision(precision, strategy.device).name
-    actual = getattr(strategy, "precision", "32")
+    actual = strategy.precision.name
     if wanted != actual:
         raise ValueError(
             f"Trainer(precision={precision!r}) but the strategy computes in precision {actual!r}. Precision belongs "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
 
 __all__ = ["Roles", "resolve_roles"]
@@ -47,19 +48,17 @@ def resolve_roles(info: ProcessInfo, num_ps: int | None) -> Roles:
         raise ValueError(f"num_ps must be an integer >= 1. Received: num_ps={num_ps!r}. "
                          "A parameter-server job needs at least one ps task.")
     world = info.world_size
-    if num_ps >= world:
-        raise ValueError(f"num_ps={num_ps} leaves no worker: the job has {world} process(es) and the last {num_ps} "
-                         f"would all be ps tasks. Expected num_ps < {world} (the number of processes). Start more "
-                         f"processes or use fewer ps tasks, e.g. `{_LAUNCH_HINT}`.")
+    roles.check_num_ps(num_ps, world, hint=_LAUNCH_HINT)
+    ps_ranks = roles.ps_ranks(world, num_ps)
     num_workers = world - num_ps
-    is_ps = info.rank >= num_workers
-    index = info.rank - num_workers if is_ps else info.rank
+    role, index = roles.process_role(info.rank, world, num_ps)
+    is_ps = role == "ps"
     if info.task.type == "ps" and (not is_ps or info.task.index != index):
         raise ValueError(f"This process is task ps:{info.task.index} but has rank {info.rank}; with {num_ps} ps "
                          f"task(s) among {world} processes the ps tasks must be the last ranks "
                          f"{list(range(num_workers, world))}. List chief and workers before ps tasks.")
     return Roles(is_ps=is_ps, index=index, num_ps=num_ps, num_workers=num_workers,
-                 ps_ranks=tuple(range(num_workers, world)), bind_host=_bind_host(info))
+                 ps_ranks=ps_ranks, bind_host=_bind_host(info))
 
 
 def _bind_host(info: ProcessInfo) -> str:

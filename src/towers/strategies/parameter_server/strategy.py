@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import atexit
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -28,8 +28,7 @@ from towers.data import DistributedDataset
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
 from towers.strategies._collectives import as_tensor, check_op
-from towers.strategies._steps import StepTracker
-from towers.strategies.base import ReplicaContext, Strategy
+from towers.strategies.base import Strategy
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.comm import PsComm
@@ -37,6 +36,7 @@ from towers.strategies.parameter_server.optimizer import ParameterServerOptimize
 from towers.strategies.parameter_server.roles import Roles, resolve_roles
 from towers.strategies.parameter_server.server import ParameterServer
 from towers.strategies.parameter_server.worker import BoundModel
+from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
 
 __all__ = ["ParameterServerStrategy", "MODES"]
 
@@ -57,16 +57,20 @@ class ParameterServerStrategy(Strategy):
         info: this process's place in the job (default ``towers.cluster.from_env()``).
         timeout_s: bound on every wait (connecting, a round, a gather, a staleness wait, a reply).
         exit_on_ps: on a ps task, ``sys.exit(0)`` after serving (default); False returns instead.
+        precision: ``"32"`` or ``"bf16"`` (the workers' forward under autocast). ``"fp16"`` is refused:
+            its loss scale must move in lockstep on every replica, which async updates do not have.
 
     Raises:
-        ValueError: unknown mode, bad staleness, ``num_ps`` that leaves no worker or contradicts the launcher.
+        ValueError: unknown mode, bad staleness, ``num_ps`` that leaves no worker or contradicts the launcher,
+            precision ``"fp16"``.
         DistributedError: connecting failed, or (on a ps task) the job failed while serving.
     """
 
     name = "ps"
 
     def __init__(self, num_ps: int | None = None, mode: str = "async", staleness: int | None = None, *,
-                 info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True):
+                 info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
+                 precision: str | int | None = "32"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}. Received: mode={mode!r}. Use 'async' to apply each "
                              "gradient on arrival or 'sync' for one summed update per round.")
@@ -76,7 +80,7 @@ class ParameterServerStrategy(Strategy):
             raise ValueError(f"staleness bounds async updates; sync mode is never stale. Received: mode='sync', "
                              f"staleness={staleness}. Drop staleness or use mode='async'.")
         if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0 seconds. Received: {timeout_s}.")
+            raise ValueError(f"timeout_s must be > 0 seconds. Received: {timeout_s}. Use e.g. timeout_s=300.")
         if info is None:
             from towers import cluster
 
@@ -86,10 +90,16 @@ class ParameterServerStrategy(Strategy):
         self.num_ps = self.roles.num_ps
         self._client: ParameterClient | None = None
         self._bound: BoundModel | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
         self._stats: dict[str, Any] | None = None
         self._comm: PsComm | None = None
-        self._tracker = StepTracker(1)
         self._device = self._replica_device()
+        self._precision = resolve_precision(precision, self._device)
+        if self._precision.needs_loss_scaling:
+            raise ValueError(
+                "ParameterServerStrategy computes in precision '32' or 'bf16'. Received: precision='fp16', whose "
+                "loss scale must change in lockstep on every replica, which parameter-server updates do not do. "
+                "Use precision='bf16' (no loss scaling needed) or MirroredStrategy for fp16.")
         set_rank(info.rank, info.world_size)
         init_process_group(info, backend="gloo", timeout_s=timeout_s)
         links = self._connect()
@@ -168,6 +178,11 @@ class ParameterServerStrategy(Strategy):
         return self._device
 
     @property
+    def precision(self) -> Precision:
+        """The workers' precision object (``"32"`` or ``"bf16"``)."""
+        return self._precision
+
+    @property
     def num_replicas_in_sync(self) -> int:
         """The number of workers: the global batch is split across them."""
         return self.roles.num_workers
@@ -200,7 +215,36 @@ class ParameterServerStrategy(Strategy):
         bound.register()
         bound.install_hooks(refresh_on_state_dict=self.mode == "async")
         self._bound = bound
-        return model, (ParameterServerOptimizer(optimizer, bound) if optimizer is not None else None)
+        prepared = MixedPrecisionModule(model, self._precision) if self._precision.enabled else model
+        self._optimizer = optimizer
+        return prepared, (ParameterServerOptimizer(optimizer, bound) if optimizer is not None else None)
+
+    def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self._optimizer] if self._optimizer is not None else []
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Call ``fn(*args, **kwargs)`` as this worker's step (see ``Strategy.run``).
+
+        Raises:
+            RuntimeError: on a ps task, or when no model was prepared with ``strategy.prepare``.
+        """
+        self._require_worker("run")
+        if self._bound is None:
+            raise RuntimeError(
+                "strategy.run was called before any model was prepared. Expected `model, optimizer = "
+                "strategy.prepare(model, optimizer)` first: under ParameterServerStrategy only a prepared model "
+                "trains the parameters the ps tasks hold (otherwise every worker would train a model of its own); "
+                "then call the returned model and optimizer inside the step.")
+        return super().run(fn, args, kwargs)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Not available under parameter servers: raises ``NotImplementedError`` naming the alternatives."""
+        raise NotImplementedError(
+            f"ParameterServerStrategy cannot clip gradients by their global norm (max_norm={max_norm}): each worker "
+            "holds only its share of the gradient until the ps tasks add them up. Clip inside the model (e.g. "
+            "clamp activations), lower the learning rate, or use MirroredStrategy, where every replica holds the "
+            "summed gradient.")
 
     def _log_dead(self, count: int) -> None:
         if self.is_chief and self._client is not None:
@@ -217,12 +261,7 @@ class ParameterServerStrategy(Strategy):
         return DistributedDataset(
             dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
             device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
-            pad_empty_batches=pad_empty_batches, collate_fn=collate_fn, on_batch=self._tracker.on_batch)
-
-    def _replica_context(self) -> ReplicaContext:
-        """This worker's step context: it knows the step's global batch size (for compute_average_loss)."""
-        global_batch, padding, _ = self._tracker.begin_run()
-        return ReplicaContext(self, global_batch_size=global_batch, num_padding_examples=padding)
+            pad_empty_batches=pad_empty_batches, collate_fn=collate_fn)
 
     # --- communication (met at ps task 0: see comm.py) ---------------------------------------------------
     def _comm_or_fail(self, what: str) -> PsComm:
