@@ -6,11 +6,14 @@ After every step the Trainer adds up this step's vectors across replicas with on
 once. So a last, uneven batch counts by its examples — never an average of per-replica averages.
 
 ``torchmetrics.Metric`` objects (anything with ``update``/``compute``/``reset``) are accepted too.
-They update on each replica's own examples and synchronise themselves: torchmetrics gathers its
-states over the default ``torch.distributed`` process group inside ``compute()``, which the
-Trainer calls on every replica at the end of each epoch and of ``evaluate``. They are left out
-of per-batch logs (a sync per batch would cost a collective each), and their state is not part
-of a checkpoint, so a run resumed mid-epoch restarts them at that point.
+They update on each replica's own examples; ``compute()``, which the Trainer calls on every
+replica at the end of each epoch and of ``evaluate``, gathers their states across replicas
+**through the strategy** (``strategy.all_gather_object``), not over torch's default process
+group: under parameter servers that group also holds the ps tasks, which never join a metric's
+collective, so torchmetrics' own sync would wait forever. Without a strategy they sync as
+torchmetrics does by itself. They are left out of per-batch logs (a sync per batch would cost a
+collective each), and their state is not part of a checkpoint, so a run resumed mid-epoch
+restarts them at that point.
 """
 
 from __future__ import annotations
@@ -132,26 +135,68 @@ class TopKAccuracy(MeanMetricWrapper):
 
 
 class ExternalMetric:
-    """Adapter for a ``torchmetrics.Metric`` (or any object with ``update``/``compute``/``reset``)."""
+    """Adapter for a ``torchmetrics.Metric`` (or any object with ``update``/``compute``/``reset``).
 
-    def __init__(self, metric: Any, name: str | None = None):
+    ``strategy``: the job's strategy; a torchmetrics metric then syncs its states with
+    ``strategy.all_gather_object`` (set by ``build_metrics(..., strategy=)``, or ``bind``).
+    """
+
+    def __init__(self, metric: Any, name: str | None = None, *, strategy: Any = None):
         self.metric = metric
         self.name = name or _snake(type(metric).__name__)
+        self.strategy = None
+        if strategy is not None:
+            self.bind(strategy)
+
+    def bind(self, strategy: Any) -> "ExternalMetric":
+        """Sync the wrapped metric's states through ``strategy`` (every replica must call ``result``); return self."""
+        self.strategy = strategy
+        for metric in _torchmetrics_parts(self.metric):
+            # torchmetrics' own hooks: compute() calls dist_sync_fn(state, group=...) per state tensor,
+            # and asks distributed_available_fn() whether to sync at all.
+            metric.dist_sync_fn = functools.partial(_gather_through, strategy)
+            metric.distributed_available_fn = functools.partial(_several_replicas, strategy)
+        return self
 
     def update(self, y_pred: torch.Tensor, y_true: torch.Tensor) -> None:
-        """Update with this replica's batch (local; torchmetrics syncs in ``compute``)."""
+        """Update with this replica's batch (local; the states are gathered in ``result``)."""
         if hasattr(self.metric, "to") and hasattr(y_pred, "device"):
             self.metric.to(y_pred.device)
         self.metric.update(y_pred.detach(), y_true)
 
     def result(self) -> float:
-        """Return ``compute()`` as a float; every replica must call it (it may be a collective)."""
+        """Return ``compute()`` as a float; every replica must call it (it is a collective across replicas)."""
         value = self.metric.compute()
         return float(value.item() if hasattr(value, "item") else value)
 
     def reset(self) -> None:
         """Reset the wrapped metric."""
         self.metric.reset()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ExternalMetric":
+        # A copy (e.g. the Trainer's validation metrics) gets its own metric state but the same strategy.
+        import copy
+
+        if self.strategy is not None:
+            memo[id(self.strategy)] = self.strategy  # the sync hooks refer to it: share, never copy
+        twin = ExternalMetric(copy.deepcopy(self.metric, memo), self.name)
+        return twin.bind(self.strategy) if self.strategy is not None else twin
+
+
+def _torchmetrics_parts(metric: Any) -> list[Any]:
+    """Return the torchmetrics ``Metric`` objects in ``metric`` (itself, or those of a collection/wrapper)."""
+    modules = metric.modules() if callable(getattr(metric, "modules", None)) else [metric]
+    return [m for m in modules if hasattr(m, "dist_sync_fn") and hasattr(m, "distributed_available_fn")]
+
+
+def _gather_through(strategy: Any, tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """torchmetrics' ``dist_sync_fn``: every replica's ``tensor``, in replica order, via the strategy."""
+    gathered = strategy.all_gather_object(tensor.detach().cpu())
+    return [t.to(tensor.device) for t in gathered]
+
+
+def _several_replicas(strategy: Any) -> bool:
+    return strategy.num_replicas_in_sync > 1
 
 
 def _snake(name: str) -> str:
@@ -161,14 +206,18 @@ def _snake(name: str) -> str:
 _TOPK = re.compile(r"^top_?(\d+)_acc(uracy)?$")
 
 
-def get_metric(spec: Any) -> Metric | ExternalMetric:
+def get_metric(spec: Any, *, strategy: Any = None) -> Metric | ExternalMetric:
     """Return a metric for ``spec``: ``"accuracy"``, ``"top5_accuracy"``, a ``Metric``, a torchmetrics metric, or ``fn(y_pred, y_true)``.
+
+    ``strategy``: torchmetrics metrics sync through it (see ``ExternalMetric``).
 
     Raises:
         ValueError: on an unknown metric name, listing the accepted ones.
         TypeError: on an object that is none of the above.
     """
-    if isinstance(spec, (Metric, ExternalMetric)):
+    if isinstance(spec, ExternalMetric):
+        return spec.bind(strategy) if strategy is not None else spec
+    if isinstance(spec, Metric):
         return spec
     if isinstance(spec, str):
         key = spec.lower()
@@ -183,21 +232,25 @@ def get_metric(spec: Any) -> Metric | ExternalMetric:
             f"Unknown metric {spec!r}. Expected 'accuracy', 'topK_accuracy' (e.g. 'top5_accuracy'), a "
             "towers.metrics.Metric, a torchmetrics.Metric, or a function fn(y_pred, y_true) returning one value per example.")
     if all(callable(getattr(spec, attr, None)) for attr in ("update", "compute", "reset")):
-        return ExternalMetric(spec)
+        return ExternalMetric(spec, strategy=strategy)
     if callable(spec):
         return MeanMetricWrapper(spec)
     raise TypeError(f"Cannot use {spec!r} ({type(spec).__name__}) as a metric. Pass a name like 'accuracy', "
                     "a towers.metrics.Metric, a torchmetrics.Metric or a per-example function.")
 
 
-def build_metrics(specs: Iterable[Any] | Mapping[str, Any] | None) -> list[Metric | ExternalMetric]:
-    """Return metrics for a list of specs (or a ``{name: spec}`` dict); names must be unique and not ``loss``."""
+def build_metrics(specs: Iterable[Any] | Mapping[str, Any] | None, *, strategy: Any = None) -> list[Metric | ExternalMetric]:
+    """Return metrics for a list of specs (or a ``{name: spec}`` dict); names must be unique and not ``loss``.
+
+    ``strategy``: the job's strategy, through which torchmetrics metrics sync (pass it: under
+    parameter servers their own sync would hang).
+    """
     if specs is None:
         return []
     if isinstance(specs, (str, Metric)) or not isinstance(specs, (Mapping, Sequence, set, tuple, list)):
         specs = [specs]
-    items = [(name, get_metric(s)) for name, s in specs.items()] if isinstance(specs, Mapping) \
-        else [(None, get_metric(s)) for s in specs]
+    items = [(name, get_metric(s, strategy=strategy)) for name, s in specs.items()] if isinstance(specs, Mapping) \
+        else [(None, get_metric(s, strategy=strategy)) for s in specs]
     metrics = []
     for name, metric in items:
         if name is not None:
