@@ -187,3 +187,41 @@ def test_failure_report_for_a_killed_worker():
     error = _failure_error(exc, spec())
     assert "rank 2" in str(error) and "SIGKILL" in str(error) and "oom" in str(error)
     assert error.exit_code == 128 + signal.SIGKILL
+
+
+# --- join timeout and the rendezvous address ---------------------------------------------------------
+def test_join_timeout_flag_reaches_the_workers_and_torchruns_rendezvous():
+    from towers.launch.nodes import rendezvous_timeouts
+
+    parsed = parse_launch_args(["--nproc-per-node", "2", "--join-timeout", "45", "train.py"], gpu_count=0, cpu_count=4)
+    assert parsed.join_timeout_s == 45.0
+    assert parsed.worker_environment({"OMP_NUM_THREADS": "1"})["TOWERS_JOIN_TIMEOUT_S"] == "45"
+    assert "TOWERS_JOIN_TIMEOUT_S" not in spec().worker_environment({"OMP_NUM_THREADS": "1"})
+    assert rendezvous_timeouts(parsed, 45.0) == {"timeout": 45}
+    assert rendezvous_timeouts(spec(rdzv_backend="c10d", rdzv_endpoint="h:1"), 9.6) == {"join_timeout": 10}
+    kept = spec(torchrun_options={"rdzv_conf": "timeout=7"})
+    assert rendezvous_timeouts(kept, 45.0) == {}  # the user's --rdzv-conf wins
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="--join-timeout must be a number of seconds > 0"):
+            spec(join_timeout_s=bad)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"master_addr": "10.0.0.1", "master_port": 29500}, ("10.0.0.1", 29500, "--master-addr/--master-port")),
+    ({"rdzv_endpoint": "host0:29501"}, ("host0", 29501, "--rdzv-endpoint")),
+    ({"rdzv_endpoint": "[::1]:29502"}, ("::1", 29502, "--rdzv-endpoint")),
+    ({"rdzv_endpoint": "host0", "rdzv_backend": "c10d"}, ("host0", 29400, "--rdzv-endpoint")),
+])
+def test_rendezvous_address(kwargs, expected):
+    from towers.launch.nodes import rendezvous_address
+
+    assert rendezvous_address(spec(max_nodes=2, min_nodes=2, **kwargs)) == expected
+
+
+def test_a_bad_join_timeout_variable_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    monkeypatch.setenv("TOWERS_JOIN_TIMEOUT_S", "soon")
+    assert main(["launch", "--nproc-per-node", "1", str(script)]) == 2
+    assert "TOWERS_JOIN_TIMEOUT_S must be a number of seconds > 0. Received: TOWERS_JOIN_TIMEOUT_S='soon'" in \
+        capsys.readouterr().err

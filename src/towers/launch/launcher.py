@@ -7,6 +7,10 @@ variables). This module adds what ``towers launch`` promises on top:
 - ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` and ``OMP_NUM_THREADS`` = cores // processes in every
   worker's environment (``LaunchSpec.worker_environment``);
 - checks before anything starts: the script exists, the rendezvous port is free;
+- across nodes, towers' own join before torchrun's (``towers.launch.nodes``): node 0 says every
+  ~15 s which nodes joined and which are missing, and the job stops at the join timeout
+  (``--join-timeout`` / ``TOWERS_JOIN_TIMEOUT_S``) with one line; a rendezvous host that does not
+  resolve or answer stops it at once. torchrun's own waits are bounded by the same timeout;
 - a failure report naming the failed rank. The agent polls every ``monitor_interval_s``; on the
   first failed worker it sends SIGTERM to every other worker (SIGKILL after ``shutdown_timeout``,
   torchrun's default 30 s) and waits for them, so no process is left behind;
@@ -18,6 +22,7 @@ variables). This module adds what ``towers launch`` promises on top:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -28,7 +33,8 @@ import tempfile
 from typing import Any, Mapping
 
 from towers._logging import get_logger
-from towers.cluster import environ_overrides, read_environ
+from towers.cluster import ClusterConfigError, environ_overrides, read_environ, read_join_timeout
+from towers.cluster.rendezvous import RendezvousError
 from towers.launch.exits import describe_exit
 from towers.launch.spawn import free_port
 from towers.launch.spec import LaunchSpec
@@ -156,6 +162,25 @@ def _failure_error(exc: Any, spec: LaunchSpec) -> LaunchError:
     return LaunchError(text, exit_code=_exit_code(first.exitcode), failed_rank=first_rank)
 
 
+def _start_error(exc: BaseException, rendezvous: str) -> LaunchError:
+    # torch's text can carry a page of C++ frames: the first line goes to the user, the rest to a file.
+    import traceback
+
+    from towers.process_group import first_line
+
+    path = os.path.join(tempfile.gettempdir(), "towers-logs", f"launch-pid{os.getpid()}.log")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write("".join(traceback.format_exception(exc)))
+        detail = f" (torch's full message: {path})"
+    except OSError:
+        detail = ""
+    return LaunchError(
+        f"The job could not start: {type(exc).__name__}: {first_line(exc)}. Check that every node reaches the "
+        f"rendezvous {rendezvous} and that --nnodes/--node-rank agree across nodes.{detail}")
+
+
 def _tolerated_text(report_dir: str | None) -> list[str]:
     """Return one phrase per non-chief worker whose failure the supervisors hid from the agent."""
     if report_dir is None:
@@ -180,13 +205,19 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.elastic.rendezvous import RendezvousError as TorchRendezvousError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
+
+    from towers.launch.nodes import joined_nodes, rendezvous_timeouts
 
     spec = resolve_ports(spec)
     preflight(spec)
     environ = read_environ() if environ is None else environ
+    try:
+        join_timeout_s = spec.join_timeout_s or read_join_timeout(environ)
+    except ClusterConfigError as exc:
+        raise LaunchError(str(exc), exit_code=2) from None
     updates = spec.worker_environment(environ)
     rendezvous = spec.rdzv_endpoint or f"{spec.master_addr}:{spec.master_port}"
     log.info("launching %d process(es) per node on %s node(s), rendezvous %s (%s), strategy=%s num_ps=%s, "
@@ -198,9 +229,16 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
              " ".join(spec.command()))
     report_dir = tempfile.mkdtemp(prefix="towers-launch-") if spec.tolerate_worker_failures else None
     # The agent's workers inherit this process's environment, so the additions go there for the call.
-    with environ_overrides({**environ, **updates}):
+    with environ_overrides({**environ, **updates}), contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(joined_nodes(spec, join_timeout_s=join_timeout_s, report=log.warning))
+        except RendezvousError as exc:
+            raise LaunchError(f"node {spec.node_rank}: {exc}") from None
+        except ValueError as exc:
+            raise LaunchError(str(exc), exit_code=2) from None
         try:
             config, cmd, cmd_args = config_from_args(_torchrun_namespace(spec))
+            config.rdzv_configs.update(rendezvous_timeouts(spec, join_timeout_s))
             if report_dir is not None:  # the supervisor wraps the command; torchrun's variables reach it unchanged
                 from towers.launch.supervise import supervised_command
 
@@ -218,10 +256,8 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
             sig = signal.Signals(exc.sigval)
             raise LaunchError(f"towers launch received {sig.name} and stopped every worker.",
                               exit_code=128 + int(sig)) from None
-        except (RendezvousError, RuntimeError, ValueError) as exc:
-            raise LaunchError(
-                f"The job could not start: {type(exc).__name__}: {exc}. Check that every node reaches the rendezvous "
-                f"{rendezvous} and that --nnodes/--node-rank agree across nodes.") from exc
+        except (TorchRendezvousError, RuntimeError, ValueError) as exc:
+            raise _start_error(exc, rendezvous) from None
         finally:
             tolerated = _tolerated_text(report_dir)
             if report_dir is not None:

@@ -48,6 +48,7 @@ _SPEC_OPTIONS = frozenset({
     "training_script", "training_script_args", "module", "no_python", "run_path", "nproc_per_node", "nnodes",
     "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "standalone",
     "max_restarts", "monitor_interval", "strategy", "num_ps", "tolerate_worker_failures", "interface",
+    "join_timeout",
 })
 
 
@@ -145,6 +146,7 @@ class LaunchSpec:
     num_ps: int | None = None
     tolerate_worker_failures: bool | None = None
     interface: str | None = None
+    join_timeout_s: float | None = None
     torchrun_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -182,6 +184,10 @@ class LaunchSpec:
         if self.interface is not None and (not self.interface.strip() or any(c.isspace() for c in self.interface)):
             raise ValueError(f"--interface must name one network interface of this host, e.g. --interface eth0. "
                              f"Received: {self.interface!r}. `towers doctor` lists this host's interfaces.")
+        if self.join_timeout_s is not None and not 0 < self.join_timeout_s < float("inf"):
+            raise ValueError(f"--join-timeout must be a number of seconds > 0. Received: {self.join_timeout_s}. "
+                             "Example: --join-timeout 600, or omit it for the default (TOWERS_JOIN_TIMEOUT_S, else "
+                             "300 s).")
         self._resolve_strategy(set_)
 
     def _resolve_strategy(self, set_: Any) -> None:
@@ -248,13 +254,16 @@ class LaunchSpec:
         """Return the variables ``towers launch`` adds to every worker's environment (on top of torchrun's).
 
         ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` when a strategy was asked for; ``GLOO_SOCKET_IFNAME``,
-        ``NCCL_SOCKET_IFNAME`` and ``TOWERS_INTERFACE`` under ``--interface``; ``OMP_NUM_THREADS`` =
+        ``NCCL_SOCKET_IFNAME`` and ``TOWERS_INTERFACE`` under ``--interface``; ``TOWERS_JOIN_TIMEOUT_S``
+        under ``--join-timeout``; ``OMP_NUM_THREADS`` =
         max(1, cores // nproc_per_node) unless ``environ`` already sets it.
         """
         updates: dict[str, str] = {}
         if self.interface is not None:  # one interface for every link: Gloo, NCCL and towers' own
             updates.update(GLOO_SOCKET_IFNAME=self.interface, NCCL_SOCKET_IFNAME=self.interface,
                            TOWERS_INTERFACE=self.interface)
+        if self.join_timeout_s is not None:
+            updates["TOWERS_JOIN_TIMEOUT_S"] = f"{self.join_timeout_s:g}"
         if self.strategy is not None:
             updates["TOWERS_STRATEGY"] = self.strategy
             updates["TOWERS_NUM_PS"] = str(self.num_ps)
@@ -298,6 +307,11 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
                        help="network interface for every link of the job (Gloo/NCCL collectives, parameter "
                             "servers), e.g. eth0; sets GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME and TOWERS_INTERFACE. "
                             "Default: across nodes, the interface that routes to the other nodes")
+    group.add_argument("--join-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long nodes and processes wait for each other at start-up before the job stops "
+                            "with a message naming the missing ones (default: TOWERS_JOIN_TIMEOUT_S, else 300); "
+                            "while waiting, node 0 and the chief say every ~15 s who joined and who is missing; "
+                            "sets TOWERS_JOIN_TIMEOUT_S for every worker")
     return parser
 
 
@@ -344,6 +358,7 @@ def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
         num_ps=args.num_ps,
         tolerate_worker_failures=getattr(args, "tolerate_worker_failures", None),
         interface=getattr(args, "interface", None),
+        join_timeout_s=getattr(args, "join_timeout", None),
         torchrun_options=passthrough,
     )
 
