@@ -1,8 +1,23 @@
-"""Start and stop ``torch.distributed`` with a timeout and errors that name the rank and the operation."""
+"""Start and stop ``torch.distributed`` with a timeout and errors that name the rank and the operation.
+
+Joining is visible and bounded (``towers.cluster.rendezvous``): a rank that does not host the
+store first checks that the rendezvous host resolves and answers (one line at once if not; while
+the port refuses connections, its owner has not started, and the rank waits, saying so); then
+every rank records itself in the store and the chief reports every ~15 s who joined and who is
+missing, up to ``ProcessInfo.join_timeout_s``. torch's own text for a failure (C++ frames
+included) goes to a log file named in the one-line error. A process that joined leaves the group
+at interpreter exit (``atexit``), so a script that never calls ``shutdown`` still exits cleanly.
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
+import socket
+import tempfile
+import time
+import traceback
 from datetime import timedelta
 from typing import Iterator
 
@@ -11,6 +26,7 @@ import torch.distributed as dist
 
 from towers._logging import get_logger, set_rank
 from towers.cluster.info import ProcessInfo
+from towers.cluster.rendezvous import Member, RendezvousError, join, resolve, wait_reachable
 from towers.network import use_interface
 
 __all__ = [
@@ -22,6 +38,7 @@ __all__ = [
     "is_initialized",
     "collective",
     "first_line",
+    "details_path",
 ]
 
 log = get_logger(__name__)
@@ -83,45 +100,109 @@ def init_process_group(
     init_method = info.init_method
     if backend in ("gloo", "nccl"):
         use_interface(info)  # before the group exists: torch reads GLOO/NCCL_SOCKET_IFNAME when it makes one
-    log.debug("joining process group: backend=%s init_method=%s timeout_s=%s", backend, init_method, timeout_s)
+    log.debug("joining process group: backend=%s init_method=%s timeout_s=%s join_timeout_s=%s", backend,
+              init_method, timeout_s, info.join_timeout_s)
+    started, since = time.monotonic(), time.time()
     try:
-        dist.init_process_group(
-            backend,
-            store=_rendezvous_store(info, timeout_s),
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        store = _join(info, timeout_s, since)
+    except RendezvousError as exc:
+        raise DistributedError(f"{_rank_tag(info)} {exc}") from None
+    try:
+        dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
+                                timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # torch raises several types (DistNetworkError, DistStoreError, RuntimeError)
-        hint = (
-            f"Another program may be using port {info.master_port}: pick a free one with --master-port."
-            if "address already in use" in str(exc).lower()
-            else f"Check that all {info.world_size} processes were started, that "
-            f"{info.master_addr}:{info.master_port} is reachable from this host, or raise timeout_s."
-        )
-        raise DistributedError(
-            f"{_rank_tag(info)} could not join the process group ({backend}) at {init_method} "
-            f"within {timeout_s:g} s: {first_line(exc)}. {hint}") from exc
+        raise _init_error(info, backend, exc, time.monotonic() - started) from None
+    _leave_at_exit()
     log.info("joined process group: backend=%s world_size=%d", backend, info.world_size)
     return backend
 
 
-def _rendezvous_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
-    """Return the job's key-value store, with keys private to this restart attempt.
+def _rendezvous_source(info: ProcessInfo) -> str:
+    return {"tf_config": "TF_CONFIG's chief address", "slurm": "MASTER_ADDR or the first SLURM node",
+            "kubeflow_trainer": "PET_MASTER_ADDR/PET_MASTER_PORT"}.get(info.source, "MASTER_ADDR/MASTER_PORT")
+
+
+def _join(info: ProcessInfo, timeout_s: float, since: float) -> dist.Store:
+    """Return the job's key-value store once every rank has joined, keys private to this restart attempt.
 
     Under torchrun the agent's store outlives a failed attempt. Without a per-attempt prefix a
     restarted rank can read a peer's address from the dead attempt and fail to connect.
     """
+    port = int(info.master_port)  # type: ignore[arg-type]  # init_method raised if it was None
+    what = _rendezvous_source(info)
+    hosts_store = info.rank == 0 and not info.agent_store
+    started = time.monotonic()
+    if hosts_store:
+        resolve(info.master_addr, port, what=what)  # the others would fail on it: say so here too
+        address = ""
+    else:
+        owner = "torchrun's agent" if info.agent_store else f"the chief, {info.describe_rank(0)},"
+        address = wait_reachable(info.master_addr, port, timeout_s=info.join_timeout_s, what=what, awaited=owner,
+                                 report=log.warning, since=since)
     store = dist.TCPStore(
-        info.master_addr,
-        int(info.master_port),  # type: ignore[arg-type]  # init_method above raised if it was None
+        # The chief's own client reaches its server over loopback; the server listens on every interface.
+        "127.0.0.1" if hosts_store else info.master_addr,
+        port,
         world_size=info.world_size,
-        is_master=info.rank == 0 and not info.agent_store,
+        is_master=hosts_store,
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
         multi_tenant=True,
     )
-    return dist.PrefixStore(f"towers/attempt_{info.restart_count}", store)
+    prefixed = dist.PrefixStore(f"towers/attempt_{info.restart_count}", store)
+    join(prefixed, index=info.rank, count=info.world_size, is_chief=info.rank == 0, timeout_s=info.join_timeout_s,
+         where=f"{info.master_addr}:{port}", describe=info.describe_rank, report=log.warning,
+         me=Member(host=socket.gethostname(), address=address, pid=os.getpid()), since=since,
+         waited_s=min(time.monotonic() - started, info.join_timeout_s - 1.0))
+    return prefixed
+
+
+def details_path(rank: int) -> str:
+    """Return the file where this process writes the full text of a failure (torch's C++ frames included)."""
+    return os.path.join(tempfile.gettempdir(), "towers-logs", f"rank{rank}-pid{os.getpid()}.log")
+
+
+def _write_details(info: ProcessInfo, exc: BaseException) -> str | None:
+    path = details_path(info.rank)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {info.rank}/{info.world_size}\n")
+            fh.write("".join(traceback.format_exception(exc)))
+    except OSError:
+        return None
+    return path
+
+
+def _init_error(info: ProcessInfo, backend: str, exc: BaseException, elapsed_s: float) -> DistributedError:
+    text = str(exc).lower()
+    if "address already in use" in text:
+        hint = f"Another program may be using port {info.master_port}: pick a free one with --master-port."
+    elif "connection refused" in text or "connect" in text or "no route" in text:
+        hint = ("Every rank joined the rendezvous, so the store is reachable; the ranks' own connections failed. "
+                "Each process advertises the address of its host name (Debian maps it to 127.0.1.1, which other "
+                "hosts cannot reach): choose the network interface with towers launch --interface NAME or "
+                "GLOO_SOCKET_IFNAME=NAME (NCCL_SOCKET_IFNAME on GPUs) on every host.")
+    else:
+        hint = f"Check that all {info.world_size} processes run the same job and can reach each other."
+    path = _write_details(info, exc)
+    where = f" (torch's full message: {path})" if path else ""
+    return DistributedError(
+        f"{_rank_tag(info)} could not create the process group ({backend}) at {info.init_method} after "
+        f"{elapsed_s:.1f} s: {first_line(exc)}. {hint}{where}")
+
+
+_LEAVE_REGISTERED = False
+
+
+def _leave_at_exit() -> None:
+    # Interpreter teardown with a live group can abort ("terminate called without an active exception":
+    # a Gloo or store thread destroyed while joinable). atexit runs in reverse order of registration, so
+    # whatever registered after the group (a strategy's shutdown) runs before the group is destroyed.
+    global _LEAVE_REGISTERED
+    if not _LEAVE_REGISTERED:
+        atexit.register(destroy_process_group)
+        _LEAVE_REGISTERED = True
 
 
 def destroy_process_group() -> None:
