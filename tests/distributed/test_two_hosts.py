@@ -1,11 +1,8 @@
-"""Jobs across two hosts: two network namespaces joined by a veth pair, each with its own address.
+"""Jobs across two hosts: two network namespaces joined by a veth pair (``netns_support``).
 
-Host ``hosta`` is 10.77.0.1 on its veth end, ``hostb`` 10.77.0.2; the addresses live only inside
-the namespaces. By default each host's own name resolves to 127.0.1.1 *on that host* (Debian's
-``/etc/hosts``), the case where Gloo's default binds loopback and the parameter-server links used
-to fail; a process runs "on" a host under ``ip netns exec`` with a private host name (``unshare
---uts``) and a private ``/etc/hosts`` (``unshare --mount`` + a bind mount). Nobody names an
-interface except node 1 of the launch job (``--interface``): every other process finds it.
+By default each host's own name resolves to 127.0.1.1 *on that host* (Debian's ``/etc/hosts``),
+the case where Gloo's default binds loopback and the parameter-server links used to fail. Nobody
+names an interface except node 1 of the launch job (``--interface``): every other process finds it.
 
 Scenarios: MirroredStrategy over ``towers launch --nnodes 2``; a TF_CONFIG chief + worker job
 (MultiWorkerMirrored), also with plain names; a TF_CONFIG parameter-server job of 1 ps + 2 workers,
@@ -16,25 +13,21 @@ interface, and that no process is left behind. Skipped (with the reason) without
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from cli_support import clean_env, finish, start, towers_command
+from netns_support import Host, host_pair_factory
 
 pytestmark = pytest.mark.timeout(120)
 
 DEADLINE_S = 60.0
 PORT = 29411
-_COUNTER = itertools.count()
 
 SCRIPT = """
     import json, os, socket, sys
@@ -73,81 +66,10 @@ SCRIPT = """
 """
 
 
-@dataclass(frozen=True)
-class Host:
-    """One simulated host: a network namespace, its veth end and address, its name and /etc/hosts."""
-
-    name: str
-    netns: str
-    interface: str
-    address: str
-    hosts_file: Path
-
-    def command(self, argv: list[str]) -> list[str]:
-        """Return ``argv`` run on this host: in its namespace, with its host name and /etc/hosts."""
-        shell = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
-        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount", "sh", "-c", shell, "sh",
-                self.name, str(self.hosts_file), *argv]
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
-
-
-def _skip_reason() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "creating network namespaces (ip netns, veth) needs root"
-    for tool in ("ip", "unshare"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not installed"
-    return None
-
-
 @pytest.fixture
 def two_hosts(tmp_path, request):
     """Return ``make(loopback_names=True) -> (hosta, hostb)``; the namespaces are deleted after the test."""
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    created: list[str] = []
-
-    def cleanup() -> None:
-        for netns in created:  # deleting a namespace deletes the veth end inside it
-            subprocess.run(["ip", "netns", "delete", netns], capture_output=True, timeout=20)
-
-    request.addfinalizer(cleanup)
-
-    def make(loopback_names: bool = True) -> tuple[Host, Host]:
-        tag = f"{os.getpid() % 10**6}x{next(_COUNTER)}"
-        names, addresses = ("hosta", "hostb"), ("10.77.0.1", "10.77.0.2")
-        netns = [f"towers-test-{tag}{s}" for s in "ab"]
-        veth = [f"tw{tag}{s}" for s in "ab"]
-        try:
-            for ns in netns:
-                _ip("netns", "add", ns)
-                created.append(ns)
-        except subprocess.CalledProcessError as exc:
-            pytest.skip(f"cannot create a network namespace here: {exc.stderr.strip()}")
-        _ip("link", "add", veth[0], "netns", netns[0], "type", "veth", "peer", "name", veth[1], "netns", netns[1])
-        hosts = []
-        for i in range(2):
-            _ip("-n", netns[i], "link", "set", "lo", "up")
-            _ip("-n", netns[i], "addr", "add", f"{addresses[i]}/24", "dev", veth[i])
-            _ip("-n", netns[i], "link", "set", veth[i], "up")
-            other = 1 - i
-            lines = ["127.0.0.1 localhost"]
-            if loopback_names:  # Debian's way: this host's own name is 127.0.1.1 here
-                lines += [f"127.0.1.1 {names[i]}", f"{addresses[other]} {names[other]}"]
-            else:
-                lines += [f"{addresses[j]} {names[j]}" for j in range(2)]
-            hosts_file = tmp_path / f"hosts.{names[i]}.{tag}"
-            hosts_file.write_text("\n".join(lines) + "\n")
-            hosts.append(Host(names[i], netns[i], veth[i], addresses[i], hosts_file))
-        return hosts[0], hosts[1]
-
-    return make
+    return host_pair_factory(tmp_path, request)
 
 
 def _script(tmp_path: Path) -> Path:
