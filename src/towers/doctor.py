@@ -97,18 +97,19 @@ def _check_names(report: DoctorReport, spans: bool, chosen: network.InterfaceCho
         report.add(OK, "host name", f"{name} resolves to {address}")
 
 
-def _check_interface(report: DoctorReport, info: ProcessInfo) -> network.InterfaceChoice | None | bool:
+def _check_interface(report: DoctorReport, info: ProcessInfo) -> tuple[bool, network.InterfaceChoice | None]:
+    """Return (usable, the interface the job binds: None on one host without one named)."""
     report.interfaces = network.list_interfaces()
     try:
         chosen = network.interface_for(info, interfaces=report.interfaces)
     except network.NetworkError as exc:
         report.add(FAIL, "interface", str(exc), "Pass --interface NAME (towers launch / towers doctor).")
-        return False
+        return False, None
     if chosen is None:
         report.add(OK, "interface", "one host: torch's default (this host's name); no interface named")
     else:
         report.add(OK, "interface", f"{chosen.interface}: {chosen.reason}")
-    return chosen
+    return True, chosen
 
 
 def _check_rendezvous(report: DoctorReport, info: ProcessInfo, spec: DoctorSpec,
@@ -263,10 +264,10 @@ def run_doctor(info: ProcessInfo, spec: DoctorSpec | None = None, *,
     spec = spec or DoctorSpec()
     set_rank(info.rank, info.world_size)
     report = DoctorReport(info)
-    chosen = _check_interface(report, info)
-    _check_names(report, network.spans_hosts(info), chosen or None)
+    usable, chosen = _check_interface(report, info)
+    _check_names(report, network.spans_hosts(info), chosen)
     report.checks.insert(0, report.checks.pop())  # the name first: the order a job meets them
-    if chosen is False:
+    if not usable:
         return report
     if chosen is not None:
         network.use_interface(info)  # the group below binds what the job would bind
@@ -275,7 +276,7 @@ def run_doctor(info: ProcessInfo, spec: DoctorSpec | None = None, *,
                    "run under towers launch)")
         return report
     store = _check_rendezvous(report, info, spec, progress)
-    if store is not None and _join(report, info, store, chosen or None, spec, progress):
+    if store is not None and _join(report, info, store, chosen, spec, progress):
         _measure(report, info, store, spec)
     return report
 

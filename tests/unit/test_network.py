@@ -129,11 +129,13 @@ def test_one_host_jobs_keep_torchs_default_and_peer_hosts_come_from_the_job():
 
 
 def test_launch_interface_flag_reaches_every_link_variable():
-    spec = parse_launch_args(["--nnodes", "2", "--node-rank", "1", "--master-addr", "hosta", "--interface", "eth1",
+    spec = parse_launch_args(["--nnodes", "2", "--node-rank", "1", "--master-addr", "hosta", "--interface", "lo",
                               "train.py"], gpu_count=0, cpu_count=2)
-    assert spec.interface == "eth1"
+    assert spec.interface == "lo"
     env = spec.worker_environment({})
-    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == env["TOWERS_INTERFACE"] == "eth1"
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == env["TOWERS_INTERFACE"] == "lo"
+    with pytest.raises(NetworkError, match="No network interface called 'nope0' on this host"):
+        LaunchSpec(script="train.py", interface="nope0").worker_environment({})  # checked before anything starts
     assert "GLOO_SOCKET_IFNAME" not in LaunchSpec(script="train.py").worker_environment({})
     with pytest.raises(ValueError, match="--interface must name one network interface"):
         LaunchSpec(script="train.py", interface="eth0 eth1")

@@ -260,6 +260,9 @@ class LaunchSpec:
         """
         updates: dict[str, str] = {}
         if self.interface is not None:  # one interface for every link: Gloo, NCCL and towers' own
+            from towers.network import find_interface
+
+            find_interface(self.interface)  # on this host; raises NetworkError (a ValueError) listing the choices
             updates.update(GLOO_SOCKET_IFNAME=self.interface, NCCL_SOCKET_IFNAME=self.interface,
                            TOWERS_INTERFACE=self.interface)
         if self.join_timeout_s is not None:
