@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from towers._logging import get_logger, set_rank
 from towers.cluster.info import ProcessInfo
-from towers.cluster.rendezvous import Member, RendezvousError, join, resolve, wait_reachable
+from towers.cluster.rendezvous import Member, RendezvousError, join, resolve, visible_warning, wait_reachable
 from towers.network import use_interface
 
 __all__ = [
@@ -132,13 +132,14 @@ def _join(info: ProcessInfo, timeout_s: float, since: float) -> dist.Store:
     what = _rendezvous_source(info)
     hosts_store = info.rank == 0 and not info.agent_store
     started = time.monotonic()
+    report = visible_warning(log, prefix=f"{_rank_tag(info)} towers:")
     if hosts_store:
         resolve(info.master_addr, port, what=what)  # the others would fail on it: say so here too
         address = ""
     else:
         owner = "torchrun's agent" if info.agent_store else f"the chief, {info.describe_rank(0)},"
         address = wait_reachable(info.master_addr, port, timeout_s=info.join_timeout_s, what=what, awaited=owner,
-                                 report=log.warning, since=since)
+                                 report=report, since=since)
     store = dist.TCPStore(
         # The chief's own client reaches its server over loopback; the server listens on every interface.
         "127.0.0.1" if hosts_store else info.master_addr,
@@ -151,7 +152,7 @@ def _join(info: ProcessInfo, timeout_s: float, since: float) -> dist.Store:
     )
     prefixed = dist.PrefixStore(f"towers/attempt_{info.restart_count}", store)
     join(prefixed, index=info.rank, count=info.world_size, is_chief=info.rank == 0, timeout_s=info.join_timeout_s,
-         where=f"{info.master_addr}:{port}", describe=info.describe_rank, report=log.warning,
+         where=f"{info.master_addr}:{port}", describe=info.describe_rank, report=report,
          me=Member(host=socket.gethostname(), address=address, pid=os.getpid()), since=since,
          waited_s=min(time.monotonic() - started, info.join_timeout_s - 1.0))
     return prefixed

@@ -16,6 +16,7 @@ from towers.cluster.rendezvous import (
     join,
     report_interval_s,
     resolve,
+    visible_warning,
     wait_reachable,
 )
 
@@ -165,3 +166,23 @@ def test_an_unreachable_host_fails_at_once(failure, expected):
         wait_reachable("127.0.0.1", 29500, timeout_s=300, what="MASTER_ADDR", awaited="the chief", report=pytest.fail,
                        clock=clock, sleep=clock.sleep, connect=connect)
     assert not isinstance(err.value, JoinTimeoutError) and clock.now == 1000.0  # no waiting, no retry
+
+
+def test_a_waiting_line_is_printed_when_no_logging_is_set_up_and_logged_when_it_is(capsys):
+    import logging
+
+    logger = logging.getLogger("towers.test_rendezvous_visible")
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = []  # an application that set up no logging (pytest's own capture handlers removed)
+    try:
+        visible_warning(logger, prefix="[rank 0/2] towers:")("waiting for rank 1")
+        assert capsys.readouterr().err == "[rank 0/2] towers: waiting for rank 1\n"
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        root.addHandler(handler)
+        visible_warning(logger)("waiting for rank 1")
+        assert capsys.readouterr().err == "" and [r.getMessage() for r in records] == ["waiting for rank 1"]
+    finally:
+        root.handlers = saved

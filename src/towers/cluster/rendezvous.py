@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -35,6 +37,7 @@ __all__ = [
     "wait_reachable",
     "join",
     "JOIN_HINT",
+    "visible_warning",
 ]
 
 #: What to check when members are missing; ends every join-timeout message.
@@ -81,6 +84,34 @@ class Member:
 
     def __str__(self) -> str:
         return f"host {self.host} {self.address}, pid {self.pid}" if self.address else f"host {self.host}, pid {self.pid}"
+
+
+def visible_warning(logger: logging.Logger, *, prefix: str = "towers:") -> Callable[[str], None]:
+    """Return a ``report`` that logs a waiting line at WARNING, and prints it to stderr when nothing would show it.
+
+    The library's ``NullHandler`` keeps Python from printing warnings of an application that set up
+    no logging; a process waiting for its peers must still say so. So, when no handler on the
+    logger's way would emit a WARNING, the line goes to stderr as ``prefix message``.
+    """
+
+    def shown() -> bool:
+        current: logging.Logger | None = logger
+        while current is not None:
+            if any(not isinstance(h, logging.NullHandler) and h.level <= logging.WARNING for h in current.handlers):
+                return True
+            current = current.parent if current.propagate else None
+        return False
+
+    def report(message: str) -> None:
+        if not logger.isEnabledFor(logging.WARNING):
+            return
+        if shown():
+            logger.warning(message)
+        else:
+            sys.stderr.write(f"{prefix} {message}\n")
+            sys.stderr.flush()
+
+    return report
 
 
 def report_interval_s(timeout_s: float) -> float:

@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 from towers._logging import get_logger
 from towers.cluster import ClusterConfigError, environ_overrides, read_environ, read_join_timeout
-from towers.cluster.rendezvous import RendezvousError
+from towers.cluster.rendezvous import RendezvousError, visible_warning
 from towers.launch.exits import describe_exit
 from towers.launch.spawn import free_port
 from towers.launch.spec import LaunchSpec
@@ -231,7 +231,8 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
     # The agent's workers inherit this process's environment, so the additions go there for the call.
     with environ_overrides({**environ, **updates}), contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(joined_nodes(spec, join_timeout_s=join_timeout_s, report=log.warning))
+            stack.enter_context(joined_nodes(spec, join_timeout_s=join_timeout_s,
+                                             report=visible_warning(log, prefix="towers launch:")))
         except RendezvousError as exc:
             raise LaunchError(f"node {spec.node_rank}: {exc}") from None
         except ValueError as exc:
