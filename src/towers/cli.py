@@ -66,6 +66,10 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch-size", type=int, default=64, help="examples per step, all replicas together (default 64)")
     p.add_argument("--data", default="digits", help="'digits' (bundled, default) or 'mnist:/path/to/idx/folder'")
     p.add_argument("--out-dir", default="towers-out/demo", help="where history.csv and loss.png go (default towers-out/demo)")
+    p.add_argument("--scaling-steps", type=int, default=20,
+                   help="timed steps per repeat of the weak-scaling speed measurement (default 20)")
+    p.add_argument("--scaling-repeats", type=int, default=3,
+                   help="repeats of the speed measurement; 0 skips it (default 3)")
     p.set_defaults(run=run_demo)
 
 
@@ -75,30 +79,33 @@ def run_demo(args: argparse.Namespace) -> int:
 
     try:
         spec = demo.DemoSpec(strategy=args.strategy, replicas=args.replicas, epochs=args.epochs,
-                             global_batch_size=args.global_batch_size, data=args.data, out_dir=args.out_dir)
+                             global_batch_size=args.global_batch_size, data=args.data, out_dir=args.out_dir,
+                             scaling_steps=args.scaling_steps, scaling_repeats=args.scaling_repeats)
     except ValueError as exc:
         print(f"towers demo: {exc}", file=sys.stderr)
         return 2
     print(f"towers demo: seed CNN on {spec.data}, {spec.epochs} epoch{'s' if spec.epochs != 1 else ''}, "
           f"global batch {spec.global_batch_size}, "
           "one CPU thread per replica", flush=True)
-    runs = []
+    runs, scaling = [], None
+    parts = 3 if spec.replicas > 1 and spec.scaling_repeats else 2
     try:
-        print("\n[1/2] 1 replica (one_device)", flush=True)
+        print(f"\n[1/{parts}] 1 replica (one_device)", flush=True)
         runs.append(demo.train_single(spec))
         print(f"      test accuracy {runs[-1].test_accuracy:.4f}", flush=True)
-        print(f"\n[2/2] {spec.replicas} replicas ({spec.strategy}, {spec.replicas} processes)", flush=True)
+        print(f"\n[2/{parts}] {spec.replicas} replicas ({spec.strategy}, {spec.replicas} processes)", flush=True)
         runs.append(demo.run_replicated(spec))
         print(f"      test accuracy {runs[-1].test_accuracy:.4f}", flush=True)
+        if parts == 3:
+            print(f"\n[3/{parts}] speed: 1 vs {spec.replicas} replicas, {spec.global_batch_size} examples per replica "
+                  "per step (weak scaling)", flush=True)
+            scaling = demo.measure_scaling(spec, progress=lambda line: print(f"      {line}", flush=True))
     except (FileNotFoundError, ValueError, SpawnError) as exc:
         print(f"towers demo: {exc}", file=sys.stderr)
         return 1
-    print(f"\n{'replicas':>8}  {'strategy':<22} {'test acc':>8} {'examples/s':>11} {'speed-up':>8} {'efficiency':>10}")
-    for row in demo.summary_rows(runs):
-        print(f"{row['replicas']:>8}  {row['strategy']:<22} {row['test_accuracy']:>8.4f} "
-              f"{row['examples_per_second']:>11,.0f} {row['speedup']:>7.2f}x {row['efficiency']:>10.2f}")
-    print("examples/s: global training examples per second" + (" after the first (warm-up) epoch" if spec.epochs > 1
-          else "") + "; efficiency = speed-up / replicas. Same seed and global batch: the loss curves coincide.")
+    print()
+    for line in demo.summary_lines(spec, runs, scaling):
+        print(line)
     written = [demo.write_history_csv(runs, spec.out_dir / "history.csv")]
     try:
         written.append(demo.plot_losses(runs, spec.out_dir / "loss.png"))
@@ -351,6 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 2
+    from towers._logging import configure_logging
+
+    configure_logging()  # the command's own runs: [rank r/w] lines, INFO from the chief
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
