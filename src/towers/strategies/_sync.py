@@ -17,6 +17,7 @@ from torch import nn
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset, find_batch_info
+from towers.strategies._compile import compile_module, compile_options
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op
 from towers.strategies._steps import StepTracker, StrategyOptimizer
 from towers.strategies.base import ReplicaContext, Strategy
@@ -40,6 +41,7 @@ class SyncStrategy(Strategy):
         self._user_modules: list[nn.Module] = []  # what prepare() received
         self._wrapped: list[nn.Module] = []  # what prepare() returned
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._compiled: dict[int, nn.Module] = {}  # id(compiled module) -> the module it compiles
 
     # --- who am I -------------------------------------------------------------------------------------
     @property
@@ -73,13 +75,19 @@ class SyncStrategy(Strategy):
         return self._tracker.accumulation_steps
 
     # --- preparation ----------------------------------------------------------------------------------
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[nn.Module, Any]:
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                compile: bool | Mapping[str, Any] = False) -> tuple[nn.Module, Any]:
         """Return ``(model, optimizer)``: the model on this replica's device (wrapped for sync) and a stepping-aware optimizer.
+
+        ``compile=True`` (or a dict of ``torch.compile`` options) compiles the wrapped model, after the
+        strategy's own wrapping.
 
         Raises:
             TypeError: when ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
             ValueError: when the model or optimizer was already prepared, or the model differs across replicas.
+            RuntimeError: ``compile`` with inductor on a CPU without a C++ compiler.
         """
+        compile_kwargs = compile_options(compile)
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare expects an nn.Module as model. Received: {type(model).__name__}.")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -96,6 +104,11 @@ class SyncStrategy(Strategy):
                              "for several optimizers.")
         model = model.to(self._device)
         wrapped = self._wrap_model(model)
+        check = self._before_step_check(wrapped) if optimizer is not None else None
+        if compile_kwargs is not None:
+            compiled = compile_module(wrapped, compile_kwargs, self._device)
+            self._compiled[id(compiled)] = wrapped
+            wrapped = compiled
         self._user_modules.append(model)
         self._wrapped.append(wrapped)
         if optimizer is None:
@@ -104,8 +117,12 @@ class SyncStrategy(Strategy):
         multi = self._comm.num_replicas > 1
         wrapper = StrategyOptimizer(optimizer, self._tracker, self._precision,
                                     all_reduce_max=self._comm.all_reduce_max_ if multi else None,
-                                    before_step=self._before_step_check(wrapped))
+                                    before_step=check)
         return wrapped, wrapper
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """Return the user's module inside whatever ``prepare`` wrapped (and compiled) it in."""
+        return super().unwrap(self._compiled.get(id(model), model))
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._optimizers)

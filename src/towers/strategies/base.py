@@ -143,8 +143,13 @@ class Strategy(ABC):
             _current_strategy.reset(token)
 
     @abstractmethod
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[nn.Module, Any]:
-        """Return ``(model, optimizer)`` ready for this strategy (moved, wrapped, synchronised)."""
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                compile: bool | Mapping[str, Any] = False) -> tuple[nn.Module, Any]:
+        """Return ``(model, optimizer)`` ready for this strategy (moved, wrapped, synchronised).
+
+        ``compile=True`` (or a dict of ``torch.compile`` options) compiles the model after the
+        strategy's own wrapping.
+        """
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """Return the user's module inside whatever ``prepare`` wrapped it in."""

@@ -37,11 +37,12 @@ class Trainer:
     ``towers.metrics.Metric``/torchmetrics objects or per-example functions. ``strategy=None`` means
     ``towers.strategy_from_env(precision=precision)``. Precision (``"32"``, ``"bf16"``, ``"fp16"``)
     belongs to the strategy; with a strategy given, ``precision`` must match it (or stay None).
+    ``compile=True`` (or a dict of ``torch.compile`` options) has the strategy compile the model.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any, *,
                  metrics: Iterable[Any] | Mapping[str, Any] | None = (), strategy: Strategy | None = None,
-                 precision: Any = None, seed: int = 0):
+                 precision: Any = None, seed: int = 0, compile: bool | Mapping[str, Any] = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}.")
         if strategy is None:
@@ -57,7 +58,7 @@ class Trainer:
         self._train_metrics = MetricSet(self.metrics)
         self._val_metrics = MetricSet(copy.deepcopy(self.metrics))
         _check_precision(strategy, precision)
-        self.model, self.optimizer = strategy.prepare(model, optimizer)
+        self.model, self.optimizer = strategy.prepare(model, optimizer, compile=compile)
         self.seed = int(seed)
         self.stop_training = False
         self.history = History()
