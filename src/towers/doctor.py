@@ -206,28 +206,31 @@ def _measure(report: DoctorReport, info: ProcessInfo, store: Any, spec: DoctorSp
         numel = max(1, int(spec.size_mb * 2**20) // 4)
         data, small, ack = torch.ones(numel), torch.zeros(2, dtype=torch.float64), torch.zeros(1)
         table = torch.zeros(n, n, 3, dtype=torch.float64)  # [i, j] = rtt_s, bytes/s, clock offset of j vs i
+        pings = max(10, spec.repeats) + 2  # the first two (connection set-up) are not counted
         for i in range(n):
             for j in range(i + 1, n):
                 if rank == i:
                     rtts, offsets = [], []
-                    for _ in range(max(10, spec.repeats)):
+                    for _ in range(pings):
                         t0, p0 = time.time(), time.perf_counter()
                         dist.send(small, j)
                         dist.recv(small, j)
                         rtts.append(time.perf_counter() - p0)
                         offsets.append(small[0].item() - (t0 + time.time()) / 2)
+                    dist.send(data, j)  # warm-up, not timed
+                    dist.recv(ack, j)
                     began = time.perf_counter()
                     for _ in range(spec.repeats):
                         dist.send(data, j)
                         dist.recv(ack, j)
                     rate = spec.repeats * numel * 4 / (time.perf_counter() - began)
-                    table[i, j] = torch.tensor([statistics.median(rtts), rate, statistics.median(offsets)])
+                    table[i, j] = torch.tensor([statistics.median(rtts[2:]), rate, statistics.median(offsets[2:])])
                 elif rank == j:
-                    for _ in range(max(10, spec.repeats)):
+                    for _ in range(pings):
                         dist.recv(small, i)
                         small[0] = time.time()
                         dist.send(small, i)
-                    for _ in range(spec.repeats):
+                    for _ in range(spec.repeats + 1):
                         dist.recv(data, i)
                         dist.send(ack, i)
                 dist.barrier()
