@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "MirroredStrategy": "towers.strategies",
     "MultiWorkerMirroredStrategy": "towers.strategies",
     "ParameterServerStrategy": "towers.strategies",
+    "FullyShardedStrategy": "towers.strategies",
     "get_strategy": "towers.strategies",
     "strategy_from_env": "towers.strategies",
     "current_strategy": "towers.strategies",

@@ -85,7 +85,9 @@ def train(strategy: towers.Strategy, *, n: int, gbs: int, model: str, epochs: in
         for x, y in batches:
             shares.append(len(x))
             losses.append(strategy.reduce("sum", strategy.run(step, args=(x, y))))
-    state = {k: v.detach().clone() for k, v in strategy.unwrap(net).state_dict().items()}
+    # A sharded strategy's state holds this rank's shards (DTensors): compare the full tensors.
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+             for k, v in strategy.unwrap(net).state_dict().items()}
     return {"state": state, "losses": torch.stack(losses), "shares": shares}
 
 

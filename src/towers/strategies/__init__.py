@@ -11,6 +11,7 @@ from towers.strategies.base import (
     strategy_from_env,
     strategy_names,
 )
+from towers.strategies.fully_sharded import FullyShardedStrategy
 from towers.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from towers.strategies.one_device import OneDeviceStrategy
 from towers.strategies.parameter_server import ParameterServerStrategy
@@ -23,6 +24,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
+    "FullyShardedStrategy",
     "current_replica_context",
     "current_strategy",
     "get_strategy",

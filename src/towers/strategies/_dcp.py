@@ -27,6 +27,7 @@ import pickle
 import shutil
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -71,9 +72,12 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Admits DCP's metadata classes and torch's plain value types, nothing else."""
 
     _TORCH_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+    _ALLOWED = {("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),  # a layout from its name
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                ("pathlib", "PureWindowsPath")}  # the checkpoint id DCP records
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) == ("collections", "OrderedDict"):
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self._ALLOWED:
             return super().find_class(module, name)
         if module == "torch":
             value = getattr(torch, name, None)
@@ -119,6 +123,14 @@ def _planner() -> Any:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
     return SafeLoadPlanner()
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Any:
+    # DCP warns on every single-process save/load that it "assumes" one process; here that is the point.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 # --- writing ---------------------------------------------------------------------------------------
@@ -190,12 +202,15 @@ def save_sharded(path: str | os.PathLike[str], tensors: Mapping[str, Any], extra
         if is_chief:
             _publish(path, data_dir)
 
+    no_dist = not torch.distributed.is_initialized()  # one process: no collectives
     if async_save:
-        future = dcp.async_save(state, storage_writer=writer, process_group=process_group)
+        with _quiet_single_process():
+            future = dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
         # DCP's coordinator writes .metadata only after every rank's shards are written, so when the
         # chief's future is done the directory is complete and can be published.
         return _Pending(future, publish, path)
-    dcp.save(state, storage_writer=writer, process_group=process_group)
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
     publish()
     barrier()  # every rank returns after the checkpoint is visible
     return None
@@ -237,9 +252,25 @@ def load_sharded(path: str | os.PathLike[str], tensors: dict[str, Any], *, proce
 
     path = Path(path)
     _check(path)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
-        dcp.load(tensors, storage_reader=_reader(path.resolve()), planner=_planner(), process_group=process_group)
-    except (RuntimeError, ValueError, KeyError) as exc:
+        with _quiet_single_process():
+            dcp.load(tensors, storage_reader=_reader(path.resolve()), planner=_planner(), process_group=process_group,
+                     no_dist=not torch.distributed.is_initialized())
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:  # CheckpointException is a BaseException
+        cause = _root_cause(exc)
         raise ShardedCheckpointError(
-            f"Sharded checkpoint {path} does not fit this model/optimizer: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}. Build the same model and optimizer that wrote it.") from exc
+            f"Sharded checkpoint {path} cannot be loaded into this model/optimizer: {cause}. Build the same model "
+            "and optimizer that wrote it; a torn or foreign checkpoint cannot be loaded.") from None
+
+
+def _root_cause(exc: BaseException) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        failures = [f for f in exc.failures.values()]
+        if failures:
+            return "; ".join(f"{type(f).__name__}: {str(f).splitlines()[-1] if str(f) else ''}" for f in failures[:2])
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"

@@ -1,0 +1,162 @@
+"""FullyShardedStrategy keeps the same-maths promise (invariant 1) at 4 CPU processes, and under Trainer.fit at 2.
+
+(At 2 processes the flagship test, tests/distributed/test_mirrored.py, runs it from the strategy
+table like every synchronous strategy.) Custom loop at 4: after k steps the sharded replicas
+hold the parameters (gathered from their shards) and report the losses OneDeviceStrategy gets
+on the same global batches, with Adam, gradient clipping and an LR scheduler over a ragged last
+batch, gradient accumulation, an empty share (last batch of one example) with
+``reshard_after_forward=False``, and HSDP on a 2x2 mesh (shard within pairs, replicate across
+them). ``Trainer.fit`` at 2 (launched as ``--strategy sharded`` would: TOWERS_STRATEGY) gives one
+device's History and parameters; bf16 trains with float32 master shards. The one-device
+references run in this process; each test is one spawn; all assertions happen here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import towers
+from towers.cluster.info import ProcessInfo
+
+pytestmark = pytest.mark.timeout(240)
+
+SPAWN_TIMEOUT_S = 180
+ATOL = 1e-5
+
+#: name -> strategy options and training setup; "ref_gbs": the one-device global batch when it differs.
+CASES: dict[str, dict] = {
+    "adam_schedule_ragged": dict(n=22, gbs=8, optimizer="adam", options={"shard_units": nn.Linear}),
+    "accumulation": dict(n=22, gbs=4, optimizer="sgd", ref_gbs=8,
+                         options={"gradient_accumulation_steps": 2, "shard_units": nn.Linear}),
+    "empty_share_no_reshard": dict(n=17, gbs=8, optimizer="adam",
+                                   options={"reshard_after_forward": False, "shard_units": 50}),
+    "hsdp_2x2": dict(n=22, gbs=8, optimizer="adam", options={"shard_units": nn.Linear, "shard_group_size": 2}),
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 1, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _full(state: dict) -> dict:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
+
+
+def train(strategy: towers.Strategy, *, n: int, gbs: int, optimizer: str, epochs: int = 2) -> dict:
+    """The user's custom loop, unchanged for every strategy; returns the full final state and per-step global losses."""
+    with strategy.scope():
+        net = _model()
+        opt = (torch.optim.Adam(net.parameters(), lr=0.02) if optimizer == "adam"
+               else torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    net, opt = strategy.prepare(net, opt)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    batches = strategy.distribute_dataset(_data(n), gbs, shuffle=True, seed=3)
+
+    def step(x, y):
+        loss = towers.compute_average_loss(F.cross_entropy(net(x), y, reduction="none"))
+        loss.backward()
+        if optimizer == "adam":
+            strategy.clip_grad_norm_(net.parameters(), 10.0)  # a global norm over the shards; never reached here
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    losses, shares = [], []
+    for _ in range(epochs):
+        for x, y in batches:
+            shares.append(len(x))
+            losses.append(strategy.reduce("sum", strategy.run(step, args=(x, y))))
+            if opt.is_update_step:
+                schedule.step()
+    return {"state": _full(strategy.unwrap(net).state_dict()), "losses": torch.stack(losses), "shares": shares}
+
+
+def _replica(cases: dict) -> dict:
+    results = {}
+    for name, case in cases.items():
+        strategy = towers.FullyShardedStrategy(timeout_s=60, **case["options"])
+        results[name] = train(strategy, n=case["n"], gbs=case["gbs"], optimizer=case["optimizer"])
+        results[name]["mesh"] = tuple(strategy.mesh.shape)
+    return results
+
+
+def _reference(case: dict) -> dict:
+    strategy = towers.OneDeviceStrategy("cpu", info=ProcessInfo())
+    return train(strategy, n=case["n"], gbs=case.get("ref_gbs", case["gbs"]), optimizer=case["optimizer"])
+
+
+def test_sharded_matches_one_device_at_4_processes():
+    replicas = 4
+    per_rank = towers.spawn(_replica, replicas, args=(CASES,), timeout_s=SPAWN_TIMEOUT_S)
+    for name, case in CASES.items():
+        ref = _reference(case)
+        micro = case["options"].get("gradient_accumulation_steps", 1)
+        for rank, result in enumerate(per_rank):
+            got = result[name]
+            losses = got["losses"]
+            if micro > 1:  # a micro-batch's loss is its share of the update's mean: sum them per update
+                losses = losses.reshape(-1, micro).sum(dim=1)
+            assert torch.allclose(losses, ref["losses"], atol=ATOL), (name, rank, losses, ref["losses"])
+            assert got["state"].keys() == ref["state"].keys()
+            for key, value in ref["state"].items():
+                assert torch.allclose(got["state"][key], value, atol=ATOL), (name, rank, key)
+    assert per_rank[0]["adam_schedule_ragged"]["mesh"] == (replicas,)
+    assert per_rank[0]["hsdp_2x2"]["mesh"] == (2, 2)
+    # The data really was ragged: the last batch of one example left every other replica empty.
+    assert [r["empty_share_no_reshard"]["shares"][2] for r in per_rank] == [1] + [0] * (replicas - 1)
+
+
+# --- Trainer.fit --------------------------------------------------------------------------------------
+N, GBS, EPOCHS = 53, 8, 2  # the last global batch has 5 examples: 3 + 2 on two replicas
+
+
+def _fit_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 4, generator=g)
+    return x, (x[:, 0] - x[:, 2] > 0).long()
+
+
+def _fit(strategy) -> dict:
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    trainer = towers.Trainer(model, optimizer, F.cross_entropy, metrics=["accuracy"], strategy=strategy)
+    x, y = _fit_data()
+    history = trainer.fit((x, y), EPOCHS, GBS, validation_data=(x[:29], y[:29]))
+    return {"history": history.state_dict(), "state": _full(trainer.unwrapped_model.state_dict())}
+
+
+def _fit_replica() -> dict:
+    strategy = towers.strategy_from_env(timeout_s=60)  # TOWERS_STRATEGY=sharded, as `towers launch --strategy sharded`
+    result = {"name": strategy.name, **_fit(strategy)}
+    bf16 = towers.FullyShardedStrategy(timeout_s=60, precision="bf16")
+    fitted = _fit(bf16)
+    result["bf16"] = {"loss": fitted["history"]["history"]["loss"],
+                      "dtypes": sorted({str(v.dtype) for v in fitted["state"].values()})}
+    return result
+
+
+def test_trainer_fit_sharded_matches_one_device():
+    per_rank = towers.spawn(_fit_replica, 2, timeout_s=SPAWN_TIMEOUT_S, env={"TOWERS_STRATEGY": "sharded"})
+    ref = _fit(towers.OneDeviceStrategy("cpu", info=ProcessInfo()))
+    for rank, got in enumerate(per_rank):
+        assert got["name"] == "sharded"
+        for key, value in ref["state"].items():
+            assert torch.allclose(got["state"][key], value, atol=ATOL), (rank, key)
+        for metric, values in ref["history"]["history"].items():
+            assert torch.allclose(torch.tensor(got["history"]["history"][metric]), torch.tensor(values),
+                                  atol=ATOL), (rank, metric)
+        assert got["bf16"]["dtypes"] == ["torch.float32"]  # bf16 compute, float32 master shards
+        bf16_loss = got["bf16"]["loss"]  # bf16 is not float32 maths: it trains, close to the float32 losses
+        assert all(torch.isfinite(torch.tensor(bf16_loss))) and bf16_loss[-1] < bf16_loss[0]
+        assert abs(bf16_loss[-1] - ref["history"]["history"]["loss"][-1]) < 0.05
