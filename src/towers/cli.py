@@ -120,9 +120,10 @@ def run_demo(args: argparse.Namespace) -> int:
 # --- towers bench -----------------------------------------------------------------------------
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure speed-up and efficiency per replica count and strategy vs raw DDP",
-                       description="Train the seed CNN on synthetic data with each strategy and with hand-written "
-                       "torch DDP, interleaved on the same processes; print examples/s, speed-up, weak-scaling "
-                       "efficiency and the towers/raw ratio; write JSON and a PNG.")
+                       description="Train a model (the seed CNN, or yours with --model) with each strategy and with "
+                       "hand-written torch DDP, interleaved on the same processes (GPUs when visible, else CPU "
+                       "cores); print examples/s, speed-up, weak-scaling efficiency, the towers/raw ratio, CPU "
+                       "ms/step and peak memory; write JSON and a PNG.")
     p.add_argument("--replicas", default="1,2", help="comma-separated replica counts (default: 1,2)")
     p.add_argument("--strategies", default="mirrored", help="comma-separated: mirrored, ps_async, ps_sync "
                    "(raw DDP is always measured beside them; default: mirrored)")
@@ -134,6 +135,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="per-replica batch size (default: 64)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default: 1)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="optimizer (default: sgd)")
+    p.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="your model: a function or class returning an nn.Module, e.g. mypkg.models:build_model or "
+                        "path/to/file.py:Net (default: the seed CNN)")
+    p.add_argument("--input-shape", default="1,28,28", metavar="C,H,W",
+                   help="shape of one input example for --model, without the batch dimension (default: 1,28,28)")
+    p.add_argument("--num-classes", type=int, default=10, help="labels of the random data for --model (default: 10)")
+    p.add_argument("--dataset", metavar="MODULE:FACTORY",
+                   help="your data for --model: a function returning a dataset of (input, target) pairs "
+                        "(default: random inputs of --input-shape)")
+    p.add_argument("--loss", choices=("cross_entropy", "mse"), default="cross_entropy",
+                   help="loss for --model: cross_entropy (class labels) or mse (targets shaped like the output)")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="deadline of each replica count's job in seconds (default: from the amount of work)")
     p.add_argument("--out-dir", default="towers-out/bench", help="where bench.json and bench.png go")
@@ -146,14 +158,19 @@ def run_bench(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from towers.bench.config import BenchConfig, parse_replicas, parse_strategies
+    from towers.bench.config import BenchConfig, parse_replicas, parse_shape, parse_strategies
 
     try:
         config = BenchConfig(
             replicas=parse_replicas(args.replicas), strategies=parse_strategies(args.strategies), steps=args.steps,
             warmup=args.warmup, repeats=args.repeats, interleave_steps=args.interleave_steps,
             batch_size=args.batch_size, threads=args.threads,
-            optimizer=args.optimizer, timeout_s=args.timeout_s)
+            optimizer=args.optimizer, timeout_s=args.timeout_s, model=args.model, dataset=args.dataset,
+            input_shape=parse_shape(args.input_shape), num_classes=args.num_classes, loss=args.loss)
+        if config.model is not None:  # find and try the user's model here, before any process starts
+            from towers.bench.user_model import check_user_workload
+
+            print(f"towers bench: {check_user_workload(config.workload_spec())}", file=sys.stderr)
         out_dir = Path(args.out_dir)
         if out_dir.exists() and not out_dir.is_dir():
             raise ValueError(f"--out-dir must be a directory. Received: {str(out_dir)!r}, which is a file. "

@@ -12,10 +12,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from towers.bench.workloads import WorkloadSpec
 
-__all__ = ["STRATEGIES", "OPTIMIZERS", "BenchConfig", "available_cores", "parse_replicas", "parse_strategies"]
+__all__ = ["STRATEGIES", "OPTIMIZERS", "LOSSES", "BenchConfig", "available_cores", "parse_replicas", "parse_strategies",
+           "parse_shape"]
 
 #: Optimizers the benchmark can use; every engine builds the same one with the same learning rate.
 OPTIMIZERS = ("sgd", "adam")
+
+#: Losses the benchmark can train with (``cross_entropy`` takes class labels, ``mse`` targets shaped like the output).
+LOSSES = ("cross_entropy", "mse")
 
 #: Strategies ``towers bench --strategies`` accepts; raw DDP is always measured beside them.
 STRATEGIES = ("mirrored", "ps_async", "ps_sync")
@@ -32,6 +36,9 @@ class BenchConfig:
 
     ``interleave_steps``: engines take turns every that many timed steps (0: one turn of ``steps``
     each per repeat). ``timeout_s`` bounds each spawned job; None picks a bound from the amount of work.
+    ``model``: ``module:factory`` of the user's ``nn.Module`` (None: the seed CNN), fed random
+    ``input_shape`` inputs with ``num_classes`` labels, or ``dataset`` (``module:factory`` of a
+    dataset of ``(input, target)`` pairs); ``loss``: one of ``LOSSES``.
     """
 
     replicas: tuple[int, ...] = (1, 2)
@@ -46,6 +53,11 @@ class BenchConfig:
     lr: float = 0.01
     seed: int = 0
     timeout_s: float | None = None
+    model: str | None = None
+    dataset: str | None = None
+    input_shape: tuple[int, ...] = (1, 28, 28)
+    num_classes: int = 10
+    loss: str = "cross_entropy"
 
     def __post_init__(self) -> None:
         replicas = tuple(self.replicas)
@@ -71,13 +83,32 @@ class BenchConfig:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}. Received: {self.optimizer!r}.")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 seconds (or None for automatic). Received: {self.timeout_s}.")
+        for name in ("model", "dataset"):
+            ref = getattr(self, name)
+            if ref is not None and (not isinstance(ref, str) or ref.count(":") != 1 or not all(ref.split(":"))):
+                raise ValueError(f"{name} must be 'module:factory' (e.g. mypkg.models:build) or 'file.py:factory'. "
+                                 f"Received: {ref!r}. Pass --{name} module:factory.")
+        if self.dataset is not None and self.model is None:
+            raise ValueError("--dataset needs --model: the seed CNN trains on its own synthetic images. "
+                             f"Received: --dataset {self.dataset!r} without --model.")
+        shape = tuple(self.input_shape)
+        if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
+            raise ValueError(f"input_shape must be positive integers, e.g. (3, 32, 32). Received: {self.input_shape!r}. "
+                             "Pass --input-shape 3,32,32.")
+        object.__setattr__(self, "input_shape", shape)
+        if not isinstance(self.num_classes, int) or self.num_classes < 1:
+            raise ValueError(f"num_classes must be an integer >= 1. Received: {self.num_classes!r}.")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}. Received: {self.loss!r}.")
 
     def workload_spec(self) -> "WorkloadSpec":
         """Return the workload every engine runs: one pass holds the warm-up and the timed steps."""
         from towers.bench.workloads import WorkloadSpec
 
         return WorkloadSpec(batch_size=self.batch_size, steps_per_epoch=self.warmup + self.steps,
-                            optimizer=self.optimizer, lr=self.lr, seed=self.seed)
+                            optimizer=self.optimizer, lr=self.lr, seed=self.seed, model=self.model,
+                            dataset=self.dataset, input_shape=self.input_shape, num_classes=self.num_classes,
+                            loss=self.loss)
 
     def job_timeout_s(self, num_replicas: int, num_engines: int, cores: int | None = None) -> float:
         """Return the deadline of one spawned job: explicit, or ~10x a slow step time per step, plus start-up."""
@@ -118,3 +149,20 @@ def parse_strategies(text: str) -> tuple[str, ...]:
         raise ValueError(f"--strategies must be a comma-separated list of {', '.join(STRATEGIES)}. "
                          f"Received: {text!r}. Pass e.g. --strategies mirrored (raw DDP is always measured).")
     return names
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """Return the dimensions in a flag value such as ``"3,32,32"`` (or ``"3x32x32"``).
+
+    Raises:
+        ValueError: on an empty, non-integer or non-positive dimension, with an example.
+    """
+    parts = [p.strip() for p in str(text).replace("x", ",").split(",") if p.strip()]
+    try:
+        dims = tuple(int(p) for p in parts)
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise ValueError(f"--input-shape must be positive integers separated by commas, one example's shape without "
+                         f"the batch dimension. Received: {text!r}. Example: --input-shape 3,32,32.")
+    return dims

@@ -30,6 +30,8 @@ class Measurement:
     raw_cpu_ms_per_step: tuple[float, ...] = ()
     #: The same engine on 1 replica in the same job, repeat by repeat: speed-up denominators (empty: the 1-replica row).
     base_examples_per_s: tuple[float, ...] = ()
+    #: Peak memory of the busiest process of the job, MiB (GPU memory allocated on GPUs, resident memory on CPUs).
+    memory_mib: float | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -68,6 +70,7 @@ class Row:
     vs_raw: float | None
     cpu_ms: float | None = None
     cpu_vs_raw: float | None = None
+    memory_mib: float | None = None
 
 
 @dataclass
@@ -146,27 +149,33 @@ class BenchReport:
             rows.append(Row(m.strategy, m.replicas, m.engine, m.median, min(m.examples_per_s), max(m.examples_per_s),
                             self.speedup(m.strategy, m.replicas), self.efficiency(m.strategy, m.replicas),
                             None if m.strategy == RAW else self.ratio_vs_raw(m.strategy, m.replicas), m.cpu_ms,
-                            None if m.strategy == RAW else self.cpu_ratio_vs_raw(m.strategy, m.replicas)))
+                            None if m.strategy == RAW else self.cpu_ratio_vs_raw(m.strategy, m.replicas),
+                            m.memory_mib))
         return rows
 
     # --- outputs -----------------------------------------------------------------------------------
     def to_table(self) -> str:
         """Return the results as an aligned text table, with a line saying how to read it."""
         header = ("strategy", "replicas", "engine", "examples/s", "[min-max]", "speed-up", "efficiency", "vs raw DDP",
-                  "CPU ms/step", "CPU vs raw")
+                  "CPU ms/step", "CPU vs raw", "peak MiB")
         lines = [header]
         for r in self.rows():
             lines.append((r.strategy, str(r.replicas), r.engine, f"{r.median:,.0f}", f"[{r.low:,.0f}-{r.high:,.0f}]",
                           _fmt(r.speedup, "x"), _fmt(r.efficiency), "-" if r.strategy == RAW else _fmt(r.vs_raw),
-                          _fmt(r.cpu_ms, "", 1), "-" if r.strategy == RAW else _fmt(r.cpu_vs_raw, "", 3)))
+                          _fmt(r.cpu_ms, "", 1), "-" if r.strategy == RAW else _fmt(r.cpu_vs_raw, "", 3),
+                          _fmt(r.memory_mib, "", 0)))
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-        right = {1, 3, 4, 5, 6, 7, 8, 9}
+        right = {1, 3, 4, 5, 6, 7, 8, 9, 10}
         out = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
                for line in lines]
         out.insert(1, "  ".join("-" * w for w in widths))
         c = self.config
         if c:
             out.append("")
+            shape = "x".join(str(d) for d in c.get("input_shape") or ())
+            out.append(f"model: {c['model']} (input {shape or '?'}" + (f", data {c['dataset']}" if c.get("dataset") else "")
+                       + f", loss {c.get('loss', 'cross_entropy')})" if c.get("model") else
+                       "model: the seed CNN on synthetic 28x28 images (towers bench --model module:factory measures yours)")
             out.append(f"examples/s: global, median of {c.get('repeats', '?')} repeats of {c.get('steps', '?')} "
                        f"steps (after {c.get('warmup', '?')} warm-up), engines taking turns every "
                        f"{c.get('interleave_steps') or c.get('steps', '?')} steps; per-replica batch "
@@ -176,6 +185,8 @@ class BenchReport:
                    "ratios of examples/s.")
         out.append("CPU ms/step: process CPU time (all threads) per step, mean over ranks; CPU vs raw: median of "
                    "per-repeat ratios (> 1: towers spends more CPU per step). Robust to other programs on the cores.")
+        out.append("peak MiB: the busiest process of the job (both engines share it): GPU memory allocated by torch on "
+                   "GPUs, resident memory (torch itself included) on CPUs.")
         out.extend(self.notes)
         return "\n".join(out)
 
@@ -201,7 +212,8 @@ class BenchReport:
     def from_dict(cls, data: dict[str, Any]) -> "BenchReport":
         """Return the report ``to_dict`` produced (derived rows are recomputed)."""
         return cls(measurements=[Measurement(m["strategy"], int(m["replicas"]), m["engine"],
-                                             **{k: tuple(m.get(k, ())) for k in _SERIES}) for m in data["measurements"]],
+                                             **{k: tuple(m.get(k, ())) for k in _SERIES},
+                                             memory_mib=m.get("memory_mib")) for m in data["measurements"]],
                    config=dict(data.get("config", {})), environment=dict(data.get("environment", {})),
                    notes=list(data.get("notes", [])))
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 from towers._logging import get_logger, set_rank
 from towers.bench.config import BenchConfig, available_cores
 from towers.bench.report import RAW, BenchReport, Measurement
-from towers.bench.workloads import IdleWorkload, RawTorchWorkload, TowersWorkload, Workload
+from towers.bench.workloads import IdleWorkload, RawTorchWorkload, TowersWorkload, Workload, replica_device
 
 __all__ = ["NUM_PS", "run_benchmark", "measure_interleaved"]
 
@@ -88,14 +88,14 @@ def _environment(cores: int) -> dict[str, Any]:
             "cores": cores, "machine": platform.machine()}
 
 
-def _make_strategy(name: str, num_replicas: int, *, timeout_s: float = 300.0) -> Any:
+def _make_strategy(name: str, num_replicas: int, *, timeout_s: float = 300.0, device: Any = "cpu") -> Any:
     """Return the towers strategy a user would pick for ``name`` at ``num_replicas`` (ps: one ps task)."""
     import towers
 
     if name.startswith("ps_"):
         return towers.ParameterServerStrategy(num_ps=NUM_PS, mode=name[3:], timeout_s=timeout_s, exit_on_ps=False)
     if num_replicas == 1:
-        return towers.OneDeviceStrategy("cpu")  # what strategy_from_env picks for one process
+        return towers.OneDeviceStrategy(str(device))  # what strategy_from_env picks for one process
     return towers.get_strategy(name, timeout_s=timeout_s)
 
 
@@ -113,7 +113,9 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
     rank, group, barrier = 0, None, _no_barrier
     if world_size > 1:
         # The hand-written DDP script's own set-up: env:// reads the torchrun variables spawn() set.
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        # NCCL between GPUs; Gloo on CPUs and wherever ps tasks (which may have no GPU) take part.
+        backend = "nccl" if replica_device().type == "cuda" and not num_ps else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         rank = dist.get_rank()
         if num_ps:  # raw DDP runs on the workers only; every rank takes part in creating the subgroup
             group = dist.new_group(list(range(num_replicas)))
@@ -121,6 +123,7 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
             barrier = partial(dist.barrier, group=group)
     set_rank(rank, world_size)
     spec = config.workload_spec()
+    device = replica_device(rank)  # one host: the rank is the local rank
     skipped = ""
     try:
         made = _make_strategy(strategy, num_replicas, timeout_s=timeout_s)  # a ps task serves in here
@@ -130,11 +133,11 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
         return None
     workloads: dict[str, Workload] = {}
     if baseline:
-        workloads[RAW + _AT_ONE] = RawTorchWorkload(spec) if rank == 0 else IdleWorkload()
+        workloads[RAW + _AT_ONE] = RawTorchWorkload(spec, device=device) if rank == 0 else IdleWorkload()
         if made is not None:
-            workloads[strategy + _AT_ONE] = TowersWorkload(spec, _make_strategy(strategy, 1)) if rank == 0 \
-                else IdleWorkload()
-    workloads[RAW] = RawTorchWorkload(spec, rank=rank, world_size=num_replicas, process_group=group)
+            workloads[strategy + _AT_ONE] = TowersWorkload(spec, _make_strategy(strategy, 1, device=device)) \
+                if rank == 0 else IdleWorkload()
+    workloads[RAW] = RawTorchWorkload(spec, rank=rank, world_size=num_replicas, process_group=group, device=device)
     if made is not None:
         workloads[strategy] = TowersWorkload(spec, made)
         if num_ps:
@@ -145,7 +148,18 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
         for w in workloads.values():
             w.close()
     return {"measured": {name: (workloads[name].engine, values) for name, values in measured.items()},
-            "skipped": skipped}
+            "skipped": skipped, "memory_mib": _peak_memory_mib(device)}
+
+
+def _peak_memory_mib(device: Any) -> float:
+    """Return this process's peak memory in MiB: GPU memory allocated by torch on a GPU, else resident memory."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _measurements(results: Sequence[dict[str, Any] | None], num_replicas: int, strategy: str) -> list[Measurement]:
@@ -165,8 +179,9 @@ def _measurements(results: Sequence[dict[str, Any] | None], num_replicas: int, s
         cpu = tuple(sum(v) / len(v) for v in zip(*per_rank))
         if has_base and not at_one:
             paired["base_examples_per_s"] = tuple(measured[name + _AT_ONE][1]["examples_per_s"])
+        memory = max(r.get("memory_mib", 0.0) for r in (reports[:1] if at_one else reports))
         return Measurement(name.removesuffix(_AT_ONE), 1 if at_one else num_replicas, engine,
-                           tuple(values["examples_per_s"]), cpu, **paired)
+                           tuple(values["examples_per_s"]), cpu, memory_mib=memory or None, **paired)
 
     out = []
     for suffix in (_AT_ONE, "") if has_base else ("",):

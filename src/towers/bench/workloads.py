@@ -1,8 +1,10 @@
-"""What the benchmark trains: the seed CNN on synthetic images, as raw torch DDP and as towers user code.
+"""What the benchmark trains: the seed CNN on synthetic images (or the user's model and data), as raw torch DDP
+and as towers user code.
 
 Every workload has the same two calls: ``start_epoch()`` (untimed: a fresh pass over the data) and
-``train(steps)`` (timed by the runner). Data is generated once, before any timing; warm-up steps are
-run by the runner outside the timed region.
+``train(steps)`` (timed by the runner). Data is generated once, before any timing, and placed on
+the replica's device (``cuda:<local rank>`` when GPUs are visible, else the CPU); warm-up steps
+are run by the runner outside the timed region.
 """
 
 from __future__ import annotations
@@ -14,24 +16,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from towers.bench.config import OPTIMIZERS
-from towers.datasets import synthetic_images
+from towers.bench.config import LOSSES, OPTIMIZERS
 from towers.models import SeedCNN
 
 __all__ = ["OPTIMIZERS", "WorkloadSpec", "Workload", "IdleWorkload", "RawTorchWorkload", "TowersWorkload",
-           "make_dataset"]
+           "make_dataset", "replica_device"]
+
+
+def replica_device(local_rank: int = 0) -> torch.device:
+    """Return the device a benchmark replica uses: ``cuda:<local_rank>`` when GPUs are visible, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
 
 @dataclass(frozen=True, kw_only=True)
 class WorkloadSpec:
-    """The training job every engine runs: seed CNN, per-replica batch, optimizer, steps per pass."""
+    """The training job every engine runs: model (seed CNN or ``model``), per-replica batch, optimizer, steps per pass.
+
+    ``model``/``dataset``: ``module:factory`` references (see ``towers.bench.user_model``); without
+    ``dataset``, inputs are random ``input_shape`` tensors with labels below ``num_classes``
+    (``loss="cross_entropy"``) or random targets shaped like the model's output (``loss="mse"``).
+    """
 
     batch_size: int = 64
     steps_per_epoch: int = 35
     optimizer: str = "sgd"
     lr: float = 0.01
     seed: int = 0
-    image_size: int = 28
+    model: str | None = None
+    dataset: str | None = None
+    input_shape: tuple[int, ...] = (1, 28, 28)
     num_classes: int = 10
+    loss: str = "cross_entropy"
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -42,6 +59,9 @@ class WorkloadSpec:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}. Received: {self.optimizer!r}.")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0. Received: {self.lr}.")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}. Received: {self.loss!r}.")
+        object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
 
     def make_optimizer(self, params: Any) -> torch.optim.Optimizer:
         """Return this spec's optimizer over ``params``."""
@@ -50,15 +70,67 @@ class WorkloadSpec:
         return torch.optim.SGD(params, lr=self.lr)
 
     def make_model(self) -> nn.Module:
-        """Return a freshly initialised seed CNN (same weights for the same seed)."""
+        """Return a freshly initialised model (same weights for the same seed): the seed CNN or the user's.
+
+        Raises:
+            ValueError: when the user's factory fails or returns something other than an ``nn.Module``.
+        """
         torch.manual_seed(self.seed)
-        return SeedCNN(self.num_classes)
+        if self.model is None:
+            return SeedCNN(self.num_classes)
+        from towers.bench.user_model import load_factory
+
+        try:
+            model = load_factory(self.model, "--model")()
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ValueError(f"--model {self.model!r} raised {type(exc).__name__}: {exc}. It is called with no "
+                             "arguments; wrap it in a function that passes yours.") from exc
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"--model {self.model!r} must return a torch.nn.Module. Received: {type(model).__name__}.")
+        return model
+
+    def make_raw_dataset(self, n: int) -> Any:
+        """Return ``n`` examples: the user's dataset (cycled to ``n``) or random inputs and targets."""
+        g = torch.Generator().manual_seed(self.seed)
+        if self.dataset is not None:
+            from towers.bench.user_model import load_factory
+
+            data = load_factory(self.dataset, "--dataset")()
+            try:
+                size = len(data)
+                x0, _ = data[0]
+            except Exception as exc:
+                raise ValueError(f"--dataset {self.dataset!r} must return a dataset of (input, target) pairs with a "
+                                 f"length. Received: {type(data).__name__} ({type(exc).__name__}: {exc}).") from exc
+            index = torch.arange(n) % size
+            xs = torch.stack([torch.as_tensor(data[int(i)][0]) for i in index[:min(n, size)]])
+            ys = torch.stack([torch.as_tensor(data[int(i)][1]) for i in index[:min(n, size)]])
+            reps = -(-n // len(xs))
+            return torch.utils.data.TensorDataset(xs.repeat(reps, *[1] * (xs.dim() - 1))[:n],
+                                                  ys.repeat(reps, *[1] * (ys.dim() - 1))[:n])
+        x = torch.rand(n, *self.input_shape, generator=g)
+        if self.loss == "cross_entropy":
+            y = torch.randint(0, self.num_classes, (n,), generator=g)
+        else:
+            with torch.no_grad():
+                out_shape = self.make_model()(x[:1]).shape[1:]
+            y = torch.randn(n, *out_shape, generator=g)
+        return torch.utils.data.TensorDataset(x, y)
+
+    def loss_value(self, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Return the loss of ``output`` against ``target`` (per example with ``reduction="none"``)."""
+        if self.loss == "cross_entropy":
+            return F.cross_entropy(output, target, reduction=reduction)
+        per_element = F.mse_loss(output, target.to(output.dtype), reduction="none")
+        per_example = per_element.reshape(len(per_element), -1).mean(dim=1)
+        return per_example if reduction == "none" else per_example.mean()
 
 
 def make_dataset(spec: WorkloadSpec, num_replicas: int) -> torch.utils.data.TensorDataset:
-    """Return synthetic images for one pass: ``steps_per_epoch`` global batches of ``num_replicas * batch_size``."""
-    n = spec.steps_per_epoch * num_replicas * spec.batch_size
-    return synthetic_images(n, size=spec.image_size, num_classes=spec.num_classes, seed=spec.seed)
+    """Return the data of one pass: ``steps_per_epoch`` global batches of ``num_replicas * batch_size``."""
+    return spec.make_raw_dataset(spec.steps_per_epoch * num_replicas * spec.batch_size)
 
 
 class Workload:
@@ -102,19 +174,21 @@ class RawTorchWorkload(Workload):
     """
 
     def __init__(self, spec: WorkloadSpec, *, rank: int = 0, world_size: int = 1, use_ddp: bool | None = None,
-                 process_group: Any = None):
+                 process_group: Any = None, device: torch.device | None = None):
         self.spec = spec
         use_ddp = world_size > 1 if use_ddp is None else use_ddp
-        model = spec.make_model()
+        device = device or torch.device("cpu")
+        model = spec.make_model().to(device)
         if use_ddp:
-            model = nn.parallel.DistributedDataParallel(model, process_group=process_group)
+            model = nn.parallel.DistributedDataParallel(
+                model, process_group=process_group, device_ids=[device.index] if device.type == "cuda" else None)
         self.model = model
         self.num_replicas = world_size
         self.engine = "torch DDP" if use_ddp else "torch (no DDP)"
         self.optimizer = spec.make_optimizer(model.parameters())
         data = make_dataset(spec, world_size)
         b, g = spec.batch_size, spec.batch_size * world_size
-        x, y = data.tensors
+        x, y = (t.to(device) for t in data.tensors)
         self._batches = [(x[i * g + rank * b:i * g + (rank + 1) * b], y[i * g + rank * b:i * g + (rank + 1) * b])
                          for i in range(spec.steps_per_epoch)]
         self._it: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
@@ -128,7 +202,7 @@ class RawTorchWorkload(Workload):
         model, optimizer = self.model, self.optimizer
         for _ in range(steps):
             x, y = next(self._it)
-            loss = F.cross_entropy(model(x), y)
+            loss = self.spec.loss_value(model(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -155,7 +229,7 @@ class TowersWorkload(Workload):
         self._it: Iterator[Any] = iter(())
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        per_example = F.cross_entropy(self.model(x), y, reduction="none")
+        per_example = self.spec.loss_value(self.model(x), y, reduction="none")
         loss = self._compute_average_loss(per_example)
         loss.backward()
         self.optimizer.step()
