@@ -162,7 +162,7 @@ def _failure_error(exc: Any, spec: LaunchSpec) -> LaunchError:
     return LaunchError(text, exit_code=_exit_code(first.exitcode), failed_rank=first_rank)
 
 
-def _start_error(exc: BaseException, rendezvous: str) -> LaunchError:
+def _start_error(exc: BaseException, rendezvous: str, spec: LaunchSpec, join_timeout_s: float) -> LaunchError:
     # torch's text can carry a page of C++ frames: the first line goes to the user, the rest to a file.
     import traceback
 
@@ -176,6 +176,13 @@ def _start_error(exc: BaseException, rendezvous: str) -> LaunchError:
         detail = f" (torch's full message: {path})"
     except OSError:
         detail = ""
+    if type(exc).__name__ == "RendezvousTimeoutError":
+        nodes = spec.min_nodes if spec.min_nodes == spec.max_nodes else f"{spec.min_nodes} to {spec.max_nodes}"
+        return LaunchError(
+            f"Not all of the {nodes} nodes joined torchrun's {spec.rdzv_backend} rendezvous at {rendezvous} within the "
+            f"join timeout of {join_timeout_s:g} s. Check that `towers launch` runs on every node with the same "
+            f"--nnodes, --rdzv-backend, --rdzv-endpoint and --rdzv-id, that each node reaches {rendezvous}, or "
+            f"raise --join-timeout.{detail}")
     return LaunchError(
         f"The job could not start: {type(exc).__name__}: {first_line(exc)}. Check that every node reaches the "
         f"rendezvous {rendezvous} and that --nnodes/--node-rank agree across nodes.{detail}")
@@ -258,7 +265,7 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
             raise LaunchError(f"towers launch received {sig.name} and stopped every worker.",
                               exit_code=128 + int(sig)) from None
         except (TorchRendezvousError, RuntimeError, ValueError) as exc:
-            raise _start_error(exc, rendezvous) from None
+            raise _start_error(exc, rendezvous, spec, join_timeout_s) from None
         finally:
             tolerated = _tolerated_text(report_dir)
             if report_dir is not None:
