@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
+from towers.cluster import roles as _roles
 from towers.launch.spawn import cpu_threads_per_process
 
 __all__ = [
@@ -29,17 +30,11 @@ __all__ = [
     "parse_launch_args",
 ]
 
-#: Strategy names ``towers launch --strategy`` accepts, as the workers see them in ``TOWERS_STRATEGY``.
-STRATEGY_NAMES = ("one_device", "mirrored", "multi_worker_mirrored", "ps")
+#: Strategy names ``towers launch --strategy`` accepts, as the workers see them in ``TOWERS_STRATEGY``
+#: (the one table, ``towers.cluster.roles.STRATEGIES``).
+STRATEGY_NAMES = tuple(_roles.strategy_names())
 #: Other spellings, mapped to the names above (matching is case-insensitive, ``-`` == ``_``).
-STRATEGY_ALIASES = {
-    "parameter_server": "ps",
-    "parameterserver": "ps",
-    "onedevice": "one_device",
-    "single": "one_device",
-    "multiworkermirrored": "multi_worker_mirrored",
-    "mwms": "multi_worker_mirrored",
-}
+STRATEGY_ALIASES = {alias: entry.name for entry in _roles.STRATEGIES for alias in entry.aliases}
 #: How often the launcher checks its workers (seconds); a failed worker is noticed this fast.
 DEFAULT_MONITOR_INTERVAL_S = 0.5
 
