@@ -8,10 +8,12 @@ from typing import Mapping
 from towers.cluster.info import DEFAULT_JOIN_TIMEOUT_S, ProcessInfo, TaskInfo
 
 __all__ = ["ClusterConfigError", "ClusterEnvironment", "env_int", "launch_options", "role_of_rank",
-           "JOIN_TIMEOUT_VARIABLE", "read_join_timeout"]
+           "JOIN_TIMEOUT_VARIABLE", "read_join_timeout", "STUCK_TIMEOUT_VARIABLE", "read_stuck_timeout"]
 
 #: The variable that sets how long processes wait for each other at start-up (``towers launch --join-timeout``).
 JOIN_TIMEOUT_VARIABLE = "TOWERS_JOIN_TIMEOUT_S"
+#: The variable that sets the least time one collective may wait before the stuck-job watchdog ends the job.
+STUCK_TIMEOUT_VARIABLE = "TOWERS_STUCK_TIMEOUT_S"
 
 
 class ClusterConfigError(ValueError):
@@ -85,6 +87,26 @@ def read_join_timeout(environ: Mapping[str, str], default: float = DEFAULT_JOIN_
         raise ClusterConfigError(
             f"{JOIN_TIMEOUT_VARIABLE} must be a number of seconds > 0. Received: {JOIN_TIMEOUT_VARIABLE}={raw!r}. "
             f"Example: {JOIN_TIMEOUT_VARIABLE}=600, or unset it for the default ({default:g} s).")
+    return value
+
+
+def read_stuck_timeout(environ: Mapping[str, str]) -> float | None:
+    """Return ``TOWERS_STUCK_TIMEOUT_S`` in seconds (None when unset; 0 turns the stuck-job watchdog off).
+
+    Raises:
+        ClusterConfigError: when the value is not a number >= 0.
+    """
+    raw = environ.get(STUCK_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise ClusterConfigError(
+            f"{STUCK_TIMEOUT_VARIABLE} must be a number of seconds >= 0. Received: {STUCK_TIMEOUT_VARIABLE}={raw!r}. "
+            f"Example: {STUCK_TIMEOUT_VARIABLE}=120 (0 turns the stuck-job watchdog off).")
     return value
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from towers.cluster.base import JOIN_TIMEOUT_VARIABLE, ClusterConfigError, ClusterEnvironment, read_join_timeout
+from towers.cluster.base import (
+    JOIN_TIMEOUT_VARIABLE,
+    STUCK_TIMEOUT_VARIABLE,
+    ClusterConfigError,
+    ClusterEnvironment,
+    read_join_timeout,
+    read_stuck_timeout,
+)
 from towers.cluster.environ import read_environ
 from towers.cluster.info import ProcessInfo
 from towers.cluster.kubeflow import KubeflowTrainerEnvironment
@@ -64,6 +71,7 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` (set by ``towers launch``) fill ``strategy``/``num_ps``;
     ``TOWERS_CHECKPOINT_DIR`` (set by ``towers k8s`` manifests) fills ``checkpoint_dir``;
     ``TOWERS_JOIN_TIMEOUT_S`` (set by ``towers launch --join-timeout``) fills ``join_timeout_s``;
+    ``TOWERS_STUCK_TIMEOUT_S`` fills ``stuck_timeout_s``;
     ``TOWERS_INTERFACE`` (set by ``towers launch --interface``), else ``GLOO_SOCKET_IFNAME``, fills ``interface``.
     ``environ=None`` reads ``os.environ``; pass a dict in tests.
 
@@ -82,6 +90,8 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
         info = dataclasses.replace(info, checkpoint_dir=checkpoint_dir)
     if environ.get(JOIN_TIMEOUT_VARIABLE, "").strip():
         info = dataclasses.replace(info, join_timeout_s=read_join_timeout(environ))
+    if environ.get(STUCK_TIMEOUT_VARIABLE, "").strip():
+        info = dataclasses.replace(info, stuck_timeout_s=read_stuck_timeout(environ))
     interface = environ.get("TOWERS_INTERFACE", "").strip() or environ.get("GLOO_SOCKET_IFNAME", "").strip()
     if interface:
         info = dataclasses.replace(info, interface=interface)

@@ -84,6 +84,8 @@ class ProcessInfo:
     the job binds (``TOWERS_INTERFACE``, set by ``towers launch --interface``, else
     ``GLOO_SOCKET_IFNAME``), or None: ``towers.network`` then picks one when the job spans hosts.
     ``join_timeout_s`` bounds the wait for the other processes at start-up (``TOWERS_JOIN_TIMEOUT_S``).
+    ``stuck_timeout_s`` is the least time a rank may wait in one collective before the stuck-job
+    watchdog ends the job (``TOWERS_STUCK_TIMEOUT_S``; None: its default, 0: no watchdog).
     """
 
     rank: int = 0
@@ -104,6 +106,7 @@ class ProcessInfo:
     agent_store: bool = False
     interface: str | None = None
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    stuck_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -124,6 +127,9 @@ class ProcessInfo:
             raise ValueError(f"num_ps must be >= 0. Received: {self.num_ps}.")
         if not self.join_timeout_s > 0:
             raise ValueError(f"join_timeout_s must be > 0 seconds. Received: {self.join_timeout_s}.")
+        if self.stuck_timeout_s is not None and not 0 <= self.stuck_timeout_s < float("inf"):
+            raise ValueError(f"stuck_timeout_s must be None or a number of seconds >= 0 (0 turns the stuck-job "
+                             f"watchdog off). Received: {self.stuck_timeout_s}.")
 
     @property
     def is_chief(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from towers.diagnostics import track
 from towers.process_group import collective
 from towers.strategies.base import REDUCE_OPS
 
@@ -100,7 +101,7 @@ class ProcessGroupComm:
         self.rank, self.num_replicas, self.backend, self.timeout_s = rank, num_replicas, backend, timeout_s
 
     def reduce(self, op: str, value: torch.Tensor, axis: int | None) -> torch.Tensor:
-        with collective(f"strategy.reduce({op!r})"):
+        with collective(f"strategy.reduce({op!r})"), track(f"strategy.reduce({op!r})"):
             if axis is None:
                 out = (_float_for_mean(value) if op == "mean" else value).clone()
                 dist.all_reduce(out, op=_DIST_OPS[op])
@@ -115,11 +116,11 @@ class ProcessGroupComm:
             return (packed[:-1] / packed[-1]).reshape(local.shape)
 
     def all_reduce_max_(self, tensor: torch.Tensor) -> None:
-        with collective("fp16 inf/NaN check"):
+        with collective("fp16 inf/NaN check"), track("fp16 inf/NaN check"):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
 
     def gather(self, value: torch.Tensor, axis: int) -> torch.Tensor:
-        with collective("strategy.gather"):
+        with collective("strategy.gather"), track("strategy.gather"):
             value = value.detach().contiguous()
             size = torch.tensor([value.shape[axis]], dtype=torch.long, device=value.device)
             sizes = [torch.zeros_like(size) for _ in range(self.num_replicas)]
@@ -135,7 +136,7 @@ class ProcessGroupComm:
         return torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, lengths)], dim=axis)
 
     def barrier(self) -> None:
-        with collective("strategy.barrier"):
+        with collective("strategy.barrier"), track("strategy.barrier"):
             if self.backend == "gloo":
                 # Names the rank(s) that did not arrive when the timeout expires.
                 dist.monitored_barrier(timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
@@ -143,13 +144,13 @@ class ProcessGroupComm:
                 dist.barrier()
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
-        with collective("strategy.broadcast_object"):
+        with collective("strategy.broadcast_object"), track("strategy.broadcast_object"):
             box = [obj if self.rank == src else None]
             dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        with collective("strategy.all_gather_object"):
+        with collective("strategy.all_gather_object"), track("strategy.all_gather_object"):
             out: list[Any] = [None] * self.num_replicas
             dist.all_gather_object(out, obj)
         return out

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
+from towers.diagnostics import track
 from towers.process_group import DistributedError
 from towers.strategies.parameter_server.transport import Link, LinkError, Message, Op, Status
 
@@ -46,6 +47,12 @@ class ParameterClient:
             ValueError: a ps task refused the request as bad input (e.g. a model that does not match).
         """
         name = Op.NAMES.get(op, str(op))
+        with track(f"ps {name}"):  # the stuck-job watchdog sees this worker wait on the ps tasks
+            return self._request(op, name, ps=ps, metas=metas, flats=flats, replies_into=replies_into, ints=ints)
+
+    def _request(self, op: int, name: str, *, ps: Sequence[int] | None, metas: Sequence[Any] | None,
+                 flats: Sequence[torch.Tensor | None] | None, replies_into: Sequence[torch.Tensor | None] | None,
+                 ints: tuple[int, ...]) -> list[Message]:
         if self.closed:
             raise DistributedError(f"{self._tag()} {name} failed: this worker already shut its parameter-server "
                                    "links down (strategy.shutdown()). Create a new strategy to train again.")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from towers.diagnostics import track
 from towers.process_group import DistributedError
 from towers.strategies._collectives import _float_for_mean, _local_reduce
 from towers.strategies.parameter_server.client import ParameterClient
@@ -27,16 +28,24 @@ class PsComm:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Return every live worker's ``obj``, in worker order."""
+        with track("strategy.all_gather_object"):
+            return self._gather_objects(obj)
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
         return [value for _, value in self.client.all_gather(obj)]
 
     def reduce(self, op: str, value: torch.Tensor, axis: int | None) -> torch.Tensor:
         """Combine ``value`` over the live workers (``axis``: also over that axis, a true mean over ragged batches)."""
+        with track(f"strategy.reduce({op!r})"):
+            return self._reduce(op, value, axis)
+
+    def _reduce(self, op: str, value: torch.Tensor, axis: int | None) -> torch.Tensor:
         if axis is None:
-            parts = torch.stack(self.all_gather_object((_float_for_mean(value) if op == "mean" else value).cpu()))
+            parts = torch.stack(self._gather_objects((_float_for_mean(value) if op == "mean" else value).cpu()))
             out = {"sum": parts.sum, "mean": parts.mean, "max": parts.amax, "min": parts.amin}[op](0)
             return out.to(self.device)
         local, count = _local_reduce(op, _float_for_mean(value) if op == "mean" else value, axis)
-        parts = self.all_gather_object((local.cpu(), None if count is None else count.cpu()))
+        parts = self._gather_objects((local.cpu(), None if count is None else count.cpu()))
         values = torch.stack([v for v, _ in parts])
         if op == "mean":
             return (values.sum(0) / sum(c for _, c in parts)).to(self.device)
@@ -44,15 +53,18 @@ class PsComm:
 
     def gather(self, value: torch.Tensor, axis: int) -> torch.Tensor:
         """Concatenate every live worker's ``value`` along ``axis`` (ragged sizes allowed)."""
-        return torch.cat(self.all_gather_object(value.detach().cpu()), dim=axis).to(self.device)
+        with track("strategy.gather"):
+            return torch.cat(self._gather_objects(value.detach().cpu()), dim=axis).to(self.device)
 
     def barrier(self) -> None:
         """Return once every live worker called ``barrier``."""
-        self.client.all_gather(None)
+        with track("strategy.barrier"):
+            self.client.all_gather(None)
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Return worker ``src``'s ``obj``."""
-        values = dict(self.client.all_gather(obj if self.rank == src else None))
+        with track("strategy.broadcast_object"):
+            values = dict(self.client.all_gather(obj if self.rank == src else None))
         if src not in values:
             raise DistributedError(f"[rank {self.client.rank}/{self.client.world_size}] broadcast_object: worker "
                                    f"{src} is gone, so it has nothing to send. Broadcast from a live worker.")

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from towers._logging import get_logger
+from towers.diagnostics import set_role
 from towers.strategies.parameter_server.gather import GatherTable
 from towers.strategies.parameter_server.requests import RequestError, build_optimizer, clone_state
 from towers.strategies.parameter_server.sharding import FlatLayout, ParamSpec, signature_mismatch
@@ -37,6 +38,7 @@ class ParameterServer:
     def __init__(self, links: Sequence[Link], *, ps_index: int, rank: int, worker_ranks: Sequence[int], mode: str,
                  staleness: int | None, timeout_s: float):
         self.links, self.ps_index, self.rank = list(links), ps_index, rank
+        set_role("ps")  # the stuck-job watchdog: a ps serves, so it is never the one that waits
         self.worker_ranks, self.mode, self.staleness, self.timeout_s = list(worker_ranks), mode, staleness, timeout_s
         n = len(self.links)
         self.cond = threading.Condition()

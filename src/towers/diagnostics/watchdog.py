@@ -1,0 +1,344 @@
+"""The watchdog: a thread per process that ends a stuck job within a bound, with a report naming the stuck rank.
+
+Every ``poll_s`` each process publishes a heartbeat (its ``progress.snapshot``) to the job's
+rendezvous store. When one process has waited in a single collective (or parameter-server request)
+longer than its bound, ``max(min_s, factor x the slowest recent step)``, it takes the reporter's
+role (the first to increment the store's ``trigger`` key) and sets ``abort``. Every watchdog that
+sees ``abort`` answers with its own Python stacks and position, then exits with
+``STUCK_EXIT_CODE``. The reporter waits ``answer_s`` for the answers, writes one report (a file,
+and the log of the reporter and the chief) and exits too. A rank that does not answer is stopped
+(SIGSTOP) or hung in C code holding the GIL: the report says so, from its last heartbeat; its
+launcher (``towers launch``, torchrun) ends it once the others have exited.
+
+No rank needs to be healthy: the store is the job's own (hosted by the launcher's agent, or by rank
+0). When the store does not answer, a waiting process writes a report of its own and exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+from towers._logging import get_logger
+from towers.cluster.info import ProcessInfo
+from towers.diagnostics import progress as _progress
+from towers.diagnostics.report import STUCK_EXIT_CODE, build_report
+
+__all__ = ["Watchdog", "start_watchdog", "stop_watchdog", "current_watchdog", "python_stacks",
+           "DEFAULT_MIN_S", "DEFAULT_FACTOR"]
+
+log = get_logger(__name__)
+
+#: The least time a rank may wait in one collective before the job is ended (``TOWERS_STUCK_TIMEOUT_S``).
+DEFAULT_MIN_S = 60.0
+#: The bound is at least this many times the slowest recent step.
+DEFAULT_FACTOR = 10.0
+
+_current: "Watchdog | None" = None
+
+
+def _say(text: str) -> None:
+    """Log ``text`` at ERROR; straight to stderr when the application routes no towers log line anywhere.
+
+    These are the last words of a process the watchdog is about to end (like ``faulthandler``'s):
+    they must reach the user even from a script that never configured logging.
+    """
+    logger: logging.Logger | None = log
+    while logger is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+            log.error("%s", text)
+            return
+        logger = logger.parent if logger.propagate else None
+    sys.stderr.write(text if text.endswith("\n") else text + "\n")
+
+
+def python_stacks(skip: int | None = None) -> str:
+    """Return every thread's Python stack (main thread first), leaving out thread ``skip``."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sys._current_frames()
+    main = threading.main_thread().ident
+    parts = []
+    for ident in sorted(frames, key=lambda i: (i != main, names.get(i, ""))):
+        if ident == skip:
+            continue
+        parts.append(f"Thread {names.get(ident, ident)} (most recent call last):\n"
+                     + "".join(traceback.format_stack(frames[ident])))
+    return "\n".join(parts)
+
+
+class Watchdog:
+    """Watch this process's waits; end the whole job, with a report, when one exceeds the bound."""
+
+    def __init__(self, info: ProcessInfo, store: Any, *, min_s: float = DEFAULT_MIN_S,
+                 factor: float = DEFAULT_FACTOR, poll_s: float | None = None, answer_s: float | None = None,
+                 report_dir: str | os.PathLike[str] | None = None,
+                 progress: _progress.Progress = _progress.PROGRESS,
+                 exit: Callable[[int], Any] = os._exit, hold_main_thread: bool = True):
+        if not min_s > 0:
+            raise ValueError(f"min_s must be > 0 seconds. Received: {min_s}.")
+        if not factor > 0:
+            raise ValueError(f"factor must be > 0. Received: {factor}.")
+        self.info, self.store, self.min_s, self.factor = info, store, float(min_s), float(factor)
+        self.poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, self.min_s / 10))
+        self.answer_s = answer_s if answer_s is not None else min(10.0, max(2.0, self.min_s / 6))
+        self.report_dir = Path(report_dir) if report_dir is not None else Path(tempfile.gettempdir())
+        self.progress = progress
+        self._exit, self._hold = exit, hold_main_thread
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="towers-watchdog", daemon=True)
+        self.report_path: Path | None = None
+        self.report: str | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> "Watchdog":
+        """Start the thread (returns self)."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (idempotent); a report already under way still ends the process."""
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.poll_s * 4 + 1.0)
+
+    def bound_s(self) -> float:
+        """Return how long one wait may last now: ``max(min_s, factor x the slowest recent step)``."""
+        return max(self.min_s, self.factor * self.progress.slowest_recent_step_s())
+
+    def snapshot(self) -> dict[str, Any]:
+        """Return this process's heartbeat: its progress, position and bound."""
+        snap = _progress.snapshot(rank=self.info.rank, bound_s=self.bound_s(), progress=self.progress)
+        snap.update(min_s=self.min_s, factor=self.factor)
+        return snap
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        rank = self.info.rank
+        first = True
+        while first or not self._stop.wait(self.poll_s):  # the first heartbeat at once
+            first = False
+            snap = self.snapshot()
+            try:
+                self.store.set(f"beat/{rank}", json.dumps(snap))
+                aborted = self.store.check(["abort"])
+                store_error = None
+            except Exception as exc:  # noqa: BLE001 - a store that went away (job end, stopped host) is data
+                aborted, store_error = False, exc
+            if aborted:
+                self._hold_main_thread()
+                self._answer_and_exit()
+                return
+            if not snap["waiting"] or time.time() - float(snap["since"]) <= float(snap["bound_s"]):
+                continue
+            if store_error is not None:
+                self._hold_main_thread()
+                self._local_report(snap, store_error)
+                return
+            try:
+                elected = self.store.add("trigger", 1) == 1
+            except Exception as exc:  # noqa: BLE001
+                self._hold_main_thread()
+                self._local_report(snap, exc)
+                return
+            if elected:
+                self._hold_main_thread()
+                self._report(snap)
+                return
+            # another rank reports: its "abort" comes on the next beat
+
+    def _hold_main_thread(self) -> None:
+        """Keep the main thread from ending the process first while this watchdog ends it.
+
+        Once one rank exits, the others' collectives fail: their main threads raise and would exit
+        with a traceback and code 1 before their watchdogs exit with the report's code. An uncaught
+        exception (``sys.excepthook``) or an exit (``atexit``) now waits for the watchdog instead.
+        """
+        if not self._hold:
+            return
+        previous = sys.excepthook
+        limit_s = self.answer_s + 15.0
+
+        def wait_for_watchdog(*args: Any) -> None:
+            time.sleep(limit_s)  # the watchdog's os._exit ends the process long before
+            if args:
+                previous(*args)
+
+        sys.excepthook = wait_for_watchdog
+        atexit.register(wait_for_watchdog)
+
+    def _answer(self) -> None:
+        self.store.set(f"answer/{self.info.rank}",
+                       json.dumps({"snap": self.snapshot(), "stack": python_stacks(skip=threading.get_ident())}))
+
+    def _answer_and_exit(self) -> None:
+        try:
+            self._answer()
+            deadline = time.monotonic() + self.answer_s + 10.0
+            while not self.store.check(["report"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no report within {self.answer_s + 10.0:g} s")
+                time.sleep(self.poll_s / 4)
+            report = json.loads(self.store.get("report"))
+            self.report, self.report_path = report["text"], Path(report["path"])
+            if self.info.is_chief:
+                _say(f"{report['text']}(report written to {report['path']} by rank {report['rank']})")
+            else:
+                _say(f"towers: the job is stuck: rank {report['rank']} wrote the report to {report['path']}; "
+                     f"rank {self.info.rank} exits with code {STUCK_EXIT_CODE}.")
+            self.store.add("acks", 1)
+            self._wait_for_acks(int(report["answered"]))
+        except Exception as exc:  # noqa: BLE001 - exit anyway: the job is being ended
+            _say(f"towers: the job is stuck (another rank asked every rank to stop) and the report did not arrive: "
+                 f"{exc}; rank {self.info.rank} exits with code {STUCK_EXIT_CODE}.")
+        self._finish()
+
+    def _report(self, trigger: dict[str, Any]) -> None:
+        world = self.info.world_size
+        self.store.set("abort", json.dumps({"rank": self.info.rank}))
+        self._answer()
+        answers: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + self.answer_s
+        # Polled with check(): a store.wait that times out prints C++ warnings into the user's output.
+        while len(answers) < world and time.monotonic() < deadline:
+            for r in range(world):
+                try:
+                    if r not in answers and self.store.check([f"answer/{r}"]):
+                        answers[r] = json.loads(self.store.get(f"answer/{r}"))
+                except Exception:  # noqa: BLE001 - a store hiccup: the rank counts as silent if it lasts
+                    pass
+            if len(answers) < world:
+                time.sleep(self.poll_s / 4)
+        snaps: dict[int, dict[str, Any]] = {r: a["snap"] for r, a in answers.items()}
+        for r in range(world):
+            if r not in snaps:
+                try:
+                    if self.store.check([f"beat/{r}"]):
+                        snaps[r] = json.loads(self.store.get(f"beat/{r}"))
+                except Exception:  # noqa: BLE001
+                    pass
+        text = build_report(trigger=trigger, snaps=snaps, stacks={r: a["stack"] for r, a in answers.items()},
+                            world_size=world)
+        path = self._write(text)
+        try:
+            self.store.set("report", json.dumps({"text": text, "path": str(path), "rank": self.info.rank,
+                                                 "answered": len(answers) - 1}))
+        except Exception:  # noqa: BLE001
+            pass
+        _say(f"{text}(report written to {path})")
+        self._wait_for_acks(len(answers) - 1)
+        self._finish()
+
+    def _wait_for_acks(self, expected: int) -> None:
+        # Every rank that answered exits once all of them have read the report: the store may live in
+        # one of them (rank 0 without an agent), and the first exit breaks the others' collectives.
+        # Bounded; a rank that misses it exits anyway.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                if self.store.add("acks", 0) >= expected:
+                    return
+            except Exception:  # noqa: BLE001
+                return
+            time.sleep(0.02)
+
+    def _local_report(self, trigger: dict[str, Any], error: BaseException) -> None:
+        r = self.info.rank
+        text = build_report(trigger=trigger, snaps={r: trigger}, stacks={r: python_stacks(threading.get_ident())},
+                            world_size=self.info.world_size)
+        text = (f"towers: the rendezvous store at {self.info.master_addr}:{self.info.master_port} did not answer "
+                f"({error}), so rank {r} could not ask the other ranks for their state; the rank hosting it "
+                "(rank 0 without a launcher agent) may be stopped or gone.\n" + text)
+        _say(f"{text}(report written to {self._write(text)})")
+        self._finish()
+
+    def _write(self, text: str) -> Path:
+        name = f"towers-stuck-{self.info.master_port}-attempt{self.info.restart_count}-rank{self.info.rank}.txt"
+        path = self.report_dir / name
+        try:
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.error("could not write the stuck-job report to %s: %s", path, exc)
+        self.report, self.report_path = text, path
+        return path
+
+    def _finish(self) -> None:
+        for handler in [*logging.getLogger("towers").handlers, *logging.getLogger().handlers]:
+            try:
+                handler.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._exit(STUCK_EXIT_CODE)
+
+
+def _store_client(info: ProcessInfo, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    # A client of its own: the main thread may hold the process group's client in a long store wait.
+    host = "127.0.0.1" if info.rank == 0 and not info.agent_store else info.master_addr  # as process_group does
+    store = dist.TCPStore(host, int(info.master_port),  # type: ignore[arg-type]
+                          is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.PrefixStore(f"towers/attempt_{info.restart_count}/watchdog", store)
+
+
+def start_watchdog(info: ProcessInfo, *, min_s: float | None = None, factor: float = DEFAULT_FACTOR,
+                   report_dir: str | os.PathLike[str] | None = None) -> Watchdog | None:
+    """Start this process's watchdog for the job of ``info`` and return it (None when there is nothing to watch).
+
+    ``min_s`` (default ``info.stuck_timeout_s``, else ``DEFAULT_MIN_S``) is the least time one wait may
+    last; ``0`` turns the watchdog off. Replaces a watchdog this process already runs.
+    Call it once the job's process group exists (its rendezvous store must be up).
+    """
+    global _current
+    stop_watchdog()
+    if min_s is None:
+        min_s = info.stuck_timeout_s if info.stuck_timeout_s is not None else DEFAULT_MIN_S
+    if info.world_size < 2 or info.master_port is None or min_s == 0:
+        return None
+    if info.num_ps and info.rank >= info.world_size - info.num_ps:
+        _progress.set_role("ps")
+    try:
+        store = _store_client(info, timeout_s=min(10.0, max(2.0, float(min_s) / 6)))
+    except Exception as exc:  # noqa: BLE001 - no watchdog is better than no job
+        log.warning("the stuck-job watchdog could not reach the rendezvous store (%s); stuck ranks will only be "
+                    "seen through the process-group timeout", exc)
+        return None
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    hook = register_optimizer_step_post_hook(_progress.PROGRESS.on_step)
+    watchdog = Watchdog(info, store, min_s=float(min_s), factor=factor, report_dir=report_dir)
+    watchdog._step_hook = hook  # type: ignore[attr-defined]
+    _current = watchdog.start()
+    log.debug("stuck-job watchdog: bound max(%g s, %g x slowest recent step), heartbeat every %g s", min_s, factor,
+              watchdog.poll_s)
+    return watchdog
+
+
+def stop_watchdog() -> None:
+    """Stop this process's watchdog, if one runs (idempotent)."""
+    global _current
+    watchdog, _current = _current, None
+    if watchdog is not None:
+        watchdog.stop()
+        hook = getattr(watchdog, "_step_hook", None)
+        if hook is not None:
+            hook.remove()
+
+
+def current_watchdog() -> Watchdog | None:
+    """Return the watchdog this process runs, or None."""
+    return _current
