@@ -21,12 +21,13 @@ def _data():
     return x, (x[:, 0] - x[:, 2] > 0).long()
 
 
-def _trainer(strategy):
+def _trainer(strategy, **options):
     torch.manual_seed(0)
     with strategy.scope():
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
-    return towers.Trainer(model, optimizer, F.cross_entropy, metrics=["accuracy", "top2_accuracy"], strategy=strategy)
+    return towers.Trainer(model, optimizer, F.cross_entropy, metrics=["accuracy", "top2_accuracy"], strategy=strategy,
+                          **options)
 
 
 def _fit_and_evaluate(strategy, out_dir=None):
@@ -63,7 +64,7 @@ def _replica(out_dir):
         def on_train_batch_end(self, batch, logs=None):
             seen.append(logs["nonfinite_replicas"])
 
-    trainer = _trainer(strategy)
+    trainer = _trainer(strategy, log_every_n_steps=1)  # reduce every step: the stop comes at the NaN step itself
     nan_history = trainer.fit((x_nan, y), 3, GBS, shuffle=False, callbacks=[towers.callbacks.TerminateOnNaN(), Spy()])
     result["nan"] = {"global_step": trainer.progress.global_step, "epochs": len(nan_history), "flags": seen,
                      "rank": rank}
@@ -95,6 +96,40 @@ def test_two_replicas_share_one_history_equal_to_one_device(tmp_path):
     files = sorted(os.listdir(tmp_path))  # the chief wrote, rank 1 did not
     assert files == ["log-rank0.csv", "model-rank0-1.pt", "model-rank0-2.pt", "model-rank0-3.pt"]
     assert len(open(tmp_path / "log-rank0.csv").read().splitlines()) == EPOCHS + 1
+
+
+def _stop_replica():
+    strategy = towers.strategy_from_env()
+    x, y = _data()
+    x_nan = x.clone()
+    x_nan[21] = float("nan")  # in global step 3, in the last replica's share only
+    out = {}
+    for every in (1, 2, 10):
+        trainer = _trainer(strategy, log_every_n_steps=every)
+        trainer.fit((x_nan, y), 3, GBS, shuffle=False, callbacks=[towers.callbacks.TerminateOnNaN()])
+        out[("nan", every)] = trainer.progress.global_step
+
+        class StopHere(towers.callbacks.Callback):  # a decision taken on ONE replica only
+            def on_train_batch_end(self, batch, logs=None):
+                if strategy.replica_id == strategy.num_replicas_in_sync - 1 and batch == 1:
+                    self.trainer.stop_training = True
+
+        trainer = _trainer(strategy, log_every_n_steps=every)
+        history = trainer.fit((x, y), 3, GBS, shuffle=False, callbacks=[StopHere()])
+        out[("local", every)] = (trainer.progress.global_step, len(history))
+    strategy.barrier()
+    return out
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_stop_decisions_stop_every_replica_at_the_same_step(replicas):
+    results = towers.spawn(_stop_replica, replicas, timeout_s=180, env={"TOWERS_STRATEGY": "mirrored"})
+    assert all(r == results[0] for r in results[1:])  # the same step on every replica
+    steps = -(-N // GBS)  # steps per epoch
+    for every, nan_step, local_step in ((1, 3, 2), (2, 3, 3), (10, steps, steps)):
+        # NaN in step 3 / a stop set at step 2 on one replica: taken at the first reduction from there on
+        assert results[0][("nan", every)] == nan_step, every
+        assert results[0][("local", every)] == (local_step, 1), every
 
 
 def _ps_replica():

@@ -50,6 +50,7 @@ class TrainingProgress:
 def capture_state(trainer: "Trainer") -> dict[str, Any]:
     """Return ``trainer``'s full state in the checkpoint format (a collective: gathers every replica's RNG)."""
     strategy, p = trainer.strategy, trainer.progress
+    trainer._sync_train_metrics()  # running sums of steps not yet reduced belong in the checkpoint
     rng = strategy.all_gather_object(ckpt.rng_state())
     batches = trainer._train_batches
     dataset_state = batches.state_dict() if callable(getattr(batches, "state_dict", None)) else None

@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 
 from towers import checkpoint as ckpt
 from towers._logging import get_logger
+from towers.data import batch_info
 from towers.strategies.base import Strategy
 from towers.training._state import TrainingProgress, capture_state, restore_state
 from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn, split_batch
@@ -38,13 +39,24 @@ class Trainer:
     ``towers.strategy_from_env(precision=precision)``. Precision (``"32"``, ``"bf16"``, ``"fp16"``)
     belongs to the strategy; with a strategy given, ``precision`` must match it (or stay None).
     ``compile=True`` (or a dict of ``torch.compile`` options) has the strategy compile the model.
+
+    ``log_every_n_steps``: training metrics are summed on each replica and reduced across replicas
+    every that many steps and at the first and last step of each epoch (one collective, plus one for the
+    stop decision). In between, ``on_train_batch_end`` logs hold the values of the last reduction,
+    and a ``stop_training`` set by a callback takes effect at the next reduction — on every replica
+    at the same step. Epoch logs and the History are exact whatever the value; 1 reduces every step,
+    as does a single replica (nothing to communicate).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any, *,
                  metrics: Iterable[Any] | Mapping[str, Any] | None = (), strategy: Strategy | None = None,
-                 precision: Any = None, seed: int = 0, compile: bool | Mapping[str, Any] = False):
+                 precision: Any = None, seed: int = 0, compile: bool | Mapping[str, Any] = False,
+                 log_every_n_steps: int = 10):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}.")
+        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be a positive integer. Received: {log_every_n_steps!r}. "
+                             "Use 1 to reduce the metrics every step, or e.g. 10.")
         if strategy is None:
             from towers.strategies import strategy_from_env
 
@@ -67,6 +79,10 @@ class Trainer:
         self._resume: dict[str, Any] | None = None
         self._last_global_batch_size: int | None = None
         self._train_batches: Any = None
+        self.log_every_n_steps = log_every_n_steps
+        self._unsynced: torch.Tensor | None = None  # metric sums of steps not yet reduced across replicas
+        self._steps_since_sync = 0
+        self._last_train_logs: dict[str, float] = {}
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -133,8 +149,10 @@ class Trainer:
     def _train_epoch(self, train_set: Dataset, global_batch_size: int, steps_per_epoch: int | None,
                      shuffle: bool, rng: Any) -> None:
         p = self.progress
+        self._unsynced, self._steps_since_sync = None, 0
         if p.step == 0:  # a fresh epoch (a mid-epoch resume keeps the restored running sums)
             self._train_metrics.reset()
+            self._last_train_logs = {}
             if rng is not None:  # saved at an epoch boundary: before this epoch built its iterator
                 ckpt.set_rng_state(rng)
                 rng = None
@@ -143,17 +161,29 @@ class Trainer:
             # Saved mid-epoch, after the iterator was built (which may draw from the RNGs): restore
             # only once this run's iterator is built and positioned.
             ckpt.set_rng_state(rng)
+        last = len(self._train_batches) if hasattr(self._train_batches, "__len__") else None  # the epoch's steps
+        if steps_per_epoch is not None:
+            last = steps_per_epoch if last is None else min(last, steps_per_epoch)
         for batch_index, batch in enumerate(it, start=p.step):
             if steps_per_epoch is not None and batch_index >= steps_per_epoch:
                 break
             self._callbacks.call("on_train_batch_begin", batch_index, {})
-            logs = self._train_step(batch)
-            self.progress = p = p.after_step(int(logs["size"]))
-            logs.update({"examples": p.examples, "global_step": p.global_step})
+            size = self._train_step(batch)
+            self.progress = p = p.after_step(size)
+            self._steps_since_sync += 1
+            # Collectives only every log_every_n_steps steps and at an epoch's last step: in between,
+            # the logs hold the values of the last synchronisation.
+            sync = (self._steps_since_sync >= self.log_every_n_steps or batch_index + 1 == last
+                    or not self._last_train_logs  # the first logs of an epoch
+                    or self.strategy.num_replicas_in_sync == 1)  # one replica: reducing is free
+            logs = self._sync_train_metrics() if sync else dict(self._last_train_logs)
+            logs.update({"size": float(size), "examples": p.examples, "global_step": p.global_step})
             self._callbacks.call("on_train_batch_end", batch_index, logs)
-            self.stop_training = self._any_replica(self.stop_training)
-            if self.stop_training:
-                break
+            if sync:
+                self.stop_training = self._any_replica(self.stop_training)
+                if self.stop_training:
+                    break
+        self._sync_train_metrics()  # the epoch's sums are complete before its logs are read
 
     def _epoch_iterator(self, train_set: Dataset, global_batch_size: int, shuffle: bool, epoch: int,
                         start: int) -> Iterator[Any]:
@@ -177,7 +207,8 @@ class Trainer:
             next(it, None)
         return it
 
-    def _train_step(self, batch: Any) -> dict[str, float]:
+    def _train_step(self, batch: Any) -> int:
+        """Run one step; keep its metric sums on this replica; return the step's global batch size."""
         x, y = split_batch(batch)
         from towers.losses import compute_average_loss
 
@@ -192,15 +223,22 @@ class Trainer:
 
         losses, y_pred = self.strategy.run(step, args=(x, y))
         losses = per_example(losses, len(y))
-        metrics = self._train_metrics
         nonfinite = (~torch.isfinite(losses)).any().to(torch.float64).reshape(1)
-        # One reduction per step: the metric sums and a "loss not finite here" flag.
-        reduced = self.strategy.reduce("sum", torch.cat([metrics.local_state(losses, y_pred, y), nonfinite]))
-        reduced = reduced.detach().to("cpu", torch.float64)
-        metrics.accumulate(reduced)
-        logs = metrics.results(external=False)
-        logs.update({"size": float(reduced[1].item()), "nonfinite_replicas": float(reduced[-1].item())})
-        return logs
+        local = torch.cat([self._train_metrics.local_state(losses, y_pred, y), nonfinite])
+        self._unsynced = local if self._unsynced is None else self._unsynced + local
+        info = batch_info(x)
+        return info.global_batch_size if info is not None else len(y) * self.strategy.num_replicas_in_sync
+
+    def _sync_train_metrics(self) -> dict[str, float]:
+        """Reduce the metric sums kept since the last call (one collective); return the logs through this step."""
+        if self._unsynced is not None:
+            reduced = self.strategy.reduce("sum", self._unsynced).detach().to("cpu", torch.float64)
+            self._unsynced = None
+            self._train_metrics.accumulate(reduced)
+            self._last_train_logs = {**self._train_metrics.results(external=False),
+                                     "nonfinite_replicas": float(reduced[-1].item())}
+        self._steps_since_sync = 0
+        return dict(self._last_train_logs)
 
     def _any_replica(self, flag: bool) -> bool:
         # A callback may decide on one replica only; stopping must still be a global decision.
