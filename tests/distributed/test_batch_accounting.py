@@ -137,23 +137,39 @@ def test_misuse_that_would_change_the_maths_is_refused_with_the_fix():
 
 
 def _ps_forgotten_prepare() -> dict | None:
-    strategy = towers.strategy_from_env(mode="sync", timeout_s=60, exit_on_ps=False)
+    result = {}
+    try:  # refused before connecting to anyone
+        towers.strategy_from_env(mode="sync", timeout_s=60, exit_on_ps=False, precision="fp16")
+    except ValueError as exc:
+        result["fp16"] = str(exc)
+    strategy = towers.strategy_from_env(mode="sync", timeout_s=60, exit_on_ps=False, precision="bf16")
     if strategy.is_ps:
         return None
-    result = {}
     try:
         strategy.run(lambda: None)
     except RuntimeError as exc:
         result["error"] = str(exc)
     net = nn.Linear(5, 3)
-    strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))  # the ps tasks wait for every worker
+    model, optimizer = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = next(iter(strategy.distribute_dataset(_data(8, 1), 4)))
+    result["dtype"] = str(strategy.run(_inner_dtype, args=(model, x)))
     strategy.shutdown()
     return result
 
 
-def test_a_forgotten_prepare_under_parameter_servers_is_refused():
+def _inner_dtype(model, x):
+    seen = []
+    handle = model.module.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    out = model(x)
+    handle.remove()
+    return (seen[0], out.dtype)
+
+
+def test_parameter_servers_refuse_a_forgotten_prepare_and_fp16_and_run_bf16():
     per_rank = towers.spawn(_ps_forgotten_prepare, 3, timeout_s=120,
                             env={"TOWERS_STRATEGY": "ps", "TOWERS_NUM_PS": "1"})
     for result in per_rank[:2]:
         assert "before any model was prepared" in result["error"]
         assert "every worker would train a model of its own" in result["error"]
+        assert "Received: precision='fp16'" in result["fp16"] and "Use precision='bf16'" in result["fp16"]
+        assert result["dtype"] == "(torch.bfloat16, torch.float32)"  # bf16 inside, float32 out
