@@ -140,22 +140,28 @@ def _join(info: ProcessInfo, timeout_s: float, since: float) -> dist.Store:
         owner = "torchrun's agent" if info.agent_store else f"the chief, {info.describe_rank(0)},"
         address = wait_reachable(info.master_addr, port, timeout_s=info.join_timeout_s, what=what, awaited=owner,
                                  report=report, since=since)
+    prefixed = _rendezvous_store(info, timeout_s)
+    join(prefixed, index=info.rank, count=info.world_size, is_chief=info.rank == 0, timeout_s=info.join_timeout_s,
+         where=f"{info.master_addr}:{port}", describe=info.describe_rank, report=report,
+         me=Member(host=socket.gethostname(), address=address, pid=os.getpid()), since=since,
+         waited_s=min(time.monotonic() - started, info.join_timeout_s - 1.0))
+    return prefixed
+
+
+def _rendezvous_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
+    """Return the job's key-value store, with keys private to this restart attempt (see ``_join``)."""
+    hosts_store = info.rank == 0 and not info.agent_store
     store = dist.TCPStore(
         # The chief's own client reaches its server over loopback; the server listens on every interface.
         "127.0.0.1" if hosts_store else info.master_addr,
-        port,
+        int(info.master_port),  # type: ignore[arg-type]
         world_size=info.world_size,
         is_master=hosts_store,
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
         multi_tenant=True,
     )
-    prefixed = dist.PrefixStore(f"towers/attempt_{info.restart_count}", store)
-    join(prefixed, index=info.rank, count=info.world_size, is_chief=info.rank == 0, timeout_s=info.join_timeout_s,
-         where=f"{info.master_addr}:{port}", describe=info.describe_rank, report=report,
-         me=Member(host=socket.gethostname(), address=address, pid=os.getpid()), since=since,
-         waited_s=min(time.monotonic() - started, info.join_timeout_s - 1.0))
-    return prefixed
+    return dist.PrefixStore(f"towers/attempt_{info.restart_count}", store)
 
 
 def details_path(rank: int) -> str:

@@ -27,13 +27,26 @@ def test_init_rejects_bad_arguments():
 
 
 def test_rendezvous_timeout_names_rank_and_address():
-    # rank 1 of 2 waits for a rank 0 that never comes: the error must say who and where.
+    # rank 1 of 2 waits for a rank 0 that never comes: the error must say who and where, within the join timeout.
+    import time
+
     port = free_port()
-    info = ProcessInfo(rank=1, world_size=2, local_rank=1, local_world_size=2, master_port=port)
+    info = ProcessInfo(rank=1, world_size=2, local_rank=1, local_world_size=2, master_port=port, join_timeout_s=1.5)
+    started = time.monotonic()
     with pytest.raises(DistributedError) as err:
-        init_process_group(info, timeout_s=2)
+        init_process_group(info, timeout_s=60)
+    assert 1.5 <= time.monotonic() - started < 10
     text = str(err.value)
-    assert "[rank 1/2]" in text and f"127.0.0.1:{port}" in text and "all 2 processes" in text
+    assert "\n" not in text and err.value.__cause__ is None  # one line, torch's text not chained
+    assert text.startswith(f"[rank 1/2] the chief, rank 0, did not open the rendezvous 127.0.0.1:{port} "
+                           "(MASTER_ADDR/MASTER_PORT) within the join timeout of 1.5 s"), text
+
+
+def test_rendezvous_host_that_does_not_resolve_fails_at_once():
+    info = ProcessInfo(rank=1, world_size=2, local_world_size=2, master_addr="no-such-host.invalid", master_port=29500)
+    with pytest.raises(DistributedError, match=r"^\[rank 1/2\] the rendezvous host 'no-such-host.invalid' "
+                                               r"\(MASTER_ADDR/MASTER_PORT\) does not resolve"):
+        init_process_group(info, timeout_s=60)
 
 
 def test_missing_port_is_a_clear_error():

@@ -171,7 +171,7 @@ def test_an_unreachable_host_fails_at_once(failure, expected):
 def test_a_waiting_line_is_printed_when_no_logging_is_set_up_and_logged_when_it_is(capsys):
     import logging
 
-    logger = logging.getLogger("towers.test_rendezvous_visible")
+    logger = logging.getLogger("test_rendezvous_visible")  # outside towers.*: no handler another test installed
     root = logging.getLogger()
     saved = root.handlers[:]
     root.handlers = []  # an application that set up no logging (pytest's own capture handlers removed)
