@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Mapping
 
+from towers.cluster import roles
 from towers.cluster.info import DEFAULT_JOIN_TIMEOUT_S, ProcessInfo, TaskInfo
 
 __all__ = ["ClusterConfigError", "ClusterEnvironment", "env_int", "launch_options", "role_of_rank",
@@ -131,12 +132,9 @@ def role_of_rank(rank: int, world_size: int, num_ps: int, *, variable: str = "TO
     Raises:
         ClusterConfigError: when ``num_ps`` leaves no worker.
     """
-    if num_ps >= world_size:
-        raise ClusterConfigError(
-            f"{variable}={num_ps} leaves no worker: the job has {world_size} process(es) and the last {num_ps} "
-            f"would all be parameter servers. Use fewer parameter servers (at most {world_size - 1}) "
-            "or start more processes.")
-    num_workers = world_size - num_ps
-    if rank < num_workers:
-        return TaskInfo(type="worker", index=rank)
-    return TaskInfo(type="ps", index=rank - num_workers)
+    try:
+        roles.check_num_ps(num_ps, world_size, source=variable)
+    except ValueError as exc:
+        raise ClusterConfigError(str(exc)) from None
+    task_type, index = roles.process_role(rank, world_size, num_ps)
+    return TaskInfo(type=task_type, index=index)
