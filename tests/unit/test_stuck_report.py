@@ -105,7 +105,7 @@ def test_bound_is_the_floor_or_ten_slowest_steps():
         Watchdog(ProcessInfo(), _Store(), min_s=0)
 
 
-def test_flight_recorder_position_reads_the_default_group_only():
+def test_flight_recorder_position_numbers_by_the_default_group_and_waits_on_any():
     entries = [
         {"collective_seq_id": 7, "profiling_name": "gloo:all_reduce", "retired": True, "time_created_ns": 1_000_000_000,
          "is_p2p": False, "process_group": ["0", "default_pg"]},
@@ -115,9 +115,12 @@ def test_flight_recorder_position_reads_the_default_group_only():
          "is_p2p": False, "process_group": ["3", "other"]},
     ]
     pos = flight_recorder_position(lambda: entries)
-    assert pos is not None
-    assert (pos["seq"], pos["done"], pos["pending_seq"], pos["pending_kind"], pos["since"]) == (8, False, 8, "broadcast", 2.0)
+    assert pos is not None  # the oldest unfinished collective is the sub-group's
+    assert (pos["seq"], pos["done"], pos["pending_seq"], pos["pending_kind"]) == (8, False, 99, "all_reduce on group other")
+    assert flight_recorder_position(lambda: entries[:2])["since"] == 2.0  # type: ignore[index]
     assert flight_recorder_position(lambda: []) is None
+    p2p = [{**entries[0], "is_p2p": True, "retired": False}]
+    assert flight_recorder_position(lambda: p2p) is None
 
 
 def test_stuck_timeout_comes_from_the_environment():

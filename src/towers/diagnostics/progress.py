@@ -130,28 +130,36 @@ def _read_flight_recorder() -> list[dict[str, Any]]:
 def flight_recorder_position(read: Callable[[], list[dict[str, Any]]] = _read_flight_recorder) -> dict[str, Any] | None:
     """Return the last collective of the default process group in torch's flight recorder, or None.
 
-    ``{"seq": n, "kind": "all_reduce", "done": bool, "since": wall time it was issued,
-    "sizes": input sizes}``, where ``done`` is False while it has not completed. Point-to-point
-    traffic (``monitored_barrier``, parameter-server links) has its own numbering and is left out.
+    ``{"seq": n, "kind": "all_reduce", "done": bool, "since": wall time the oldest unfinished one
+    was issued, "pending_seq", "pending_kind", "sizes"}``; ``done`` is False while a collective of
+    any group (a sub-group of a device mesh too) has not completed. Sequence numbers are the default
+    group's (the one every rank shares). Point-to-point traffic (``monitored_barrier``, the
+    parameter-server links, which wait for requests by design) has its own numbering and is left out.
     """
-    entries = [e for e in read() if not e.get("is_p2p") and _on_default_group(e)]
+    entries = [e for e in read() if not e.get("is_p2p")]
     if not entries:
         return None
-    last = max(entries, key=lambda e: int(e.get("collective_seq_id", 0)))
+    default = [e for e in entries if _group(e) == "0"] or entries
+    last = max(default, key=lambda e: int(e.get("collective_seq_id", 0)))
     pending = [e for e in entries if not e.get("retired", True)]
-    oldest = min(pending, key=lambda e: int(e.get("collective_seq_id", 0))) if pending else last
+    oldest = min(pending, key=lambda e: int(e.get("time_created_ns", 0))) if pending else last
     return {"seq": int(last.get("collective_seq_id", 0)),
-            "kind": str(last.get("profiling_name", "?")).split(":", 1)[-1],
+            "kind": _kind(last),
             "done": not pending,
             "since": int(oldest.get("time_created_ns", 0)) / 1e9,
             "pending_seq": int(oldest.get("collective_seq_id", 0)) if pending else None,
-            "pending_kind": str(oldest.get("profiling_name", "?")).split(":", 1)[-1] if pending else None,
+            "pending_kind": _kind(oldest) if pending else None,
             "sizes": last.get("input_sizes")}
 
 
-def _on_default_group(entry: dict[str, Any]) -> bool:
+def _group(entry: dict[str, Any]) -> str:
+    return str((entry.get("process_group") or ["0", ""])[0])
+
+
+def _kind(entry: dict[str, Any]) -> str:
+    kind = str(entry.get("profiling_name", "?")).split(":", 1)[-1]
     group = entry.get("process_group") or ["0", ""]
-    return str(group[0]) == "0"
+    return kind if _group(entry) == "0" else f"{kind} on group {group[-1] or group[0]}"
 
 
 def snapshot(*, rank: int, bound_s: float, progress: Progress = PROGRESS,

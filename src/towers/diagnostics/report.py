@@ -27,7 +27,9 @@ def _collective_seq(snap: Mapping[str, Any]) -> int:
     fr = snap.get("collective")
     if not fr:
         return 0
-    return int(fr["pending_seq"] if not fr.get("done", True) and fr.get("pending_seq") is not None else fr["seq"])
+    in_default_group = " on group " not in str(fr.get("pending_kind"))  # sub-groups number their own collectives
+    pending = not fr.get("done", True) and fr.get("pending_seq") is not None and in_default_group
+    return int(fr["pending_seq"] if pending else fr["seq"])
 
 
 def _position(snap: Mapping[str, Any]) -> tuple[int, int]:
