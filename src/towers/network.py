@@ -256,13 +256,19 @@ def interface_for(info: ProcessInfo, *, interfaces: Sequence[Interface] | None =
     Raises:
         NetworkError: when the named interface is unusable, or none can be chosen (see ``choose_interface``).
     """
-    if info.interface:
-        return InterfaceChoice(find_interface(info.interface, interfaces), "given (--interface / TOWERS_INTERFACE "
-                                                                             "/ GLOO_SOCKET_IFNAME)")
-    if not spans_hosts(info):
-        return None
+    interfaces = list_interfaces() if interfaces is None else interfaces
     # TF_CONFIG lists every peer: when all of them resolve to this host, the job runs on this host.
     every_peer_known = bool(info.cluster.jobs)
+    if info.interface:
+        given = find_interface(info.interface, interfaces)
+        if given.is_loopback and spans_hosts(info) and (not every_peer_known or not choose_interface(
+                peer_hosts(info), remote_peers=False, interfaces=interfaces).interface.is_loopback):
+            raise NetworkError(f"Interface {given} is loopback, but the job spans hosts: the others cannot reach "
+                               f"{given.address}. Name the interface that reaches them (this host has: "
+                               f"{_names(interfaces)}), or leave it out to have it detected.")
+        return InterfaceChoice(given, "given (--interface / TOWERS_INTERFACE / GLOO_SOCKET_IFNAME)")
+    if not spans_hosts(info):
+        return None
     choice = choose_interface(peer_hosts(info), remote_peers=not every_peer_known, interfaces=interfaces)
     return None if choice.interface.is_loopback else choice
 

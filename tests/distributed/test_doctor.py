@@ -93,3 +93,15 @@ def test_doctor_under_towers_launch_reads_the_job(tmp_path):
         assert f"towers doctor: rank {rank} of 2 (node 0), rendezvous 127.0.0.1:" in result.stdout, result.stdout
     assert "ok    peers       2 rank(s) joined from 1 host(s)" in result.stdout, result.stdout
     assert result.stdout.count("all-reduce of 1 MB over 2 ranks") == 1, result.stdout  # tables: once per node
+
+
+def test_doctor_flags_are_checked_and_one_process_needs_no_rendezvous(capsys):
+    from towers.cli import main
+
+    assert main(["doctor", "--node-rank", "1"]) == 2
+    assert "--node-rank needs --nnodes. Received: --node-rank 1" in capsys.readouterr().err
+    assert main(["doctor", "--size-mb", "0"]) == 2
+    assert "size_mb must be > 0. Received: 0.0" in capsys.readouterr().err
+    assert main(["doctor", "--nnodes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ok    rendezvous  one process: nothing to reach" in out and "what to fix: nothing" in out, out

@@ -107,7 +107,10 @@ def test_process_info_reads_the_interface_and_interface_for_uses_it():
     assert cluster.from_env(_torchrun(GLOO_SOCKET_IFNAME="eth1")).interface == "eth1"
     info = cluster.from_env(_torchrun(TOWERS_INTERFACE="lo", GLOO_SOCKET_IFNAME="eth1"))
     assert info.interface == "lo"  # towers' own variable first
-    choice = network.interface_for(info)
+    with pytest.raises(NetworkError, match="is loopback, but the job spans hosts"):  # never loopback across hosts
+        network.interface_for(info)
+    one_host = cluster.from_env(_torchrun(TOWERS_INTERFACE="lo", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2"))
+    choice = network.interface_for(one_host)
     assert choice is not None and choice.name == "lo" and choice.reason.startswith("given")
     with pytest.raises(NetworkError, match="No network interface called 'nope0'"):
         network.interface_for(cluster.from_env(_torchrun(TOWERS_INTERFACE="nope0")))
@@ -129,11 +132,12 @@ def test_one_host_jobs_keep_torchs_default_and_peer_hosts_come_from_the_job():
 
 
 def test_launch_interface_flag_reaches_every_link_variable():
-    spec = parse_launch_args(["--nnodes", "2", "--node-rank", "1", "--master-addr", "hosta", "--interface", "lo",
-                              "train.py"], gpu_count=0, cpu_count=2)
+    spec = parse_launch_args(["--nproc-per-node", "2", "--interface", "lo", "train.py"], gpu_count=0, cpu_count=2)
     assert spec.interface == "lo"
     env = spec.worker_environment({})
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == env["TOWERS_INTERFACE"] == "lo"
+    with pytest.raises(ValueError, match="--interface lo is loopback, but the job spans 2 nodes"):
+        LaunchSpec(script="train.py", max_nodes=2, min_nodes=2, master_addr="hosta", interface="lo").worker_environment({})
     with pytest.raises(NetworkError, match="No network interface called 'nope0' on this host"):
         LaunchSpec(script="train.py", interface="nope0").worker_environment({})  # checked before anything starts
     assert "GLOO_SOCKET_IFNAME" not in LaunchSpec(script="train.py").worker_environment({})

@@ -257,7 +257,11 @@ class LaunchSpec:
         if self.interface is not None:  # one interface for every link: Gloo, NCCL and towers' own
             from towers.network import find_interface
 
-            find_interface(self.interface)  # on this host; raises NetworkError (a ValueError) listing the choices
+            # on this host; raises NetworkError (a ValueError) listing the choices
+            if find_interface(self.interface).is_loopback and not self.is_single_node:
+                raise ValueError(f"--interface {self.interface} is loopback, but the job spans {self.max_nodes} "
+                                 "nodes that cannot reach it. Name the interface that reaches the other nodes, "
+                                 "or leave --interface out to have it detected.")
             updates.update(GLOO_SOCKET_IFNAME=self.interface, NCCL_SOCKET_IFNAME=self.interface,
                            TOWERS_INTERFACE=self.interface)
         if self.join_timeout_s is not None:
