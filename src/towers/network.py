@@ -137,6 +137,8 @@ def find_interface(name: str, interfaces: Sequence[Interface] | None = None) -> 
     """
     interfaces = list_interfaces() if interfaces is None else interfaces
     wanted = name.split(",")[0].strip()
+    if not interfaces:  # cannot be listed here (not Linux): trust the name, as Gloo will check it
+        return Interface(wanted)
     for interface in interfaces:
         if interface.name == wanted:
             if not interface.is_up or interface.address is None:

@@ -73,6 +73,7 @@ def test_find_interface_names_the_choices():
         network.find_interface("wlan0", HOST)
     with pytest.raises(NetworkError, match="'eth2' cannot carry"):
         network.find_interface("eth2", HOST)
+    assert network.find_interface("en0", []) == Interface("en0")  # none can be listed here: the name is trusted
 
 
 def test_this_host_has_a_loopback_interface_and_routes_to_it():
