@@ -135,16 +135,35 @@ def _quiet_single_process() -> Any:
 
 # --- writing ---------------------------------------------------------------------------------------
 class _Pending:
-    """An asynchronous save in flight: its future and what publishes the checkpoint when it is done."""
+    """An asynchronous save in flight: published (on the chief) as soon as its write is done, from DCP's thread."""
 
     def __init__(self, future: Any, publish: Callable[[], None], path: Path):
-        self.future, self.publish, self.path = future, publish, path
+        import threading
+
+        self.future, self.path = future, path
         self.started_s = time.perf_counter()
+        self._published = threading.Event()
+        self._error: BaseException | None = None
+
+        def on_done(done: Any) -> None:
+            try:
+                done.result()
+                publish()
+            except BaseException as exc:  # reported by wait(), in the training thread
+                self._error = exc
+            finally:
+                self._published.set()
+
+        future.add_done_callback(on_done)
 
     def wait(self) -> None:
-        self.future.result()
-        self.publish()
-        log.debug("async checkpoint %s done in %.2f s", self.path, time.perf_counter() - self.started_s)
+        """Block until the checkpoint is written and visible at its path; re-raise what went wrong."""
+        self._published.wait()
+        if self._error is not None:
+            raise OSError(f"Asynchronous checkpoint {self.path} failed: {type(self._error).__name__}: "
+                          f"{self._error}. The previous checkpoint at that path is intact.") from self._error
+        log.debug("async checkpoint %s visible %.2f s after it started", self.path,
+                  time.perf_counter() - self.started_s)
 
 
 def wait_pending(pending: _Pending | None) -> None:
@@ -179,7 +198,8 @@ def save_sharded(path: str | os.PathLike[str], tensors: Mapping[str, Any], extra
     Every rank calls this. ``tensors`` is a (nested) state dict of DTensors / tensors (the model's
     and optimizer's sharded state); ``extra`` holds plain values only (it loads with
     ``weights_only=True``). With ``async_save`` the shards are copied to memory and written by a
-    background thread: the call returns a pending save, published when its ``wait()`` runs.
+    background thread: the call returns a pending save, published by the chief as soon as every
+    rank's shards are written; its ``wait()`` blocks until then.
 
     Raises:
         ShardedCheckpointError: when something towers did not write is at ``path``.
@@ -207,7 +227,7 @@ def save_sharded(path: str | os.PathLike[str], tensors: Mapping[str, Any], extra
         with _quiet_single_process():
             future = dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
         # DCP's coordinator writes .metadata only after every rank's shards are written, so when the
-        # chief's future is done the directory is complete and can be published.
+        # chief's future is done the directory is complete and is published at once.
         return _Pending(future, publish, path)
     with _quiet_single_process():
         dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=no_dist)

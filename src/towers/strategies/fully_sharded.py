@@ -216,7 +216,8 @@ class FullyShardedStrategy(SyncStrategy):
         each rank writes its own, nothing is gathered. The other entries are plain values the
         chief writes once. With ``async_save=True`` the call returns once the shards are copied to
         memory and a background thread writes them; the checkpoint appears at ``path`` (complete)
-        when the next save starts, at ``wait_for_checkpoint()`` or at ``shutdown()``.
+        as soon as every rank's shards are written. The next save, ``load_checkpoint``,
+        ``wait_for_checkpoint()`` and ``shutdown()`` wait for it first.
         """
         self.wait_for_checkpoint()
         tensors = {k: state[k] for k in ("model", "optimizer") if state.get(k) is not None}
