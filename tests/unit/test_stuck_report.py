@@ -10,7 +10,7 @@ import pytest
 from towers.cluster import from_env
 from towers.cluster.base import ClusterConfigError
 from towers.cluster.info import ProcessInfo
-from towers.diagnostics.progress import Progress, flight_recorder_position, snapshot
+from towers.diagnostics.progress import Progress, flight_recorder_position
 from towers.diagnostics.report import STUCK_EXIT_CODE, build_report, verdict
 from towers.diagnostics.watchdog import Watchdog
 

@@ -25,7 +25,6 @@ import tempfile
 import threading
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,8 +33,7 @@ from towers.cluster.info import ProcessInfo
 from towers.diagnostics import progress as _progress
 from towers.diagnostics.report import STUCK_EXIT_CODE, build_report
 
-__all__ = ["Watchdog", "start_watchdog", "stop_watchdog", "current_watchdog", "python_stacks",
-           "DEFAULT_MIN_S", "DEFAULT_FACTOR"]
+__all__ = ["Watchdog", "python_stacks", "DEFAULT_MIN_S", "DEFAULT_FACTOR"]
 
 log = get_logger(__name__)
 
@@ -43,9 +41,6 @@ log = get_logger(__name__)
 DEFAULT_MIN_S = 60.0
 #: The bound is at least this many times the slowest recent step.
 DEFAULT_FACTOR = 10.0
-
-_current: "Watchdog | None" = None
-
 
 def _say(text: str) -> None:
     """Log ``text`` at ERROR; straight to stderr when the application routes no towers log line anywhere.
@@ -234,7 +229,11 @@ class Watchdog:
                                                  "answered": len(answers) - 1}))
         except Exception:  # noqa: BLE001
             pass
-        _say(f"{text}(report written to {path})")
+        if self.info.is_chief or self.info.chief_rank not in answers:  # one copy in the job's output
+            _say(f"{text}(report written to {path})")
+        else:
+            _say(f"towers: the job is stuck; rank {self.info.rank} wrote the report to {path} (the chief prints it); "
+                 f"rank {self.info.rank} exits with code {STUCK_EXIT_CODE}.")
         self._wait_for_acks(len(answers) - 1)
         self._finish()
 
@@ -283,62 +282,3 @@ class Watchdog:
         sys.stdout.flush()
         sys.stderr.flush()
         self._exit(STUCK_EXIT_CODE)
-
-
-def _store_client(info: ProcessInfo, timeout_s: float) -> Any:
-    import torch.distributed as dist
-
-    # A client of its own: the main thread may hold the process group's client in a long store wait.
-    host = "127.0.0.1" if info.rank == 0 and not info.agent_store else info.master_addr  # as process_group does
-    store = dist.TCPStore(host, int(info.master_port),  # type: ignore[arg-type]
-                          is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    return dist.PrefixStore(f"towers/attempt_{info.restart_count}/watchdog", store)
-
-
-def start_watchdog(info: ProcessInfo, *, min_s: float | None = None, factor: float = DEFAULT_FACTOR,
-                   report_dir: str | os.PathLike[str] | None = None) -> Watchdog | None:
-    """Start this process's watchdog for the job of ``info`` and return it (None when there is nothing to watch).
-
-    ``min_s`` (default ``info.stuck_timeout_s``, else ``DEFAULT_MIN_S``) is the least time one wait may
-    last; ``0`` turns the watchdog off. Replaces a watchdog this process already runs.
-    Call it once the job's process group exists (its rendezvous store must be up).
-    """
-    global _current
-    stop_watchdog()
-    if min_s is None:
-        min_s = info.stuck_timeout_s if info.stuck_timeout_s is not None else DEFAULT_MIN_S
-    if info.world_size < 2 or info.master_port is None or min_s == 0:
-        return None
-    if info.num_ps and info.rank >= info.world_size - info.num_ps:
-        _progress.set_role("ps")
-    try:
-        store = _store_client(info, timeout_s=min(10.0, max(2.0, float(min_s) / 6)))
-    except Exception as exc:  # noqa: BLE001 - no watchdog is better than no job
-        log.warning("the stuck-job watchdog could not reach the rendezvous store (%s); stuck ranks will only be "
-                    "seen through the process-group timeout", exc)
-        return None
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    hook = register_optimizer_step_post_hook(_progress.PROGRESS.on_step)
-    watchdog = Watchdog(info, store, min_s=float(min_s), factor=factor, report_dir=report_dir)
-    watchdog._step_hook = hook  # type: ignore[attr-defined]
-    _current = watchdog.start()
-    log.debug("stuck-job watchdog: bound max(%g s, %g x slowest recent step), heartbeat every %g s", min_s, factor,
-              watchdog.poll_s)
-    return watchdog
-
-
-def stop_watchdog() -> None:
-    """Stop this process's watchdog, if one runs (idempotent)."""
-    global _current
-    watchdog, _current = _current, None
-    if watchdog is not None:
-        watchdog.stop()
-        hook = getattr(watchdog, "_step_hook", None)
-        if hook is not None:
-            hook.remove()
-
-
-def current_watchdog() -> Watchdog | None:
-    """Return the watchdog this process runs, or None."""
-    return _current
