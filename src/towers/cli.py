@@ -59,8 +59,11 @@ def run_launch(args: argparse.Namespace) -> int:
 # --- towers demo ------------------------------------------------------------------------------
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train the seed CNN on bundled digits with 1 and then 2 replicas")
-    p.add_argument("--strategy", default="mirrored", help="strategy of the multi-replica run: mirrored (default) "
-                   "or multi_worker_mirrored")
+    from towers.cluster import roles
+
+    replicated = [e.name for e in roles.STRATEGIES if e.multi_process and not e.has_ps]
+    p.add_argument("--strategy", default="mirrored", help="strategy of the multi-replica run: "
+                   f"{', '.join(replicated)} (default: mirrored)")
     p.add_argument("--replicas", type=int, default=2, help="replicas (processes) of the second run (default 2)")
     p.add_argument("--epochs", type=int, default=8, help="epochs of each run (default 8)")
     p.add_argument("--global-batch-size", type=int, default=64, help="examples per step, all replicas together (default 64)")
@@ -125,7 +128,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        "cores); print examples/s, speed-up, weak-scaling efficiency, the towers/raw ratio, CPU "
                        "ms/step and peak memory; write JSON and a PNG.")
     p.add_argument("--replicas", default="1,2", help="comma-separated replica counts (default: 1,2)")
-    p.add_argument("--strategies", default="mirrored", help="comma-separated: mirrored, ps_async, ps_sync "
+    from towers.bench.config import STRATEGIES
+
+    p.add_argument("--strategies", default="mirrored", help=f"comma-separated: {', '.join(STRATEGIES)} "
                    "(raw DDP is always measured beside them; default: mirrored)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per repeat (default: 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before each timed run (default: 5)")

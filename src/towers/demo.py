@@ -19,13 +19,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from towers._logging import get_logger
+from towers.cluster import roles
 
 __all__ = ["DemoSpec", "DemoRun", "train", "run_replicated", "measure_scaling", "write_history_csv", "plot_losses",
            "summary_rows", "summary_lines"]
 
 log = get_logger(__name__)
 
-_MULTI_STRATEGIES = ("mirrored", "multi_worker_mirrored")
+#: The demo's multi-replica strategies: every replicated strategy of the table (no ps tasks).
+_MULTI_STRATEGIES = tuple(e.name for e in roles.STRATEGIES if e.multi_process and not e.has_ps)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,11 +9,13 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from towers.cluster import roles
+
 if TYPE_CHECKING:
     from towers.bench.workloads import WorkloadSpec
 
-__all__ = ["STRATEGIES", "OPTIMIZERS", "LOSSES", "BenchConfig", "available_cores", "parse_replicas", "parse_strategies",
-           "parse_shape"]
+__all__ = ["STRATEGIES", "OPTIMIZERS", "LOSSES", "BenchConfig", "available_cores", "bench_strategy", "parse_replicas",
+           "parse_strategies", "parse_shape"]
 
 #: Optimizers the benchmark can use; every engine builds the same one with the same learning rate.
 OPTIMIZERS = ("sgd", "adam")
@@ -21,8 +23,26 @@ OPTIMIZERS = ("sgd", "adam")
 #: Losses the benchmark can train with (``cross_entropy`` takes class labels, ``mse`` targets shaped like the output).
 LOSSES = ("cross_entropy", "mse")
 
-#: Strategies ``towers bench --strategies`` accepts; raw DDP is always measured beside them.
-STRATEGIES = ("mirrored", "ps_async", "ps_sync")
+def _bench_strategies() -> tuple[str, ...]:
+    names: list[str] = []
+    for entry in roles.STRATEGIES:
+        if entry.multi_process:  # strategies with ps tasks are measured in each update mode
+            names += [f"{entry.name}_async", f"{entry.name}_sync"] if entry.has_ps else [entry.name]
+    return tuple(names)
+
+
+#: Strategies ``towers bench --strategies`` accepts (from the strategy table; ``<name>_async``/``<name>_sync``
+#: for strategies with ps tasks); raw DDP is always measured beside them.
+STRATEGIES = _bench_strategies()
+
+
+def bench_strategy(name: str) -> tuple[str, dict[str, str]]:
+    """Return ``(strategy name, options)`` for a ``STRATEGIES`` entry (``"ps_sync"`` -> ``("ps", {"mode": "sync"})``)."""
+    for mode in ("async", "sync"):
+        base = name.removesuffix(f"_{mode}")
+        if base != name and roles.strategy_entry(base).has_ps:
+            return base, {"mode": mode}
+    return name, {}
 
 
 def available_cores() -> int:

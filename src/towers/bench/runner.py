@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 from towers._logging import get_logger, set_rank
-from towers.bench.config import BenchConfig, available_cores
+from towers.bench.config import BenchConfig, available_cores, bench_strategy
 from towers.bench.report import RAW, BenchReport, Measurement
 from towers.bench.workloads import IdleWorkload, RawTorchWorkload, TowersWorkload, Workload, replica_device
 
@@ -45,7 +45,7 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
     notes: list[str] = []
     multi = [n for n in config.replicas if n > 1]
     for strategy in sorted(config.strategies, key=lambda s: s != "mirrored"):
-        num_ps = NUM_PS if strategy.startswith("ps_") else 0
+        num_ps = NUM_PS if bench_strategy(strategy)[1] else 0
         baseline = num_ps == 0 and 1 in config.replicas and bool(multi)
         for n in multi if baseline else config.replicas:
             procs = n + num_ps
@@ -67,8 +67,8 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
             for m in _measurements(results, n, strategy):
                 if not any(o.strategy == m.strategy and o.replicas == m.replicas for o in measurements):
                     measurements.append(m)  # one raw row per replica count: the first job's (mirrored's, if run)
-    if any(s.startswith("ps_") for s in config.strategies):
-        notes.append(f"note: ps_* run N workers + {NUM_PS} ps task; their CPU ms/step counts the workers only, "
+    if any(bench_strategy(s)[1] for s in config.strategies):
+        notes.append(f"note: *_async/*_sync run N workers + {NUM_PS} ps task; their CPU ms/step counts the workers only, "
                      "and raw DDP beside them runs on the workers' subgroup.")
     return BenchReport(measurements=measurements, config=asdict(config), environment=_environment(cores),
                        notes=notes)
@@ -92,11 +92,12 @@ def _make_strategy(name: str, num_replicas: int, *, timeout_s: float = 300.0, de
     """Return the towers strategy a user would pick for ``name`` at ``num_replicas`` (ps: one ps task)."""
     import towers
 
-    if name.startswith("ps_"):
-        return towers.ParameterServerStrategy(num_ps=NUM_PS, mode=name[3:], timeout_s=timeout_s, exit_on_ps=False)
+    base, options = bench_strategy(name)
+    if options:  # a strategy with ps tasks, in one update mode
+        return towers.get_strategy(base, num_ps=NUM_PS, timeout_s=timeout_s, exit_on_ps=False, **options)
     if num_replicas == 1:
         return towers.OneDeviceStrategy(str(device))  # what strategy_from_env picks for one process
-    return towers.get_strategy(name, timeout_s=timeout_s)
+    return towers.get_strategy(base, timeout_s=timeout_s)
 
 
 def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
