@@ -8,7 +8,27 @@ import torch
 
 from towers.strategies.parameter_server.transport import Status
 
-__all__ = ["RequestError", "build_optimizer", "clone_state"]
+__all__ = ["RequestError", "build_optimizer", "clone_state", "optimizer_name", "OPTIMIZERS"]
+
+
+#: The optimizers a ps task rebuilds, by name: a class travels as one of these names, never as code.
+OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
+
+
+def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    """Return the name the ps tasks rebuild ``optimizer`` from.
+
+    Raises:
+        ValueError: its class is not one of ``OPTIMIZERS`` (a subclass or another library's optimizer).
+    """
+    cls = type(optimizer)
+    if cls.__name__ in OPTIMIZERS and getattr(torch.optim, cls.__name__) is cls:
+        return cls.__name__
+    raise ValueError(
+        f"ParameterServerStrategy rebuilds the optimizer on the ps tasks from its name, and a class cannot travel "
+        f"(nothing sent to a ps is unpickled). Expected one of torch.optim.{', torch.optim.'.join(OPTIMIZERS)}. "
+        f"Received: {cls.__module__}.{cls.__qualname__}. Use one of those (same hyperparameters), or MirroredStrategy "
+        "for a custom optimizer.")
 
 
 class RequestError(Exception):
@@ -30,12 +50,17 @@ def build_optimizer(spec: dict[str, Any] | None, params: Sequence[torch.nn.Param
     """
     if spec is None or not spec["groups"]:
         return None
-    groups = [{**hyper, "params": [params[i] for i in positions]} for hyper, positions in spec["groups"]]
+    name = spec.get("cls")
+    if name not in OPTIMIZERS:
+        raise RequestError(f"ps task {ps_index} builds only torch.optim.{', '.join(OPTIMIZERS)}. Received: {name!r}.",
+                           Status.BAD_INPUT)
+    cls = getattr(torch.optim, name)
     try:
-        return spec["cls"](groups, **spec["defaults"])
+        groups = [{**hyper, "params": [params[i] for i in positions]} for hyper, positions in spec["groups"]]
+        return cls(groups, **spec["defaults"])
     except Exception as exc:  # noqa: BLE001 - any constructor failure is the user's optimizer spec
         raise RequestError(
-            f"ps task {ps_index} could not build {spec['cls'].__name__}(**{spec['defaults']}): {exc}. "
+            f"ps task {ps_index} could not build {name}(**{spec['defaults']}): {exc}. "
             "The ps rebuilds the optimizer from its class and its `defaults`; use an optimizer whose "
             "constructor accepts its defaults as keyword arguments.", Status.BAD_INPUT) from exc
 

@@ -25,7 +25,8 @@ from towers.diagnostics import set_role
 from towers.strategies.parameter_server.gather import GatherTable
 from towers.strategies.parameter_server.requests import RequestError, build_optimizer, clone_state
 from towers.strategies.parameter_server.sharding import FlatLayout, ParamSpec, signature_mismatch
-from towers.strategies.parameter_server.transport import LISTEN_TIMEOUT_S, Link, LinkError, Message, Op, Status
+from towers.strategies.parameter_server.transport import (LISTEN_TIMEOUT_S, Link, LinkError, Message, Op, ProtocolError,
+                                                          Status)
 
 __all__ = ["ParameterServer"]
 
@@ -110,6 +111,16 @@ class ParameterServer:
                                 flat_out=lambda m: self.grad_bufs.get(w) if m.op == Op.PUSH else None)
             except LinkError as exc:
                 return self._gone(w, str(exc))
+            except ProtocolError as exc:
+                # Nothing of the message ran (it was never unpickled); the peer is not a towers worker of
+                # this job, or runs another version: tell it, then stop listening to it.
+                reason = f"protocol error: {exc}"
+                log.error("ps task %d: %s broke the wire protocol, dropping its link: %s", self.ps_index,
+                          self._who(w), exc)
+                if link.broken is None:
+                    self._reply(w, Op.REPLY, status=Status.BAD_INPUT,
+                                meta=f"ps task {self.ps_index} (rank {self.rank}): {reason}")
+                return self._gone(w, reason)
             if msg.op == Op.BYE:
                 # Reply before counting the worker as finished: serve() then closes the links, and a
                 # group must not be torn down under a send still in flight.
@@ -209,6 +220,14 @@ class ParameterServer:
 
     def _register(self, w: int, msg: Message) -> dict[str, Any]:
         meta = msg.meta
+        if not isinstance(meta, dict) or not {"chief", "signature", "shard", "optimizer"} <= set(meta):
+            raise RequestError(f"ps task {self.ps_index}: a register request needs chief, signature, shard and "
+                               "optimizer.", Status.BAD_INPUT)
+        try:
+            meta["signature"] = [ParamSpec(str(n), tuple(int(d) for d in shape), str(dt))
+                                 for n, shape, dt in meta["signature"]]
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"ps task {self.ps_index}: malformed model signature ({exc}).", Status.BAD_INPUT) from exc
         with self.cond:
             if meta["chief"] and self.signature is None:
                 self._initialise(meta, msg.flat)
@@ -304,4 +323,4 @@ class ParameterServer:
     def _set_hyper(self, hyper: list[dict[str, Any]] | None) -> None:
         if hyper and self.optimizer is not None:
             for group, values in zip(self.optimizer.param_groups, hyper):
-                group.update(values)
+                group.update({k: v for k, v in values.items() if k != "params"})

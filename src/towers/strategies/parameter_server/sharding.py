@@ -49,7 +49,12 @@ class ParamSpec:
 
 
 def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.replace("torch.", ""))
+    from towers.strategies.parameter_server.wire import DTYPES
+
+    dtype = DTYPES.get(name.replace("torch.", ""))
+    if dtype is None:
+        raise ValueError(f"parameters of dtype {name!r} cannot be held on a ps task; expected one of {', '.join(DTYPES)}.")
+    return dtype
 
 
 def model_signature(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:

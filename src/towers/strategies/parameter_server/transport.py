@@ -7,12 +7,18 @@ they share its Gloo device, so the interface chosen for the job (``towers launch
 ``GLOO_SOCKET_IFNAME``, or the one ``towers.network`` detects across hosts) carries them too, and
 a host name that resolves to loopback on its own host cannot send a peer to 127.0.1.1.
 
-A message is a fixed header, then an optional pickled ``meta`` object, then an optional flat
-byte buffer (a whole shard: one send per shard)::
+A message is a fixed header, then an optional ``meta`` value as JSON plus the raw bytes of the
+tensors it holds (``wire.py``: dtype and shape in the JSON, never a pickle), then an optional
+flat byte buffer (a whole shard: one send per shard)::
 
-    header  int64[8] = [op, status, meta_nbytes, flat_nbytes, a, b, c, d]
-    meta    uint8[meta_nbytes]   pickle of a small Python object (specs, masks, state dicts)
+    header  int64[10] = [MAGIC, op, status, json_nbytes, blob_nbytes, flat_nbytes, a, b, c, d]
+    json    uint8[json_nbytes]   UTF-8 JSON (read with json.loads only): small values, tensor specs
+    blob    uint8[blob_nbytes]   the raw bytes of the tensors the JSON names, in order
     flat    uint8[flat_nbytes]   gradients or parameters of one shard, received in place
+
+Every part is received before the JSON is decoded, so a message that breaks the protocol leaves
+the link aligned; the receiver raises ``ProtocolError`` (the ps answers with the error and drops
+the link). A header with the wrong magic or impossible sizes is refused before anything is read.
 
 Gloo point-to-point cannot be polled (``is_completed`` stays false until ``wait``), so each ps
 link is served by a thread blocked in ``recv``; every wait carries an explicit timeout.
@@ -22,7 +28,6 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import pickle
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,15 +35,20 @@ import torch
 import torch.distributed as dist
 
 from towers.process_group import first_line
+from towers.strategies.parameter_server.wire import MAX_JSON_BYTES, ProtocolError, decode, encode, tensor_bytes
 
-__all__ = ["Op", "Status", "Message", "LinkError", "Link", "open_link", "next_generation", "rendezvous_store",
-           "LISTEN_TIMEOUT_S"]
+__all__ = ["Op", "Status", "Message", "LinkError", "ProtocolError", "Link", "open_link", "next_generation",
+           "rendezvous_store", "LISTEN_TIMEOUT_S", "MAGIC"]
 
 #: How long a ps thread waits for a worker's next request: workers may compute (or evaluate) for
 #: long stretches without talking to the ps; a crashed worker is still seen at once (TCP reset).
 LISTEN_TIMEOUT_S = 7 * 24 * 3600.0
 
-_HEADER_LEN = 8
+_HEADER_LEN = 10
+#: First word of every header: "towersP2" (wire format 2: JSON + tensors; format 1 pickled its meta).
+MAGIC = int.from_bytes(b"towersP2", "little")
+#: The largest flat or tensor part a receiver accepts from a header (a confused peer cannot make it allocate more).
+_MAX_PART_BYTES = 1 << 40
 _TAG = 0
 _generation = itertools.count()
 
@@ -47,8 +57,10 @@ class Op:
     """Request kinds (worker -> ps) and the reply kind (ps -> worker)."""
 
     REGISTER, PUSH, PULL, SET_PARAMS, GET_STATE, SET_STATE, STATS, GATHER, BYE, REPLY = range(1, 11)
+    EMB_REGISTER, EMB_PULL, EMB_PUSH, EMB_GET, EMB_SET = range(11, 16)
     NAMES = {1: "register", 2: "push", 3: "pull", 4: "set_params", 5: "get_state", 6: "set_state",
-             7: "stats", 8: "gather", 9: "bye", 10: "reply"}
+             7: "stats", 8: "gather", 9: "bye", 10: "reply", 11: "embedding_register", 12: "embedding_pull",
+             13: "embedding_push", 14: "embedding_get", 15: "embedding_set"}
 
 
 class Status:
@@ -59,7 +71,7 @@ class Status:
 
 @dataclass
 class Message:
-    """One received message: ``op``, ``status``, four small ints, the unpickled ``meta`` and the ``flat`` buffer."""
+    """One received message: ``op``, ``status``, four small ints, the decoded ``meta`` and the ``flat`` buffer."""
 
     op: int
     status: int
@@ -131,35 +143,59 @@ class Link:
 
     def send(self, op: int, *, timeout_s: float, status: int = Status.OK, ints: tuple[int, ...] = (),
              meta: Any = None, flat: torch.Tensor | None = None) -> None:
-        """Send one message and wait until it is handed over. Raises ``LinkError``."""
-        payload = None if meta is None else pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        """Send one message and wait until it is handed over.
+
+        Raises:
+            LinkError: the peer is gone or silent.
+            TypeError: ``meta`` holds a value the wire does not carry (see ``wire.encode``).
+        """
+        raw, tensors = (b"", []) if meta is None else encode(meta)
         padded = (tuple(ints) + (0, 0, 0, 0))[:4]
-        header = torch.tensor([op, status, len(payload) if payload is not None else 0,
+        header = torch.tensor([MAGIC, op, status, len(raw), tensor_bytes(tensors),
                                flat.numel() * flat.element_size() if flat is not None else 0, *padded],
                               dtype=torch.int64)
-        tensors = [header]
-        if payload is not None:
-            tensors.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        parts = [header]
+        if raw:
+            parts.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        if tensors:
+            # One send for all of them: a message's tensors are small next to a shard (ids, rows, state).
+            blob = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if len(tensors) > 1 \
+                else tensors[0].reshape(-1).view(torch.uint8)
+            if blob.numel():
+                parts.append(blob)
         if flat is not None and flat.numel():
-            tensors.append(flat if flat.dtype == torch.uint8 else flat.view(torch.uint8))
-        self._run("send", lambda: [self._group.send([t], self._peer, _TAG) for t in tensors], timeout_s)
+            parts.append(flat if flat.dtype == torch.uint8 else flat.view(torch.uint8))
+        self._run("send", lambda: [self._group.send([t], self._peer, _TAG) for t in parts], timeout_s)
 
     def recv(self, *, timeout_s: float, first_timeout_s: float | None = None,
              flat_out: Callable[[Message], torch.Tensor | None] | None = None) -> Message:
         """Receive one message; ``flat_out(message)`` may return the buffer its flat part lands in (else a new one).
 
         ``first_timeout_s`` bounds the wait for the message to start (default ``timeout_s``).
-        Raises ``LinkError``.
+
+        Raises:
+            LinkError: the peer is gone or silent.
+            ProtocolError: the peer sent something that is not a message of this protocol (nothing of it is
+                executed). After a bad header the link is unusable (``broken``).
         """
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
         wait_first = timeout_s if first_timeout_s is None else first_timeout_s
         self._run("recv", lambda: [self._group.recv([header], self._peer, _TAG)], wait_first)
-        op, status, meta_nbytes, flat_nbytes, *ints = (int(v) for v in header.tolist())
+        magic, op, status, json_nbytes, blob_nbytes, flat_nbytes, *ints = (int(v) for v in header.tolist())
+        if magic != MAGIC or not 0 <= json_nbytes <= MAX_JSON_BYTES or not 0 <= blob_nbytes <= _MAX_PART_BYTES \
+                or not 0 <= flat_nbytes <= _MAX_PART_BYTES:
+            self.broken = "protocol error: bad header"
+            raise ProtocolError(
+                f"{self.name or 'the peer'} sent a header that is not towers' parameter-server wire format 2 "
+                f"(magic {magic:#x}, expected {MAGIC:#x}; json {json_nbytes} B, tensors {blob_nbytes} B, flat "
+                f"{flat_nbytes} B). Every process of the job must run the same towers version.")
         message = Message(op, status, (ints[0], ints[1], ints[2], ints[3]))
-        if meta_nbytes:
-            raw = torch.empty(meta_nbytes, dtype=torch.uint8)
+        raw = torch.empty(json_nbytes, dtype=torch.uint8)
+        blob = torch.empty(blob_nbytes, dtype=torch.uint8)
+        if json_nbytes:
             self._run("recv", lambda: [self._group.recv([raw], self._peer, _TAG)], timeout_s)
-            message.meta = pickle.loads(raw.numpy().tobytes())
+        if blob_nbytes:
+            self._run("recv", lambda: [self._group.recv([blob], self._peer, _TAG)], timeout_s)
         if flat_nbytes:
             out = flat_out(message) if flat_out is not None else None
             if out is None or out.numel() * out.element_size() != flat_nbytes:
@@ -167,6 +203,11 @@ class Link:
             target = out if out.dtype == torch.uint8 else out.view(torch.uint8)
             self._run("recv", lambda: [self._group.recv([target], self._peer, _TAG)], timeout_s)
             message.flat = out
+        if json_nbytes:  # decoded only once the whole message is in: the link stays aligned on a bad one
+            message.meta = decode(raw.numpy().tobytes(), blob)
+        elif blob_nbytes:
+            raise ProtocolError(f"{self.name or 'the peer'} sent {blob_nbytes} tensor bytes without a header "
+                                "describing them.")
         return message
 
     def _run(self, what: str, start: Callable[[], list[Any]], timeout_s: float) -> None:

@@ -9,7 +9,6 @@ hyperparameter changes (an LR scheduler's ``lr``) travel with the next push.
 
 from __future__ import annotations
 
-import pickle
 from typing import Any, Callable
 
 import torch
@@ -18,7 +17,9 @@ from torch import nn
 from towers._logging import get_logger
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.sharding import FlatLayout, assign_shards, model_signature
+from towers.strategies.parameter_server.requests import optimizer_name
 from towers.strategies.parameter_server.transport import Op
+from towers.strategies.parameter_server.wire import encode
 
 __all__ = ["BoundModel"]
 
@@ -46,7 +47,7 @@ class BoundModel:
         self.active = [i for i, layout in enumerate(self.layouts) if layout.nbytes]
         self.optimizer = optimizer
         self.opt_groups, self.local_to_global, self.group_ids = _optimizer_layout(optimizer, self.params, self.shards)
-        self._sent_hyper: list[bytes | None] = [pickle.dumps([h for h, _ in groups]) for groups in self.opt_groups]
+        self._sent_hyper: list[bytes | None] = [_hyper_key([h for h, _ in groups]) for groups in self.opt_groups]
         self.versions: list[int] = [0] * num_ps
         self.dead_seen = 0
         self.pushes = 0
@@ -75,7 +76,8 @@ class BoundModel:
 
     def register(self) -> None:
         """Register the model (and optimizer spec) with every ps task; the chief's values become the start values."""
-        metas = [{"worker": self.client.worker, "chief": self.is_chief, "signature": self.signature,
+        signature = [[s.name, list(s.shape), s.dtype] for s in self.signature]
+        metas = [{"worker": self.client.worker, "chief": self.is_chief, "signature": signature,
                   "shard": shard, "optimizer": self._spec(p)} for p, shard in enumerate(self.shards)]
         replies = self.client.request(Op.REGISTER, metas=metas,
                                       flats=self.param_bufs if self.is_chief else None, replies_into=self.param_bufs)
@@ -85,7 +87,8 @@ class BoundModel:
     def _spec(self, p: int) -> dict[str, Any] | None:
         if self.optimizer is None:
             return None
-        return {"cls": type(self.optimizer), "defaults": dict(self.optimizer.defaults), "groups": self.opt_groups[p]}
+        return {"cls": optimizer_name(self.optimizer), "defaults": dict(self.optimizer.defaults),
+                "groups": self.opt_groups[p]}
 
     def push_pull(self) -> None:
         """Send every shard's gradients (and changed hyperparameters); receive the updated parameters in place."""
@@ -121,7 +124,7 @@ class BoundModel:
         if self.optimizer is None:
             return None
         hyper = [{k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"} for g in self.group_ids[p]]
-        blob = pickle.dumps(hyper)
+        blob = _hyper_key(hyper)
         if blob == self._sent_hyper[p]:
             return None
         self._sent_hyper[p] = blob
@@ -149,6 +152,12 @@ class BoundModel:
         if refresh_on_state_dict:
             self.model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.pull())
         self.model.register_load_state_dict_post_hook(lambda module, incompatible: self.push_params())
+
+
+def _hyper_key(hyper: list[dict[str, Any]]) -> bytes:
+    """Bytes that change when any hyperparameter does (tensor values included)."""
+    raw, tensors = encode(hyper)
+    return raw + b"".join(t.numpy().tobytes() for t in tensors)
 
 
 def _optimizer_layout(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter],
