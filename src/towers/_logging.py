@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import TextIO
 
-__all__ = ["get_logger", "set_rank", "all_ranks_log", "configure_logging", "RankFilter"]
+__all__ = ["get_logger", "set_rank", "all_ranks_log", "configure_logging", "configured_logging", "RankFilter"]
 
 _ROOT = "towers"
 logging.getLogger(_ROOT).addHandler(logging.NullHandler())
@@ -56,6 +56,11 @@ def configure_logging(level: int | str = logging.INFO, *, stream: TextIO | None 
     root.propagate = False
     all_ranks_log(all_ranks)
     return handler
+
+
+def configured_logging() -> bool:
+    """Return True when ``configure_logging`` set up towers' output in this process."""
+    return any(getattr(h, "_towers_handler", False) for h in logging.getLogger(_ROOT).handlers)
 
 
 def get_logger(name: str) -> logging.Logger:

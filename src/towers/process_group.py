@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from towers._logging import get_logger, set_rank
+from towers._logging import configure_logging, configured_logging, get_logger, set_rank
 from towers.cluster.info import ProcessInfo
 from towers.cluster.rendezvous import Member, RendezvousError, join, resolve, visible_warning, wait_reachable
 from towers.network import use_interface
@@ -90,6 +90,8 @@ def init_process_group(
             f"backend must be 'auto', 'gloo', 'nccl' or 'mpi'. Received: {backend!r}. "
             "Use 'auto' to pick NCCL on GPU hosts and Gloo otherwise.")
     set_rank(info.rank, info.world_size)
+    if info.log_level and not configured_logging():  # a worker of `towers launch`: its [rank r/w] output
+        configure_logging(info.log_level)
     if dist.is_initialized():
         return str(dist.get_backend())
     if backend == "auto":

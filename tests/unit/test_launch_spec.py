@@ -97,9 +97,11 @@ def test_num_ps_and_strategy_defaults():
 
 def test_worker_environment():
     s = spec(nproc_per_node=2, strategy="ps", num_ps=1)
-    assert s.worker_environment({}, cores=8) == {"TOWERS_STRATEGY": "ps", "TOWERS_NUM_PS": "1", "OMP_NUM_THREADS": "4"}
-    assert s.worker_environment({"OMP_NUM_THREADS": "3"}, cores=8) == {"TOWERS_STRATEGY": "ps", "TOWERS_NUM_PS": "1"}
-    assert spec(nproc_per_node=4).worker_environment({}, cores=2) == {"OMP_NUM_THREADS": "1"}
+    logs = {"TOWERS_LOG_LEVEL": "INFO"}  # the workers' [rank r/w] output
+    assert s.worker_environment({}, cores=8) == {"TOWERS_STRATEGY": "ps", "TOWERS_NUM_PS": "1", "OMP_NUM_THREADS": "4", **logs}
+    assert s.worker_environment({"OMP_NUM_THREADS": "3", "TOWERS_LOG_LEVEL": "DEBUG"}, cores=8) == {
+        "TOWERS_STRATEGY": "ps", "TOWERS_NUM_PS": "1"}
+    assert spec(nproc_per_node=4).worker_environment({}, cores=2) == {"OMP_NUM_THREADS": "1", **logs}
 
 
 def test_command():

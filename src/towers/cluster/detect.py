@@ -72,7 +72,8 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     ``TOWERS_CHECKPOINT_DIR`` (set by ``towers k8s`` manifests) fills ``checkpoint_dir``;
     ``TOWERS_JOIN_TIMEOUT_S`` (set by ``towers launch --join-timeout``) fills ``join_timeout_s``;
     ``TOWERS_STUCK_TIMEOUT_S`` fills ``stuck_timeout_s``;
-    ``TOWERS_INTERFACE`` (set by ``towers launch --interface``), else ``GLOO_SOCKET_IFNAME``, fills ``interface``.
+    ``TOWERS_INTERFACE`` (set by ``towers launch --interface``), else ``GLOO_SOCKET_IFNAME``, fills ``interface``;
+    ``TOWERS_LOG_LEVEL`` (set by ``towers launch``) fills ``log_level``.
     ``environ=None`` reads ``os.environ``; pass a dict in tests.
 
     Raises:
@@ -95,6 +96,9 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     interface = environ.get("TOWERS_INTERFACE", "").strip() or environ.get("GLOO_SOCKET_IFNAME", "").strip()
     if interface:
         info = dataclasses.replace(info, interface=interface)
+    log_level = environ.get("TOWERS_LOG_LEVEL", "").strip().upper()
+    if log_level:
+        info = dataclasses.replace(info, log_level=log_level)
     if explicit:
         explicit.setdefault("source", f"explicit+{info.source}")
         try:

@@ -105,6 +105,8 @@ class ProcessInfo:
     restart_count: int = 0
     agent_store: bool = False
     interface: str | None = None
+    #: Level of the rank-prefixed log output ``towers launch`` sets up in its workers (``TOWERS_LOG_LEVEL``).
+    log_level: str | None = None
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     stuck_timeout_s: float | None = None
 

@@ -269,6 +269,8 @@ class LaunchSpec:
         if self.strategy is not None:
             updates["TOWERS_STRATEGY"] = self.strategy
             updates["TOWERS_NUM_PS"] = str(self.num_ps)
+        if not environ.get("TOWERS_LOG_LEVEL", "").strip():  # towers' own lines, [rank r/w]-prefixed, in the workers
+            updates["TOWERS_LOG_LEVEL"] = "INFO"
         if not environ.get("OMP_NUM_THREADS", "").strip():
             updates["OMP_NUM_THREADS"] = str(cpu_threads_per_process(self.nproc_per_node, cores))
         return updates
