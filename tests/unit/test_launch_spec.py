@@ -74,10 +74,10 @@ def test_spec_is_frozen_and_keyword_only():
     ({"max_restarts": -1}, "max_restarts must be an integer >= 0"),
     ({"module": True, "no_python": True}, "exclude each other"),
     ({"strategy": "nope"}, "Unknown strategy"),
-    ({"strategy": "mirrored", "num_ps": 1, "nproc_per_node": 2}, "--num-ps only applies to --strategy ps"),
+    ({"strategy": "mirrored", "num_ps": 1, "nproc_per_node": 2}, "--num-ps only applies to strategies with parameter servers"),
     ({"strategy": "ps", "num_ps": 0, "nproc_per_node": 2}, "needs at least one parameter server"),
-    ({"strategy": "ps", "num_ps": 2, "nproc_per_node": 2}, "leaves no workers"),
-    ({"strategy": "ps", "nproc_per_node": 1}, "leaves no workers"),
+    ({"strategy": "ps", "num_ps": 2, "nproc_per_node": 2}, "leaves no worker"),
+    ({"strategy": "ps", "nproc_per_node": 1}, "leaves no worker"),
     ({"num_ps": -1}, "--num-ps must be an integer >= 0"),
     ({"strategy": "one_device", "nproc_per_node": 2}, "one_device trains one replica"),
 ])
@@ -168,7 +168,7 @@ def test_cli_reports_missing_script_without_starting(tmp_path, monkeypatch, caps
     assert main(["launch", "--nproc-per-node", "2", "absent.py"]) == 2
     assert "Training script not found: 'absent.py'" in capsys.readouterr().err
     assert main(["launch", "--strategy", "ps", "--num-ps", "2", "--nproc-per-node", "2", "absent.py"]) == 2
-    assert "leaves no workers" in capsys.readouterr().err
+    assert "leaves no worker" in capsys.readouterr().err
 
 
 # --- the failure report -----------------------------------------------------------------------

@@ -128,8 +128,8 @@ def check_num_ps(num_ps: int, world_size: int, *, source: str = "num_ps",
     if num_ps >= world_size:
         raise ValueError(
             f"{source}={num_ps} leaves no worker: the job has {world_size} process(es) and the last {num_ps} would "
-            f"all be ps tasks. Expected {source} < {world_size} (the number of processes). Start more processes or "
-            f"use fewer ps tasks, e.g. `{hint}`.")
+            f"all be ps tasks. Expected {source} < {world_size} (the number of processes). Received: {num_ps}. Use "
+            f"fewer ps tasks or start more processes, e.g. `{hint}`.")
 
 
 def ps_ranks(world_size: int, num_ps: int) -> tuple[int, ...]:

@@ -192,35 +192,33 @@ class LaunchSpec:
             raise ValueError(f"--num-ps must be an integer >= 0. Received: {num_ps!r}. Example: --num-ps 1.")
         if strategy is None and num_ps:
             strategy = "ps"
-        if strategy == "ps":
+        entry = _roles.strategy_entry(strategy) if strategy is not None else None
+        if entry is not None and entry.has_ps:
             num_ps = 1 if num_ps is None else num_ps
             if num_ps < 1:
-                raise ValueError("--strategy ps needs at least one parameter server. Received: --num-ps 0. "
+                raise ValueError(f"--strategy {strategy} needs at least one parameter server. Received: --num-ps 0. "
                                  "Use --num-ps 1 (or more).")
         elif num_ps:
-            raise ValueError(f"--num-ps only applies to --strategy ps. Received: --strategy {strategy} "
-                             f"--num-ps {num_ps}. Drop --num-ps or use --strategy ps.")
+            raise ValueError(f"--num-ps only applies to strategies with parameter servers. Received: --strategy "
+                             f"{strategy} --num-ps {num_ps}. Drop --num-ps or use --strategy ps.")
         num_ps = num_ps or 0
-        if num_ps >= self.min_world_size:
-            raise ValueError(
-                f"--num-ps {num_ps} leaves no workers: the job starts {self.min_world_size} process(es) "
-                f"({self.min_nodes} node(s) x {self.nproc_per_node}) and the last {num_ps} would all be "
-                f"parameter servers. Use --num-ps at most {self.min_world_size - 1} or start more processes.")
-        if strategy == "one_device" and self.max_world_size > 1:
+        _roles.check_num_ps(num_ps, self.min_world_size, source="--num-ps",
+                            hint=f"towers launch --num-ps {num_ps} --nproc-per-node {num_ps + 1} ...")
+        if entry is not None and not entry.multi_process and self.max_world_size > 1:
             raise ValueError(
                 f"--strategy one_device trains one replica, but the job starts {self.max_world_size} processes. "
                 "Use --nproc-per-node 1 --nnodes 1, or --strategy mirrored / multi_worker_mirrored.")
         tolerate = self.tolerate_worker_failures
         if tolerate is not None and not isinstance(tolerate, bool):
             raise ValueError(f"tolerate_worker_failures must be True, False or None. Received: {tolerate!r}.")
-        if tolerate and strategy != "ps":
+        if tolerate and not (entry is not None and entry.has_ps):
             raise ValueError(
                 f"--tolerate-worker-failures only applies to --strategy ps (async parameter servers go on without a "
                 f"dead worker; every other strategy needs all of them). Received: --strategy {strategy}. Drop the "
                 "flag or use --strategy ps.")
         set_("strategy", strategy)
         set_("num_ps", num_ps)
-        set_("tolerate_worker_failures", strategy == "ps" if tolerate is None else tolerate)
+        set_("tolerate_worker_failures", bool(entry is not None and entry.has_ps) if tolerate is None else tolerate)
 
     @property
     def min_world_size(self) -> int:
