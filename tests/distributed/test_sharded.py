@@ -7,7 +7,7 @@ on the same global batches, with Adam, gradient clipping and an LR scheduler ove
 batch, gradient accumulation, an empty share (last batch of one example) with
 ``reshard_after_forward=False``, and HSDP on a 2x2 mesh (shard within pairs, replicate across
 them). ``Trainer.fit`` at 2 (launched as ``--strategy sharded`` would: TOWERS_STRATEGY) gives one
-device's History and parameters; bf16 trains with float32 master shards. The one-device
+device's History and parameters; bf16 and fp16 (loss-scaled) train with float32 master shards. The one-device
 references run in this process; each test is one spawn; all assertions happen here.
 """
 
@@ -139,10 +139,11 @@ def _fit(strategy) -> dict:
 def _fit_replica() -> dict:
     strategy = towers.strategy_from_env(timeout_s=60)  # TOWERS_STRATEGY=sharded, as `towers launch --strategy sharded`
     result = {"name": strategy.name, **_fit(strategy)}
-    bf16 = towers.FullyShardedStrategy(timeout_s=60, precision="bf16")
-    fitted = _fit(bf16)
-    result["bf16"] = {"loss": fitted["history"]["history"]["loss"],
-                      "dtypes": sorted({str(v.dtype) for v in fitted["state"].values()})}
+    for precision in ("bf16", "fp16"):
+        mixed = towers.FullyShardedStrategy(timeout_s=60, precision=precision)
+        fitted = _fit(mixed)
+        result[precision] = {"loss": fitted["history"]["history"]["loss"], "scale": mixed.precision.scale,
+                             "dtypes": sorted({str(v.dtype) for v in fitted["state"].values()})}
     return result
 
 
@@ -156,7 +157,9 @@ def test_trainer_fit_sharded_matches_one_device():
         for metric, values in ref["history"]["history"].items():
             assert torch.allclose(torch.tensor(got["history"]["history"][metric]), torch.tensor(values),
                                   atol=ATOL), (rank, metric)
-        assert got["bf16"]["dtypes"] == ["torch.float32"]  # bf16 compute, float32 master shards
-        bf16_loss = got["bf16"]["loss"]  # bf16 is not float32 maths: it trains, close to the float32 losses
-        assert all(torch.isfinite(torch.tensor(bf16_loss))) and bf16_loss[-1] < bf16_loss[0]
-        assert abs(bf16_loss[-1] - ref["history"]["history"]["loss"][-1]) < 0.05
+        for precision in ("bf16", "fp16"):  # not float32 maths: they train, close to the float32 losses
+            assert got[precision]["dtypes"] == ["torch.float32"], precision  # float32 master shards
+            loss = got[precision]["loss"]
+            assert all(torch.isfinite(torch.tensor(loss))) and loss[-1] < loss[0], precision
+            assert abs(loss[-1] - ref["history"]["history"]["loss"][-1]) < 0.05, precision
+        assert got["fp16"]["scale"] == 2.0 ** 16  # the loss scale was applied and no step overflowed

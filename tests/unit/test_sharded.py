@@ -165,11 +165,6 @@ def test_metadata_cannot_run_code_and_foreign_paths_are_refused(tmp_path):
         strategy.load_checkpoint(tmp_path / "missing")
 
 
-def test_fp16_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match="use precision='bf16'"):
-        FullyShardedStrategy(info=ProcessInfo(), precision="fp16")
-
-
 def test_optimizer_that_already_stepped_is_refused():
     strategy = _one_process()
     model = nn.Linear(2, 2)

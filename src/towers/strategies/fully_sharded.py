@@ -34,6 +34,7 @@ from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
 from towers.strategies._fsdp import ShardUnits, build_mesh, select_units, shard_model
 from towers.strategies._sync import SyncStrategy
+from towers.strategies.precision import Precision
 
 __all__ = ["FullyShardedStrategy"]
 
@@ -50,15 +51,44 @@ def _raw(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside the one prepare returned
 
 
+class _ShardedPrecision(Precision):
+    """The strategy's precision, unscaling fp16 gradients shard by shard (each rank its own shards).
+
+    The inf/NaN flag is this rank's; the prepared optimizer takes its maximum over the replicas,
+    so every rank skips or steps together and keeps the same loss scale.
+    """
+
+    @classmethod
+    def of(cls, precision: Precision) -> "_ShardedPrecision":
+        sharded = cls.__new__(cls)
+        sharded.__dict__.update(precision.__dict__)  # same settings and loss-scale state
+        return sharded
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        if not self.needs_loss_scaling or id(optimizer) in self._unscaled:
+            return None
+        self._unscaled.add(id(optimizer))
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        found = torch.zeros(1, dtype=torch.float32, device=local[0].device if local else "cpu")
+        inv = 1.0 / self.scale
+        for grad in local:
+            grad.mul_(inv)
+            found += (~torch.isfinite(grad)).any().to(found.dtype)
+        self._found = found
+        return found
+
+
 class FullyShardedStrategy(SyncStrategy):
     """Sharded data parallelism: parameters, gradients and optimizer state split over the replicas (FSDP2).
 
     Options: ``shard_units`` (which submodules are FSDP units: ``"auto"`` = each block of the
     model's ``nn.ModuleList`` of repeated blocks, else by size; a module class or tuple of classes;
     or a parameter count), ``reshard_after_forward`` (free gathered parameters after forward and
-    gather again in backward: less memory, one more all-gather), ``precision`` (``"32"``,
-    ``"bf16"``: parameters computed in bf16 with float32 gradient reduction and float32 master
-    shards), ``cpu_offload`` (parameter shards, gradients and optimizer state live in CPU memory;
+    gather again in backward: less memory, one more all-gather), ``precision`` (``"32"``;
+    ``"bf16"`` / ``"fp16"``: FSDP2's ``MixedPrecisionPolicy``, parameters gathered and computed in
+    that dtype, gradients reduced in float32 into float32 master shards; fp16 also scales the loss
+    in ``strategy.backward``), ``cpu_offload`` (parameter shards, gradients and optimizer state live in CPU memory;
     for GPUs), ``shard_group_size`` (HSDP: shard within groups of this many processes, replicate
     across groups; default: the processes per node when the job spans several nodes, else all),
     ``gradient_accumulation_steps``, ``async_save`` (checkpoints written by a background thread),
@@ -105,10 +135,7 @@ class FullyShardedStrategy(SyncStrategy):
         super().__init__(info=info, device=device, comm=comm, precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps)
         self._sharded: list[Any] = []  # the FSDP roots prepare() made
-        if self._precision.needs_loss_scaling:
-            raise ValueError(
-                "FullyShardedStrategy supports precision '32' and 'bf16'. Received: precision='fp16'. fp16 needs "
-                "loss scaling of sharded gradients, which towers does not do yet; use precision='bf16'.")
+        self._precision = _ShardedPrecision.of(self._precision)
         log.info("%s: %d replica(s), this one on %s (mesh %s, precision=%s, accumulation=%d, reshard_after_forward=%s, "
                  "cpu_offload=%s)", type(self).__name__, self.num_replicas_in_sync, device,
                  None if self._mesh is None else dict(zip(self._mesh.mesh_dim_names, self._mesh.shape)),
