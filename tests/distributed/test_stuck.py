@@ -1,9 +1,9 @@
 """A stuck rank is named: every process exits within the watchdog's bound, with a report.
 
-Four faults, injected into rank 1 under MirroredStrategy (2 ranks) and under sync
-ParameterServerStrategy (2 workers + 1 ps): it stops (SIGSTOP), loops forever, skips a collective
-(the barrier at the end of the first epoch), or runs one step more than the others (see
-tests/stuck_job.py). The bound is ``TOWERS_STUCK_TIMEOUT_S=3``; the process-group timeout stays at
+Four faults, injected into rank 1 under MirroredStrategy and under sync ParameterServerStrategy
+(+1 ps): it stops (SIGSTOP) or loops forever (2 workers), skips a collective (the barrier at the
+end of the first epoch) or runs one step more than the others (3 workers, so that the odd one out
+can be named); see tests/stuck_job.py. The bound is ``TOWERS_STUCK_TIMEOUT_S=3``; the process-group timeout stays at
 120 s, so only the watchdog can end the job in time. The ranks find their place torchrun-style
 (``RANK``, ``MASTER_PORT``, ...); the test owns the deadline and SIGKILLs anything left over
 (a stopped rank cannot exit by itself: under ``towers launch`` the launcher ends it).
@@ -37,7 +37,10 @@ def _run_job(tmp_path: Path, strategy: str, fault: str) -> dict:
 
     from towers.launch.spawn import free_port
 
-    world = 3 if strategy == "ps" else 2
+    # Two workers that wait in different places cannot tell which one is wrong (rank 1 skipped the
+    # barrier = rank 0 entered one more): those faults run three, so the odd one out is named.
+    workers = 3 if fault in ("skip", "extra_step") else 2
+    world = workers + (1 if strategy == "ps" else 0)
     port = free_port()
     ctx = _context()
     procs: list[mp.process.BaseProcess] = []
@@ -120,15 +123,22 @@ def test_a_stuck_rank_is_named_and_every_rank_exits(tmp_path, strategy, fault):
         assert "rank 1 is not in any collective while rank(s) 0 wait" in report, report
         assert "_spin_forever" in _section(report, 1), report
     else:
-        # Two workers wait in different places: both are named, each with where it waits. Which one is
-        # "wrong" cannot be told with two (rank 1 skipped the barrier = rank 0 entered one more).
-        assert "Stuck: ranks 0, 1.\n" in report, report
-        assert "ranks 0, 1 disagree on the next collective" in report, report
-        assert "strategy.barrier" in where.split("  rank 1 (")[0], report  # rank 0 waits in the barrier
-        assert "strategy.barrier" not in _section(report, 1), report
+        # ranks 0 and 2 wait in the barrier; rank 1 is elsewhere: it skipped the barrier, or ran one more step
+        assert "Stuck: rank 1.\n" in report, report
+        line = next(x for x in report.splitlines() if x.startswith("  rank 1 "))
+        if strategy == "mirrored":  # in DDP's all-reduce of the next step, a collective the others never entered
+            assert line.startswith("  rank 1 is ahead: it waits in collective #"), report
+            assert "(all_reduce), which rank(s) 0, 2 never entered" in line, report
+        else:  # in a push to the ps, at the point where the others wait in the barrier
+            assert line.startswith("  rank 1 waits in towers call #"), report
+            assert "ps push, a different collective from rank(s) 0, 2 at the same point" in line, report
+        for r in (0, 2):
+            assert "strategy.barrier" in next(x for x in where.splitlines() if x.startswith(f"  rank {r} (")), report
+            assert "in barrier" in _section(report, r), report
+        answered = [0, 1, 2]
     for r in answered:
         assert "Thread MainThread (most recent call last):" in _section(report, r), report
         assert "in _job" in _section(report, r), report
-    if strategy == "ps":
-        assert "  rank 2 (ps," in where, report
-        assert "in serve" in _section(report, 2), report
+    if strategy == "ps":  # the ps task (the last rank) answered too
+        assert f"  rank {world - 1} (ps," in where, report
+        assert "in serve" in _section(report, world - 1), report
