@@ -37,8 +37,10 @@ def test_every_python_block_runs_as_written(path, tmp_path):
     (tmp_path / "runner.py").write_text(_RUNNER)
     work = tmp_path / "work"
     work.mkdir()
+    # One torch thread: on a shared 2-core machine, two spinning intra-op threads per process can make
+    # these small models train ~20x slower (the blocks' results do not depend on it).
     done = subprocess.run([sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "blocks.json")], cwd=work,
-                          env=clean_env(), capture_output=True, text=True, timeout=200)
+                          env=clean_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     assert [line for line in done.stdout.splitlines() if line.startswith("--- ")] == [f"--- {b.name}" for b in blocks]
 
