@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import textwrap
 import time
 from pathlib import Path
 
@@ -138,3 +139,28 @@ def test_a_process_whose_peer_never_starts_says_whom_it_waits_for(script, tmp_pa
         assert no_cpp_frames(done.stderr) and "retry" not in done.stderr.lower(), done.stderr
     assert JOIN_TIMEOUT_S <= elapsed < BOUND_S
     assert not (tmp_path / "chief").exists() and not (tmp_path / "orphan").exists()
+
+
+def test_two_nodes_on_one_host_join_and_train_whichever_starts_first(tmp_path):
+    # towers' node join runs on node 0's store before torchrun's agent, which then shares that server.
+    script = tmp_path / "two_nodes.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from towers import cluster
+        from towers.process_group import init_process_group
+
+        info = cluster.from_env()
+        init_process_group(info, backend="gloo", timeout_s=60)
+        value = torch.tensor([float(info.rank + 1)])
+        dist.all_reduce(value)
+        print(f"rank {info.rank} of {info.world_size} on node {info.node_rank}: sum {value.item():g}", flush=True)
+    """))
+    port = free_port()
+    launch = [*towers_command(), "launch", "--nproc-per-node", "1", "--monitor-interval", "0.2", "--nnodes", "2",
+              "--master-port", str(port), "--join-timeout", "60"]
+    node1 = start([*launch, "--node-rank", "1", str(script)], cwd=tmp_path)  # first: it may find the port refused
+    node0 = start([*launch, "--node-rank", "0", str(script)], cwd=tmp_path)
+    done0, done1 = finish([node0, node1], deadline_s=90, marker=str(script))
+    assert (done0.returncode, done1.returncode) == (0, 0), done0.stderr + done1.stderr
+    assert "rank 0 of 2 on node 0: sum 3" in done0.stdout, done0.stdout + done0.stderr
+    assert "rank 1 of 2 on node 1: sum 3" in done1.stdout, done1.stdout + done1.stderr

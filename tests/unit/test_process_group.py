@@ -84,3 +84,20 @@ def test_torchrun_restart_variables_reach_process_info():
     info = from_env(env)
     assert (info.restart_count, info.agent_store) == (2, True)
     assert (from_env({"RANK": "0", "WORLD_SIZE": "1"}).restart_count, from_env({}).agent_store) == (0, False)
+
+
+def test_a_failed_group_says_after_how_long_hints_at_the_interface_and_keeps_torchs_frames_in_a_file():
+    from towers.process_group import _init_error
+
+    info = ProcessInfo(rank=1, world_size=2, local_world_size=1, master_addr="10.0.0.1", master_port=29500)
+    torch_error = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:144] connect [127.0.1.1]:5301: "
+                               "Connection refused\nException raised from ... (most recent call first):\nframe #0: c10")
+    error = _init_error(info, "gloo", torch_error, 4.07)
+    text = str(error)
+    assert "\n" not in text and "frame #" not in text
+    assert text.startswith("[rank 1/2] could not create the process group (gloo) at tcp://10.0.0.1:29500 after 4.1 s: "
+                           "connect [127.0.1.1]:5301: Connection refused."), text
+    assert "GLOO_SOCKET_IFNAME" in text and "--interface" in text and "within" not in text
+    path = text.rsplit("torch's full message: ", 1)[1].rstrip(")")
+    with open(path, encoding="utf-8") as fh:
+        assert "frame #0: c10" in fh.read()
