@@ -6,9 +6,11 @@ hold the parameters (gathered from their shards) and report the losses OneDevice
 on the same global batches, with Adam, gradient clipping and an LR scheduler over a ragged last
 batch, gradient accumulation, an empty share (last batch of one example) with
 ``reshard_after_forward=False``, and HSDP on a 2x2 mesh (shard within pairs, replicate across
-them). ``Trainer.fit`` at 2 (launched as ``--strategy sharded`` would: TOWERS_STRATEGY) gives one
-device's History and parameters; bf16 and fp16 (loss-scaled) train with float32 master shards. The one-device
-references run in this process; each test is one spawn; all assertions happen here.
+them): by default when the 4 processes say they are 2 nodes of 2, and with
+``shard_group_size=2``. ``Trainer.fit`` at 2 (launched as ``--strategy sharded`` would:
+TOWERS_STRATEGY) gives one device's History and parameters; bf16 and fp16 (loss-scaled) train
+with float32 master shards. The one-device references run in this process; each test is one
+spawn; all assertions happen here.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ CASES: dict[str, dict] = {
                          options={"gradient_accumulation_steps": 2, "shard_units": nn.Linear}),
     "empty_share_no_reshard": dict(n=17, gbs=8, optimizer="adam",
                                    options={"reshard_after_forward": False, "shard_units": 50}),
-    "hsdp_2x2": dict(n=22, gbs=8, optimizer="adam", options={"shard_units": nn.Linear, "shard_group_size": 2}),
+    # 4 processes that say they are 2 nodes of 2: HSDP by default (shard within a node, replicate across).
+    "hsdp_2_nodes": dict(n=22, gbs=8, optimizer="adam", options={"shard_units": nn.Linear}, nodes=2),
+    "hsdp_explicit": dict(n=22, gbs=4, optimizer="sgd", options={"shard_units": nn.Linear, "shard_group_size": 2}),
 }
 
 
@@ -80,10 +84,20 @@ def train(strategy: towers.Strategy, *, n: int, gbs: int, optimizer: str, epochs
     return {"state": _full(strategy.unwrap(net).state_dict()), "losses": torch.stack(losses), "shares": shares}
 
 
+def _pretend_nodes(nodes: int) -> ProcessInfo:
+    import dataclasses
+
+    info = towers.cluster.from_env()
+    per_node = info.world_size // nodes
+    return dataclasses.replace(info, local_world_size=per_node, local_rank=info.rank % per_node,
+                               node_rank=info.rank // per_node)
+
+
 def _replica(cases: dict) -> dict:
     results = {}
     for name, case in cases.items():
-        strategy = towers.FullyShardedStrategy(timeout_s=60, **case["options"])
+        info = _pretend_nodes(case["nodes"]) if "nodes" in case else None
+        strategy = towers.FullyShardedStrategy(info=info, timeout_s=60, **case["options"])
         results[name] = train(strategy, n=case["n"], gbs=case["gbs"], optimizer=case["optimizer"])
         results[name]["mesh"] = tuple(strategy.mesh.shape)
     return results
@@ -110,7 +124,7 @@ def test_sharded_matches_one_device_at_4_processes():
             for key, value in ref["state"].items():
                 assert torch.allclose(got["state"][key], value, atol=ATOL), (name, rank, key)
     assert per_rank[0]["adam_schedule_ragged"]["mesh"] == (replicas,)
-    assert per_rank[0]["hsdp_2x2"]["mesh"] == (2, 2)
+    assert per_rank[0]["hsdp_2_nodes"]["mesh"] == per_rank[0]["hsdp_explicit"]["mesh"] == (2, 2)
     # The data really was ragged: the last batch of one example left every other replica empty.
     assert [r["empty_share_no_reshard"]["shares"][2] for r in per_rank] == [1] + [0] * (replicas - 1)
 
