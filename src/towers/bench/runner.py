@@ -7,6 +7,7 @@ examples/s per repeat; every worker reports its CPU time per step.
 
 from __future__ import annotations
 
+import logging
 import platform
 import time
 from dataclasses import asdict
@@ -14,7 +15,7 @@ from functools import partial
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from towers._logging import get_logger, set_rank
+from towers._logging import configure_logging, configured_logging, get_logger, set_rank
 from towers.bench.config import BenchConfig, available_cores, bench_strategy
 from towers.bench.report import RAW, BenchReport, Measurement
 from towers.bench.workloads import IdleWorkload, RawTorchWorkload, TowersWorkload, Workload, replica_device
@@ -41,6 +42,8 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
 
     say = progress or log.info
     cores = available_cores()
+    # The jobs' processes print towers' lines the way this process does (the CLI's [rank r/w] output).
+    log_level = logging.getLogger("towers").getEffectiveLevel() if configured_logging() else None
     measurements: list[Measurement] = []
     notes: list[str] = []
     multi = [n for n in config.replicas if n > 1]
@@ -58,8 +61,8 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
             say(f"measuring {strategy} beside raw DDP on {n} replica(s){f' + {num_ps} ps' if num_ps else ''}"
                 f"{' (and both on 1 replica)' if baseline else ''}: {config.repeats} repeats x {config.steps} steps "
                 f"(deadline {timeout_s:.0f} s)")
-            results = spawn(_job, procs, args=(config, n, strategy, num_ps, baseline), timeout_s=timeout_s,
-                            threads_per_process=config.threads)
+            results = spawn(_job, procs, args=(config, n, strategy, num_ps, baseline, log_level),
+                            timeout_s=timeout_s, threads_per_process=config.threads)
             if results[0]["skipped"]:
                 note = f"note: {strategy} at {n} replica(s) skipped: {results[0]['skipped']}"
                 log.warning(note)
@@ -101,7 +104,7 @@ def _make_strategy(name: str, num_replicas: int, *, timeout_s: float = 300.0, de
 
 
 def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
-         baseline: bool = False) -> dict[str, Any] | None:
+         baseline: bool = False, log_level: int | None = None) -> dict[str, Any] | None:
     """Body of one spawned rank: raw DDP and one towers strategy on the same processes, measured interleaved.
 
     With ``baseline``, rank 0 also runs both on 1 replica (the other ranks sit those turns out).
@@ -109,6 +112,8 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
     """
     import torch.distributed as dist
 
+    if log_level is not None and not configured_logging():
+        configure_logging(log_level)
     world_size = num_replicas + num_ps
     timeout_s = config.job_timeout_s(world_size, 4)
     rank, group, barrier = 0, None, _no_barrier
