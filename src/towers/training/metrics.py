@@ -88,12 +88,15 @@ class MeanMetricWrapper(Mean):
     """The example-weighted mean of ``fn(y_pred, y_true)``, a function returning one value per example."""
 
     def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: str | None = None):
-        super().__init__(name or getattr(fn, "__name__", type(fn).__name__))
+        super().__init__(name or str(getattr(fn, "__name__", type(fn).__name__)))
         self.fn = fn
 
     def local_state(self, y_pred: torch.Tensor, y_true: torch.Tensor | None = None) -> torch.Tensor:
         """Return ``[sum, count]`` of ``fn``'s per-example values on this batch."""
         with torch.no_grad():
+            if y_true is None:
+                raise ValueError(f"Metric {self.name!r} compares predictions with labels. Received: y_true=None. "
+                                 "Pass the labels of the batch.")
             return super().local_state(self.fn(y_pred, y_true))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence, Sized, cast
 
 import torch
 from torch import nn
@@ -114,7 +114,7 @@ class Trainer:
         self.history = History()
         self.stop_training = False
         cbs = self._callbacks = CallbackList([self.history, *callbacks], trainer=self)
-        steps = math.ceil(len(train_set) / global_batch_size)
+        steps = math.ceil(len(cast(Sized, train_set)) / global_batch_size)
         steps = min(steps, steps_per_epoch) if steps_per_epoch is not None else steps
         cbs.set_params({"epochs": epochs, "steps": steps, "global_batch_size": global_batch_size,
                         "num_replicas": self.strategy.num_replicas_in_sync})
@@ -292,7 +292,7 @@ class Trainer:
         if not isinstance(x, torch.Tensor):
             dataset = as_dataset(x, "x")
             x = torch.stack([dataset[i][0] if isinstance(dataset[i], (tuple, list)) else dataset[i]
-                             for i in range(len(dataset))])
+                             for i in range(len(cast(Sized, dataset)))])
         cbs = CallbackList(callbacks, trainer=self)
         model = self.unwrapped_model
         was_training = model.training

@@ -44,12 +44,28 @@ class Callback:
     """
 
     def __init__(self) -> None:
-        self.trainer: "Trainer | None" = None
+        self._trainer: "Trainer | None" = None
         self.params: dict[str, Any] = {}
 
     def set_trainer(self, trainer: "Trainer") -> None:
         """Attach the Trainer whose loop calls this callback."""
-        self.trainer = trainer
+        self._trainer = trainer
+
+    @property
+    def attached(self) -> bool:
+        """True once a Trainer has attached this callback (at the start of ``fit``, ``evaluate`` or ``predict``)."""
+        return self._trainer is not None
+
+    @property
+    def trainer(self) -> "Trainer":
+        """The Trainer whose loop calls this callback.
+
+        Raises:
+            RuntimeError: before a Trainer attached it.
+        """
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer yet; pass it to fit().")
+        return self._trainer
 
     def set_params(self, params: Mapping[str, Any]) -> None:
         """Receive ``fit``'s parameters: ``epochs``, ``steps``, ``global_batch_size``, ``num_replicas``."""
@@ -58,8 +74,6 @@ class Callback:
     @property
     def model(self) -> "nn.Module":
         """The user's module (what ``strategy.unwrap`` returns), for reading or setting weights."""
-        if self.trainer is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer yet; pass it to fit().")
         return self.trainer.unwrapped_model
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:

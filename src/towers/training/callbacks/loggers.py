@@ -25,7 +25,7 @@ class CSVLogger(Callback):
         self._keys: list[str] | None = None
 
     def _is_chief(self) -> bool:
-        return self.trainer is not None and self.trainer.strategy.is_chief
+        return self.attached and self.trainer.strategy.is_chief
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
         if not self._is_chief():
@@ -86,16 +86,17 @@ class TensorBoard(Callback):
         self._writer: Any = None
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
-        if self.trainer is not None and self.trainer.strategy.is_chief:
+        if self.attached and self.trainer.strategy.is_chief:
             self._writer = self._writer_class(log_dir=str(self.log_dir))
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
         if self._writer is None or self.update_freq == "epoch":
             return
-        step = int((logs or {}).get("global_step", 0))
+        logs = logs or {}
+        step = int(logs.get("global_step", 0))
         if step % int(self.update_freq) == 0:
             for key in ("loss", *(m.name for m in self.trainer.metrics)):
-                if key in (logs or {}):
+                if key in logs:
                     self._writer.add_scalar(f"batch/{key}", float(logs[key]), step)
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:

@@ -48,7 +48,7 @@ class ProgressBar(Callback):
             isatty = getattr(self._out(), "isatty", None)
             mode = "bar" if isatty is not None and isatty() else "epoch"
         self._resolved = mode
-        self._active = mode != "off" and self.trainer is not None and self.trainer.strategy.is_chief
+        self._active = mode != "off" and self.attached and self.trainer.strategy.is_chief
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         if not self._active:

@@ -54,7 +54,7 @@ class LearningRateScheduler(Callback):
         self.verbose = verbose
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
-        optimizer = self.trainer.optimizer if self.trainer is not None else None
+        optimizer = self.trainer.optimizer if self.attached else None
         groups = getattr(optimizer, "param_groups", None)
         if not groups:
             raise ValueError("LearningRateScheduler needs an optimizer with param_groups (a torch.optim.Optimizer).")

@@ -65,7 +65,7 @@ class EarlyStopping(Callback):
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         current = (logs or {}).get(self.monitor)
         if current is None:
-            if self.trainer is not None and self.trainer.strategy.is_chief:
+            if self.attached and self.trainer.strategy.is_chief:
                 log.warning("EarlyStopping: %r is not in the epoch logs (available: %s); nothing to monitor",
                             self.monitor, sorted(logs or {}))
             return
