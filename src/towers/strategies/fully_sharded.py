@@ -32,9 +32,8 @@ from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_
 from towers.strategies import _dcp
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
-from towers.strategies._fsdp import ShardUnits, build_mesh, select_units, shard_model
+from towers.strategies._fsdp import ShardedPrecision, ShardUnits, build_mesh, select_units, shard_model
 from towers.strategies._sync import SyncStrategy
-from towers.strategies.precision import Precision
 
 __all__ = ["FullyShardedStrategy"]
 
@@ -49,34 +48,6 @@ def _replica_device(info: ProcessInfo) -> torch.device:
 
 def _raw(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside the one prepare returned
-
-
-class _ShardedPrecision(Precision):
-    """The strategy's precision, unscaling fp16 gradients shard by shard (each rank its own shards).
-
-    The inf/NaN flag is this rank's; the prepared optimizer takes its maximum over the replicas,
-    so every rank skips or steps together and keeps the same loss scale.
-    """
-
-    @classmethod
-    def of(cls, precision: Precision) -> "_ShardedPrecision":
-        sharded = cls.__new__(cls)
-        sharded.__dict__.update(precision.__dict__)  # same settings and loss-scale state
-        return sharded
-
-    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-        if not self.needs_loss_scaling or id(optimizer) in self._unscaled:
-            return None
-        self._unscaled.add(id(optimizer))
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        found = torch.zeros(1, dtype=torch.float32, device=local[0].device if local else "cpu")
-        inv = 1.0 / self.scale
-        for grad in local:
-            grad.mul_(inv)
-            found += (~torch.isfinite(grad)).any().to(found.dtype)
-        self._found = found
-        return found
 
 
 class FullyShardedStrategy(SyncStrategy):
@@ -135,7 +106,7 @@ class FullyShardedStrategy(SyncStrategy):
         super().__init__(info=info, device=device, comm=comm, precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps)
         self._sharded: list[Any] = []  # the FSDP roots prepare() made
-        self._precision = _ShardedPrecision.of(self._precision)
+        self._precision = ShardedPrecision.of(self._precision)
         log.info("%s: %d replica(s), this one on %s (mesh %s, precision=%s, accumulation=%d, reshard_after_forward=%s, "
                  "cpu_offload=%s)", type(self).__name__, self.num_replicas_in_sync, device,
                  None if self._mesh is None else dict(zip(self._mesh.mesh_dim_names, self._mesh.shape)),
