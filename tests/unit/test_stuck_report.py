@@ -89,15 +89,24 @@ def test_progress_counts_outermost_calls_and_measures_steps():
     progress.exit()
     progress.exit()
     assert progress.open_since is None and progress.last_call == "strategy.reduce('sum')"
-    assert progress.slowest_recent_step_s() == 0.0
+    assert progress.slowest_recent_step_s() is None
     for _ in range(3):
         progress.on_step()
     assert progress.steps == 3 and len(progress.step_times) == 2
 
 
+def test_report_says_when_the_bound_had_no_step_time_yet():
+    trigger = {**_snap(0, waiting=True, seq=3, calls=1, call="strategy.barrier"), "step_s": None, "bound_s": 15.0}
+    text = build_report(trigger=trigger, snaps={0: trigger}, stacks={0: "x"}, world_size=1, now=NOW)
+    assert "past the bound of 15.0 s = 5 x 3 s, as no step was measured yet." in text
+    assert "step 3, no step measured;" in text
+
+
 def test_bound_is_the_floor_or_ten_slowest_steps():
     progress = Progress()
     watchdog = Watchdog(ProcessInfo(rank=0, world_size=2, master_port=1234), _Store(), min_s=3.0, progress=progress)
+    assert watchdog.bound_s() == 15.0  # no step measured yet: 5 x the floor
+    progress.step_times.append(0.01)
     assert watchdog.bound_s() == 3.0
     progress.step_times.extend([0.1, 0.5, 0.2])
     assert watchdog.bound_s() == pytest.approx(5.0)
@@ -163,6 +172,7 @@ def test_two_watchdogs_agree_on_one_report_and_both_exit(tmp_path):
     waiting, looping = Progress(), Progress()
     waiting.enter("strategy.barrier")
     waiting.open_since -= 10  # type: ignore[operator]  # it has waited 10 s: past the 1 s bound
+    waiting.step_times.append(0.01)
 
     def exit_for(rank: int):
         def record(code: int) -> None:

@@ -28,6 +28,8 @@ FLIGHT_RECORDER_ENTRIES = 256
 
 #: How many recent steps (optimizer updates) the bound looks at.
 RECENT_STEPS = 20
+#: Without optimizer steps, this many intervals between towers calls stand in for step times.
+MIN_CALL_GAPS = 8
 
 
 class Progress:
@@ -72,15 +74,15 @@ class Progress:
         self._last_step = now
         self.steps += 1
 
-    def slowest_recent_step_s(self) -> float:
-        """Return the longest of the recent steps (0 before two steps were seen).
+    def slowest_recent_step_s(self) -> float | None:
+        """Return the longest of the recent steps, or None while none was measured.
 
         Without optimizer steps (a loop of collectives only), the longest recent interval between two
-        towers calls stands in for the step time.
+        towers calls stands in for the step time, once there are a few of them.
         """
         if self.step_times:
             return max(self.step_times)
-        return max(self.call_gaps) if self.call_gaps else 0.0
+        return max(self.call_gaps) if len(self.call_gaps) >= MIN_CALL_GAPS else None
 
 
 PROGRESS = Progress()

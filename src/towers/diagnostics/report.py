@@ -135,9 +135,14 @@ def build_report(*, trigger: Mapping[str, Any], snaps: Mapping[int, Mapping[str,
     now = time.time() if now is None else now
     named, lines = verdict(snaps, set(stacks), world_size, now)
     r = int(trigger["rank"])
+    if trigger.get("step_s") is None:
+        formula = (f"{float(trigger.get('startup_factor', 5)):g} x {float(trigger['min_s']):g} s, as no step was "
+                   "measured yet")
+    else:
+        formula = (f"max({float(trigger['min_s']):g} s, {float(trigger['factor']):g} x the slowest recent step "
+                   f"{float(trigger['step_s']):.3f} s)")
     head = (f"towers: the job is stuck. Rank {r} {describe_position(trigger, now)}, past the bound of "
-            f"{float(trigger['bound_s']):.1f} s = max({float(trigger['min_s']):g} s, {float(trigger['factor']):g} x "
-            f"the slowest recent step {float(trigger['step_s']):.3f} s). Every rank exits with code {STUCK_EXIT_CODE}.")
+            f"{float(trigger['bound_s']):.1f} s = {formula}. Every rank exits with code {STUCK_EXIT_CODE}.")
     out = [head, f"Stuck: {'rank' if len(named) == 1 else 'ranks'} {_join(named)}." if named else "Stuck: no rank named.",
            *[f"  {line}" for line in lines], "Where each rank is:"]
     for rank in range(world_size):
@@ -146,8 +151,10 @@ def build_report(*, trigger: Mapping[str, Any], snaps: Mapping[int, Mapping[str,
             out.append(f"  rank {rank}: no heartbeat")
             continue
         answer = "" if rank in stacks else " [did not answer]"
-        out.append(f"  {_who(rank, snap)}: step {snap.get('steps', 0)}, slowest recent step "
-                   f"{float(snap.get('step_s', 0.0)):.3f} s; {describe_position(snap, now)}{answer}")
+        step_s = snap.get("step_s")
+        timing = "no step measured" if step_s is None else f"slowest recent step {float(step_s):.3f} s"
+        out.append(f"  {_who(rank, snap)}: step {snap.get('steps', 0)}, {timing}; {describe_position(snap, now)}"
+                   f"{answer}")
     out.append("Python stacks:")
     for rank in range(world_size):
         out.append(f"--- rank {rank} ---")

@@ -33,7 +33,7 @@ from towers.cluster.info import ProcessInfo
 from towers.diagnostics import progress as _progress
 from towers.diagnostics.report import STUCK_EXIT_CODE, build_report
 
-__all__ = ["Watchdog", "python_stacks", "DEFAULT_MIN_S", "DEFAULT_FACTOR"]
+__all__ = ["Watchdog", "python_stacks", "DEFAULT_MIN_S", "DEFAULT_FACTOR", "STARTUP_FACTOR"]
 
 log = get_logger(__name__)
 
@@ -41,6 +41,8 @@ log = get_logger(__name__)
 DEFAULT_MIN_S = 60.0
 #: The bound is at least this many times the slowest recent step.
 DEFAULT_FACTOR = 10.0
+#: Before the first steps are measured, the bound is this many times the least bound.
+STARTUP_FACTOR = 5.0
 
 def _say(text: str) -> None:
     """Log ``text`` at ERROR; straight to stderr when the application routes no towers log line anywhere.
@@ -107,13 +109,18 @@ class Watchdog:
             self._thread.join(timeout=self.poll_s * 4 + 1.0)
 
     def bound_s(self) -> float:
-        """Return how long one wait may last now: ``max(min_s, factor x the slowest recent step)``."""
-        return max(self.min_s, self.factor * self.progress.slowest_recent_step_s())
+        """Return how long one wait may last now: ``max(min_s, factor x the slowest recent step)``.
+
+        Before any step was measured it is ``STARTUP_FACTOR x min_s``: at start-up a rank may wait in a
+        barrier while the chief downloads or prepares data, which no step time yet bounds.
+        """
+        step = self.progress.slowest_recent_step_s()
+        return self.min_s * STARTUP_FACTOR if step is None else max(self.min_s, self.factor * step)
 
     def snapshot(self) -> dict[str, Any]:
         """Return this process's heartbeat: its progress, position and bound."""
         snap = _progress.snapshot(rank=self.info.rank, bound_s=self.bound_s(), progress=self.progress)
-        snap.update(min_s=self.min_s, factor=self.factor)
+        snap.update(min_s=self.min_s, factor=self.factor, startup_factor=STARTUP_FACTOR)
         return snap
 
     # --- the loop ----------------------------------------------------------------------------------
