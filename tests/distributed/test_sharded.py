@@ -4,7 +4,7 @@
 table like every synchronous strategy.) Custom loop at 4: after k steps the sharded replicas
 hold the parameters (gathered from their shards) and report the losses OneDeviceStrategy gets
 on the same global batches, with Adam, gradient clipping and an LR scheduler over a ragged last
-batch, gradient accumulation, an empty share (last batch of one example) with
+batch, gradient accumulation (with CPU offload), an empty share (last batch of one example) with
 ``reshard_after_forward=False``, and HSDP on a 2x2 mesh (shard within pairs, replicate across
 them): by default when the 4 processes say they are 2 nodes of 2, and with
 ``shard_group_size=2``. ``Trainer.fit`` at 2 (launched as ``--strategy sharded`` would:
@@ -32,7 +32,7 @@ ATOL = 1e-5
 CASES: dict[str, dict] = {
     "adam_schedule_ragged": dict(n=22, gbs=8, optimizer="adam", options={"shard_units": nn.Linear}),
     "accumulation": dict(n=22, gbs=4, optimizer="sgd", ref_gbs=8,
-                         options={"gradient_accumulation_steps": 2, "shard_units": nn.Linear}),
+                         options={"gradient_accumulation_steps": 2, "shard_units": nn.Linear, "cpu_offload": True}),
     "empty_share_no_reshard": dict(n=17, gbs=8, optimizer="adam",
                                    options={"reshard_after_forward": False, "shard_units": 50}),
     # 4 processes that say they are 2 nodes of 2: HSDP by default (shard within a node, replicate across).
