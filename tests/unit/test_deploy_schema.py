@@ -108,6 +108,8 @@ def test_checkpoint_access_mode_defaults_and_flag():
     with pytest.raises(ValueError, match="--checkpoint-access-mode must be one of"):
         spec(checkpoint_access_mode="RWX")
     assert len(documents("trainjob", checkpoint_pvc="shared", checkpoint_access_mode="ReadWriteOnce")) == 1
+    with pytest.raises(ValueError, match="--port does not apply to --kind trainjob"):
+        render(spec(port=29400), "trainjob")
 
 
 def _executable(path, text):

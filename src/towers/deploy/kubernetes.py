@@ -145,6 +145,9 @@ def render_pytorchjob(spec: DeploySpec) -> list[dict[str, Any]]:
 def render_trainjob(spec: DeploySpec) -> list[dict[str, Any]]:
     """Return the manifests (checkpoint claim, Kubeflow Trainer v2 ``TrainJob``) as plain dicts."""
     image = _require_image(spec, "trainjob")
+    if spec.port is not None:
+        raise ValueError(f"--port does not apply to --kind trainjob: the Kubeflow Trainer runtime picks the rendezvous "
+                         f"port (PET_MASTER_PORT). Received: --port {spec.port}. Drop --port.")
     command = "exec " + spec.launch_command(nnodes='"${PET_NNODES}"',
                                             rdzv_endpoint='"${PET_MASTER_ADDR}:${PET_MASTER_PORT}"',
                                             rdzv_id=shlex.quote(spec.name))
