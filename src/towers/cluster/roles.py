@@ -71,6 +71,9 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
                   ("parameter_server", "parameterserver"), layout="workers+ps",
                   same_maths_options={"mode": "sync"},
                   summary="parameters on ps tasks; workers push gradients, async or sync"),
+    StrategyEntry("hybrid", "towers.strategies.hybrid:HybridStrategy", ("hybrid_ps",), layout="workers+ps",
+                  same_maths_options={"mode": "sync"},
+                  summary="dense layers all-reduced among workers, sharded embedding rows on ps tasks"),
     StrategyEntry("sharded", "towers.strategies.fully_sharded:FullyShardedStrategy", ("fsdp", "fully_sharded"),
                   summary="parameters, gradients and optimizer state sharded over the replicas (FSDP2)"),
 )

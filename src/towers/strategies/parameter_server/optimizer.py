@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from towers.strategies.parameter_server.transport import Op
+from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.worker import BoundModel
 
 __all__ = ["ParameterServerOptimizer"]
@@ -21,10 +22,11 @@ __all__ = ["ParameterServerOptimizer"]
 class ParameterServerOptimizer(torch.optim.Optimizer):
     """Wraps the user's optimizer: ``step()`` = push gradients, ps applies them, pull fresh parameters."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, bound: BoundModel):
+    def __init__(self, optimizer: torch.optim.Optimizer, bound: BoundModel | None, sparse: SparseTables | None = None):
         self._building = True
         self.optimizer = optimizer
         self._bound = bound
+        self._sparse = sparse
         # Passing the user's group dicts makes both optimizers share them (torch keeps the dicts it is given).
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
@@ -35,13 +37,22 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._bound.push_pull()
+        if self._sparse is not None:
+            self._sparse.push()
+        if self._bound is not None:
+            self._bound.push_pull()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients and those of the embedding rows looked up since the last step."""
+        super().zero_grad(set_to_none)
+        if self._sparse is not None:
+            self._sparse.zero_grad()
 
     @property
     def versions(self) -> list[int]:
         """Each ps task's version (updates applied there) as of this worker's last push or pull."""
-        return list(self._bound.versions)
+        return list(self._bound.versions) if self._bound is not None else []
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the ps tasks' shards are fixed at ``prepare``."""
@@ -54,9 +65,9 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Return the ps tasks' optimizer state merged into torch's format (``state``, ``param_groups``)."""
         bound = self._bound
-        replies = bound.client.request(Op.GET_STATE, ps=bound.active)
         state: dict[int, Any] = {}
-        for p, reply in zip(bound.active, replies):
+        replies = bound.client.request(Op.GET_STATE, ps=bound.active) if bound is not None else []
+        for p, reply in zip(bound.active if bound is not None else [], replies):
             if reply.meta is not None:
                 for local, value in reply.meta["state"].items():
                     state[bound.local_to_global[p][int(local)]] = value
@@ -83,6 +94,8 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         for group, saved_group in zip(self.param_groups, saved):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         bound = self._bound
+        if bound is None:
+            return
         metas = []
         for p in bound.active:
             local_state = {}

@@ -24,6 +24,7 @@ from towers._logging import get_logger
 from towers.diagnostics import set_role
 from towers.strategies.parameter_server.gather import GatherTable
 from towers.strategies.parameter_server.requests import RequestError, build_optimizer, clone_state
+from towers.strategies.parameter_server.sparse_server import EmbeddingService
 from towers.strategies.parameter_server.sharding import FlatLayout, ParamSpec, signature_mismatch
 from towers.strategies.parameter_server.transport import (LISTEN_TIMEOUT_S, Link, LinkError, Message, Op, ProtocolError,
                                                           Status)
@@ -37,7 +38,7 @@ class ParameterServer:
     """Serve one shard to every worker until all of them said goodbye or died."""
 
     def __init__(self, links: Sequence[Link], *, ps_index: int, rank: int, worker_ranks: Sequence[int], mode: str,
-                 staleness: int | None, timeout_s: float):
+                 staleness: int | None, timeout_s: float, num_ps: int = 1):
         self.links, self.ps_index, self.rank = list(links), ps_index, rank
         set_role("ps")  # the stuck-job watchdog: a ps serves, so it is never the one that waits
         self.worker_ranks, self.mode, self.staleness, self.timeout_s = list(worker_ranks), mode, staleness, timeout_s
@@ -64,6 +65,7 @@ class ParameterServer:
         self.present: list[bool] = []
         self.sum_buf = torch.empty(0, dtype=torch.uint8)
         self.round_buf = torch.empty(0, dtype=torch.uint8)  # the values a finished round sends back
+        self.embeddings = EmbeddingService(self, num_ps)
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def serve(self) -> dict[str, Any]:
@@ -95,7 +97,8 @@ class ParameterServer:
             return {"ps_index": self.ps_index, "rank": self.rank, "mode": self.mode, "staleness": self.staleness,
                     "version": self.version, "worker_versions": list(self.worker_versions),
                     "max_lead": self.max_lead, "dead": dict(self.dead), "finished": sorted(self.finished),
-                    "num_params": len(self.params), "nbytes": self.params_buf.numel()}
+                    "num_params": len(self.params), "nbytes": self.params_buf.numel(),
+                    "embeddings": self.embeddings.stats()}
 
     def _who(self, w: int) -> str:
         return f"worker {w} (rank {self.worker_ranks[w]})"
@@ -169,6 +172,7 @@ class ParameterServer:
         """Re-check everything that waits on the set of live workers (caller holds the lock)."""
         if self.mode == "sync" and self.arrivals and self.arrivals >= self._active():
             self._apply_round()
+        self.embeddings.progress()
         self.gathers.complete()
         self.cond.notify_all()
 
@@ -193,6 +197,8 @@ class ParameterServer:
             return {"meta": result}
         if msg.op == Op.STATS:
             return {"meta": self.stats()}
+        if Op.EMB_REGISTER <= msg.op <= Op.EMB_SET:
+            return self.embeddings.handle(w, msg)
         if self.layout is None:
             raise RequestError(f"ps task {self.ps_index} has no parameters yet: call strategy.prepare(model, "
                                f"optimizer) before {Op.NAMES.get(msg.op)}.", Status.BAD_INPUT)

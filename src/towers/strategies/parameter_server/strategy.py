@@ -33,6 +33,7 @@ from towers.strategies.base import Strategy
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.comm import PsComm
+from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.optimizer import ParameterServerOptimizer
 from towers.strategies.parameter_server.roles import Roles, resolve_roles
 from towers.strategies.parameter_server.server import ParameterServer
@@ -91,6 +92,8 @@ class ParameterServerStrategy(Strategy):
         self.num_ps = self.roles.num_ps
         self._client: ParameterClient | None = None
         self._bound: BoundModel | None = None
+        self._sparse: SparseTables | None = None
+        self._prepared_any = False
         self._optimizer: torch.optim.Optimizer | None = None
         self._compiled: dict[int, nn.Module] = {}  # id(compiled module) -> the module it compiles
         self._stats: dict[str, Any] | None = None
@@ -104,6 +107,7 @@ class ParameterServerStrategy(Strategy):
                 "Use precision='bf16' (no loss scaling needed) or MirroredStrategy for fp16.")
         set_rank(info.rank, info.world_size)
         init_process_group(info, backend="gloo", timeout_s=timeout_s)
+        self._before_links()
         links = self._connect()
         if self.roles.is_ps:
             self._serve(links, exit_on_ps)
@@ -119,6 +123,9 @@ class ParameterServerStrategy(Strategy):
             log.info("parameter servers: %d ps task(s) at ranks %s, %d worker(s), mode %s%s", self.num_ps,
                      self.roles.ps_ranks, self.roles.num_workers, mode,
                      f", staleness {staleness}" if staleness is not None else "")
+
+    def _before_links(self) -> None:
+        """Hook: collectives every rank (ps tasks too) must join before the ps tasks start serving."""
 
     def _connect(self) -> list[transport.Link]:
         store, generation, r = transport.rendezvous_store(), transport.next_generation(), self.roles
@@ -140,7 +147,7 @@ class ParameterServerStrategy(Strategy):
     def _serve(self, links: list[transport.Link], exit_on_ps: bool) -> None:
         server = ParameterServer(links, ps_index=self.roles.index, rank=self._info.rank,
                                  worker_ranks=list(range(self.roles.num_workers)), mode=self.mode,
-                                 staleness=self.staleness, timeout_s=self.timeout_s)
+                                 staleness=self.staleness, timeout_s=self.timeout_s, num_ps=self.num_ps)
         log.info("ps task %d (rank %d) serving %d worker(s), mode %s", self.roles.index, self._info.rank,
                  self.roles.num_workers, self.mode)
         try:
@@ -213,11 +220,14 @@ class ParameterServerStrategy(Strategy):
         """
         client = self._require_worker("prepare")
         model = model.to(self.device)
-        bound = BoundModel(model, client, num_ps=self.num_ps, is_chief=self.is_chief, optimizer=optimizer,
-                           on_dead=self._log_dead)
-        bound.register()
-        bound.install_hooks(refresh_on_state_dict=self.mode == "async")
-        self._bound = bound
+        sparse = self._bind_tables(model, optimizer, client)
+        bound = None
+        if sparse is None or any(True for _ in model.parameters()):
+            bound = BoundModel(model, client, num_ps=self.num_ps, is_chief=self.is_chief, optimizer=optimizer,
+                               on_dead=self._log_dead)
+            bound.register()
+            bound.install_hooks(refresh_on_state_dict=self.mode == "async")
+            self._bound = bound
         prepared = MixedPrecisionModule(model, self._precision) if self._precision.enabled else model
         compile_kwargs = compile_options(compile)
         if compile_kwargs is not None:
@@ -225,7 +235,23 @@ class ParameterServerStrategy(Strategy):
             self._compiled[id(compiled)] = prepared
             prepared = compiled
         self._optimizer = optimizer
-        return prepared, (ParameterServerOptimizer(optimizer, bound) if optimizer is not None else None)
+        self._prepared_any = True
+        return prepared, (ParameterServerOptimizer(optimizer, bound, sparse) if optimizer is not None else None)
+
+    def _bind_tables(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                     client: ParameterClient) -> SparseTables | None:
+        """Connect the model's ``ShardedEmbedding`` tables to the ps tasks; None when it has none."""
+        sparse = SparseTables(model, client, num_ps=self.num_ps)
+        if not len(sparse):
+            return None
+        if optimizer is None:
+            raise ValueError(
+                f"The model has {len(sparse)} ShardedEmbedding table(s) and no optimizer was passed to prepare(). "
+                "Expected `strategy.prepare(model, optimizer)`: the prepared optimizer's step() sends the rows' "
+                "gradients to the ps tasks (their own row-wise optimizer is set on each ShardedEmbedding).")
+        sparse.register()
+        self._sparse = sparse
+        return sparse
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return [self._optimizer] if self._optimizer is not None else []
@@ -241,7 +267,7 @@ class ParameterServerStrategy(Strategy):
             RuntimeError: on a ps task, or when no model was prepared with ``strategy.prepare``.
         """
         self._require_worker("run")
-        if self._bound is None:
+        if not self._prepared_any:
             raise RuntimeError(
                 "strategy.run was called before any model was prepared. Expected `model, optimizer = "
                 "strategy.prepare(model, optimizer)` first: under ParameterServerStrategy only a prepared model "
