@@ -100,13 +100,14 @@ def init_process_group(
         # Each replica owns cuda:<local_rank>; NCCL needs it selected before the first collective.
         torch.cuda.set_device(info.local_rank)
     init_method = info.init_method
+    choice = None
     if backend in ("gloo", "nccl"):
-        use_interface(info)  # before the group exists: torch reads GLOO/NCCL_SOCKET_IFNAME when it makes one
+        choice = use_interface(info)  # before the group exists: torch reads GLOO/NCCL_SOCKET_IFNAME when it makes one
     log.debug("joining process group: backend=%s init_method=%s timeout_s=%s join_timeout_s=%s", backend,
               init_method, timeout_s, info.join_timeout_s)
     started, since = time.monotonic(), time.time()
     try:
-        store = _join(info, timeout_s, since)
+        store = _join(info, timeout_s, since, source_address=choice.interface.address if choice else None)
     except RendezvousError as exc:
         raise DistributedError(f"{_rank_tag(info)} {exc}") from None
     try:
@@ -124,11 +125,12 @@ def _rendezvous_source(info: ProcessInfo) -> str:
             "kubeflow_trainer": "PET_MASTER_ADDR/PET_MASTER_PORT"}.get(info.source, "MASTER_ADDR/MASTER_PORT")
 
 
-def _join(info: ProcessInfo, timeout_s: float, since: float) -> dist.Store:
+def _join(info: ProcessInfo, timeout_s: float, since: float, *, source_address: str | None = None) -> dist.Store:
     """Return the job's key-value store once every rank has joined, keys private to this restart attempt.
 
     Under torchrun the agent's store outlives a failed attempt. Without a per-attempt prefix a
     restarted rank can read a peer's address from the dead attempt and fail to connect.
+    ``source_address`` is the chosen interface's address: reachability is checked from it.
     """
     port = int(info.master_port)  # type: ignore[arg-type]  # init_method raised if it was None
     what = _rendezvous_source(info)
@@ -137,11 +139,11 @@ def _join(info: ProcessInfo, timeout_s: float, since: float) -> dist.Store:
     report = visible_warning(log, prefix=f"{_rank_tag(info)} towers:")
     if hosts_store:
         resolve(info.master_addr, port, what=what)  # the others would fail on it: say so here too
-        address = ""
+        address = source_address or ""
     else:
         owner = "torchrun's agent" if info.agent_store else f"the chief, {info.describe_rank(0)},"
         address = wait_reachable(info.master_addr, port, timeout_s=info.join_timeout_s, what=what, awaited=owner,
-                                 report=report, since=since)
+                                 report=report, since=since, source_address=source_address)
     prefixed = _rendezvous_store(info, timeout_s)
     join(prefixed, index=info.rank, count=info.world_size, is_chief=info.rank == 0, timeout_s=info.join_timeout_s,
          where=f"{info.master_addr}:{port}", describe=info.describe_rank, report=report,

@@ -186,3 +186,15 @@ def test_a_waiting_line_is_printed_when_no_logging_is_set_up_and_logged_when_it_
         assert capsys.readouterr().err == "" and [r.getMessage() for r in records] == ["waiting for rank 1"]
     finally:
         root.handlers = saved
+
+
+def test_reachability_is_checked_from_the_chosen_interface_address():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert wait_reachable("127.0.0.1", port, timeout_s=5, what="x", awaited="y", report=pytest.fail,
+                              source_address="127.0.0.1") == "127.0.0.1"
+        with pytest.raises(RendezvousError, match=r"from 198\.51\.100\.77, the address of the job's network interface"):
+            wait_reachable("127.0.0.1", port, timeout_s=5, what="x", awaited="y", report=pytest.fail,
+                           source_address="198.51.100.77")  # TEST-NET-2: not an address of this host

@@ -142,13 +142,15 @@ def resolve(host: str, port: int, *, what: str) -> list[str]:
 
 
 def wait_reachable(host: str, port: int, *, timeout_s: float, what: str, awaited: str,
-                   report: Callable[[str], None], since: float | None = None,
+                   report: Callable[[str], None], since: float | None = None, source_address: str | None = None,
                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                    connect: Callable[..., socket.socket] = socket.create_connection) -> str:
     """Wait until ``host:port`` accepts a TCP connection; return this host's address on that route.
 
     A refused connection means the owner of the rendezvous (``awaited``, e.g. "the chief (rank 0)")
     has not started yet: wait, reporting every ``report_interval_s(timeout_s)``, up to ``timeout_s``.
+    ``source_address`` (the address of the job's chosen network interface) is where the attempts
+    leave from, so an interface that cannot reach the rendezvous fails here, at once.
 
     Raises:
         RendezvousError: at once for an unresolvable name or an unreachable host (no route, or a
@@ -162,7 +164,8 @@ def wait_reachable(host: str, port: int, *, timeout_s: float, what: str, awaited
     while True:
         remaining = timeout_s - (clock() - start)
         try:
-            with connect((host, port), timeout=min(_PROBE_TIMEOUT_S, max(remaining, 0.1))) as sock:
+            with connect((host, port), timeout=min(_PROBE_TIMEOUT_S, max(remaining, 0.1)),
+                         source_address=(source_address, 0) if source_address else None) as sock:
                 return str(sock.getsockname()[0])
         except ConnectionRefusedError:
             pass
@@ -172,6 +175,11 @@ def wait_reachable(host: str, port: int, *, timeout_s: float, what: str, awaited
                 "unreachable from here (a firewall dropping the connection, or a wrong address). Check the address "
                 "and that the port is open between the hosts.") from None
         except OSError as exc:
+            if source_address and exc.errno == errno.EADDRNOTAVAIL:
+                raise RendezvousError(
+                    f"cannot reach the rendezvous {host}:{port} ({what}) from {source_address}, the address of the "
+                    f"job's network interface: {exc.strerror or exc}. Choose the interface that reaches it "
+                    "(towers launch --interface NAME, TOWERS_INTERFACE or GLOO_SOCKET_IFNAME).") from None
             if exc.errno not in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL, errno.ECONNRESET):
                 raise RendezvousError(f"cannot connect to the rendezvous {host}:{port} ({what}): {exc.strerror or exc}. "
                                       "Check the address and the network.") from None
