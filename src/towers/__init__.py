@@ -29,6 +29,8 @@ _EXPORTS: dict[str, str] = {
     "MultiWorkerMirroredStrategy": "towers.strategies",
     "ParameterServerStrategy": "towers.strategies",
     "FullyShardedStrategy": "towers.strategies",
+    "HybridStrategy": "towers.strategies.hybrid",
+    "ShardedEmbedding": "towers.strategies.parameter_server.embeddings",
     "get_strategy": "towers.strategies",
     "strategy_from_env": "towers.strategies",
     "current_strategy": "towers.strategies",
