@@ -58,12 +58,12 @@ class FullyShardedStrategy(SyncStrategy):
     or a parameter count), ``reshard_after_forward`` (free gathered parameters after forward and
     gather again in backward: less memory, one more all-gather), ``precision`` (``"32"``;
     ``"bf16"`` / ``"fp16"``: FSDP2's ``MixedPrecisionPolicy``, parameters gathered and computed in
-    that dtype, gradients reduced in float32 into float32 master shards; fp16 also scales the loss
-    in ``strategy.backward``), ``cpu_offload`` (parameter shards, gradients and optimizer state live in CPU memory;
-    for GPUs), ``shard_group_size`` (HSDP: shard within groups of this many processes, replicate
-    across groups; default: the processes per node when the job spans several nodes, else all),
-    ``gradient_accumulation_steps``, ``async_save`` (checkpoints written by a background thread),
-    ``backend`` and ``timeout_s``.
+    that dtype, gradients reduced in float32 into float32 master shards; fp16 also scales the
+    loss in ``strategy.backward``), ``cpu_offload`` (parameter shards, gradients and optimizer
+    state live in host memory; for GPUs), ``shard_group_size`` (HSDP: shard within groups of this
+    many processes, replicate across groups; default: the processes per node when the job spans
+    several nodes, else all), ``gradient_accumulation_steps``, ``async_save`` (checkpoints written
+    by a background thread), ``backend`` and ``timeout_s``.
     """
 
     name = "sharded"
