@@ -86,28 +86,35 @@ def joined_nodes(spec: LaunchSpec, *, join_timeout_s: float, report: Callable[[s
     Raises:
         towers.cluster.rendezvous.RendezvousError: (one line) when the rendezvous host does not resolve
             or answer, or nodes are still missing at ``join_timeout_s``.
-        ValueError: when the rendezvous address is malformed.
+        ValueError: when the rendezvous address is malformed, or ``spec.interface`` is not an interface
+            of this host (``towers.network.NetworkError``).
     """
     if spec.is_single_node:
         yield
         return
     host, port, flag = rendezvous_address(spec)
     since, started = time.time(), time.monotonic()
+    source_address = None
+    if spec.interface:  # towers launch --interface: the attempts leave from that interface
+        from towers.network import find_interface
+
+        source_address = find_interface(spec.interface).address
     if spec.rdzv_backend != "static":
         addresses = resolve(host, port, what=flag)
         if not any(_is_local_address(a) for a in addresses):
             wait_reachable(host, port, timeout_s=join_timeout_s, what=flag, awaited="the node that hosts it",
-                           report=report, since=since)
+                           report=report, since=since, source_address=source_address)
         yield
         return
     import torch.distributed as dist
 
     hosts_store = spec.node_rank == 0
     if hosts_store:
-        address = resolve(host, port, what=flag)[0]
+        address = source_address or resolve(host, port, what=flag)[0]
     else:
         address = wait_reachable(host, port, timeout_s=join_timeout_s, what=flag,
-                                 awaited="node 0 (towers launch --node-rank 0)", report=report, since=since)
+                                 awaited="node 0 (towers launch --node-rank 0)", report=report, since=since,
+                                 source_address=source_address)
     store = dist.TCPStore(host, port, is_master=hosts_store, wait_for_workers=False, multi_tenant=True,
                           timeout=timedelta(seconds=join_timeout_s))
     join(dist.PrefixStore(f"towers/launch/{spec.rdzv_id}", store), index=spec.node_rank, count=spec.max_nodes,
