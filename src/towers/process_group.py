@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import socket
 import tempfile
@@ -110,6 +111,7 @@ def init_process_group(
         store = _join(info, timeout_s, since, source_address=choice.interface.address if choice else None)
     except RendezvousError as exc:
         raise DistributedError(f"{_rank_tag(info)} {exc}") from None
+    enable_flight_recorder(info)  # torch's record of every collective, read by the stuck-job watchdog
     try:
         dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
                                 timeout=timedelta(seconds=timeout_s))
@@ -145,11 +147,17 @@ def _join(info: ProcessInfo, timeout_s: float, since: float, *, source_address: 
         address = wait_reachable(info.master_addr, port, timeout_s=info.join_timeout_s, what=what, awaited=owner,
                                  report=report, since=since, source_address=source_address)
     prefixed = _rendezvous_store(info, timeout_s)
-    join(prefixed, index=info.rank, count=info.world_size, is_chief=info.rank == 0, timeout_s=info.join_timeout_s,
+    # A process that leaves the group and joins again may find its old store alive (a module still holds the
+    # old group): each join of this process gets its own keys; every rank joins as often as the others.
+    joins = dist.PrefixStore(f"join_{next(_JOIN_COUNT)}", prefixed)
+    join(joins, index=info.rank, count=info.world_size, is_chief=info.rank == 0, timeout_s=info.join_timeout_s,
          where=f"{info.master_addr}:{port}", describe=info.describe_rank, report=report,
          me=Member(host=socket.gethostname(), address=address, pid=os.getpid()), since=since,
          waited_s=min(time.monotonic() - started, info.join_timeout_s - 1.0))
     return prefixed
+
+
+_JOIN_COUNT = itertools.count()
 
 
 def _rendezvous_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
