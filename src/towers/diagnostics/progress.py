@@ -108,12 +108,15 @@ def set_role(role: str) -> None:
     PROGRESS.role = role
 
 
-def enable_flight_recorder(entries: int = FLIGHT_RECORDER_ENTRIES) -> None:
+def enable_flight_recorder(info: Any = None, entries: int = FLIGHT_RECORDER_ENTRIES) -> None:
     """Turn torch's flight recorder on for the process groups created from now on (unless the user sized it).
 
     torch reads ``TORCH_FR_BUFFER_SIZE`` when the first process group is created; this only sets it
-    when absent, so a user's own value (``0`` turns the recorder off) wins.
+    when absent, so a user's own value (``0`` turns the recorder off) wins. Nothing is done for a
+    ``ProcessInfo`` whose watchdog is off (``stuck_timeout_s == 0``) or that has no peers.
     """
+    if info is not None and (info.world_size < 2 or info.stuck_timeout_s == 0):
+        return
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(int(entries)))
 
 
