@@ -28,6 +28,7 @@ import torch.distributed as dist
 from towers._logging import configure_logging, configured_logging, get_logger, set_rank
 from towers.cluster.info import ProcessInfo
 from towers.cluster.rendezvous import Member, RendezvousError, join, resolve, visible_warning, wait_reachable
+from towers.diagnostics import enable_flight_recorder, start_watchdog, stop_watchdog
 from towers.network import use_interface
 
 __all__ = [
@@ -118,6 +119,7 @@ def init_process_group(
     except Exception as exc:  # torch raises several types (DistNetworkError, DistStoreError, RuntimeError)
         raise _init_error(info, backend, exc, time.monotonic() - started) from None
     _leave_at_exit()
+    start_watchdog(info)  # ends the job with a report naming the stuck rank (towers.diagnostics)
     log.info("joined process group: backend=%s world_size=%d", backend, info.world_size)
     return backend
 
@@ -226,6 +228,7 @@ def _leave_at_exit() -> None:
 
 def destroy_process_group() -> None:
     """Leave the default process group if this process is in one (idempotent)."""
+    stop_watchdog()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         set_rank(0, 1)  # later log lines of this process no longer belong to that job
