@@ -301,7 +301,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.d
     return state
 
 
-def check_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], *, path: str | os.PathLike[str] = "<state>") -> None:
+def check_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], *,
+                      path: str | os.PathLike[str] = "<state>") -> None:
     """Raise ``CheckpointError`` (naming missing, unexpected and mis-shaped keys) unless ``state`` fits ``model``."""
     if not isinstance(state, Mapping):
         raise CheckpointError(f"Checkpoint {path} holds no model state_dict (found {type(state).__name__}).")
@@ -332,7 +333,8 @@ def check_optimizer_state(optimizer: Any, state: Any, *, path: str | os.PathLike
             f"{own_sizes} in the optimizer. Build the same optimizer (same parameter groups) that wrote it.")
 
 
-def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], *, path: str | os.PathLike[str] = "<state>") -> None:
+def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], *,
+                     path: str | os.PathLike[str] = "<state>") -> None:
     """Load ``state`` into ``model`` only if every key and shape matches (never a partial load).
 
     Raises:
@@ -359,8 +361,8 @@ def restore_checkpoint(path: str | os.PathLike[str], objects: Mapping[str, Any] 
     objects = dict(objects or {})
     missing = [k for k in objects if k not in state]
     if missing:
-        raise CheckpointError(f"Checkpoint {path} has no {missing}; it holds {sorted(k for k in state if k not in _RESERVED)}. "
-                              "Pass the keys you saved.")
+        held = sorted(k for k in state if k not in _RESERVED)
+        raise CheckpointError(f"Checkpoint {path} has no {missing}; it holds {held}. Pass the keys you saved.")
     modules = [k for k, v in objects.items() if isinstance(v, nn.Module)]
     optimizers = [k for k, v in objects.items() if isinstance(v, torch.optim.Optimizer)]
     done: set[str] = set()
@@ -388,10 +390,5 @@ def restore_checkpoint(path: str | os.PathLike[str], objects: Mapping[str, Any] 
     return state
 
 
-def __getattr__(name: str) -> Any:
-    # The manager lives in its own module (it builds on this one); import it on first use.
-    if name == "CheckpointManager":
-        from towers.checkpoint_manager import CheckpointManager
-
-        return CheckpointManager
-    raise AttributeError(f"module 'towers.checkpoint' has no attribute {name!r}")
+# The manager builds on the functions above; imported last so that `towers.checkpoint.CheckpointManager` works.
+from towers.checkpoint_manager import CheckpointManager  # noqa: E402

@@ -68,7 +68,8 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=int, default=8, help="epochs of each run (default 8)")
     p.add_argument("--global-batch-size", type=int, default=64, help="examples per step, all replicas together (default 64)")
     p.add_argument("--data", default="digits", help="'digits' (bundled, default) or 'mnist:/path/to/idx/folder'")
-    p.add_argument("--out-dir", default="towers-out/demo", help="where history.csv and loss.png go (default towers-out/demo)")
+    p.add_argument("--out-dir", default="towers-out/demo",
+                   help="where history.csv and loss.png go (default towers-out/demo)")
     p.add_argument("--scaling-steps", type=int, default=20,
                    help="timed steps per repeat of the weak-scaling speed measurement (default 20)")
     p.add_argument("--scaling-repeats", type=int, default=3,

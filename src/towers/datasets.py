@@ -6,12 +6,14 @@ import gzip
 import importlib.resources
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-__all__ = ["load_digits", "load_digits_arrays", "DIGITS_FILE", "load_mnist_idx", "read_idx", "write_idx", "synthetic_images", "load_data_spec"]
+__all__ = ["load_digits", "load_digits_arrays", "DIGITS_FILE", "load_mnist_idx", "read_idx", "write_idx",
+           "synthetic_images", "load_data_spec"]
 
 
 #: The digits file inside the package: ``images`` uint8 ``[1797, 8, 8]`` (0..16) and ``labels`` uint8 ``[1797]``.
@@ -60,7 +62,7 @@ def load_digits(*, size: int = 28, test_fraction: float = 0.2, seed: int = 0) ->
             TensorDataset(images[test_idx], labels[test_idx]))
 
 
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+_IDX_DTYPES: dict[int, Any] = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
                0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 
 

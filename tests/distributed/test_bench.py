@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from cli_support import run
 
 pytestmark = pytest.mark.timeout(120)

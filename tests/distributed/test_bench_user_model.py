@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+
 from cli_support import run
 
 pytestmark = pytest.mark.timeout(150)

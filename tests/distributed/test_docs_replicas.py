@@ -9,9 +9,9 @@ import os
 import re
 
 import pytest
-from doc_blocks import ROOT, markdown_files, python_blocks
 
 import towers
+from doc_blocks import ROOT, markdown_files, python_blocks
 
 pytestmark = pytest.mark.timeout(180)
 

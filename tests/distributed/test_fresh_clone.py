@@ -17,6 +17,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+
 from cli_support import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]

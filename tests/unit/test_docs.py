@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from cli_support import clean_env
 from doc_blocks import ROOT, markdown_files, python_blocks
 
@@ -58,7 +59,8 @@ _OUTSIDE = [
     (re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE), "an issue number"),
     (re.compile(r"(?<![\w/])#\d+\b"), "an issue number"),
     (re.compile(r"\bshared/|\.\./shared\b"), "a folder outside the repository"),
-    (re.compile(r"\b(DESIGN|STYLE)\.md\b|\bSTYLE rule\b|\bDESIGN\b(?= (section|says))"), "a document outside the repository"),
+    (re.compile(r"\b(DESIGN|STYLE)\.md\b|\bSTYLE rule\b|\bDESIGN\b(?= (section|says))"),
+     "a document outside the repository"),
 ]
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 

@@ -7,9 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from towers.datasets import DIGITS_FILE, load_digits, load_digits_arrays
-
 from doc_blocks import ROOT
+from towers.datasets import DIGITS_FILE, load_digits, load_digits_arrays
 
 tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

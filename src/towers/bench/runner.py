@@ -11,8 +11,8 @@ import logging
 import platform
 import time
 from dataclasses import asdict
-from functools import partial
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable, Sequence
 
 from towers._logging import configure_logging, configured_logging, get_logger, set_rank
@@ -215,7 +215,7 @@ def measure_interleaved(workloads: dict[str, Workload], *, config: BenchConfig,
     programs competing for the cores, so it shows per-step overhead when wall time is noisy.
     """
     names = list(workloads)
-    measured = {name: {"examples_per_s": [], "cpu_ms_per_step": []} for name in names}
+    measured: dict[str, dict[str, list[float]]] = {name: {"examples_per_s": [], "cpu_ms_per_step": []} for name in names}
     examples = {name: config.steps * config.batch_size * w.num_replicas for name, w in workloads.items()}
     chunk = config.interleave_steps or config.steps
     for r in range(config.repeats):

@@ -45,7 +45,8 @@ def load_factory(ref: str, what: str = "--model") -> Callable[[], Any]:
             module = importlib.import_module(module_name)
     except Exception as exc:
         raise ValueError(f"{what} {ref!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc}). Run from the "
-                         "folder that holds it, or install its package, or pass a file path: path/to/file.py:factory.") from exc
+                         "folder that holds it, or install its package, or pass a file path: "
+                         "path/to/file.py:factory.") from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):

@@ -1,4 +1,4 @@
-"""Run a towers job on many machines: Kubernetes manifests (Kubeflow TrainJob or PyTorchJob, Indexed Job) and SLURM scripts."""
+"""Run a towers job on many machines: Kubernetes manifests (Kubeflow TrainJob/PyTorchJob, Indexed Job), SLURM scripts."""
 
 from __future__ import annotations
 

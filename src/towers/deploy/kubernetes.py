@@ -88,7 +88,7 @@ def _volumes(spec: DeploySpec) -> list[dict[str, Any]]:
 
 
 def _pod_spec(spec: DeploySpec, command: str, port: int, *, port_name: str) -> dict[str, Any]:
-    container = {
+    container: dict[str, Any] = {
         "name": "pytorch",  # the Kubeflow operator looks for this container name
         "image": spec.image,
         "command": ["sh", "-c", command],
@@ -215,8 +215,9 @@ def render_kubernetes(spec: DeploySpec, kind: str = "pytorchjob") -> str:
     header = (f"# {kind} {spec.name!r}: {spec.nnodes} node(s) x {spec.nproc_per_node} process(es), rendered by "
               f"`towers k8s`.\n# Apply with: kubectl apply -f <this file>\n")
     if spec.checkpoint_pvc is None:
-        header += (f"# Checkpoints: a new {spec.checkpoint_access_mode} claim {spec.claim_name!r} on the "
-                   f"{'storage class ' + repr(spec.checkpoint_storage_class) if spec.checkpoint_storage_class else 'default storage class'}"
+        storage = (f"storage class {spec.checkpoint_storage_class!r}" if spec.checkpoint_storage_class
+                   else "default storage class")
+        header += (f"# Checkpoints: a new {spec.checkpoint_access_mode} claim {spec.claim_name!r} on the {storage}"
                    + (" (several nodes share it: the class must offer ReadWriteMany, e.g. NFS, CephFS, EFS, Filestore, "
                       "Azure Files)" if spec.checkpoint_access_mode == "ReadWriteMany" else "") + ".\n")
     return header + to_yaml_documents(renderers[kind](spec))

@@ -97,7 +97,7 @@ class DeploySpec:
     time_limit: str | None = None
 
     def __post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen dataclass
+        set_ = lambda name, value: object.__setattr__(self, name, value)
         check_dns1123_label(self.name, "--name", max_length=MAX_NAME_LENGTH)
         check_dns1123_label(self.namespace, "--namespace")
         set_("script_args", tuple(str(a) for a in self.script_args))

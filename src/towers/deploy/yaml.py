@@ -7,9 +7,8 @@ values we rendered. Lines are never folded, and keys keep the order they were bu
 
 from __future__ import annotations
 
-from typing import Any, Iterable
-
 import re
+from typing import Any, Iterable
 
 import yaml
 

@@ -210,7 +210,9 @@ _TOPK = re.compile(r"^top_?(\d+)_acc(uracy)?$")
 
 
 def get_metric(spec: Any, *, strategy: Any = None) -> Metric | ExternalMetric:
-    """Return a metric for ``spec``: ``"accuracy"``, ``"top5_accuracy"``, a ``Metric``, a torchmetrics metric, or ``fn(y_pred, y_true)``.
+    """Return a metric for ``spec``: ``"accuracy"``, ``"top5_accuracy"``, a ``Metric``, a torchmetrics metric or a function.
+
+    A function is ``fn(y_pred, y_true)`` returning one value per example.
 
     ``strategy``: torchmetrics metrics sync through it (see ``ExternalMetric``).
 
@@ -233,7 +235,8 @@ def get_metric(spec: Any, *, strategy: Any = None) -> Metric | ExternalMetric:
             return TopKAccuracy(5, name=spec)
         raise ValueError(
             f"Unknown metric {spec!r}. Expected 'accuracy', 'topK_accuracy' (e.g. 'top5_accuracy'), a "
-            "towers.metrics.Metric, a torchmetrics.Metric, or a function fn(y_pred, y_true) returning one value per example.")
+            "towers.metrics.Metric, a torchmetrics.Metric, or a function fn(y_pred, y_true) returning one value "
+            "per example.")
     if all(callable(getattr(spec, attr, None)) for attr in ("update", "compute", "reset")):
         return ExternalMetric(spec, strategy=strategy)
     if callable(spec):
