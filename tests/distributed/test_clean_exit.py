@@ -44,9 +44,11 @@ def test_a_script_that_never_shuts_down_exits_0_in_20_torchrun_runs(tmp_path):
     env = clean_env({"OMP_NUM_THREADS": "1"})
     failures = []
     for first in range(0, RUNS, AT_ONCE):
+        ports: set[int] = set()
+        while len(ports) < min(AT_ONCE, RUNS - first):  # launches side by side need different ports
+            ports.add(free_port())
         procs = [start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--monitor-interval",
-                        "0.1", "--master-port", str(free_port()), str(script)], cwd=tmp_path, env=env)
-                 for _ in range(first, min(first + AT_ONCE, RUNS))]
+                        "0.1", "--master-port", str(port), str(script)], cwd=tmp_path, env=env) for port in ports]
         for run, done in enumerate(finish(procs, deadline_s=DEADLINE_S, marker=str(script)), start=first + 1):
             if done.returncode != 0 or "terminate called" in done.stderr or "SIGABRT" in done.stderr:
                 failures.append(f"run {run}: exit code {done.returncode}\n{done.stderr[-3000:]}")
