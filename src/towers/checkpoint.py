@@ -315,9 +315,11 @@ def check_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], *,
     if missing or unexpected or shapes:
         parts = [f"missing keys {missing[:5]}" if missing else "", f"unexpected keys {unexpected[:5]}" if unexpected else "",
                  f"shape mismatches {shapes[:3]}" if shapes else ""]
-        raise CheckpointError(
-            f"Checkpoint {path} does not fit this model: {'; '.join(p for p in parts if p)}. "
-            "Build the same model architecture that wrote the checkpoint.")
+        wrapped = bool(unexpected) and {k.removeprefix("module.") for k in unexpected} == set(missing)
+        fix = ("The checkpoint holds a wrapped model's keys ('module.' prefix, e.g. DDP): save through the strategy "
+               "(save_checkpoint(..., strategy=strategy)) so the user's own module is saved."
+               if wrapped else "Build the same model architecture that wrote the checkpoint.")
+        raise CheckpointError(f"Checkpoint {path} does not fit this model: {'; '.join(p for p in parts if p)}. {fix}")
 
 
 def check_optimizer_state(optimizer: Any, state: Any, *, path: str | os.PathLike[str] = "<state>") -> None:

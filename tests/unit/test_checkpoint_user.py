@@ -80,6 +80,15 @@ def test_errors_name_the_key_and_the_fix(tmp_path):
     with pytest.raises(CheckpointError, match="user checkpoint.*restore_checkpoint"):
         ckpt.load_checkpoint(path, kind="full")
 
+    class Wrapper(nn.Module):  # what DDP looks like from outside: the user's module under .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    wrapped = ckpt.save_checkpoint(tmp_path / "e.pt", {"model": Wrapper(model)})  # no strategy to unwrap it
+    with pytest.raises(CheckpointError, match=r"'module.' prefix.*strategy=strategy"):
+        ckpt.restore_checkpoint(wrapped, {"model": model})
+
 
 def test_manager_keeps_the_newest_n_and_restores_the_latest(tmp_path):
     manager = CheckpointManager(tmp_path / "ckpt", max_to_keep=2)
