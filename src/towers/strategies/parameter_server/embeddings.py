@@ -80,6 +80,11 @@ class ShardedEmbedding(nn.Module):
         n = self.num_embeddings if rows is None else rows
         return initial_rows(torch.arange(n), self.embedding_dim, seed=self.seed, scale=self.init_scale)
 
+    @staticmethod
+    def hash(ids: torch.Tensor, num_embeddings: int, seed: int = 0) -> torch.Tensor:
+        """Return the rows ``hashed=True`` maps ``ids`` to (to build an equal plain table for one process)."""
+        return hash_ids(ids, num_embeddings, salt=seed)
+
     def row_ids(self, input: torch.Tensor) -> torch.Tensor:
         """Return the table rows of ``input``'s ids (hashed when ``hashed=True``).
 
@@ -162,6 +167,7 @@ class SparseTables:
         self.version = 0
         #: rows pulled and pushed, and their bytes of values (the touched-rows ideal of the wire)
         self.rows_pulled = self.rows_pushed = 0
+        self.row_bytes = 0
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -189,6 +195,7 @@ class SparseTables:
             return torch.empty(0, self.specs[t].dim)
         replies = self.client.request(Op.EMB_PULL, ps=targets, metas=metas)
         self.rows_pulled += ids.numel()
+        self.row_bytes += ids.numel() * self.specs[t].dim * 4
         if self.num_ps == 1:
             return replies[0].meta["rows"].clone()
         rows = torch.empty(ids.numel(), self.specs[t].dim)
@@ -218,6 +225,7 @@ class SparseTables:
                 ids, inverse = torch.unique(ids, return_inverse=True)
                 grads = torch.zeros(ids.numel(), grads.shape[1]).index_add_(0, inverse, grads)
             self.rows_pushed += ids.numel()
+            self.row_bytes += ids.numel() * self.specs[t].dim * 4
             owner = ids % self.num_ps
             for p in range(self.num_ps):
                 pick = owner == p if self.num_ps > 1 else slice(None)

@@ -345,6 +345,20 @@ class ParameterServerStrategy(Strategy):
             return [dict(self._stats or {})]
         return self._require_worker("ps_stats").stats()
 
+    def wire_stats(self) -> dict[str, int]:
+        """Return this worker's traffic with the ps tasks so far.
+
+        ``bytes_sent``/``bytes_received``: everything on its ps links, headers included;
+        ``rows_pulled``/``rows_pushed``: embedding rows moved, and ``row_bytes``: their values' bytes
+        (the touched-rows ideal a step cannot go below). Zeros on a ps task.
+        """
+        links = self._client.links if self._client is not None else []
+        sparse = self._sparse
+        return {"bytes_sent": sum(link.bytes_sent for link in links),
+                "bytes_received": sum(link.bytes_received for link in links),
+                "rows_pulled": sparse.rows_pulled if sparse else 0, "rows_pushed": sparse.rows_pushed if sparse else 0,
+                "row_bytes": sparse.row_bytes if sparse else 0}
+
     def shutdown(self) -> None:
         """Tell the ps tasks this worker is done (idempotent; also runs at exit)."""
         if self._client is not None and not self._client.closed:

@@ -140,6 +140,9 @@ class Link:
         self._peer = peer
         self.name = name
         self.broken: str | None = None
+        #: bytes this side handed to and received from the wire (headers included): what a step costs
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     def send(self, op: int, *, timeout_s: float, status: int = Status.OK, ints: tuple[int, ...] = (),
              meta: Any = None, flat: torch.Tensor | None = None) -> None:
@@ -166,6 +169,7 @@ class Link:
         if flat is not None and flat.numel():
             parts.append(flat if flat.dtype == torch.uint8 else flat.view(torch.uint8))
         self._run("send", lambda: [self._group.send([t], self._peer, _TAG) for t in parts], timeout_s)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in parts)
 
     def recv(self, *, timeout_s: float, first_timeout_s: float | None = None,
              flat_out: Callable[[Message], torch.Tensor | None] | None = None) -> Message:
@@ -190,6 +194,7 @@ class Link:
                 f"(magic {magic:#x}, expected {MAGIC:#x}; json {json_nbytes} B, tensors {blob_nbytes} B, flat "
                 f"{flat_nbytes} B). Every process of the job must run the same towers version.")
         message = Message(op, status, (ints[0], ints[1], ints[2], ints[3]))
+        self.bytes_received += header.numel() * 8 + json_nbytes + blob_nbytes + flat_nbytes
         raw = torch.empty(json_nbytes, dtype=torch.uint8)
         blob = torch.empty(blob_nbytes, dtype=torch.uint8)
         if json_nbytes:
