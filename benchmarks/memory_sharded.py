@@ -7,11 +7,12 @@ reports:
 
 - parameter, gradient and optimizer-state bytes it holds, counted from tensor storages
   (each storage once: DDP's gradient buckets and FSDP2's padded shards are counted as they are);
-- its resident set size (RSS) before the model was built (torch and the process group alone),
-  its peak RSS (``ru_maxrss``: the full model each rank builds before ``prepare`` shards it,
-  activations, transient all-gathers, and memory the C allocator keeps after ``free``), and its
-  RSS after training once ``malloc_trim`` has returned freed memory to the system (what the
-  rank really keeps: libraries, parameters, gradients, optimizer state);
+- its resident set size (RSS, from /proc): before the model was built (torch and the process
+  group alone); the peak while building and preparing (each rank builds the full model before
+  ``prepare`` shards it); after ``prepare``; the peak during the training steps (VmHWM reset
+  after ``prepare``: activations, gathered units, optimizer temporaries, and memory the C
+  allocator keeps after ``free``); and what the rank keeps after training once ``malloc_trim``
+  has returned freed memory to the system (libraries, parameters, gradients, optimizer state);
 - global examples/s over the timed steps.
 
 ``--checkpoint`` also times a sharded checkpoint of the trained model on every sharded
@@ -29,7 +30,6 @@ import ctypes
 import gc
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -58,10 +58,21 @@ def _storage_bytes(tensors) -> int:
 
 
 def _rss_mb(peak: bool) -> float:
-    if peak:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    if peak:  # the high-water mark since the last _reset_peak() (or since the process started)
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
+
+
+def _trim() -> None:
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc: give freed memory back, so RSS shows what is still held
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets the peak RSS (VmHWM) to the current RSS
+        f.write("5")
 
 
 def _job(name: str, options: dict, config: GPTConfig, batch: int, seq: int, warmup: int, steps: int,
@@ -79,6 +90,10 @@ def _job(name: str, options: dict, config: GPTConfig, batch: int, seq: int, warm
         model = GPT(config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     model, optimizer = strategy.prepare(model, optimizer)
+    setup_peak_mb = _rss_mb(peak=True)  # includes the full model every rank builds before prepare shards it
+    _trim()
+    prepared_mb = _rss_mb(peak=False)
+    _reset_peak()
     inputs, targets = random_tokens(batch * n * (warmup + steps), config, seed=1)
     data = (inputs[:, :seq], targets[:, :seq])
 
@@ -99,8 +114,7 @@ def _job(name: str, options: dict, config: GPTConfig, batch: int, seq: int, warm
     strategy.barrier()
     elapsed = time.perf_counter() - started
     peak_mb = _rss_mb(peak=True)
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc: give freed memory back, so RSS shows what is still held
+    _trim()
     params = list(model.parameters())
     result = {
         "params_mb": _storage_bytes(params) / MB,
@@ -108,6 +122,8 @@ def _job(name: str, options: dict, config: GPTConfig, batch: int, seq: int, warm
         "optimizer_mb": _storage_bytes(v for s in optimizer.state.values() for v in s.values()
                                        if isinstance(v, torch.Tensor)) / MB,
         "baseline_rss_mb": baseline_mb,
+        "setup_peak_rss_mb": setup_peak_mb,
+        "prepared_rss_mb": prepared_mb,
         "peak_rss_mb": peak_mb,
         "kept_rss_mb": _rss_mb(peak=False),
         "examples_per_s": steps * batch * n / elapsed,
@@ -170,18 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPT {total / 1e6:.1f}M parameters, AdamW, per-replica batch {args.batch} x {args.seq} tokens, "
           f"{args.steps} timed steps; torch {torch.__version__}, {cores} CPUs, load {os.getloadavg()[0]:.1f}")
     print()
-    print("| strategy | processes | params MB/rank | grads MB/rank | optimizer MB/rank | p+g+o MB/rank | "
-          "RSS before model MB | peak RSS MB/rank (max) | RSS kept after training MB/rank (max) | "
-          "examples/s (global) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("MB per rank (the largest rank's value for the p+g+o and RSS columns):")
+    print()
+    print("| strategy | processes | params | grads | optimizer | p+g+o | "
+          "RSS before model | peak RSS, build+prepare | RSS after prepare | peak RSS, training | "
+          "RSS kept after training | examples/s (global) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         r0 = row["per_rank"][0]
         pgo = max(r["params_mb"] + r["grads_mb"] + r["optimizer_mb"] for r in row["per_rank"])
-        peak = max(r["peak_rss_mb"] for r in row["per_rank"])
-        kept = max(r["kept_rss_mb"] for r in row["per_rank"])
+        worst = {k: max(r[k] for r in row["per_rank"]) for k in
+                 ("baseline_rss_mb", "setup_peak_rss_mb", "prepared_rss_mb", "peak_rss_mb", "kept_rss_mb")}
         print(f"| {row['strategy']} | {row['processes']} | {r0['params_mb']:.0f} | {r0['grads_mb']:.0f} | "
-              f"{r0['optimizer_mb']:.0f} | {pgo:.0f} | {r0['baseline_rss_mb']:.0f} | {peak:.0f} | {kept:.0f} | "
-              f"{r0['examples_per_s']:.2f} |")
+              f"{r0['optimizer_mb']:.0f} | {pgo:.0f} | {worst['baseline_rss_mb']:.0f} | "
+              f"{worst['setup_peak_rss_mb']:.0f} | {worst['prepared_rss_mb']:.0f} | {worst['peak_rss_mb']:.0f} | "
+              f"{worst['kept_rss_mb']:.0f} | {r0['examples_per_s']:.2f} |")
     for row in rows:
         if "checkpoint" in row["per_rank"][0]:
             timings = row["per_rank"][0]["checkpoint"]
