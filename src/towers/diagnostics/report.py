@@ -58,6 +58,8 @@ def describe_position(snap: Mapping[str, Any], now: float) -> str:
     """Return where a rank is, e.g. ``waits 4.2 s in collective #14 (allreduce), inside towers call #5 ...``."""
     if snap.get("waiting") and snap.get("since") is not None:
         return f"waits {max(0.0, now - float(snap['since'])):.1f} s in {_wait_text(snap)}"
+    if snap.get("role") == "ps":
+        return "serves the workers (see its threads below)"
     return f"runs outside any collective ({_last_text(snap)})"
 
 
