@@ -19,8 +19,8 @@ and the MLP is all-reduced among the workers; ``Trainer.fit`` runs it, one scrip
     python examples/recommender.py --strategy one_device
     # the table replicated on every worker and all-reduced (MirroredStrategy)
     python examples/recommender.py --strategy mirrored --workers 2
-    # a table 4x larger than a worker may use: 100M rows x 16 (6.4 GB) with workers limited to 1.5 GiB
-    python examples/recommender.py --workers 2 --num-ps 1 --rows 100000000 --worker-memory-gib 1.5
+    # a table 4x larger than a worker may use: 120M rows x 16 (7.2 GiB) with workers limited to 1.5 GiB
+    python examples/recommender.py --workers 2 --num-ps 1 --rows 120000000 --worker-memory-gib 1.5
 
 Prints (and with ``--json PATH`` writes) AUC, oracle AUC, examples/s, each worker's peak RSS,
 bytes on the ps links per step vs the touched-rows ideal, and the rows the ps tasks hold.
@@ -148,6 +148,14 @@ def run(cfg: Config) -> dict:
     if cfg.worker_memory_gib:
         limit = int(cfg.worker_memory_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    plain_table_fits = None
+    if cfg.worker_memory_gib:  # show that the table itself could not live in this worker
+        try:
+            del_me = torch.empty(cfg.rows, cfg.dim)
+            plain_table_fits = True
+            del del_me
+        except (RuntimeError, MemoryError):
+            plain_table_fits = False
     model, optimizer = build(cfg, sharded)
     trainer = towers.Trainer(model, optimizer, loss=F.binary_cross_entropy_with_logits, strategy=strategy,
                              log_every_n_steps=20)
@@ -163,7 +171,7 @@ def run(cfg: Config) -> dict:
     out = {"role": "worker", "auc": auc(scores, eval_clicks), "oracle_auc": auc(eval_logit, eval_clicks),
            "loss": history.history["loss"][-1], "seconds": seconds, "examples_per_s": cfg.train_examples / seconds,
            "peak_rss_mb": _peak_rss_mb(), "steps": steps,
-           "table_mb": cfg.rows * cfg.dim * 4 / 2**20}
+           "table_mb": cfg.rows * cfg.dim * 4 / 2**20, "plain_table_fits": plain_table_fits}
     if sharded:
         wire = after["bytes_sent"] + after["bytes_received"] - before["bytes_sent"] - before["bytes_received"]
         ideal = after["row_bytes"] - before["row_bytes"]
@@ -196,12 +204,14 @@ def report(cfg: Config, results: list[dict]) -> str:
     w = workers[0]
     lines = [f"{cfg.strategy}: {cfg.workers if cfg.strategy != 'one_device' else 1} worker(s)"
              + (f" + {cfg.num_ps} ps ({cfg.mode})" if ps else "")
-             + f", table {cfg.rows:,} x {cfg.dim} ({w['table_mb']:,.0f} MB declared)",
+             + f", table {cfg.rows:,} x {cfg.dim} ({w['table_mb']:,.0f} MiB declared)",
              f"  AUC {w['auc']:.4f} (oracle {w['oracle_auc']:.4f}), final loss {w['loss']:.4f}",
              f"  {sum(r['examples_per_s'] for r in workers[:1]):,.0f} examples/s ({w['steps']} steps, "
              f"{w['seconds']:.1f} s)",
              "  worker peak RSS: " + ", ".join(f"{r['peak_rss_mb']:.0f} MB" for r in workers)
-             + (f" (limit {cfg.worker_memory_gib:g} GiB address space)" if cfg.worker_memory_gib else "")]
+             + (f" (limit {cfg.worker_memory_gib:g} GiB of address space: the table is "
+                f"{w['table_mb'] / 1024 / cfg.worker_memory_gib:.1f}x that; allocating it in a worker "
+                f"{'succeeded' if w['plain_table_fits'] else 'fails'})" if cfg.worker_memory_gib else "")]
     if ps:
         lines.append(f"  ps links: {w['wire_bytes_per_step'] / 1e3:,.1f} kB/step per worker vs touched-rows ideal "
                      f"{w['ideal_bytes_per_step'] / 1e3:,.1f} kB ({w['wire_over_ideal']:.3f}x)")
