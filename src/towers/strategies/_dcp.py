@@ -166,10 +166,25 @@ class _Pending:
                   time.perf_counter() - self.started_s)
 
 
-def wait_pending(pending: _Pending | None) -> None:
-    """Block until an asynchronous save (if any) is written and published."""
-    if pending is not None:
-        pending.wait()
+def wait_pending(pending: _Pending | None, *, is_chief: bool, broadcast_object: Callable[[Any, int], Any]) -> None:
+    """Block until an asynchronous save (if any) is written and published; every rank calls it.
+
+    Raises:
+        OSError: on every rank, when the save failed on the chief (the previous checkpoint is intact).
+    """
+    if pending is None:
+        return
+    if not is_chief:  # its own background write; a failure there fails the chief's too (DCP gathers them)
+        with contextlib.suppress(Exception):
+            pending.wait()
+    _chief_error(is_chief, broadcast_object, pending.wait)
+
+
+def _foreign(path: Path) -> str | None:
+    if path.exists() and not path.is_symlink():
+        return (f"Cannot write a sharded checkpoint at {path}: a file or directory that towers did not write is "
+                "there. Pick another path or move it away.")
+    return None
 
 
 def _publish(path: Path, data_dir: Path) -> None:
@@ -177,10 +192,9 @@ def _publish(path: Path, data_dir: Path) -> None:
     for f in data_dir.iterdir():
         _fsync(f)
     _fsync(data_dir)
-    if path.exists() and not path.is_symlink():
-        raise ShardedCheckpointError(
-            f"Cannot write a sharded checkpoint at {path}: a file or directory that towers did not write is there. "
-            "Pick another path or move it away.")
+    problem = _foreign(path)
+    if problem:
+        raise ShardedCheckpointError(problem)
     link = path.parent / f".{path.name}.link-{uuid.uuid4().hex[:8]}"
     os.symlink(data_dir.name, link)
     os.replace(link, path)
@@ -190,8 +204,26 @@ def _publish(path: Path, data_dir: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def _chief_error(is_chief: bool, broadcast_object: Callable[[Any, int], Any], action: Callable[[], None]) -> None:
+    """Run ``action`` on the chief; every rank raises if it failed (so none waits for the chief in a collective)."""
+    error = None
+    if is_chief:
+        try:
+            action()
+        except Exception as exc:  # reported to every rank below
+            error = (type(exc).__name__, str(exc))
+    error = broadcast_object(error, 0)
+    if error is None:
+        return
+    kind, text = error
+    if kind == ShardedCheckpointError.__name__:
+        raise ShardedCheckpointError(text)
+    raise OSError(f"The chief could not write the sharded checkpoint: {kind}: {text}. Check the directory and "
+                  "free space; the previous checkpoint at that path is intact.")
+
+
 def save_sharded(path: str | os.PathLike[str], tensors: Mapping[str, Any], extra: Mapping[str, Any], *,
-                 is_chief: bool, broadcast_object: Callable[[Any, int], Any], barrier: Callable[[], None],
+                 is_chief: bool, broadcast_object: Callable[[Any, int], Any],
                  process_group: Any = None, async_save: bool = False) -> _Pending | None:
     """Write a sharded checkpoint at ``path``: each rank its shards of ``tensors``, the chief ``extra``; atomically.
 
@@ -199,11 +231,11 @@ def save_sharded(path: str | os.PathLike[str], tensors: Mapping[str, Any], extra
     and optimizer's sharded state); ``extra`` holds plain values only (it loads with
     ``weights_only=True``). With ``async_save`` the shards are copied to memory and written by a
     background thread: the call returns a pending save, published by the chief as soon as every
-    rank's shards are written; its ``wait()`` blocks until then.
+    rank's shards are written; ``wait_pending`` blocks until then.
 
     Raises:
-        ShardedCheckpointError: when something towers did not write is at ``path``.
-        OSError: when the checkpoint cannot be written.
+        ShardedCheckpointError: on every rank, when something towers did not write is at ``path``.
+        OSError: on every rank, when the chief cannot create or publish the checkpoint.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -211,10 +243,15 @@ def save_sharded(path: str | os.PathLike[str], tensors: Mapping[str, Any], extra
     path = Path(path)
     uid = broadcast_object(uuid.uuid4().hex[:12] if is_chief else None, 0)
     data_dir = _data_dir(path, uid)
-    if is_chief:
+
+    def start() -> None:
+        problem = _foreign(path)
+        if problem:
+            raise ShardedCheckpointError(problem)
         data_dir.mkdir(parents=True, exist_ok=False)
         torch.save({"format": _MARKER, **dict(extra)}, data_dir / _EXTRA)
-    barrier()  # the directory exists before any rank writes into it
+
+    _chief_error(is_chief, broadcast_object, start)  # also: the directory exists before any rank writes into it
     writer = FileSystemWriter(data_dir, sync_files=True)
     state = dict(tensors)
 
@@ -231,8 +268,7 @@ def save_sharded(path: str | os.PathLike[str], tensors: Mapping[str, Any], extra
         return _Pending(future, publish, path)
     with _quiet_single_process():
         dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
-    publish()
-    barrier()  # every rank returns after the checkpoint is visible
+    _chief_error(is_chief, broadcast_object, publish)  # every rank returns after the checkpoint is visible
     return None
 
 

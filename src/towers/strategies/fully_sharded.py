@@ -223,7 +223,7 @@ class FullyShardedStrategy(SyncStrategy):
                  "strategy": self.name, "num_replicas": self.num_replicas_in_sync}
         started = time.perf_counter()
         self._pending = _dcp.save_sharded(
-            path, tensors, extra, is_chief=self.is_chief, broadcast_object=self.broadcast_object, barrier=self.barrier,
+            path, tensors, extra, is_chief=self.is_chief, broadcast_object=self.broadcast_object,
             process_group=self._checkpoint_group(), async_save=self._async_save)
         self.last_save_blocking_s = time.perf_counter() - started
         log.debug("checkpoint %s: %.3f s blocking (async_save=%s)", path, self.last_save_blocking_s, self._async_save)
@@ -232,9 +232,7 @@ class FullyShardedStrategy(SyncStrategy):
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous checkpoint in flight (if any) is written and visible at its path."""
         pending, self._pending = self._pending, None
-        _dcp.wait_pending(pending)
-        if pending is not None:
-            self.barrier()
+        _dcp.wait_pending(pending, is_chief=self.is_chief, broadcast_object=self.broadcast_object)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Return the checkpoint at ``path`` with ``"model"``/``"optimizer"`` resharded for this job; every rank calls it.
