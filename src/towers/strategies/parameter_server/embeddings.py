@@ -5,8 +5,9 @@ in parallel), and pools them on the worker; the rows become a leaf tensor, so th
 leaves their gradients there. The prepared optimizer's ``step()`` pushes every touched row's
 gradient to its ps task, where a row-wise optimizer (``tables.py``) updates the rows, with the
 strategy's ``sync``/``async``/``staleness`` rules. ``model.state_dict()`` fetches the touched
-rows and their optimizer slots from the ps tasks (``load_state_dict`` sends them back), so
-checkpoints (``BackupAndRestore``) hold the tables too.
+rows and their optimizer slots from the ps tasks into one entry, ``<name>.rows`` (a dict:
+``ids``, ``weight``, ``slot_*``), and ``load_state_dict`` sends them back, so checkpoints
+(``BackupAndRestore``) hold the tables too.
 """
 
 from __future__ import annotations
@@ -129,24 +130,32 @@ class ShardedEmbedding(nn.Module):
         return F.embedding_bag(inverse, rows, offsets, mode=self.mode)
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        # One entry, a dict: the number of touched rows changes as training goes, so the table cannot be a
+        # tensor of a fixed shape (checkpoint loaders compare tensor shapes with the model's).
         if self._tables is not None:
-            for key, value in self._tables.export(self._index).items():
-                destination[prefix + key] = value
+            destination[prefix + "rows"] = self._tables.export(self._index)
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        key = prefix + "rows"
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k != key
+                                   and "." not in k[len(prefix):])
         if self._tables is None:
-            if mine:
+            if key in state_dict:
                 error_msgs.append("ShardedEmbedding: cannot load rows before the model is prepared (its rows live on "
                                   "the ps tasks). Load after strategy.prepare().")
             return
-        if not mine:
+        if key not in state_dict:
             if strict:
-                missing_keys.append(prefix + "ids")
+                missing_keys.append(key)
+            return
+        rows = state_dict[key]
+        if not isinstance(rows, Mapping):
+            error_msgs.append(f"{key} must be a dict of tensors (ids, weight, slot_*). Received: {type(rows).__name__}.")
             return
         try:
-            self._tables.load(self._index, mine)
+            self._tables.load(self._index, dict(rows))
         except ValueError as exc:
             error_msgs.append(str(exc))
 
@@ -197,7 +206,7 @@ class SparseTables:
         self.rows_pulled += ids.numel()
         self.row_bytes += ids.numel() * self.specs[t].dim * 4
         if self.num_ps == 1:
-            return replies[0].meta["rows"].clone()
+            return replies[0].meta["rows"]
         rows = torch.empty(ids.numel(), self.specs[t].dim)
         for pick, reply in zip(picks, replies):
             rows[pick] = reply.meta["rows"]

@@ -115,7 +115,9 @@ def decode(raw: bytes, blob: torch.Tensor | None) -> Any:
         if offset + nbytes > data.numel():
             raise ProtocolError(f"the header describes more tensor bytes than the message carries "
                                 f"({offset + nbytes} > {data.numel()})")
-        tensors.append(data[offset:offset + nbytes].view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype))
+        # A copy per tensor: each owns its memory (torch.save refuses views of one buffer as several dtypes).
+        tensors.append(data[offset:offset + nbytes].view(dtype).view(shape).clone() if nbytes
+                       else torch.empty(shape, dtype=dtype))
         offset += nbytes
     if offset != data.numel():
         raise ProtocolError(f"the message carries {data.numel()} tensor bytes, its header describes {offset}")
