@@ -6,12 +6,14 @@ the ps links within 1.1x of the touched rows' values, and rows on the ps task.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -28,9 +30,25 @@ def _run(tmp_path: Path, name: str, *extra: str) -> dict:
     return json.loads(out.read_text())["results"]
 
 
+def _one_process() -> dict:
+    """The reference in this process: one device, a plain table (no second interpreter to start)."""
+    spec = importlib.util.spec_from_file_location("recommender_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    threads = torch.get_num_threads()
+    try:
+        spec.loader.exec_module(module)
+        args = dict(zip(SMALL[::2], SMALL[1::2]))
+        cfg = module.Config(strategy="one_device", **{k[2:].replace("-", "_"): int(v) for k, v in args.items()})
+        return module.run(cfg)
+    finally:
+        del sys.modules[spec.name]
+        torch.set_num_threads(threads)  # run() sets one thread per process
+
+
 def test_recommender_hybrid_fit_matches_one_process(tmp_path):
     hybrid = _run(tmp_path, "hybrid", "--strategy", "hybrid", "--workers", "2", "--num-ps", "1")
-    one = _run(tmp_path, "one", "--strategy", "one_device")[0]
+    one = _one_process()
     workers, ps = hybrid[:2], hybrid[2]
     assert ps["role"] == "ps" and 0 < ps["tables"][0]["touched"] <= 4096
     for w in workers:

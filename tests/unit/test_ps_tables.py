@@ -42,6 +42,38 @@ def test_wire_refuses_objects_and_never_unpickles():
         decode(b'{"v": {"$class": "os.system"}, "t": []}', None)
 
 
+class _FakeGroup:
+    """Stands in for a Gloo pair: every recv fills the buffer with the next queued bytes."""
+
+    def __init__(self, chunks):
+        self.chunks = list(chunks)
+
+    def recv(self, tensors, peer, tag):
+        tensors[0].copy_(self.chunks.pop(0))
+        return self
+
+    def wait(self, timeout=None):
+        return True
+
+
+def test_link_refuses_a_foreign_header_and_a_pickle_in_the_json_slot(tmp_path):
+    from towers.strategies.parameter_server import transport
+
+    header = torch.tensor([0x1234, transport.Op.REGISTER, 0, 8, 0, 0, 0, 0, 0, 0], dtype=torch.int64)
+    link = transport.Link(_FakeGroup([header]), peer=1, name="worker 0 <-> ps 0")
+    with pytest.raises(ProtocolError, match="not towers' parameter-server wire format 2"):
+        link.recv(timeout_s=1)
+    assert link.broken  # nothing more is read from a link that lost its framing
+
+    planted = tmp_path / "planted"
+    payload = b"cos\nsystem\n(S'touch " + str(planted).encode() + b"'\ntR."  # pickle.loads would run `touch`
+    header = torch.tensor([transport.MAGIC, transport.Op.REGISTER, 0, len(payload), 0, 0, 0, 0, 0, 0], dtype=torch.int64)
+    link = transport.Link(_FakeGroup([header, torch.frombuffer(bytearray(payload), dtype=torch.uint8)]), peer=1, name="w")
+    with pytest.raises(ProtocolError, match="not JSON"):
+        link.recv(timeout_s=1)
+    assert not planted.exists() and link.broken is None  # the whole message was read: the link stays aligned
+
+
 def test_optimizer_travels_as_an_allowed_name():
     p = [torch.nn.Parameter(torch.zeros(2))]
     assert optimizer_name(torch.optim.Adam(p)) == "Adam"
