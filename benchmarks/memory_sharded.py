@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     config = GPTConfig.small() if args.model == "small" else GPTConfig.tiny()
+    if args.mmap_threshold:  # glibc reads it when a process starts: set here, the spawned ranks inherit it
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     cores = os.cpu_count() or 1
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             job_args = (name, {"shard_units": "auto"} if name == "sharded" else {}, config, args.batch, args.seq,
                         args.warmup, args.steps, os.path.join(tmp, item.replace(":", "-")) if args.checkpoint else None)
             print(f"running {name} on {nprocs} process(es), {threads} thread(s) each ...", file=sys.stderr)
-            env = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else None
-            per_rank = towers.spawn(_job, nprocs, args=job_args, timeout_s=1800, threads_per_process=threads, env=env)
+            per_rank = towers.spawn(_job, nprocs, args=job_args, timeout_s=1800, threads_per_process=threads)
             rows.append({"strategy": name, "processes": nprocs, "per_rank": per_rank})
     total = GPT(config).num_parameters()
     print(f"GPT {total / 1e6:.1f}M parameters, AdamW, per-replica batch {args.batch} x {args.seq} tokens, "
