@@ -216,14 +216,29 @@ def _init_error(info: ProcessInfo, backend: str, exc: BaseException, elapsed_s: 
 _LEAVE_REGISTERED = False
 
 
+#: How long the exit hook lets Gloo's worker threads finish with their last work (see ``_leave_group_at_exit``).
+_EXIT_DRAIN_S = 0.05
+
+
 def _leave_at_exit() -> None:
-    # Interpreter teardown with a live group can abort ("terminate called without an active exception":
-    # a Gloo or store thread destroyed while joinable). atexit runs in reverse order of registration, so
-    # whatever registered after the group (a strategy's shutdown) runs before the group is destroyed.
+    # atexit runs in reverse order of registration, so whatever registered after the group (a strategy's
+    # shutdown) runs before the group is destroyed.
     global _LEAVE_REGISTERED
     if not _LEAVE_REGISTERED:
-        atexit.register(destroy_process_group)
+        atexit.register(_leave_group_at_exit)
         _LEAVE_REGISTERED = True
+
+
+def _leave_group_at_exit() -> None:
+    # A script that never calls shutdown must still exit 0. Without this, interpreter teardown sometimes
+    # aborted ("terminate called without an active exception"): a Gloo worker thread (ProcessGroupGloo::
+    # runLoop) drops its last finished all-reduce right after the work completes, and that releases the
+    # tensors' Python objects, which needs the GIL; once finalization has begun, the thread is made to
+    # exit while unwinding a noexcept destructor, and the process aborts. So: destroy the group while the
+    # interpreter is whole, then release the GIL a moment so that a thread in that window finishes first.
+    # (A module such as DDP may still hold the group, so its threads can outlive the destroy.)
+    destroy_process_group()
+    time.sleep(_EXIT_DRAIN_S)
 
 
 def destroy_process_group() -> None:
