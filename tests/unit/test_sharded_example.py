@@ -21,9 +21,9 @@ def test_sharded_example_trains_resumes_and_exports(tmp_path):
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    first = run("--epochs", "1")
+    first = run("--epochs", "1", "--sequences", "32")
     assert "sharded: 1 replica(s)" in first and "epoch 1: loss" in first
-    resumed = run("--epochs", "2", "--resume")
+    resumed = run("--epochs", "2", "--resume", "--sequences", "32")
     assert "resumed from" in resumed and "at epoch 1" in resumed and "epoch 2: loss" in resumed
     assert "epoch 1: loss" not in resumed  # the finished epoch is not trained again
     weights = towers.checkpoint.load_checkpoint(tmp_path / "model.pt")["model"]
