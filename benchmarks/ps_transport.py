@@ -8,6 +8,7 @@ same bytes between the workers (no ps) is timed too, and the shipped towers tran
 (``towers.strategies.parameter_server``) when ``--towers`` is given.
 
     python benchmarks/ps_transport.py --repeats 7
+    python benchmarks/ps_transport.py --interleaved --sizes 10M --repeats 15   # step vs all-reduce, one job
 
 Results go in BENCHMARKS.md.
 """
@@ -130,6 +131,7 @@ def _allreduce(numel: int, repeats: int, warmup: int) -> float:
 def _towers(numel: int, repeats: int, warmup: int, mode: str) -> float | None:
     """Time ``optimizer.step()`` (push+pull) of the shipped ParameterServerStrategy on a flat model (ms)."""
     import torch
+
     import towers
     from towers.cluster.info import ProcessInfo
 
@@ -154,6 +156,47 @@ def _towers(numel: int, repeats: int, warmup: int, mode: str) -> float | None:
     return statistics.median(times)
 
 
+def _interleaved(numel: int, repeats: int, warmup: int, mode: str) -> dict | None:
+    """In one job of W workers + 1 ps: alternate ``optimizer.step()`` (push+pull of ``numel`` parameters) and a
+    Gloo all-reduce of the same bytes among the workers; return the medians and the median of the ratios."""
+    import torch
+    import torch.distributed as dist
+
+    import towers
+    from towers.cluster.info import ProcessInfo
+
+    rank, world = _env_rank()
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    workers = dist.new_group(list(range(world - 1)))  # every rank joins, the ps task too
+    info = ProcessInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world,
+                       master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),
+                       strategy="ps", num_ps=1)
+    strategy = towers.ParameterServerStrategy(num_ps=1, mode=mode, info=info, exit_on_ps=False)
+    if strategy.is_ps:
+        return None
+    model = torch.nn.Linear(numel // 1000, 1000, bias=False)
+    model, optimizer = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-9))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    flat = torch.randn(numel)
+    steps, reduces = [], []
+    for i in range(repeats + warmup):
+        dist.barrier(group=workers)
+        t0 = time.perf_counter()
+        optimizer.step()
+        t1 = time.perf_counter()
+        dist.barrier(group=workers)
+        t2 = time.perf_counter()
+        dist.all_reduce(flat, group=workers)
+        t3 = time.perf_counter()
+        if i >= warmup:
+            steps.append((t1 - t0) * 1e3)
+            reduces.append((t3 - t2) * 1e3)
+    strategy.shutdown()
+    return {"step_ms": statistics.median(steps), "allreduce_ms": statistics.median(reduces),
+            "ratio_median": statistics.median(a / b for a, b in zip(steps, reduces))}
+
+
 def main() -> None:
     """Run every measurement and print a markdown table."""
     import towers
@@ -162,12 +205,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--towers", action="store_true", help="also time the shipped towers transport")
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts")
+    parser.add_argument("--skip-rpc", action="store_true", help="leave torch.distributed.rpc out")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="only: async optimizer.step() vs all-reduce of the same bytes, alternated in one job of "
+                             "2 workers + 1 ps (the ratio that noise from other processes affects least)")
     args = parser.parse_args()
+    if args.interleaved:
+        print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}", flush=True)
+        for label in args.sizes.split(","):
+            res = towers.spawn(_interleaved, 3, args=(SIZES[label], args.repeats, args.warmup, "async"),
+                               timeout_s=600, threads_per_process=1)
+            for w, r in enumerate(res[:2]):
+                print(f"{label} worker {w}: async step {r['step_ms']:.1f} ms, all-reduce {r['allreduce_ms']:.1f} ms, "
+                      f"median ratio {r['ratio_median']:.2f}x", flush=True)
+        print(f"load average (1 min) at end: {os.getloadavg()[0]:.2f}", flush=True)
+        return
+    print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
-    for label, numel in SIZES.items():
-        for workers in (1, 2):
+    for label in args.sizes.split(","):
+        numel = SIZES[label]
+        for workers in (int(w) for w in args.workers.split(",")):
             row = {"size": label, "workers": workers}
-            for name, fn in (("gloo_p2p", _gloo_p2p), ("rpc", _rpc)):
+            raw = (("gloo_p2p", _gloo_p2p),) + ((("rpc", _rpc),) if not args.skip_rpc else ())
+            for name, fn in raw:
                 res = towers.spawn(fn, workers + 1, args=(numel, args.repeats, args.warmup), timeout_s=600,
                                    threads_per_process=1)
                 row[name] = statistics.median(r for r in res if r is not None)
@@ -180,8 +242,11 @@ def main() -> None:
                 res = towers.spawn(_allreduce, 2, args=(numel, args.repeats, args.warmup), timeout_s=600,
                                    threads_per_process=1)
                 row["allreduce"] = res[0]
+            if "allreduce" in row and "towers_async" in row:
+                row["async_over_allreduce"] = row["towers_async"] / row["allreduce"]
             rows.append(row)
             print(row, flush=True)
+    print(f"load average (1 min) at end: {os.getloadavg()[0]:.2f}", flush=True)
     cols = ["gloo_p2p", "rpc"] + (["towers_async", "towers_sync"] if args.towers else []) + ["allreduce"]
     print("\n| params | workers | " + " | ".join(f"{c} (ms)" for c in cols) + " |")
     print("|---|---|" + "---|" * len(cols))

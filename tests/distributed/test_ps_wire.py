@@ -42,7 +42,7 @@ def _hostile(path: str, bad_magic: bool) -> dict:
     link = strategy._client.links[0]
     payload = pickle.dumps(_Plant(path), protocol=2)
     magic = 0x1234 if bad_magic else transport.MAGIC
-    header = torch.tensor([magic, transport.Op.REGISTER, 0, len(payload), 0, 0, 0, 0, 0, 0], dtype=torch.int64)
+    header = torch.tensor([magic, transport.Op.REGISTER, 0, len(payload), 0, 0, 0, 0, 0, 0, 0], dtype=torch.int64)
     link._group.send([header], link._peer, 0).wait()
     if not bad_magic:
         link._group.send([torch.frombuffer(bytearray(payload), dtype=torch.uint8)], link._peer, 0).wait()

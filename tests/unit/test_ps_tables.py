@@ -22,7 +22,8 @@ def _roundtrip(value):
 def test_wire_round_trips_json_values_and_tensors():
     state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}, 1: {}},
              "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "foreach": None, "params": [0, 1]}],
-             "$odd": [True, "x", float("inf")], "ids": torch.arange(5, dtype=torch.int32), "bf": torch.ones(2, dtype=torch.bfloat16)}
+             "$odd": [True, "x", float("inf")], "ids": torch.arange(5, dtype=torch.int32),
+             "bf": torch.ones(2, dtype=torch.bfloat16)}
     back = _roundtrip(state)
     assert back["param_groups"] == state["param_groups"] and back["$odd"] == state["$odd"]
     assert torch.equal(back["state"][0]["exp_avg"], state["state"][0]["exp_avg"]) and back["state"][1] == {}
@@ -59,7 +60,7 @@ class _FakeGroup:
 def test_link_refuses_a_foreign_header_and_a_pickle_in_the_json_slot(tmp_path):
     from towers.strategies.parameter_server import transport
 
-    header = torch.tensor([0x1234, transport.Op.REGISTER, 0, 8, 0, 0, 0, 0, 0, 0], dtype=torch.int64)
+    header = torch.tensor([0x1234, transport.Op.REGISTER, 0, 8, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int64)
     link = transport.Link(_FakeGroup([header]), peer=1, name="worker 0 <-> ps 0")
     with pytest.raises(ProtocolError, match="not towers' parameter-server wire format 2"):
         link.recv(timeout_s=1)
@@ -67,7 +68,7 @@ def test_link_refuses_a_foreign_header_and_a_pickle_in_the_json_slot(tmp_path):
 
     planted = tmp_path / "planted"
     payload = b"cos\nsystem\n(S'touch " + str(planted).encode() + b"'\ntR."  # pickle.loads would run `touch`
-    header = torch.tensor([transport.MAGIC, transport.Op.REGISTER, 0, len(payload), 0, 0, 0, 0, 0, 0], dtype=torch.int64)
+    header = torch.tensor([transport.MAGIC, transport.Op.REGISTER, 0, len(payload), 0, 0, 0, 0, 0, 0, 0], dtype=torch.int64)
     link = transport.Link(_FakeGroup([header, torch.frombuffer(bytearray(payload), dtype=torch.uint8)]), peer=1, name="w")
     with pytest.raises(ProtocolError, match="not JSON"):
         link.recv(timeout_s=1)
@@ -104,7 +105,7 @@ def test_row_optimizer_equals_torch_when_every_row_is_touched(name, cls, options
         for p, shard in enumerate(shards):
             ids = torch.arange(p, 10, 2)
             shard.apply(torch.cat([ids, ids]), torch.cat([grad[ids] * 0.25, grad[ids] * 0.75]))  # duplicates summed
-    for p, shard in enumerate(shards):
+    for shard in shards:
         out = shard.export()
         assert torch.allclose(out["weight"], weight.detach()[out["ids"]], atol=1e-6)
 

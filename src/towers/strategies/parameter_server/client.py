@@ -37,10 +37,12 @@ class ParameterClient:
 
     def request(self, op: int, *, ps: Sequence[int] | None = None, metas: Sequence[Any] | None = None,
                 flats: Sequence[torch.Tensor | None] | None = None,
-                replies_into: Sequence[torch.Tensor | None] | None = None, ints: tuple[int, ...] = ()) -> list[Message]:
+                replies_into: Sequence[torch.Tensor | None] | None = None, ints: tuple[int, ...] = (),
+                flat_parts: Sequence[list[torch.Tensor]] | None = None) -> list[Message]:
         """Send ``op`` to each ps task in ``ps`` (default: all) and return their replies in the same order.
 
-        ``replies_into[i]`` is the buffer the i-th reply's flat part lands in (in place).
+        ``replies_into[i]`` is the buffer the i-th reply's flat part lands in (in place); ``flat_parts[i]``
+        sends the i-th flat part in pieces (instead of ``flats[i]``).
 
         Raises:
             DistributedError: a ps task is gone, silent past the timeout, or failed the request.
@@ -48,11 +50,12 @@ class ParameterClient:
         """
         name = Op.NAMES.get(op, str(op))
         with track(f"ps {name}"):  # the stuck-job watchdog sees this worker wait on the ps tasks
-            return self._request(op, name, ps=ps, metas=metas, flats=flats, replies_into=replies_into, ints=ints)
+            return self._request(op, name, ps=ps, metas=metas, flats=flats, replies_into=replies_into, ints=ints,
+                                 flat_parts=flat_parts)
 
     def _request(self, op: int, name: str, *, ps: Sequence[int] | None, metas: Sequence[Any] | None,
                  flats: Sequence[torch.Tensor | None] | None, replies_into: Sequence[torch.Tensor | None] | None,
-                 ints: tuple[int, ...]) -> list[Message]:
+                 ints: tuple[int, ...], flat_parts: Sequence[list[torch.Tensor]] | None = None) -> list[Message]:
         if self.closed:
             raise DistributedError(f"{self._tag()} {name} failed: this worker already shut its parameter-server "
                                    "links down (strategy.shutdown()). Create a new strategy to train again.")
@@ -61,7 +64,8 @@ class ParameterClient:
             try:
                 self.links[p].send(op, timeout_s=self.timeout_s, ints=ints,
                                    meta=None if metas is None else metas[i],
-                                   flat=None if flats is None else flats[i])
+                                   flat=None if flats is None else flats[i],
+                                   flat_parts=None if flat_parts is None else flat_parts[i])
             except LinkError as exc:
                 raise self._lost(p, name, exc) from exc
         replies = []

@@ -77,7 +77,7 @@ class ShardedEmbedding(nn.Module):
                          self.seed, self.init_scale)
 
     def initial_weight(self, rows: int | None = None) -> torch.Tensor:
-        """Return the first-touch values of rows ``0 .. rows-1`` (default all): to build an equal plain ``nn.EmbeddingBag``."""
+        """Return the first-touch values of rows ``0 .. rows-1`` (default all), to build an equal plain table."""
         n = self.num_embeddings if rows is None else rows
         return initial_rows(torch.arange(n), self.embedding_dim, seed=self.seed, scale=self.init_scale)
 
@@ -235,10 +235,13 @@ class SparseTables:
                 grads = torch.zeros(ids.numel(), grads.shape[1]).index_add_(0, inverse, grads)
             self.rows_pushed += ids.numel()
             self.row_bytes += ids.numel() * self.specs[t].dim * 4
+            if self.num_ps == 1:
+                per_ps[0].append([t, self._wire_ids(t, ids), grads])
+                continue
             owner = ids % self.num_ps
             for p in range(self.num_ps):
-                pick = owner == p if self.num_ps > 1 else slice(None)
-                if self.num_ps == 1 or bool(pick.any()):
+                pick = owner == p
+                if bool(pick.any()):
                     per_ps[p].append([t, self._wire_ids(t, ids[pick]), grads[pick]])
         self.pending.clear()
         replies = self.client.request(Op.EMB_PUSH, metas=[{"tables": entries} for entries in per_ps])

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.embeddings import SparseTables
+from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.worker import BoundModel
 
 __all__ = ["ParameterServerOptimizer"]
@@ -68,7 +68,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         state: dict[int, Any] = {}
         replies = bound.client.request(Op.GET_STATE, ps=bound.active) if bound is not None else []
         for p, reply in zip(bound.active if bound is not None else [], replies):
-            if reply.meta is not None:
+            if reply.meta is not None and bound is not None:
                 for local, value in reply.meta["state"].items():
                     state[bound.local_to_global[p][int(local)]] = value
         groups, index = [], 0

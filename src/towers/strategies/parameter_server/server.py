@@ -3,7 +3,9 @@
 One thread per worker link, blocked in ``recv``, handles that worker's requests in order. All
 shard state sits behind one condition variable:
 
-* ``async``: each pushed gradient is applied on arrival (``optimizer.step()`` on the shard).
+* ``async``: each pushed gradient is applied on arrival (``optimizer.step()`` on the shard); the
+  reply sends the shard as it is then (no snapshot copy: with several workers it may include part
+  of a concurrent update, as async parameter servers usually allow).
   With ``staleness=s`` a push waits while its worker already has more than ``s`` applied
   updates beyond the slowest other live worker.
 * ``sync``: pushes of one round are summed; the last arrival applies one step for all.
@@ -24,10 +26,17 @@ from towers._logging import get_logger
 from towers.diagnostics import set_role
 from towers.strategies.parameter_server.gather import GatherTable
 from towers.strategies.parameter_server.requests import RequestError, build_optimizer, clone_state
+from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, ParamSpec, signature_mismatch
 from towers.strategies.parameter_server.sparse_server import EmbeddingService
-from towers.strategies.parameter_server.sharding import FlatLayout, ParamSpec, signature_mismatch
-from towers.strategies.parameter_server.transport import (LISTEN_TIMEOUT_S, Link, LinkError, Message, Op, ProtocolError,
-                                                          Status)
+from towers.strategies.parameter_server.transport import (
+    LISTEN_TIMEOUT_S,
+    Link,
+    LinkError,
+    Message,
+    Op,
+    ProtocolError,
+    Status,
+)
 
 __all__ = ["ParameterServer"]
 
@@ -54,6 +63,7 @@ class ParameterServer:
         # shard state, set by the chief's registration
         self.signature: list[ParamSpec] | None = None
         self.layout: FlatLayout | None = None
+        self.segment_sizes: list[int] = []
         self.params_buf = torch.empty(0, dtype=torch.uint8)
         self.params: list[torch.nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
@@ -111,7 +121,8 @@ class ParameterServer:
         while True:
             try:
                 msg = link.recv(timeout_s=self.timeout_s, first_timeout_s=LISTEN_TIMEOUT_S,
-                                flat_out=lambda m: self.grad_bufs.get(w) if m.op == Op.PUSH else None)
+                                flat_out=lambda m: self.grad_bufs.get(w) if m.op == Op.PUSH else None,
+                                flat_split=lambda m: self.segment_sizes)
             except LinkError as exc:
                 return self._gone(w, str(exc))
             except ProtocolError as exc:
@@ -264,6 +275,7 @@ class ParameterServer:
         self.present = [False] * len(specs)
         self.optimizer = build_optimizer(meta["optimizer"], self.params, self.ps_index)
         self.signature, self.layout = list(meta["signature"]), layout
+        self.segment_sizes = [b - a for a, b, _ in layout.segments(SEGMENT_MIN_BYTES)]
         log.info("ps task %d holds %d parameter(s), %.1f MB, optimizer %s, mode %s", self.ps_index, len(specs),
                  layout.nbytes / 1e6, type(self.optimizer).__name__ if self.optimizer else None, self.mode)
 
@@ -287,7 +299,10 @@ class ParameterServer:
                 for i, p in enumerate(self.params):
                     p.grad = grads[i] if mask is None or mask[i] else None
                 self._step([w])
-                return {"ints": (self.version, self.worker_versions[w], len(self.dead)), "flat": self._snapshot(w)}
+                # The reply reads the parameters in place, after the lock is released: like TF's unlocked
+                # variable reads in async training, it may mix in part of another worker's concurrent update.
+                # Copying a snapshot first cost one pass over the shard per push (measured: BENCHMARKS.md).
+                return {"ints": (self.version, self.worker_versions[w], len(self.dead)), "flat": self.params_buf}
             my_round = self.round
             self._set_hyper(hyper)
             regions, sums = self.layout.region_views(msg.flat), self.layout.region_views(self.sum_buf)

@@ -17,9 +17,11 @@ from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["ParamSpec", "FlatLayout", "assign_shards", "model_signature", "signature_mismatch"]
+__all__ = ["SEGMENT_MIN_BYTES", "ParamSpec", "FlatLayout", "assign_shards", "model_signature", "signature_mismatch"]
 
 _ALIGN_BYTES = 64
+#: A gradient at least this large travels straight from ``p.grad`` as its own piece of a push (no copy).
+SEGMENT_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,26 @@ class FlatLayout:
         if buffer.numel() != self.nbytes:
             raise ValueError(f"buffer has {buffer.numel()} bytes, the layout needs {self.nbytes}.")
         return [buffer[o:o + s.nbytes].view(_dtype(s.dtype)).view(s.shape) for o, s in zip(self.offsets, self.specs)]
+
+    def segments(self, min_bytes: int) -> list[tuple[int, int, int | None]]:
+        """Return ``(start, end, i)`` byte ranges covering the buffer: parameter ``i``'s own bytes when it has at
+        least ``min_bytes``, else ``i=None`` for a stretch of small parameters and padding.
+
+        A push sends a large gradient straight from ``p.grad`` as its own piece; both sides cut the same pieces.
+        """
+        out: list[tuple[int, int, int | None]] = []
+        cursor = 0
+        for i in sorted(range(len(self.specs)), key=lambda i: self.offsets[i]):
+            nbytes = self.specs[i].nbytes
+            if nbytes < min_bytes:
+                continue
+            if self.offsets[i] > cursor:
+                out.append((cursor, self.offsets[i], None))
+            out.append((self.offsets[i], self.offsets[i] + nbytes, i))
+            cursor = self.offsets[i] + nbytes
+        if cursor < self.nbytes:
+            out.append((cursor, self.nbytes, None))
+        return out
 
     def region_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Return one 1-D typed view per dtype region of ``buffer`` (for whole-shard arithmetic)."""

@@ -29,6 +29,7 @@ class EmbeddingService:
         self.tables: list[TableShard] | None = None
         self.specs: list[TableSpec] = []
         self.version = 0
+        self.max_lead = 0
         self.worker_versions = [0] * len(server.links)
         self.round = 0
         self.arrivals: set[int] = set()
@@ -36,7 +37,7 @@ class EmbeddingService:
 
     def stats(self) -> dict[str, Any]:
         """Return the embedding version and each table's rows here (caller holds the lock)."""
-        return {"version": self.version, "worker_versions": list(self.worker_versions),
+        return {"version": self.version, "worker_versions": list(self.worker_versions), "max_lead": self.max_lead,
                 "tables": [t.stats() for t in self.tables or []]}
 
     def progress(self) -> None:
@@ -121,6 +122,7 @@ class EmbeddingService:
                                  f"embedding push (staleness {server.staleness})",
                                  lambda: [u for u in server._active() - {w}
                                           if self.worker_versions[w] - self.worker_versions[u] > server.staleness])
+                self.max_lead = max(self.max_lead, self._lead(w))
                 self._apply(entries)
                 self.version += 1
                 self.worker_versions[w] += 1

@@ -53,7 +53,8 @@ def hash_ids(ids: torch.Tensor, num_embeddings: int, *, salt: int = 0) -> torch.
     return torch.remainder(h, num_embeddings)
 
 
-def initial_rows(ids: torch.Tensor, dim: int, *, seed: int, scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def initial_rows(ids: torch.Tensor, dim: int, *, seed: int, scale: float,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Return the first-touch values of rows ``ids``: uniform in ``[-scale, scale]``, a function of (seed, id, column).
 
     Every process computes the same rows, so where a row lives (or whether it lives in a plain
@@ -143,7 +144,8 @@ class TableShard:
             raise ValueError(f"table {self.spec.name!r}: {ids.numel()} ids need gradients of shape "
                              f"{[ids.numel(), self.spec.dim]}. Received: {list(grads.shape)}.")
         unique, inverse = torch.unique(ids, return_inverse=True)
-        g = torch.zeros(unique.numel(), self.spec.dim, dtype=self.weight.dtype).index_add_(0, inverse, grads.to(self.weight.dtype))
+        g = torch.zeros(unique.numel(), self.spec.dim, dtype=self.weight.dtype)
+        g.index_add_(0, inverse, grads.to(self.weight.dtype))
         local = self._local(unique)
         self._touch(unique, local)
         w, o = self.weight[local], self.options
@@ -217,6 +219,7 @@ def check_options(optimizer: str, options: dict[str, Any]) -> dict[str, Any]:
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
             raise ValueError(f"{optimizer} option {key} must be a finite number (or a list of them). Received: {value!r}.")
         out[key] = [float(v) for v in values] if isinstance(value, (list, tuple)) else float(value)
-    if out["lr"] <= 0:
-        raise ValueError(f"lr must be > 0. Received: lr={out['lr']}.")
+    lr = out["lr"]
+    if not isinstance(lr, float) or lr <= 0:
+        raise ValueError(f"lr must be a number > 0. Received: lr={lr}.")
     return out

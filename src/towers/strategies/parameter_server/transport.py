@@ -9,9 +9,11 @@ a host name that resolves to loopback on its own host cannot send a peer to 127.
 
 A message is a fixed header, then an optional ``meta`` value as JSON plus the raw bytes of the
 tensors it holds (``wire.py``: dtype and shape in the JSON, never a pickle), then an optional
-flat byte buffer (a whole shard: one send per shard)::
+flat byte buffer (a whole shard), sent in one piece or in ``segments`` pieces whose sizes both
+sides derive from the shard's layout (a large gradient goes out straight from ``p.grad``, with
+no copy into the flat buffer)::
 
-    header  int64[10] = [MAGIC, op, status, json_nbytes, blob_nbytes, flat_nbytes, a, b, c, d]
+    header  int64[11] = [MAGIC, op, status, json_nbytes, blob_nbytes, flat_nbytes, segments, a, b, c, d]
     json    uint8[json_nbytes]   UTF-8 JSON (read with json.loads only): small values, tensor specs
     blob    uint8[blob_nbytes]   the raw bytes of the tensors the JSON names, in order
     flat    uint8[flat_nbytes]   gradients or parameters of one shard, received in place
@@ -44,7 +46,7 @@ __all__ = ["Op", "Status", "Message", "LinkError", "ProtocolError", "Link", "ope
 #: long stretches without talking to the ps; a crashed worker is still seen at once (TCP reset).
 LISTEN_TIMEOUT_S = 7 * 24 * 3600.0
 
-_HEADER_LEN = 10
+_HEADER_LEN = 11
 #: First word of every header: "towersP2" (wire format 2: JSON + tensors; format 1 pickled its meta).
 MAGIC = int.from_bytes(b"towersP2", "little")
 #: The largest flat or tensor part a receiver accepts from a header (a confused peer cannot make it allocate more).
@@ -145,8 +147,12 @@ class Link:
         self.bytes_received = 0
 
     def send(self, op: int, *, timeout_s: float, status: int = Status.OK, ints: tuple[int, ...] = (),
-             meta: Any = None, flat: torch.Tensor | None = None) -> None:
+             meta: Any = None, flat: torch.Tensor | None = None,
+             flat_parts: list[torch.Tensor] | None = None) -> None:
         """Send one message and wait until it is handed over.
+
+        ``flat_parts``: the flat part as several contiguous pieces (sent one after the other, in place
+        of ``flat``); the receiver must split it the same way (``recv(flat_split=...)``).
 
         Raises:
             LinkError: the peer is gone or silent.
@@ -154,9 +160,11 @@ class Link:
         """
         raw, tensors = (b"", []) if meta is None else encode(meta)
         padded = (tuple(ints) + (0, 0, 0, 0))[:4]
-        header = torch.tensor([MAGIC, op, status, len(raw), tensor_bytes(tensors),
-                               flat.numel() * flat.element_size() if flat is not None else 0, *padded],
-                              dtype=torch.int64)
+        pieces = [f if f.dtype == torch.uint8 else f.view(torch.uint8) for f in flat_parts] if flat_parts else \
+            ([flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)] if flat is not None and flat.numel() else [])
+        pieces = [f for f in pieces if f.numel()]
+        header = torch.tensor([MAGIC, op, status, len(raw), tensor_bytes(tensors), sum(f.numel() for f in pieces),
+                               len(pieces), *padded], dtype=torch.int64)
         parts = [header]
         if raw:
             parts.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
@@ -166,16 +174,17 @@ class Link:
                 else tensors[0].reshape(-1).view(torch.uint8)
             if blob.numel():
                 parts.append(blob)
-        if flat is not None and flat.numel():
-            parts.append(flat if flat.dtype == torch.uint8 else flat.view(torch.uint8))
+        parts.extend(pieces)
         self._run("send", lambda: [self._group.send([t], self._peer, _TAG) for t in parts], timeout_s)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in parts)
 
     def recv(self, *, timeout_s: float, first_timeout_s: float | None = None,
-             flat_out: Callable[[Message], torch.Tensor | None] | None = None) -> Message:
+             flat_out: Callable[[Message], torch.Tensor | None] | None = None,
+             flat_split: Callable[[Message], list[int]] | None = None) -> Message:
         """Receive one message; ``flat_out(message)`` may return the buffer its flat part lands in (else a new one).
 
         ``first_timeout_s`` bounds the wait for the message to start (default ``timeout_s``).
+        ``flat_split(message)``: the byte sizes of the pieces a flat part sent in pieces arrives in.
 
         Raises:
             LinkError: the peer is gone or silent.
@@ -185,9 +194,9 @@ class Link:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
         wait_first = timeout_s if first_timeout_s is None else first_timeout_s
         self._run("recv", lambda: [self._group.recv([header], self._peer, _TAG)], wait_first)
-        magic, op, status, json_nbytes, blob_nbytes, flat_nbytes, *ints = (int(v) for v in header.tolist())
+        magic, op, status, json_nbytes, blob_nbytes, flat_nbytes, segments, *ints = (int(v) for v in header.tolist())
         if magic != MAGIC or not 0 <= json_nbytes <= MAX_JSON_BYTES or not 0 <= blob_nbytes <= _MAX_PART_BYTES \
-                or not 0 <= flat_nbytes <= _MAX_PART_BYTES:
+                or not 0 <= flat_nbytes <= _MAX_PART_BYTES or not 0 <= segments <= 1 << 20:
             self.broken = "protocol error: bad header"
             raise ProtocolError(
                 f"{self.name or 'the peer'} sent a header that is not towers' parameter-server wire format 2 "
@@ -206,7 +215,16 @@ class Link:
             if out is None or out.numel() * out.element_size() != flat_nbytes:
                 out = torch.empty(flat_nbytes, dtype=torch.uint8)
             target = out if out.dtype == torch.uint8 else out.view(torch.uint8)
-            self._run("recv", lambda: [self._group.recv([target], self._peer, _TAG)], timeout_s)
+            sizes = [flat_nbytes]
+            if segments > 1:
+                sizes = [n for n in (flat_split(message) if flat_split is not None else []) if n]
+                if len(sizes) != segments or sum(sizes) != flat_nbytes:
+                    self.broken = "protocol error: flat pieces"
+                    raise ProtocolError(f"{self.name or 'the peer'} sent {flat_nbytes} B in {segments} pieces; this "
+                                        f"side expected pieces of {sizes} B. Every process must build the same model.")
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            self._run("recv", lambda: [self._group.recv([target[a:a + n]], self._peer, _TAG)
+                                       for a, n in zip(starts, sizes)], timeout_s)
             message.flat = out
         if json_nbytes:  # decoded only once the whole message is in: the link stays aligned on a bad one
             message.meta = decode(raw.numpy().tobytes(), blob)

@@ -16,8 +16,8 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.strategies.parameter_server.client import ParameterClient
-from towers.strategies.parameter_server.sharding import FlatLayout, assign_shards, model_signature
 from towers.strategies.parameter_server.requests import optimizer_name
+from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, assign_shards, model_signature
 from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.wire import encode
 
@@ -45,6 +45,7 @@ class BoundModel:
         self.param_views = [layout.views(b) for layout, b in zip(self.layouts, self.param_bufs)]
         self.grad_views = [layout.views(b) for layout, b in zip(self.layouts, self.grad_bufs)]
         self.active = [i for i, layout in enumerate(self.layouts) if layout.nbytes]
+        self.segments = [layout.segments(SEGMENT_MIN_BYTES) for layout in self.layouts]
         self.optimizer = optimizer
         self.opt_groups, self.local_to_global, self.group_ids = _optimizer_layout(optimizer, self.params, self.shards)
         self._sent_hyper: list[bytes | None] = [_hyper_key([h for h, _ in groups]) for groups in self.opt_groups]
@@ -93,14 +94,21 @@ class BoundModel:
     def push_pull(self) -> None:
         """Send every shard's gradients (and changed hyperparameters); receive the updated parameters in place."""
         self._rebind()
-        metas = []
+        metas, pieces = [], []
         for p in self.active:
-            mask = []
-            for i, view in zip(self.shards[p], self.grad_views[p]):
+            mask, direct = [], {}
+            big = {i for _, _, i in self.segments[p] if i is not None}
+            for pos, (i, view) in enumerate(zip(self.shards[p], self.grad_views[p])):
                 grad = self.params[i].grad
                 mask.append(grad is not None)
-                if grad is not None:
+                if grad is None:
+                    continue
+                if pos in big and grad.device.type == "cpu" and grad.dtype == view.dtype and grad.is_contiguous():
+                    direct[pos] = grad.detach().reshape(-1).view(torch.uint8)  # sent as is: no copy
+                else:
                     view.copy_(grad)
+            buf = self.grad_bufs[p]
+            pieces.append([direct[i] if i in direct else buf[a:b] for a, b, i in self.segments[p]])
             meta: dict[str, Any] = {}
             if not all(mask):
                 meta["mask"] = mask
@@ -108,8 +116,7 @@ class BoundModel:
             if hyper is not None:
                 meta["hyper"] = hyper
             metas.append(meta or None)
-        replies = self.client.request(Op.PUSH, ps=self.active, metas=metas,
-                                      flats=[self.grad_bufs[p] for p in self.active],
+        replies = self.client.request(Op.PUSH, ps=self.active, metas=metas, flat_parts=pieces,
                                       replies_into=[self.param_bufs[p] for p in self.active])
         self.pushes += 1
         for p, reply in zip(self.active, replies):
