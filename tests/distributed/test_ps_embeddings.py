@@ -5,6 +5,8 @@
   among the workers), row-wise Adagrad: k steps of the same custom loop (ragged last batch, ids
   repeated within and across workers) give the losses, MLP and table of one process with a plain
   ``nn.EmbeddingBag`` and ``torch.optim.SGD``/``Adagrad`` (allclose, float32).
+* Then ``mode="async", staleness=1`` in the same processes: every row push applied on arrival,
+  no worker more than one update ahead.
 * The hybrid run saves ``strategy.state_dict`` after the first epoch; a new job (new ps tasks, so
   nothing of the old ones is left) loads it and runs the second epoch: the same parameters, table
   and Adagrad slots as the uninterrupted run.
@@ -113,8 +115,16 @@ def _compare_table(got: dict[str, torch.Tensor], reference: torch.Tensor, initia
 def _worker(strategy_name: str, row_optimizer: str, save_after: int | None) -> dict | None:
     strategy = towers.get_strategy(strategy_name, mode="sync", timeout_s=60, exit_on_ps=False)
     if strategy.is_ps:
-        return {"ps": strategy.ps_stats()[0]}
-    out = train(strategy, row_optimizer, save_after=save_after)
+        out = {"ps": strategy.ps_stats()[0]}
+    else:
+        out = train(strategy, row_optimizer, save_after=save_after)
+        strategy.shutdown()
+    # then, in the same processes, one epoch in async mode with a staleness bound
+    strategy = towers.get_strategy(strategy_name, mode="async", staleness=1, timeout_s=60, exit_on_ps=False)
+    if strategy.is_ps:
+        out["async_ps"] = strategy.ps_stats()[0]
+        return out
+    out["async_losses"] = train(strategy, row_optimizer, epochs=(0,))["losses"]
     strategy.shutdown()
     return out
 
@@ -139,6 +149,10 @@ def test_sync_rows_match_one_device_embedding_bag(strategy_name, num_ps, row_opt
     # every ps task holds rows; 6 steps = 6 embedding rounds
     assert all(s["embeddings"]["tables"][0]["touched"] > 0 for s in servers)
     assert all(s["embeddings"]["version"] == 6 for s in servers)
+    # async: every push applied on arrival (2 workers x 3 steps), never more than 1 update ahead
+    for s in (r["async_ps"] for r in per_rank[2:]):
+        assert s["mode"] == "async" and s["embeddings"]["version"] == 6 and s["embeddings"]["max_lead"] <= 1
+    assert all(torch.isfinite(w["async_losses"]).all() for w in per_rank[:2])
     for got in workers:
         assert torch.allclose(got["losses"], reference["losses"], atol=ATOL), (got["losses"], reference["losses"])
         for a, b in zip(got["mlp"], reference["mlp"]):
