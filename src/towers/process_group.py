@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ipaddress
 import itertools
 import os
 import socket
@@ -27,9 +28,18 @@ import torch.distributed as dist
 
 from towers._logging import configure_logging, configured_logging, get_logger, set_rank
 from towers.cluster.info import ProcessInfo
-from towers.cluster.rendezvous import Member, RendezvousError, join, resolve, visible_warning, wait_reachable
+from towers.cluster.rendezvous import (
+    Member,
+    RendezvousError,
+    bound_listener,
+    join,
+    resolve,
+    visible_warning,
+    wait_reachable,
+)
 from towers.diagnostics import enable_flight_recorder, start_watchdog, stop_watchdog
-from towers.network import use_interface
+from towers.cluster.environ import export_interface
+from towers.network import list_interfaces, spans_hosts, use_interface
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -105,6 +115,8 @@ def init_process_group(
     choice = None
     if backend in ("gloo", "nccl"):
         choice = use_interface(info)  # before the group exists: torch reads GLOO/NCCL_SOCKET_IFNAME when it makes one
+        if choice is None and not spans_hosts(info):
+            _bind_loopback()
     log.debug("joining process group: backend=%s init_method=%s timeout_s=%s join_timeout_s=%s", backend,
               init_method, timeout_s, info.join_timeout_s)
     started, since = time.monotonic(), time.time()
@@ -122,6 +134,14 @@ def init_process_group(
     start_watchdog(info)  # ends the job with a report naming the stuck rank (towers.diagnostics)
     log.info("joined process group: backend=%s world_size=%d", backend, info.world_size)
     return backend
+
+
+def _bind_loopback() -> None:
+    # A one-host job's Gloo/NCCL sockets would otherwise bind the address of the host name, which in a
+    # container or on a cloud host is the address other machines reach: loopback is all the job needs.
+    loopback = next((i for i in list_interfaces() if i.is_loopback and i.is_up), None)
+    if loopback is not None:
+        export_interface(loopback.name, collectives_only=True)
 
 
 def _rendezvous_source(info: ProcessInfo) -> str:
@@ -165,17 +185,48 @@ _JOIN_COUNT = itertools.count()
 def _rendezvous_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
     """Return the job's key-value store, with keys private to this restart attempt (see ``_join``)."""
     hosts_store = info.rank == 0 and not info.agent_store
-    store = dist.TCPStore(
-        # The chief's own client reaches its server over loopback; the server listens on every interface.
-        "127.0.0.1" if hosts_store else info.master_addr,
-        int(info.master_port),  # type: ignore[arg-type]
-        world_size=info.world_size,
-        is_master=hosts_store,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        multi_tenant=True,
-    )
+    port = int(info.master_port)  # type: ignore[arg-type]
+    listener = _store_listener(info, port) if hosts_store else None
+    if listener is not None:  # the server listens on the rendezvous address only, and the chief's client goes there
+        fd, address = listener
+        try:
+            store = dist.TCPStore(address, port, world_size=info.world_size, is_master=True,
+                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=True,
+                                  master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+    else:
+        store = dist.TCPStore(
+            # The chief's own client reaches its server over loopback; the server listens on every interface.
+            "127.0.0.1" if hosts_store else info.master_addr,
+            port,
+            world_size=info.world_size,
+            is_master=hosts_store,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
     return dist.PrefixStore(f"towers/attempt_{info.restart_count}", store)
+
+
+def _store_listener(info: ProcessInfo, port: int) -> tuple[int, str] | None:
+    """Return the chief's store socket bound to the rendezvous address (see ``bound_listener``), or None.
+
+    None (torch's server on every interface) when the address is not this host's, or when it is a
+    loopback address of a job that spans hosts without a chosen interface (a host name this host maps to
+    127.0.1.1 that the other hosts resolve through their DNS).
+    """
+    try:
+        address = ipaddress.ip_address(resolve(info.master_addr, port, what="MASTER_ADDR")[0].split("%")[0])
+    except (RendezvousError, ValueError):
+        return None
+    if address.is_loopback and info.world_size > info.local_world_size and not info.interface:
+        return None
+    try:
+        return bound_listener(info.master_addr, port)
+    except OSError:
+        return None  # in use: torch's own bind reports it as before, with its message
 
 
 def details_path(rank: int) -> str:

@@ -33,12 +33,14 @@ def environ_overrides(updates: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = old
 
 
-def export_interface(name: str) -> None:
+def export_interface(name: str, *, collectives_only: bool = False) -> None:
     """Make this process's Gloo and NCCL groups bind interface ``name``, for the rest of its life.
 
-    Sets ``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME`` and ``TOWERS_INTERFACE`` where they are unset
-    (a value the user set wins); torch reads them whenever it creates a process group.
+    Sets ``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME`` and (unless ``collectives_only``)
+    ``TOWERS_INTERFACE`` where they are unset (a value the user set wins); torch reads them whenever
+    it creates a process group.
     """
-    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TOWERS_INTERFACE"):
+    keys = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") + (() if collectives_only else ("TOWERS_INTERFACE",))
+    for key in keys:
         if not os.environ.get(key, "").strip():
             os.environ[key] = name

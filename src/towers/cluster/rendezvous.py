@@ -38,6 +38,7 @@ __all__ = [
     "join",
     "JOIN_HINT",
     "visible_warning",
+    "bound_listener",
 ]
 
 #: What to check when members are missing; ends every join-timeout message.
@@ -139,6 +140,43 @@ def resolve(host: str, port: int, *, what: str) -> list[str]:
             f"the rendezvous host {host!r} ({what}) does not resolve to an address: {reason}. Check the spelling, "
             "use the chief's IP address, or add the name to DNS or /etc/hosts on this host.") from None
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def bound_listener(host: str, port: int) -> tuple[int, str] | None:
+    """Return ``(fd, address)`` of a listening socket on ``host``'s own address and ``port``, or None.
+
+    torch's ``TCPStore`` server listens on every interface (``*:port``, IPv4 and IPv6) unless it is
+    handed a listening socket (``master_listen_fd``); this makes that socket, bound to the first
+    address ``host`` resolves to, so the store is reachable only where the job said it is
+    (loopback for a one-host job). The caller owns ``fd`` (``TCPStore`` takes it over). None when
+    ``host`` does not resolve to an address of this host (a name that points elsewhere, e.g. a
+    service address): the store then listens as torch makes it.
+
+    Raises:
+        OSError: when the address is this host's but ``port`` cannot be bound (e.g. in use).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return None
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            sock.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                sock.close()
+                return None
+            raise
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach(), str(sockaddr[0])
 
 
 def wait_reachable(host: str, port: int, *, timeout_s: float, what: str, awaited: str,

@@ -17,7 +17,11 @@ variables). This module adds what ``towers launch`` promises on top:
 - under ``--strategy ps`` (``spec.tolerate_worker_failures``), every process runs under
   ``towers.launch.supervise``, which hides a non-chief worker's failure from the agent (exit 0), so
   an async job finishes with the other workers; the launcher then names each such worker and its
-  exit code at the end (and in the error, when the job fails later for another reason).
+  exit code at the end (and in the error, when the job fails later for another reason);
+- each worker's output reaches the terminal in whole lines prefixed ``[rank N]: `` (``towers.launch.output``;
+  torchrun's ``--tee``, ``--redirects``, ``--local-ranks-filter`` and ``--log-dir`` choose what is shown);
+- no process outlives the launcher (``towers.launch.parent_death``): every worker dies with it
+  (``PR_SET_PDEATHSIG``), and a stop signal also continues stopped workers, so they act on it.
 """
 
 from __future__ import annotations
@@ -217,6 +221,8 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
     from torch.distributed.run import config_from_args
 
     from towers.launch.nodes import joined_nodes, rendezvous_timeouts
+    from towers.launch.output import WholeLineLogs
+    from towers.launch.parent_death import continue_stopped_children, guarded_command
 
     spec = resolve_ports(spec)
     preflight(spec)
@@ -251,7 +257,13 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
                 from towers.launch.supervise import supervised_command
 
                 cmd, cmd_args = supervised_command(cmd, cmd_args, report_dir=report_dir)
-            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+            cmd, cmd_args = guarded_command(cmd, cmd_args)  # workers die with this process, however it dies
+            log_dir = spec.torchrun_options.get("log_dir")
+            if log_dir != os.devnull:  # whole, rank-prefixed lines on the terminal (towers.launch.output)
+                config.logs_specs = stack.enter_context(contextlib.closing(
+                    WholeLineLogs.from_torchrun(config.logs_specs, log_dir=log_dir)))
+            with continue_stopped_children():  # a stopped worker acts on the agent's SIGTERM at once
+                elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
         except ChildFailedError as exc:
             error = _failure_error(exc, spec)
             tolerated = _tolerated_text(report_dir)

@@ -16,16 +16,20 @@ torchrun's own wait by the join timeout (``join_timeout``).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import socket
 import time
 from datetime import timedelta
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
-from towers.cluster.rendezvous import Member, join, resolve, wait_reachable
+from towers._logging import get_logger
+from towers.cluster.rendezvous import Member, bound_listener, join, resolve, wait_reachable
 from towers.launch.spec import LaunchSpec
 
-__all__ = ["rendezvous_address", "joined_nodes", "rendezvous_timeouts", "DEFAULT_C10D_PORT"]
+__all__ = ["rendezvous_address", "joined_nodes", "rendezvous_timeouts", "open_store", "DEFAULT_C10D_PORT"]
+
+log = get_logger(__name__)
 
 #: torchrun's port for an ``--rdzv-endpoint`` without one under a dynamic rendezvous.
 DEFAULT_C10D_PORT = 29400
@@ -67,6 +71,28 @@ def rendezvous_timeouts(spec: LaunchSpec, join_timeout_s: float) -> dict[str, in
     return {} if key in given else {key: max(1, round(join_timeout_s))}
 
 
+def open_store(host: str, port: int, *, timeout_s: float, bind: bool = True) -> Any:
+    """Return a multi-tenant ``TCPStore`` server on ``host:port`` that listens on ``host``'s address only.
+
+    torch's server listens on every interface unless handed a bound socket; when ``host`` is not an
+    address of this host (``bound_listener`` returns None), or ``bind`` is False, torch's default is kept.
+    """
+    import torch.distributed as dist
+
+    listener = bound_listener(host, port) if bind else None
+    if listener is None:
+        log.info("the rendezvous store listens on every interface: %s is not an address of this host", host)
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                             timeout=timedelta(seconds=timeout_s))
+    fd, address = listener
+    try:
+        return dist.TCPStore(address, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                             timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _is_local_address(address: str) -> bool:
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     try:
@@ -81,7 +107,9 @@ def _is_local_address(address: str) -> bool:
 def joined_nodes(spec: LaunchSpec, *, join_timeout_s: float, report: Callable[[str], None]) -> Iterator[None]:
     """Return (as a context) once every node of ``spec`` joined; the store stays open inside the context.
 
-    A single-node job returns at once.
+    A single-node job under the static rendezvous opens the store bound to ``--master-addr``
+    (loopback by default; torchrun's agent shares it) and does not wait; other single-node jobs
+    return at once.
 
     Raises:
         towers.cluster.rendezvous.RendezvousError: (one line) when the rendezvous host does not resolve
@@ -90,7 +118,16 @@ def joined_nodes(spec: LaunchSpec, *, join_timeout_s: float, report: Callable[[s
             of this host (``towers.network.NetworkError``).
     """
     if spec.is_single_node:
-        yield
+        if spec.rdzv_backend != "static" or spec.master_port is None:
+            yield
+            return
+        # torchrun's agent would open the store on every interface; opened here first, bound to the
+        # rendezvous address (loopback), the agent's multi-tenant store shares this server instead.
+        store = open_store(spec.master_addr, spec.master_port, timeout_s=join_timeout_s)
+        try:
+            yield
+        finally:
+            del store
         return
     host, port, flag = rendezvous_address(spec)
     since, started = time.time(), time.monotonic()
@@ -115,8 +152,14 @@ def joined_nodes(spec: LaunchSpec, *, join_timeout_s: float, report: Callable[[s
         address = wait_reachable(host, port, timeout_s=join_timeout_s, what=flag,
                                  awaited="node 0 (towers launch --node-rank 0)", report=report, since=since,
                                  source_address=source_address)
-    store = dist.TCPStore(host, port, is_master=hosts_store, wait_for_workers=False, multi_tenant=True,
-                          timeout=timedelta(seconds=join_timeout_s))
+    if hosts_store:
+        # A host name that this host maps to loopback (Debian's 127.0.1.1) may still be how the other nodes
+        # reach it through their DNS: only then does the store keep listening on every interface.
+        store = open_store(address, port, timeout_s=join_timeout_s,
+                           bind=bool(source_address) or not ipaddress.ip_address(address.split("%")[0]).is_loopback)
+    else:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, multi_tenant=True,
+                              timeout=timedelta(seconds=join_timeout_s))
     join(dist.PrefixStore(f"towers/launch/{spec.rdzv_id}", store), index=spec.node_rank, count=spec.max_nodes,
          is_chief=hosts_store, timeout_s=join_timeout_s, where=f"{host}:{port}", describe=lambda i: f"node {i}",
          report=report, me=Member(host=socket.gethostname(), address=address, pid=os.getpid()), kind="node",

@@ -203,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if child is not None and child.returncode is None:  # returncode is set once wait() reaped it
             forwarded.append(signum)
             _send(child.pid, signum, group=linux)
+            _send(child.pid, signal.SIGCONT, group=linux)  # a stopped child acts on it now, not at the agent's SIGKILL
 
     linux = sys.platform.startswith("linux")
     for sig in FORWARDED_SIGNALS:
