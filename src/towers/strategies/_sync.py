@@ -17,8 +17,8 @@ from torch import nn
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset, find_batch_info
-from towers.strategies._compile import compile_module, compile_options
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op
+from towers.strategies._compile import compile_module, compile_options
 from towers.strategies._steps import StepTracker, StrategyOptimizer
 from towers.strategies.base import ReplicaContext, Strategy
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision

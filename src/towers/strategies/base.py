@@ -235,7 +235,7 @@ class Strategy(ABC):
         """Return every replica's ``obj``, in replica order."""
         return [obj]
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 (a no-op by default, not abstract: most strategies start nothing)
         """Release processes, groups and servers this strategy started (idempotent)."""
 
     # --- state and checkpoints -----------------------------------------------------------------------

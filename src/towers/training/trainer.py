@@ -139,7 +139,8 @@ class Trainer:
             if val_set is not None:
                 val_logs = self._evaluate(val_set, global_batch_size, cbs)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-            epoch_logs["lr"] = float(self.optimizer.param_groups[0]["lr"]) if getattr(self.optimizer, "param_groups", None) else math.nan
+            groups = getattr(self.optimizer, "param_groups", None)
+            epoch_logs["lr"] = float(groups[0]["lr"]) if groups else math.nan
             self.progress = self.progress.next_epoch()
             cbs.call("on_epoch_end", epoch, epoch_logs)
             self.stop_training = self._any_replica(self.stop_training)
