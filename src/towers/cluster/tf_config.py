@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from towers.cluster.base import ClusterConfigError, ClusterEnvironment, launch_options
 from towers.cluster.info import TASK_TYPES, ClusterSpec, ProcessInfo, TaskInfo
+from towers.errors import user_error
 
 __all__ = ["TFConfigEnvironment", "TRAINING_ORDER", "parse_tf_config", "split_host_port"]
 
@@ -30,11 +31,9 @@ _EXAMPLE = ('{"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222"], "ps
             '"task": {"type": "worker", "index": 0}}')
 
 
-def _bad(what: str, received: Any, fix: str) -> ClusterConfigError:
+def _bad(what: str, received: Any, fix: str) -> Exception:
     shown = received if isinstance(received, str) else json.dumps(received, default=str)
-    if len(shown) > 300:
-        shown = shown[:300] + "..."
-    return ClusterConfigError(f"TF_CONFIG {what}. Received: {shown}. {fix}")
+    return user_error(f"TF_CONFIG {what}", shown, fix, cls=ClusterConfigError)
 
 
 def split_host_port(address: str) -> tuple[str, int]:

@@ -17,6 +17,7 @@ from torch import nn
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset, find_batch_info
+from towers.errors import user_error
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op
 from towers.strategies._compile import compile_module, compile_options
 from towers.strategies._steps import StepTracker, StrategyOptimizer
@@ -98,10 +99,12 @@ class SyncStrategy(Strategy):
                 f"This {type(model).__name__} was already prepared by this strategy. Call prepare once per model "
                 "and keep using the model it returned.")
         if isinstance(optimizer, StrategyOptimizer) or any(optimizer is o for o in self._optimizers):
-            raise ValueError("This optimizer was already prepared. Call prepare once and keep using the optimizer it returned.")
+            raise user_error("This optimizer was already prepared by this strategy", type(optimizer).__name__,
+                             "Call prepare once per optimizer and keep using the optimizer it returned.")
         if optimizer is not None and self._precision.needs_loss_scaling and self._optimizers:
-            raise ValueError("precision='fp16' supports one optimizer per strategy (one loss scale). Use 'bf16' "
-                             "for several optimizers.")
+            raise user_error("precision='fp16' supports one optimizer per strategy (one loss scale)",
+                             f"a second optimizer ({type(optimizer).__name__})",
+                             "Use precision='bf16' for several optimizers, or put every parameter group in one optimizer.")
         model = model.to(self._device)
         wrapped = self._wrap_model(model)
         check = self._before_step_check(wrapped) if optimizer is not None else None

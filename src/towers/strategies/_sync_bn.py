@@ -90,7 +90,8 @@ class CpuSyncBatchNorm(_BatchNorm):
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+            raise ValueError(f"SyncBatchNorm expects input of at least 2 dimensions [batch, channels, ...]. Received: "
+                             f"{input.dim()}-D input of shape {list(input.shape)}. Pass batches with a channel dimension.")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Return batch-normalised ``input`` with statistics over every replica's batch (in training)."""

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from towers import checkpoint as ckpt
 from towers._logging import get_logger
 from towers.data import batch_info
+from towers.errors import user_error
 from towers.strategies.base import Strategy
 from towers.training._state import TrainingProgress, capture_state, restore_state
 from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn, split_batch
@@ -100,7 +101,9 @@ class Trainer:
             RuntimeError: when the Trainer has no optimizer.
         """
         if self.optimizer is None:
-            raise RuntimeError("This Trainer has no optimizer; pass one to Trainer(...) to call fit().")
+            raise user_error("Trainer.fit needs an optimizer", "Trainer(model, optimizer=None, ...)",
+                             "Pass one, e.g. Trainer(model, torch.optim.Adam(model.parameters()), loss=...).",
+                             cls=RuntimeError)
         for name, value, low in (("epochs", epochs, 0), ("global_batch_size", global_batch_size, 1),
                                  ("initial_epoch", initial_epoch, 0)):
             if not isinstance(value, int) or value < low:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from towers.errors import user_error
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -145,7 +147,8 @@ class CallbackList:
     def call(self, hook: str, *args: Any) -> None:
         """Call ``hook(*args)`` on every callback that has it."""
         if hook not in _HOOKS:
-            raise ValueError(f"Unknown callback hook {hook!r}. Expected one of {_HOOKS}.")
+            raise user_error(f"Unknown callback hook. Expected one of {_HOOKS}", hook,
+                             "Name one of these methods of towers.callbacks.Callback.")
         for cb in self.callbacks:
             method = getattr(cb, hook, None)
             if method is not None:

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from towers import checkpoint as ckpt
 from towers._logging import get_logger
+from towers.errors import user_error
 from towers.training.callbacks.base import Callback
 from towers.training.callbacks.stopping import resolve_mode
 
@@ -94,7 +95,8 @@ class BackupAndRestore(Callback):
         if save_freq != "epoch" and not (isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0):
             raise ValueError(f"save_freq must be 'epoch' or a positive number of steps. Received: {save_freq!r}.")
         if backup_dir is not None and not os.fspath(backup_dir):
-            raise ValueError("backup_dir must be a non-empty path, or None for the job's TOWERS_CHECKPOINT_DIR.")
+            raise user_error("BackupAndRestore's backup_dir must be a non-empty path", backup_dir,
+                             "Pass a folder such as 'ckpt/backup', or None for the job's TOWERS_CHECKPOINT_DIR.")
         self.backup_dir = Path(backup_dir) if backup_dir is not None else None
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
