@@ -118,7 +118,7 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         output = OutputReader(proc)
-        ready = {line.split()[1] for line in output.wait_for_lines(2, "ready ", deadline_s=DEADLINE_S)}
+        ready = {line.split()[3] for line in output.wait_for_lines(2, "[rank ", deadline_s=DEADLINE_S)}  # [rank R]: ready R
         assert ready == {"0", "1"}, f"workers did not start: {ready}"
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = output.collect(timeout_s=30)
