@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from types import FrameType
 import warnings
 from types import TracebackType
 
@@ -44,7 +45,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 
 def _stacklevel_outside_towers() -> int:
     """Return the ``warnings.warn`` stacklevel, from our caller, of the first frame outside towers."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back
