@@ -16,9 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from types import FrameType
 import warnings
-from types import TracebackType
+from types import FrameType, TracebackType
 
 import torch
 
