@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from towers.strategies.base import Strategy
 
 __all__ = [
+    "remove_stale_temp_files",
     "FORMAT", "FORMAT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "restore_checkpoint",
     "CheckpointManager", "rng_state", "set_rng_state", "check_model_state", "check_optimizer_state",
     "load_model_state",
@@ -143,6 +144,36 @@ def _write_atomic(path: Path, state: Mapping[str, Any]) -> None:
     for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer that was killed
         with contextlib.suppress(OSError):
             stale.unlink()
+
+
+def remove_stale_temp_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files (``.<name>.<pid>.tmp``) that killed writers left in ``directory``; return them.
+
+    A file whose writer (the pid in its name) still runs on this host is kept: it is being written.
+    """
+    removed = []
+    for tmp in Path(directory).glob(".*.*.tmp"):
+        pid_text = tmp.name.rsplit(".", 2)[-2]
+        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            continue
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+            removed.append(tmp)
+    if removed:
+        log.info("removed %d checkpoint temporary file(s) left by killed writers in %s", len(removed), directory)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 # --- user dicts -----------------------------------------------------------------------------------
@@ -266,6 +297,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.d
             or lacks keys its kind needs.
     """
     path = Path(path)
+    if path.parent.is_dir():
+        remove_stale_temp_files(path.parent)  # start-up: what a writer killed mid-save left behind
     if not path.is_file():
         raise FileNotFoundError(f"No checkpoint at {path}. Check the path (or that the chief has written it).")
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from towers._logging import get_logger
-from towers.checkpoint import restore_checkpoint, save_checkpoint
+from towers.checkpoint import remove_stale_temp_files, restore_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
     from towers.strategies.base import Strategy
@@ -61,6 +61,8 @@ class CheckpointManager:
         self.prefix = prefix
         self.strategy = strategy
         self._pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)\.pt$")
+        if self.directory.is_dir():
+            remove_stale_temp_files(self.directory)  # left by a writer killed mid-save
 
     def _numbered(self) -> list[tuple[int, Path]]:
         if not self.directory.is_dir():

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from cli_support import OutputReader, clean_env, kill, processes_running, run, towers_command
 
 pytestmark = pytest.mark.timeout(240)
@@ -56,7 +57,7 @@ def test_no_rank_outlives_a_killed_or_terminated_launcher_ten_of_ten(tmp_path):
     for round_ in range(2):
         jobs = [_start_waiting_job(tmp_path, round_ * 5 + i) for i in range(5)]
         try:
-            for i, (proc, output, script) in enumerate(jobs):
+            for i, (proc, output, _script) in enumerate(jobs):
                 lines = output.wait_for_lines(2, "[rank ", deadline_s=DEADLINE_S)
                 pids = {int(line.split()[4]) for line in lines if " ready " in line}  # [rank R]: ready R PID
                 assert len(pids) == 2, f"job {round_ * 5 + i} did not start: {lines}\n{output.collect(timeout_s=5)}"

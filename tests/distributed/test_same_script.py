@@ -70,7 +70,8 @@ def _run(argv: list[str], cwd: Path, marker: Path) -> subprocess.CompletedProces
 
 
 def _result(stdout: str) -> dict:
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    # towers launch prefixes each worker's line with "[rank N]: "
+    lines = [line.split("]: ", 1)[-1] for line in stdout.splitlines() if line.split("]: ", 1)[-1].startswith("RESULT ")]
     assert len(lines) == 1, f"expected one RESULT line (the chief's), got:\n{stdout}"
     return json.loads(lines[0][len("RESULT "):])
 
@@ -119,7 +120,7 @@ def test_the_same_script_across_two_launchers_is_multi_worker_mirrored(script, s
 def test_custom_loop_example_on_two_replicas(tmp_path):
     result = _run([sys.executable, "-m", "towers.cli", "launch", "--nproc-per-node", "2", str(EXAMPLE),
                    "--epochs", "2"], tmp_path, EXAMPLE)
-    lines = result.stdout.splitlines()
+    lines = [line.split("]: ", 1)[-1] for line in result.stdout.splitlines()]  # without "[rank N]: "
     assert lines[0].startswith("2 replica(s) with MirroredStrategy"), result.stdout
     epochs = [line for line in lines if line.startswith("epoch ")]
     assert [line.split(":")[0] for line in epochs] == ["epoch 1/2", "epoch 2/2"]  # printed once, by the chief

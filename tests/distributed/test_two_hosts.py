@@ -90,7 +90,8 @@ def _run_on(runs: list[tuple[Host, list[str], dict[str, str]]], *, cwd: Path, ma
 def _results(done: list[subprocess.CompletedProcess]) -> dict[int, dict]:
     for result in done:
         assert result.returncode == 0, f"{' '.join(result.args)}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    lines = [line for r in done for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    # towers launch prefixes each worker's line with "[rank N]: "
+    lines = [line.split("]: ", 1)[-1] for r in done for line in r.stdout.splitlines() if "RESULT " in line]
     return {entry["rank"]: entry for entry in (json.loads(line[len("RESULT "):]) for line in lines)}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Any, Iterable, Iterator, Mapping, Sequence, Sized, cast
 
 import torch
@@ -225,7 +226,16 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return per_example.detach(), y_pred.detach()
 
-        losses, y_pred = self.strategy.run(step, args=(x, y))
+        try:
+            losses, y_pred = self.strategy.run(step, args=(x, y))
+        except RuntimeError as exc:
+            if "cannot be multiplied" not in str(exc) and "size mismatch" not in str(exc):
+                raise
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"The model cannot take this batch: its input has shape {shape} (batch first), and torch says: "
+                f"{str(exc).splitlines()[0]}. Make the data's feature shape match the model's first layer (e.g. "
+                "nn.Linear(in_features=...) equal to the last dimension of x), or reshape/flatten x.") from exc
         losses = per_example(losses, len(y))
         nonfinite = (~torch.isfinite(losses)).any().to(torch.float64).reshape(1)
         local = torch.cat([self._train_metrics.local_state(losses, y_pred, y), nonfinite])
@@ -241,6 +251,14 @@ class Trainer:
             self._train_metrics.accumulate(reduced)
             self._last_train_logs = {**self._train_metrics.results(external=False),
                                      "nonfinite_replicas": float(reduced[-1].item())}
+            if reduced[-1].item() > 0 and not getattr(self, "_warned_nonfinite", False):
+                self._warned_nonfinite = True  # once per Trainer; every replica saw the same reduced value
+                if self.strategy.is_chief:
+                    warnings.warn(
+                        f"The training loss is not finite (NaN or inf) on {int(reduced[-1].item())} replica(s), "
+                        "first seen in the steps reduced at this step; training goes on with it. Add "
+                        "towers.callbacks.TerminateOnNaN() to fit's callbacks to stop, or lower the learning rate "
+                        "/ check the data.", RuntimeWarning, stacklevel=2)
         self._steps_since_sync = 0
         return dict(self._last_train_logs)
 
