@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from towers._logging import configure_logging, configured_logging, get_logger, set_rank
+from towers.cluster.environ import export_interface
 from towers.cluster.info import ProcessInfo
 from towers.cluster.rendezvous import (
     Member,
@@ -38,7 +39,6 @@ from towers.cluster.rendezvous import (
     wait_reachable,
 )
 from towers.diagnostics import enable_flight_recorder, start_watchdog, stop_watchdog
-from towers.cluster.environ import export_interface
 from towers.network import list_interfaces, spans_hosts, use_interface
 
 __all__ = [
