@@ -16,16 +16,21 @@ reports:
 - global examples/s over the timed steps.
 
 Every configuration runs in freshly spawned processes with a fixed glibc mmap threshold
-(``--mmap-threshold``): with glibc's default dynamic threshold, buffers of a few MB that are
-freed stay in the heap, and RSS then counts memory no tensor holds — FSDP2, which gathers and
-frees every unit's parameters each step, looked worse than it is (peak RSS above Mirrored's).
+(``--mmap-threshold``, default 128 KiB): with glibc's default dynamic threshold, buffers of a
+few MB that are freed stay in the heap, and RSS then counts memory no tensor holds — FSDP2,
+which gathers and frees every unit's parameters each step, looked worse than it is (peak RSS
+above Mirrored's). The fixed threshold has a price: every gathered buffer is a fresh mapping,
+whose pages the kernel faults in and zeroes each step, which slowed the sharded step by ~50% on
+this host. So memory is measured with it, and throughput with ``--mmap-threshold 0`` (glibc's
+default).
 
 ``--checkpoint`` also times a sharded checkpoint of the trained model on every sharded
 configuration: how long ``save_checkpoint`` blocks the training loop with ``async_save=False``
 and ``True``, and how long the asynchronous write takes to finish.
 
-    python benchmarks/memory_sharded.py                                  # 1, 2 and 4 processes (~3 min on 2 cores)
-    python benchmarks/memory_sharded.py --configs sharded:2,mirrored:2 --steps 2 --checkpoint
+    python benchmarks/memory_sharded.py --checkpoint     # memory + checkpoint cost, 1/2/4 processes (~4 min, 2 cores)
+    python benchmarks/memory_sharded.py --mmap-threshold 0 --steps 4 \
+        --configs one_device:1,mirrored:2,sharded:2,mirrored:2,sharded:2,mirrored:4,sharded:4   # throughput
 """
 
 from __future__ import annotations
