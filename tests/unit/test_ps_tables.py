@@ -74,6 +74,11 @@ def test_link_refuses_a_foreign_header_and_a_pickle_in_the_json_slot(tmp_path):
         link.recv(timeout_s=1)
     assert not planted.exists() and link.broken is None  # the whole message was read: the link stays aligned
 
+    huge = torch.tensor([transport.MAGIC, transport.Op.PUSH, 0, 0, 0, (1 << 40) + 1, 1, 0, 0, 0, 0], dtype=torch.int64)
+    link = transport.Link(_FakeGroup([huge]), peer=1, name="w")
+    with pytest.raises(ProtocolError, match="flat 1099511627777 B"):  # refused before allocating anything
+        link.recv(timeout_s=1)
+
 
 def test_optimizer_travels_as_an_allowed_name():
     p = [torch.nn.Parameter(torch.zeros(2))]

@@ -204,8 +204,13 @@ class Link:
                 f"{flat_nbytes} B). Every process of the job must run the same towers version.")
         message = Message(op, status, (ints[0], ints[1], ints[2], ints[3]))
         self.bytes_received += header.numel() * 8 + json_nbytes + blob_nbytes + flat_nbytes
-        raw = torch.empty(json_nbytes, dtype=torch.uint8)
-        blob = torch.empty(blob_nbytes, dtype=torch.uint8)
+        try:
+            raw = torch.empty(json_nbytes, dtype=torch.uint8)
+            blob = torch.empty(blob_nbytes, dtype=torch.uint8)
+        except RuntimeError as exc:  # a header asking for more memory than this host has
+            self.broken = "protocol error: message too large"
+            raise ProtocolError(f"{self.name or 'the peer'} announced a message of {json_nbytes + blob_nbytes} B "
+                                f"that cannot be allocated here ({first_line(exc)}).") from None
         if json_nbytes:
             self._run("recv", lambda: [self._group.recv([raw], self._peer, _TAG)], timeout_s)
         if blob_nbytes:
@@ -213,7 +218,12 @@ class Link:
         if flat_nbytes:
             out = flat_out(message) if flat_out is not None else None
             if out is None or out.numel() * out.element_size() != flat_nbytes:
-                out = torch.empty(flat_nbytes, dtype=torch.uint8)
+                try:
+                    out = torch.empty(flat_nbytes, dtype=torch.uint8)
+                except RuntimeError as exc:
+                    self.broken = "protocol error: message too large"
+                    raise ProtocolError(f"{self.name or 'the peer'} announced {flat_nbytes} B of parameters that "
+                                        f"cannot be allocated here ({first_line(exc)}).") from None
             target = out if out.dtype == torch.uint8 else out.view(torch.uint8)
             sizes = [flat_nbytes]
             if segments > 1:
