@@ -17,7 +17,7 @@ from towers.diagnostics import track
 from towers.process_group import collective
 from towers.strategies.base import REDUCE_OPS
 
-__all__ = ["LocalComm", "ProcessGroupComm", "check_op", "as_tensor"]
+__all__ = ["LocalComm", "ProcessGroupComm", "StepCounts", "MismatchedStepsError", "check_op", "as_tensor"]
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -65,6 +65,72 @@ def _float_for_mean(value: torch.Tensor) -> torch.Tensor:
     return value if value.is_floating_point() or value.is_complex() else value.double()
 
 
+class MismatchedStepsError(RuntimeError):
+    """Replicas ran different numbers of steps before a collective; the message names the ranks and their counts."""
+
+
+_RUN, _COLLECTIVE = 0, 1
+
+
+class StepCounts:
+    """Catch replicas whose loaders yield different numbers of batches, at the first collective after the split.
+
+    A step of a user's own loader (batches without ``BatchInfo``) is counted, and each count is
+    sent, without waiting, on a small Gloo group of its own (``all_gather`` of ``[kind, count]``),
+    so the hot path gains no blocking collective. Before ``reduce``/``gather``/``barrier``, each
+    replica sends a marker on the same group and waits for it: the group pairs its collectives by
+    sequence, so when one replica ran out of batches its marker pairs with another replica's next
+    *step*, and the marker says so, with both counts, instead of the ``reduce`` pairing with that
+    step's DDP all-reduce (a silent wrong result, or a "Connection closed by peer" blamed on the peer).
+    Batches from ``distribute_dataset`` are aligned by construction and are not counted.
+    """
+
+    def __init__(self, *, rank: int, num_replicas: int):
+        self.rank, self.num_replicas = rank, num_replicas
+        self.steps = 0
+        self._group: Any = None
+        self._pending: list[tuple[Any, list[torch.Tensor]]] = []
+
+    def _send(self, kind: int) -> tuple[Any, list[torch.Tensor]]:
+        if self._group is None:  # every replica's first counted step: they all create it in the same order
+            self._group = dist.new_group(backend="gloo")
+        mine = torch.tensor([kind, self.steps], dtype=torch.long)
+        parts = [torch.zeros_like(mine) for _ in range(self.num_replicas)]
+        return dist.all_gather(parts, mine, group=self._group, async_op=True), parts
+
+    def run(self) -> None:
+        """Count one step and send the count (not waited for)."""
+        self.steps += 1
+        self._pending.append(self._send(_RUN))
+
+    def check(self, operation: str) -> None:
+        """Return when every replica reached ``operation`` after as many steps as this one.
+
+        Raises:
+            MismatchedStepsError: naming this rank, its step count, and the ranks that were still
+                running steps (or already waiting in a collective) with theirs.
+        """
+        if self._group is None:
+            return
+        work, parts = self._send(_COLLECTIVE)
+        pending, self._pending = self._pending, []
+        with collective(f"{operation}: the replicas' step counts"):
+            for earlier, _ in pending:
+                earlier.wait()
+            work.wait()
+        running = [(rank, int(p[1])) for rank, p in enumerate(parts) if int(p[0]) == _RUN]
+        if not running:
+            return
+        others = ", ".join(f"rank {rank} was starting step {count}" for rank, count in running)
+        raise MismatchedStepsError(
+            f"[rank {self.rank}/{self.num_replicas}] {operation} came after {self.steps} step(s) (strategy.run calls) "
+            f"on rank {self.rank}, while {others}: the replicas' loaders yield different numbers of batches, so this "
+            f"collective would pair with another replica's gradient all-reduce. Every replica must run the same number "
+            "of steps. Use strategy.distribute_dataset(dataset, global_batch_size=...), which gives every replica "
+            "the same number of batches (a short last batch is split, or padded), or make your loader's length the "
+            "same on every replica (e.g. drop the remainder).")
+
+
 class LocalComm:
     """Collectives for a single replica: every value is already the result."""
 
@@ -79,6 +145,9 @@ class LocalComm:
         return _local_reduce(op, value, axis)[0]
 
     def all_reduce_max_(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def note_run(self, batch: Any) -> None:
         return None
 
     def gather(self, value: torch.Tensor, axis: int) -> torch.Tensor:
@@ -99,8 +168,15 @@ class ProcessGroupComm:
 
     def __init__(self, *, rank: int, num_replicas: int, backend: str, timeout_s: float):
         self.rank, self.num_replicas, self.backend, self.timeout_s = rank, num_replicas, backend, timeout_s
+        self._steps = StepCounts(rank=rank, num_replicas=num_replicas)
+
+    def note_run(self, batch: Any) -> None:
+        """Count a ``strategy.run`` (only for batches without ``BatchInfo``: ``distribute_dataset``'s are aligned)."""
+        if batch is None:
+            self._steps.run()
 
     def reduce(self, op: str, value: torch.Tensor, axis: int | None) -> torch.Tensor:
+        self._steps.check(f"strategy.reduce({op!r})")
         with collective(f"strategy.reduce({op!r})"), track(f"strategy.reduce({op!r})"):
             if axis is None:
                 out = (_float_for_mean(value) if op == "mean" else value).clone()
@@ -120,6 +196,7 @@ class ProcessGroupComm:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
 
     def gather(self, value: torch.Tensor, axis: int) -> torch.Tensor:
+        self._steps.check("strategy.gather")
         with collective("strategy.gather"), track("strategy.gather"):
             value = value.detach().contiguous()
             size = torch.tensor([value.shape[axis]], dtype=torch.long, device=value.device)
@@ -136,6 +213,7 @@ class ProcessGroupComm:
         return torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, lengths)], dim=axis)
 
     def barrier(self) -> None:
+        self._steps.check("strategy.barrier")
         with collective("strategy.barrier"), track("strategy.barrier"):
             if self.backend == "gloo":
                 # Names the rank(s) that did not arrive when the timeout expires.

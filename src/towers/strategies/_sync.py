@@ -177,6 +177,7 @@ class SyncStrategy(Strategy):
                 "combined across replicas for prepared models); then call the returned model inside the step.")
         kwargs = dict(kwargs or {})
         run = self._tracker.begin_run(find_batch_info(args, kwargs))
+        self._comm.note_run(run.batch)  # a user's own loader: steps counted, checked at the next collective
         context = ReplicaContext(self, global_batch_size=run.global_batch_size,
                                  num_padding_examples=run.num_padding_examples,
                                  accumulation_steps=run.accumulation_steps, is_update_step=run.sync)
