@@ -22,6 +22,10 @@ MAX_NAME_LENGTH = 45
 _LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+# days-hours:minutes:seconds, or no limit.
+_SLURM_TIME = re.compile(r"^(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|unlimited|INFINITE|infinite)$")
+_PARTITION = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")
 
 
 def check_dns1123_label(value: str, what: str, *, max_length: int = 63) -> str:
@@ -155,6 +159,21 @@ class DeploySpec:
                                                 or any(c in self.checkpoint_dir for c in "\"'`\\ ")):
             raise ValueError(f"--checkpoint-dir must be an absolute path without spaces or quotes. "
                              f"Received: {self.checkpoint_dir!r}. Example: /checkpoints.")
+        if self.time_limit is not None and not _SLURM_TIME.match(str(self.time_limit)):
+            raise ValueError(f"--time must be a SLURM time limit: MINUTES, HH:MM:SS, DAYS-HH, DAYS-HH:MM:SS or "
+                             f"UNLIMITED. Received: {self.time_limit!r}. Example: --time 24:00:00.")
+        if self.partition is not None and not _PARTITION.match(str(self.partition)):
+            raise ValueError(f"--partition must be a SLURM partition name (letters, digits, '_', '.', '-'; several "
+                             f"separated by ','). Received: {self.partition!r}. Example: --partition gpu.")
+        if not str(self.script).strip() or any(c in str(self.script) for c in "\n\r\0"):
+            raise ValueError(f"the training script must be a path or module name on one line. Received: "
+                             f"{self.script!r}. Example: train.py.")
+        if self.nproc_per_node.isdigit() and int(self.nproc_per_node) < 1:
+            raise ValueError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu'. "
+                             f"Received: {self.nproc_per_node!r}.")
+        for key, value in self.env.items():
+            if "\0" in value:
+                raise ValueError(f"--env {key}: a value cannot contain a NUL character. Received: {value!r}.")
         for key in self.env:
             if not _ENV_NAME.match(key):
                 raise ValueError(f"--env names must be shell variable names (letters, digits, '_'). Received: {key!r}.")
