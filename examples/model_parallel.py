@@ -25,7 +25,7 @@ from towers.models_gpt import GPT, GPTConfig, random_tokens
 
 
 class TwoStageGPT(nn.Module):
-    """A GPT cut in two: embeddings and the first half of the blocks on ``devices[0]``, the rest and the head on ``devices[1]``."""
+    """A GPT cut in two: embeddings and the first half of the blocks on ``devices[0]``, the rest and head on ``devices[1]``."""
 
     def __init__(self, config: GPTConfig, devices: tuple[str, str] = ("/gpu:0", "/gpu:1")):
         super().__init__()

@@ -174,7 +174,7 @@ class FullyShardedStrategy(SyncStrategy):
 
     # --- gradients ------------------------------------------------------------------------------------
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of ``parameters`` (sharded or not) to a global norm of ``max_norm``; return the norm before clipping.
+        """Clip the gradients of ``parameters`` (sharded or not) to a global norm ``max_norm``; return the norm before clipping.
 
         The norm is over the whole model (every rank's shards), so every rank clips by the same factor.
         """
