@@ -157,8 +157,9 @@ def _towers(numel: int, repeats: int, warmup: int, mode: str) -> float | None:
 
 
 def _interleaved(numel: int, repeats: int, warmup: int, mode: str) -> dict | None:
-    """In one job of W workers + 1 ps: alternate ``optimizer.step()`` (push+pull of ``numel`` parameters) and a
-    Gloo all-reduce of the same bytes among the workers; return the medians and the median of the ratios."""
+    """In one job of W workers + 1 ps: alternate blocks of 5 ``optimizer.step()`` (push+pull of ``numel``
+    parameters) and blocks of 5 Gloo all-reduces of the same bytes among the workers; return the medians of the
+    block medians and the median of the per-round ratios."""
     import torch
     import torch.distributed as dist
 
@@ -179,22 +180,30 @@ def _interleaved(numel: int, repeats: int, warmup: int, mode: str) -> dict | Non
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     flat = torch.randn(numel)
-    steps, reduces = [], []
+    steps, reduces, ratios = [], [], []
+    block = 5
     for i in range(repeats + warmup):
+        # A block of async steps as a worker runs them (no barrier in between: the workers drift apart,
+        # as async training lets them), then a block of all-reduces; the ratio of the two block medians.
         dist.barrier(group=workers)
-        t0 = time.perf_counter()
-        optimizer.step()
-        t1 = time.perf_counter()
+        step_ms = []
+        for _ in range(block):
+            t0 = time.perf_counter()
+            optimizer.step()
+            step_ms.append((time.perf_counter() - t0) * 1e3)
         dist.barrier(group=workers)
-        t2 = time.perf_counter()
-        dist.all_reduce(flat, group=workers)
-        t3 = time.perf_counter()
+        reduce_ms = []
+        for _ in range(block):
+            t0 = time.perf_counter()
+            dist.all_reduce(flat, group=workers)
+            reduce_ms.append((time.perf_counter() - t0) * 1e3)
         if i >= warmup:
-            steps.append((t1 - t0) * 1e3)
-            reduces.append((t3 - t2) * 1e3)
+            steps.append(statistics.median(step_ms))
+            reduces.append(statistics.median(reduce_ms))
+            ratios.append(steps[-1] / reduces[-1])
     strategy.shutdown()
     return {"step_ms": statistics.median(steps), "allreduce_ms": statistics.median(reduces),
-            "ratio_median": statistics.median(a / b for a, b in zip(steps, reduces))}
+            "ratio_median": statistics.median(ratios)}
 
 
 def main() -> None:
@@ -209,8 +218,8 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts")
     parser.add_argument("--skip-rpc", action="store_true", help="leave torch.distributed.rpc out")
     parser.add_argument("--interleaved", action="store_true",
-                        help="only: async optimizer.step() vs all-reduce of the same bytes, alternated in one job of "
-                             "2 workers + 1 ps (the ratio that noise from other processes affects least)")
+                        help="only: async optimizer.step() vs all-reduce of the same bytes, alternated in blocks of 5 "
+                             "in one job of 2 workers + 1 ps (the ratio that noise from other processes affects least)")
     args = parser.parse_args()
     if args.interleaved:
         print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}", flush=True)
