@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -146,3 +147,29 @@ def test_one_host_job_listens_on_loopback_only_and_every_output_line_is_whole_an
             assert record["i"] == seen[record["rank"]], f"rank {record['rank']} line {seen[record['rank']]} missing"
             seen[record["rank"]] += 1
         assert seen == {0: 1500, 1: 1500}, seen
+
+
+@pytest.mark.skipif(not os.uname().sysname == "Linux", reason="PR_SET_PDEATHSIG is Linux-only")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_stopped_rank_does_not_outlive_its_parameter_server_supervisor(sig, tmp_path):
+    # The supervisor `towers launch --strategy ps` runs each rank under; its child is stopped, then it is signalled.
+    child = "import os, signal, sys; sys.stdout.write(f'{os.getpid()}\\n'); sys.stdout.flush(); signal.pause()"
+    proc = subprocess.Popen([sys.executable, "-m", "towers.launch.supervise", "--", sys.executable, "-c", child],
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    pid = None
+    try:
+        pid = int(proc.stdout.readline())
+        os.kill(pid, signal.SIGSTOP)
+        signalled_at = time.monotonic()
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=GONE_WITHIN_S)
+        while _alive(pid) and time.monotonic() - signalled_at < GONE_WITHIN_S:
+            time.sleep(0.05)  # polling the outcome we measure
+        assert not _alive(pid), f"the supervised rank outlived its supervisor ({sig.name})"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if pid is not None and _alive(pid):
+            kill([pid])
