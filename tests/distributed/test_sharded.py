@@ -1,4 +1,4 @@
-"""FullyShardedStrategy keeps the same-maths promise (invariant 1) at 4 CPU processes, and under Trainer.fit at 2.
+"""FullyShardedStrategy keeps the same-maths promise (invariant 1) at 4 CPU processes and under Trainer.fit at 4 and 2.
 
 (At 2 processes the flagship test, tests/distributed/test_mirrored.py, runs it from the strategy
 table like every synchronous strategy.) Custom loop at 4: after k steps the sharded replicas
@@ -7,8 +7,8 @@ on the same global batches, with Adam, gradient clipping and an LR scheduler ove
 batch, gradient accumulation (with CPU offload), an empty share (last batch of one example) with
 ``reshard_after_forward=False``, and HSDP on a 2x2 mesh (shard within pairs, replicate across
 them): by default when the 4 processes say they are 2 nodes of 2, and with
-``shard_group_size=2``. ``Trainer.fit`` at 2 (launched as ``--strategy sharded`` would:
-TOWERS_STRATEGY) gives one device's History and parameters; bf16 and fp16 (loss-scaled) train
+``shard_group_size=2``. ``Trainer.fit`` at 4, and at 2 launched as ``--strategy sharded`` would
+(TOWERS_STRATEGY), gives one device's History and parameters; bf16 and fp16 (loss-scaled) train
 with float32 master shards. The one-device references run in this process; each test is one
 spawn; all assertions happen here.
 """
@@ -100,6 +100,7 @@ def _replica(cases: dict) -> dict:
         strategy = towers.FullyShardedStrategy(info=info, timeout_s=60, **case["options"])
         results[name] = train(strategy, n=case["n"], gbs=case["gbs"], optimizer=case["optimizer"])
         results[name]["mesh"] = tuple(strategy.mesh.shape)
+    results["fit"] = _fit(towers.FullyShardedStrategy(timeout_s=60))  # Trainer.fit at 4 too (defined below)
     return results
 
 
@@ -127,6 +128,7 @@ def test_sharded_matches_one_device_at_4_processes():
     assert per_rank[0]["hsdp_2_nodes"]["mesh"] == per_rank[0]["hsdp_explicit"]["mesh"] == (2, 2)
     # The data really was ragged: the last batch of one example left every other replica empty.
     assert [r["empty_share_no_reshard"]["shares"][2] for r in per_rank] == [1] + [0] * (replicas - 1)
+    _check_fit(per_rank, _fit(towers.OneDeviceStrategy("cpu", info=ProcessInfo())))
 
 
 # --- Trainer.fit --------------------------------------------------------------------------------------
@@ -161,16 +163,22 @@ def _fit_replica() -> dict:
     return result
 
 
-def test_trainer_fit_sharded_matches_one_device():
-    per_rank = towers.spawn(_fit_replica, 2, timeout_s=SPAWN_TIMEOUT_S, env={"TOWERS_STRATEGY": "sharded"})
-    ref = _fit(towers.OneDeviceStrategy("cpu", info=ProcessInfo()))
-    for rank, got in enumerate(per_rank):
-        assert got["name"] == "sharded"
+def _check_fit(per_rank: list[dict], ref: dict) -> None:
+    for rank, result in enumerate(per_rank):
+        got = result["fit"]
         for key, value in ref["state"].items():
             assert torch.allclose(got["state"][key], value, atol=ATOL), (rank, key)
         for metric, values in ref["history"]["history"].items():
             assert torch.allclose(torch.tensor(got["history"]["history"][metric]), torch.tensor(values),
                                   atol=ATOL), (rank, metric)
+
+
+def test_trainer_fit_sharded_matches_one_device():
+    per_rank = towers.spawn(_fit_replica, 2, timeout_s=SPAWN_TIMEOUT_S, env={"TOWERS_STRATEGY": "sharded"})
+    ref = _fit(towers.OneDeviceStrategy("cpu", info=ProcessInfo()))
+    assert [got["name"] for got in per_rank] == ["sharded", "sharded"]
+    _check_fit([{"fit": got} for got in per_rank], ref)
+    for got in per_rank:
         for precision in ("bf16", "fp16"):  # not float32 maths: they train, close to the float32 losses
             assert got[precision]["dtypes"] == ["torch.float32"], precision  # float32 master shards
             loss = got[precision]["loss"]
