@@ -80,34 +80,56 @@ def test_no_rank_outlives_a_killed_or_terminated_launcher_ten_of_ten(tmp_path):
     assert all(not left and took <= GONE_WITHIN_S for _, took, left in outcomes), outcomes
 
 
-CHATTY = """
-import json, os, socket, sys, time
-import towers
-strategy = towers.MirroredStrategy()
-rank = strategy.replica_id
-with open(os.path.join(sys.argv[1], f"pid{rank}"), "w") as fh:
-    fh.write(str(os.getpid()))
-strategy.barrier()
-if rank == 0:  # every listening TCP socket of the job, while the store and Gloo are up
-    pids = [os.getppid()] + [int(open(os.path.join(sys.argv[1], f"pid{r}")).read()) for r in range(2)]
+LISTENERS = """
+import json, os, sys
+from pathlib import Path
+
+def listeners(marker):
+    # every listening TCP socket of the job: the processes whose command line holds the script's path
+    # (the launcher, the ranks, and under ps their supervisors)
     inodes = set()
-    for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(f"/proc/{pid}/fd/{fd}") else ""
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    listening = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or marker not in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for row in open(table).read().splitlines()[1:]:
             fields = row.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                listening.append(fields[1])
-    print("LISTENERS " + json.dumps(listening), flush=True)
+                found.append(fields[1])
+    print("LISTENERS " + json.dumps(found), flush=True)
+"""
+
+CHATTY = LISTENERS + """
+import towers
+strategy = towers.MirroredStrategy()
+rank = strategy.replica_id
+strategy.barrier()
+if rank == 0:  # while the store and Gloo are up
+    listeners(__file__)
 strategy.barrier()
 for i in range(1500):
     print(json.dumps({"rank": rank, "i": i, "pad": "x" * 500}))
     print(json.dumps({"rank": rank, "i": i, "err": "y" * 300}), file=sys.stderr)
 strategy.barrier()
+"""
+
+PS_JOB = LISTENERS + """
+import torch
+import towers
+strategy = towers.strategy_from_env(mode="sync", timeout_s=30)  # the ps task serves here, then exits
+net, optimizer = strategy.prepare(torch.nn.Linear(4, 2), None)
+if strategy.is_chief:  # the ps links are up: the chief's pull/push pair with the ps task
+    net(torch.ones(1, 4)).sum().backward()
+    listeners(__file__)
+strategy.shutdown()
 """
 
 
@@ -119,21 +141,32 @@ def _address(hex_address: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Ad
     return ipaddress.ip_address(swapped), int(port, 16)
 
 
-def test_one_host_job_listens_on_loopback_only_and_every_output_line_is_whole_and_ranked(tmp_path):
-    script = tmp_path / "chatty.py"
-    script.write_text(textwrap.dedent(CHATTY))
-    result = run([*towers_command(), "launch", "--nproc-per-node", "2", str(script), str(tmp_path)], cwd=tmp_path,
-                 deadline_s=DEADLINE_S, marker=str(script))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-    listeners = [json.loads(line.split("LISTENERS ", 1)[1]) for line in result.stdout.splitlines()
-                 if "LISTENERS " in line]
-    assert len(listeners) == 1, result.stdout[-2000:]
+def _assert_loopback_only(stdout: str) -> None:
+    listeners = [json.loads(line.split("LISTENERS ", 1)[1]) for line in stdout.splitlines() if "LISTENERS " in line]
+    assert len(listeners) == 1, stdout[-2000:]
     addresses = [_address(a) for a in listeners[0]]
     assert addresses, "the job should listen somewhere (store, Gloo)"
     assert not [a for a in addresses if a[0].is_unspecified], f"listening on every interface: {addresses}"
-    assert all(a[0].is_loopback or getattr(a[0], "ipv4_mapped", None) and a[0].ipv4_mapped.is_loopback
-               for a in addresses), addresses
+    assert all(a[0].is_loopback or (isinstance(a[0], ipaddress.IPv6Address) and a[0].ipv4_mapped is not None
+                                    and a[0].ipv4_mapped.is_loopback) for a in addresses), addresses
+
+
+def test_one_host_parameter_server_job_listens_on_loopback_only(tmp_path):
+    script = tmp_path / "ps_job.py"
+    script.write_text(textwrap.dedent(PS_JOB))
+    result = run([*towers_command(), "launch", "--nproc-per-node", "2", "--strategy", "ps", "--num-ps", "1",
+                  str(script)], cwd=tmp_path, deadline_s=DEADLINE_S, marker=str(script))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _assert_loopback_only(result.stdout)
+
+
+def test_one_host_job_listens_on_loopback_only_and_every_output_line_is_whole_and_ranked(tmp_path):
+    script = tmp_path / "chatty.py"
+    script.write_text(textwrap.dedent(CHATTY))
+    result = run([*towers_command(), "launch", "--nproc-per-node", "2", str(script)], cwd=tmp_path,
+                 deadline_s=DEADLINE_S, marker=str(script))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _assert_loopback_only(result.stdout)
 
     for stream, key in ((result.stdout, "pad"), (result.stderr, "err")):
         seen = {0: 0, 1: 0}
