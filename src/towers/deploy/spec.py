@@ -171,9 +171,9 @@ class DeploySpec:
         if self.nproc_per_node.isdigit() and int(self.nproc_per_node) < 1:
             raise ValueError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu'. "
                              f"Received: {self.nproc_per_node!r}.")
-        for key, value in self.env.items():
-            if "\0" in value:
-                raise ValueError(f"--env {key}: a value cannot contain a NUL character. Received: {value!r}.")
+        for key, text in self.env.items():
+            if "\0" in text:
+                raise ValueError(f"--env {key}: a value cannot contain a NUL character. Received: {text!r}.")
         for key in self.env:
             if not _ENV_NAME.match(key):
                 raise ValueError(f"--env names must be shell variable names (letters, digits, '_'). Received: {key!r}.")
