@@ -56,3 +56,13 @@ def test_tee_shows_a_redirected_stream_too(tmp_path, capfd):
     assert out.splitlines() == ["[rank 10]: shown"] and err == ""
     with open(dest.stderrs[0]) as fh:
         assert fh.read() == "file only\n"
+
+
+def test_a_progress_bar_redrawing_with_carriage_returns_is_shown_as_it_goes(tmp_path, capfd):
+    logs = WholeLineLogs(log_dir=str(tmp_path), redirects=Std.NONE, tee=Std.NONE)
+    dest = logs.reify(_envs(1))
+    with open(dest.stderrs[0], "w") as err:
+        err.write("10%\r50%\r100%\r\ndone\n")
+    logs.close()
+    _, err = capfd.readouterr()
+    assert err == "[rank 10]: 10%\r[rank 10]: 50%\r[rank 10]: 100%\r\n[rank 10]: done\n"

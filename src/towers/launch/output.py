@@ -17,6 +17,7 @@ temporary directory removed when the job ends).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Logs
 
 __all__ = ["WholeLineLogs"]
 
+_LINE_END = re.compile(rb"(?<=\n)|(?<=\r)(?=[^\n])")
 _EOF_POLL_S = 0.05  # how often a follower looks again at a file that has no new bytes (as torch's 0.1 s)
 
 
@@ -62,9 +64,11 @@ class _Follower:
                 chunk = handle.read(65536)
                 if chunk:
                     pending += chunk
-                    *lines, pending = pending.split(b"\n")
+                    # A line ends at "\n", or at a "\r" that is not part of "\r\n" (a progress bar redrawing
+                    # itself); a "\r" at the very end waits for the next byte to tell which.
+                    *lines, pending = _LINE_END.split(pending)
                     for line in lines:
-                        self._emit(line + b"\n")
+                        self._emit(line)
                     continue
                 if self._stop.is_set():  # stopped and nothing more to read: the writers are gone
                     if pending:
