@@ -227,3 +227,11 @@ def test_a_bad_join_timeout_variable_is_a_usage_error(tmp_path, monkeypatch, cap
     assert main(["launch", "--nproc-per-node", "1", str(script)]) == 2
     assert "TOWERS_JOIN_TIMEOUT_S must be a number of seconds > 0. Received: TOWERS_JOIN_TIMEOUT_S='soon'" in \
         capsys.readouterr().err
+
+
+def test_only_strategies_that_survive_a_dead_worker_tolerate_one_by_default():
+    assert spec(nproc_per_node=3, strategy="ps", num_ps=1).tolerate_worker_failures
+    hybrid = spec(nproc_per_node=3, strategy="hybrid", num_ps=1)  # its dense all-reduce needs every worker
+    assert hybrid.num_ps == 1 and not hybrid.tolerate_worker_failures
+    with pytest.raises(ValueError, match="only applies to --strategy ps"):
+        spec(nproc_per_node=3, strategy="hybrid", num_ps=1, tolerate_worker_failures=True)

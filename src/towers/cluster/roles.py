@@ -46,6 +46,8 @@ class StrategyEntry:
     multi_process: bool = True
     #: Options that make the strategy synchronous (same maths as one device); None when it cannot be.
     same_maths_options: Mapping[str, Any] | None = field(default_factory=dict)
+    #: True when the job can go on after a non-chief worker dies (``towers launch`` then tolerates it by default).
+    survives_dead_worker: bool = False
     summary: str = ""
 
     def __post_init__(self) -> None:
@@ -69,7 +71,7 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
                   ("multiworkermirrored", "mwms"), summary="mirrored replicas across machines"),
     StrategyEntry("ps", "towers.strategies.parameter_server:ParameterServerStrategy",
                   ("parameter_server", "parameterserver"), layout="workers+ps",
-                  same_maths_options={"mode": "sync"},
+                  same_maths_options={"mode": "sync"}, survives_dead_worker=True,
                   summary="parameters on ps tasks; workers push gradients, async or sync"),
     StrategyEntry("hybrid", "towers.strategies.hybrid:HybridStrategy", ("hybrid_ps",), layout="workers+ps",
                   same_maths_options={"mode": "sync"},

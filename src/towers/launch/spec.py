@@ -211,14 +211,15 @@ class LaunchSpec:
         tolerate = self.tolerate_worker_failures
         if tolerate is not None and not isinstance(tolerate, bool):
             raise ValueError(f"tolerate_worker_failures must be True, False or None. Received: {tolerate!r}.")
-        if tolerate and not (entry is not None and entry.has_ps):
+        survives = bool(entry is not None and entry.survives_dead_worker)
+        if tolerate and not survives:
             raise ValueError(
                 f"--tolerate-worker-failures only applies to --strategy ps (async parameter servers go on without a "
                 f"dead worker; every other strategy needs all of them). Received: --strategy {strategy}. Drop the "
                 "flag or use --strategy ps.")
         set_("strategy", strategy)
         set_("num_ps", num_ps)
-        set_("tolerate_worker_failures", bool(entry is not None and entry.has_ps) if tolerate is None else tolerate)
+        set_("tolerate_worker_failures", survives if tolerate is None else tolerate)
 
     @property
     def min_world_size(self) -> int:
