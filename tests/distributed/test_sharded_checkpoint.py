@@ -136,10 +136,6 @@ def _restart_then_reference(backup_dir: str, marker: str, reference_dir: str):
     return _fit(backup_dir, marker), _fit(reference_dir, None)
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, SpawnError),
-                   reason="BackupAndRestore still reads its backup with towers.checkpoint.load_checkpoint and "
-                          "Path.is_file() instead of strategy.load_checkpoint / Path.exists(), so a sharded "
-                          "(directory) backup is not found; remove this mark when the callback calls the strategy")
 def test_backup_and_restore_resumes_a_sharded_job_at_the_exact_step(tmp_path):
     backup_dir, marker, reference_dir = str(tmp_path / "backup"), str(tmp_path / "crashed"), str(tmp_path / "ref")
     with pytest.raises(SpawnError) as failure:
@@ -153,3 +149,4 @@ def test_backup_and_restore_resumes_a_sharded_job_at_the_exact_step(tmp_path):
             assert torch.allclose(resumed["params"][key], value, atol=1e-6), key
         for key, values in reference["history"]["history"].items():
             assert resumed["history"]["history"][key] == pytest.approx(values, rel=1e-6), key
+    assert os.listdir(backup_dir) == []  # the finished job removed its backup: the link and the shards

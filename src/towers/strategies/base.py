@@ -11,6 +11,7 @@ import contextvars
 import importlib
 import os
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -275,6 +276,14 @@ class Strategy(ABC):
         from towers import checkpoint
 
         return dict(checkpoint.load_checkpoint(path))
+
+    def checkpoint_exists(self, path: str | os.PathLike[str]) -> bool:
+        """Return True when ``save_checkpoint`` completed a checkpoint at ``path`` (the chief's view)."""
+        return Path(path).is_file()
+
+    def delete_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Remove the checkpoint at ``path`` and everything it holds; call it on the chief (nothing if absent)."""
+        Path(path).unlink(missing_ok=True)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(replica {self.replica_id}/{self.num_replicas_in_sync}, "

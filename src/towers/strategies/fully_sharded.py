@@ -19,6 +19,7 @@ inference.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -259,6 +260,21 @@ class FullyShardedStrategy(SyncStrategy):
             tensors["optimizer"] = template["optimizer"]
         _dcp.load_sharded(path, tensors, process_group=self._checkpoint_group())
         return {**extra, "model": tensors["model"], "optimizer": tensors.get("optimizer")}
+
+    def checkpoint_exists(self, path: str | os.PathLike[str]) -> bool:
+        """Return True when a complete sharded checkpoint is published at ``path`` (its link resolves)."""
+        return Path(path).exists()
+
+    def delete_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Remove the published checkpoint at ``path``: the link and the shard directory it points to (chief only)."""
+        link = Path(path)
+        target = link.resolve() if link.is_symlink() else None
+        if link.is_symlink() or link.is_file():
+            link.unlink()
+        elif link.is_dir():
+            shutil.rmtree(link, ignore_errors=True)
+        if target is not None and target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
 
     def export_model(self, model: nn.Module, path: str | os.PathLike[str]) -> Path:
         """Write the full (unsharded) model state dict to ``path`` for inference, in one call; return the path.

@@ -8,7 +8,7 @@ naming this rank, the operation and the ps task; a refused request becomes a ``V
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -73,7 +73,7 @@ class ParameterClient:
             into = None if replies_into is None else replies_into[i]
             try:
                 reply = self.links[p].recv(timeout_s=self.timeout_s, first_timeout_s=self.reply_timeout_s,
-                                           flat_out=lambda m, into=into: into)
+                                           flat_out=_into(into))
             except LinkError as exc:
                 raise self._lost(p, name, exc) from exc
             if reply.status == Status.BAD_INPUT:
@@ -108,7 +108,7 @@ class ParameterClient:
         """Tell every ps task this worker is done (best effort: a gone ps is already done) and close the links."""
         if self.closed:
             return
-        for p, link in enumerate(self.links):
+        for link in self.links:
             try:
                 link.send(Op.BYE, timeout_s=self.timeout_s)
                 link.recv(timeout_s=self.timeout_s)
@@ -116,3 +116,8 @@ class ParameterClient:
                 pass
             link.close()
         self.closed = True
+
+
+def _into(buffer: torch.Tensor | None) -> Callable[[Any], torch.Tensor | None]:
+    """Where a reply's tensor lands: ``buffer`` (None: a tensor of its own)."""
+    return lambda meta: buffer

@@ -7,7 +7,7 @@ dead worker in ``async`` mode does not break them. Results then cover the live w
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -17,6 +17,10 @@ from towers.strategies._collectives import _float_for_mean, _local_reduce
 from towers.strategies.parameter_server.client import ParameterClient
 
 __all__ = ["PsComm"]
+
+#: How the workers' stacked values combine, per reduce op.
+_REDUCERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sum": lambda t: t.sum(0), "mean": lambda t: t.mean(0), "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}
 
 
 class PsComm:
@@ -41,15 +45,14 @@ class PsComm:
 
     def _reduce(self, op: str, value: torch.Tensor, axis: int | None) -> torch.Tensor:
         if axis is None:
-            parts = torch.stack(self._gather_objects((_float_for_mean(value) if op == "mean" else value).cpu()))
-            out = {"sum": parts.sum, "mean": parts.mean, "max": parts.amax, "min": parts.amin}[op](0)
-            return out.to(self.device)
+            stacked = torch.stack(self._gather_objects((_float_for_mean(value) if op == "mean" else value).cpu()))
+            return _REDUCERS[op](stacked).to(self.device)
         local, count = _local_reduce(op, _float_for_mean(value) if op == "mean" else value, axis)
         parts = self._gather_objects((local.cpu(), None if count is None else count.cpu()))
         values = torch.stack([v for v, _ in parts])
         if op == "mean":
             return (values.sum(0) / sum(c for _, c in parts)).to(self.device)
-        return {"sum": values.sum, "max": values.amax, "min": values.amin}[op](0).to(self.device)
+        return _REDUCERS[op](values).to(self.device)
 
     def gather(self, value: torch.Tensor, axis: int) -> torch.Tensor:
         """Concatenate every live worker's ``value`` along ``axis`` (ragged sizes allowed)."""

@@ -219,7 +219,7 @@ class ParameterServer:
             if msg.op == Op.PULL:
                 return {"ints": (self.version,), "flat": self._snapshot(w)}
             if msg.op == Op.SET_PARAMS:
-                self.params_buf.copy_(msg.flat)
+                self.params_buf.copy_(_flat(msg))
                 return {"ints": (self.version,)}
             if msg.op == Op.GET_STATE:
                 state = None if self.optimizer is None else clone_state(self.optimizer.state_dict())
@@ -251,15 +251,15 @@ class ParameterServer:
                 self.cond.notify_all()
             self._wait(lambda: self.signature is not None, "registration",
                        lambda: [0] if self.signature is None else [])
-            diff = signature_mismatch(self.signature, meta["signature"])
+            diff = signature_mismatch(self.signature or [], meta["signature"])
             if diff is not None:
                 raise RequestError(
                     f"{self._who(w)}'s model does not match the model the chief registered on ps task "
                     f"{self.ps_index}: {diff}. Build the same model (same parameter names, shapes and dtypes) on "
                     "every worker before strategy.prepare().", Status.BAD_INPUT)
             if w not in self.grad_bufs:
-                self.grad_bufs[w] = self.layout.new_buffer()
-                self.reply_bufs[w] = self.layout.new_buffer()
+                self.grad_bufs[w] = self._shard().new_buffer()
+                self.reply_bufs[w] = self._shard().new_buffer()
             return {"ints": (self.version,), "flat": self._snapshot(w)}
 
     def _initialise(self, meta: dict[str, Any], flat: torch.Tensor | None) -> None:
@@ -285,9 +285,16 @@ class ParameterServer:
         buf.copy_(self.params_buf)
         return buf
 
+    def _shard(self) -> FlatLayout:
+        """The registered shard's layout; a request before registration is refused."""
+        if self.layout is None:
+            raise RequestError(f"ps task {self.ps_index} has no parameters yet: call strategy.prepare(model, "
+                               "optimizer) first.", Status.BAD_INPUT)
+        return self.layout
+
     def _push(self, w: int, msg: Message) -> dict[str, Any]:
         mask, hyper = (msg.meta or {}).get("mask"), (msg.meta or {}).get("hyper")
-        grads = self.layout.views(msg.flat)
+        grads = self._shard().views(_flat(msg))
         with self.cond:
             if self.mode == "async":
                 if self.staleness is not None:
@@ -305,7 +312,7 @@ class ParameterServer:
                 return {"ints": (self.version, self.worker_versions[w], len(self.dead)), "flat": self.params_buf}
             my_round = self.round
             self._set_hyper(hyper)
-            regions, sums = self.layout.region_views(msg.flat), self.layout.region_views(self.sum_buf)
+            regions, sums = self._shard().region_views(_flat(msg)), self._shard().region_views(self.sum_buf)
             for s, g in zip(sums, regions):
                 s.copy_(g) if not self.arrivals else s.add_(g)
             self.present = [a or mask is None or bool(mask[i]) for i, a in enumerate(self.present)]
@@ -322,7 +329,7 @@ class ParameterServer:
         return self.worker_versions[w] - min(others) if others else 0
 
     def _apply_round(self) -> None:
-        grads = self.layout.views(self.sum_buf)
+        grads = self._shard().views(self.sum_buf)
         for i, p in enumerate(self.params):
             p.grad = grads[i] if self.present[i] else None
         self._step(sorted(self.arrivals))
@@ -345,3 +352,12 @@ class ParameterServer:
         if hyper and self.optimizer is not None:
             for group, values in zip(self.optimizer.param_groups, hyper):
                 group.update({k: v for k, v in values.items() if k != "params"})
+
+
+def _flat(msg: Message) -> torch.Tensor:
+    """The tensor a request must carry; a request without one is refused."""
+    if msg.flat is None:
+        raise RequestError(f"a {Op.NAMES.get(msg.op, msg.op)} request carries no tensor; expected the shard's "
+                           "values. The worker and the ps run different towers versions, or the peer is foreign.",
+                           Status.BAD_INPUT)
+    return msg.flat

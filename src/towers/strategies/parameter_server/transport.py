@@ -108,7 +108,7 @@ def open_link(store: dist.Store, *, worker: int, ps: int, is_ps: bool, bind_host
 
     Blocks until the peer opens its side too (at most ``timeout_s``). Raises ``LinkError`` on failure.
     """
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's own way to pick a device
     options._devices = _devices(bind_host)
     options._timeout = datetime.timedelta(seconds=timeout_s)
     prefix = dist.PrefixStore(f"towers/ps/{generation}/w{worker}-p{ps}", store)

@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from towers import checkpoint as ckpt
 from towers._logging import get_logger
 from towers.errors import user_error
 from towers.training.callbacks.base import Callback
@@ -120,10 +119,10 @@ class BackupAndRestore(Callback):
                     "TOWERS_CHECKPOINT_DIR.")
             self.backup_dir = Path(job_dir) / "backup"
         # The chief decides whether there is a backup, so every replica takes the same branch.
-        exists = strategy.broadcast_object(self.path.is_file() if strategy.is_chief else None, src=0)
+        exists = strategy.broadcast_object(strategy.checkpoint_exists(self.path) if strategy.is_chief else None, src=0)
         if not exists:
             return
-        state = ckpt.load_checkpoint(self.path, kind="full")
+        state = strategy.load_checkpoint(self.path)  # in the strategy's format (one file, or shards)
         self.trainer.load_state_dict(state, path=str(self.path))
         self.restored_from = {"epoch": int(state["epoch"]), "step": int(state["step"]),
                               "global_step": int(state["global_step"])}
@@ -145,5 +144,5 @@ class BackupAndRestore(Callback):
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
         strategy = self.trainer.strategy
         if self.delete_checkpoint and strategy.is_chief:
-            self.path.unlink(missing_ok=True)
+            strategy.delete_checkpoint(self.path)
         strategy.barrier()  # nobody starts a new fit (and looks for a backup) before the chief deleted it
