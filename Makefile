@@ -15,6 +15,8 @@
 #   EXTRAS       extras installed with towers (default: test)
 #   DEMO_ARGS    flags for `towers demo`    (e.g. DEMO_ARGS="--epochs 2")
 #   PYTEST_ARGS  arguments for pytest       (e.g. PYTEST_ARGS="tests/unit -x")
+#   LINT         anything but 0 (default 1): `make test` first checks src/ with ruff and mypy (configured in
+#                pyproject.toml); LINT=0 skips them
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -24,6 +26,7 @@ TORCH_INDEX ?=
 EXTRAS ?= test
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+LINT ?= 1
 
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
@@ -49,6 +52,10 @@ demo: install
 	$(VENV)/bin/towers demo $(DEMO_ARGS)
 
 test: install
+ifneq ($(strip $(LINT)),0)
+	$(VPY) -m ruff check src
+	$(VPY) -m mypy
+endif
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install

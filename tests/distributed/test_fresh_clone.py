@@ -88,7 +88,7 @@ def test_make_demo_and_make_test_in_a_fresh_clone_on_an_externally_managed_pytho
                            env=env, capture_output=True, text=True, timeout=60)
     assert where.stdout.strip() == str(clone / "src" / "towers" / "__init__.py")  # installed from the clone
 
-    test = _make(clone, "test", f"PYTHON={base}", "PYTEST_ARGS=-p no:cacheprovider tests/unit/test_cli_basics.py",
+    test = _make(clone, "test", f"PYTHON={base}", "PYTEST_ARGS=-p no:cacheprovider tests/unit/test_cli_basics.py", "LINT=0",
                  env=env, timeout_s=240)
     assert test.returncode == 0, test.stdout[-3000:] + test.stderr[-3000:]
     assert "pip install" not in test.stdout  # .venv already set up: no second install
