@@ -70,6 +70,7 @@ class MismatchedStepsError(RuntimeError):
 
 
 _RUN, _COLLECTIVE = 0, 1
+_IN_FLIGHT = 64
 
 
 class StepCounts:
@@ -99,9 +100,13 @@ class StepCounts:
         return dist.all_gather(parts, mine, group=self._group, async_op=True), parts
 
     def run(self) -> None:
-        """Count one step and send the count (not waited for)."""
+        """Count one step and send the count (not waited for; a loop without collectives keeps 64 in flight)."""
         self.steps += 1
         self._pending.append(self._send(_RUN))
+        if len(self._pending) > _IN_FLIGHT:  # long done by now: DDP's all-reduces keep the replicas in step
+            work, _ = self._pending.pop(0)
+            with collective("strategy.run: the replicas' step counts"):
+                work.wait()
 
     def check(self, operation: str) -> None:
         """Return when every replica reached ``operation`` after as many steps as this one.
