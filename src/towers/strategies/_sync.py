@@ -19,7 +19,6 @@ from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset, find_batch_info
 from towers.errors import user_error
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op
-from towers.strategies._compile import compile_module, compile_options
 from towers.strategies._steps import StepTracker, StrategyOptimizer
 from towers.strategies.base import ReplicaContext, Strategy
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
@@ -42,7 +41,6 @@ class SyncStrategy(Strategy):
         self._user_modules: list[nn.Module] = []  # what prepare() received
         self._wrapped: list[nn.Module] = []  # what prepare() returned
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._compiled: dict[int, nn.Module] = {}  # id(compiled module) -> the module it compiles
 
     # --- who am I -------------------------------------------------------------------------------------
     @property
@@ -88,7 +86,6 @@ class SyncStrategy(Strategy):
             ValueError: when the model or optimizer was already prepared, or the model differs across replicas.
             RuntimeError: ``compile`` with inductor on a CPU without a C++ compiler.
         """
-        compile_kwargs = compile_options(compile)
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare expects an nn.Module as model. Received: {type(model).__name__}.")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -108,10 +105,7 @@ class SyncStrategy(Strategy):
         model = model.to(self._device)
         wrapped = self._wrap_model(model)
         check = self._before_step_check(wrapped) if optimizer is not None else None
-        if compile_kwargs is not None:
-            compiled = compile_module(wrapped, compile_kwargs, self._device)
-            self._compiled[id(compiled)] = wrapped
-            wrapped = compiled
+        wrapped = self._compile(wrapped, compile)
         self._user_modules.append(model)
         self._wrapped.append(wrapped)
         if optimizer is None:
@@ -122,10 +116,6 @@ class SyncStrategy(Strategy):
                                     all_reduce_max=self._comm.all_reduce_max_ if multi else None,
                                     before_step=check)
         return wrapped, wrapper
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        """Return the user's module inside whatever ``prepare`` wrapped (and compiled) it in."""
-        return super().unwrap(self._compiled.get(id(model), model))
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._optimizers)

@@ -20,6 +20,7 @@ from torch import nn
 from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
 from towers.data import BatchInfo, find_batch_info
+from towers.strategies._compile import compile_module, compile_options
 from towers.strategies.precision import Precision
 
 __all__ = [
@@ -153,8 +154,22 @@ class Strategy(ABC):
         """
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """Return the user's module inside whatever ``prepare`` wrapped it in."""
+        """Return the user's module inside whatever ``prepare`` wrapped (and compiled) it in."""
+        model = self._compiled_from().get(id(model), model)
         return getattr(model, "module", model)
+
+    def _compile(self, module: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
+        """Return ``module`` compiled as ``prepare(..., compile=)`` asks (itself when not); ``unwrap`` sees through it."""
+        options = compile_options(compile)
+        if options is None:
+            return module
+        compiled = compile_module(module, options, self.device)
+        self._compiled_from()[id(compiled)] = module
+        return compiled
+
+    def _compiled_from(self) -> dict[int, nn.Module]:
+        """id(compiled module) -> the module it compiles, for the modules ``prepare`` compiled."""
+        return self.__dict__.setdefault("_compiled_modules", {})
 
     @abstractmethod
     def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,

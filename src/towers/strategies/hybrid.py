@@ -23,7 +23,6 @@ from torch import nn
 from towers._logging import get_logger
 from towers.process_group import DEFAULT_TIMEOUT_S
 from towers.strategies._comm_hooks import _sum_hook
-from towers.strategies._compile import compile_module, compile_options
 from towers.strategies._ddp import TowersDDP, check_same_parameters
 from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.strategy import ParameterServerStrategy
@@ -114,11 +113,7 @@ class HybridStrategy(ParameterServerStrategy):
             prepared = ddp
         else:
             prepared = MixedPrecisionModule(model, self._precision) if self._precision.enabled else model
-        compile_kwargs = compile_options(compile)
-        if compile_kwargs is not None:
-            compiled = compile_module(prepared, compile_kwargs, self.device)
-            self._compiled[id(compiled)] = prepared
-            prepared = compiled
+        prepared = self._compile(prepared, compile)
         self._optimizer = optimizer
         self._prepared_any = True
         log.info("hybrid: %d dense parameter(s) all-reduced over %d worker(s), %d table(s) on %d ps task(s)",

@@ -28,7 +28,6 @@ from towers.data import DistributedDataset
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
 from towers.strategies._collectives import as_tensor, check_op
-from towers.strategies._compile import compile_module, compile_options
 from towers.strategies.base import Strategy
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
@@ -95,7 +94,6 @@ class ParameterServerStrategy(Strategy):
         self._sparse: SparseTables | None = None
         self._prepared_any = False
         self._optimizer: torch.optim.Optimizer | None = None
-        self._compiled: dict[int, nn.Module] = {}  # id(compiled module) -> the module it compiles
         self._stats: dict[str, Any] | None = None
         self._comm: PsComm | None = None
         self._device = self._replica_device()
@@ -229,11 +227,7 @@ class ParameterServerStrategy(Strategy):
             bound.install_hooks(refresh_on_state_dict=self.mode == "async")
             self._bound = bound
         prepared = MixedPrecisionModule(model, self._precision) if self._precision.enabled else model
-        compile_kwargs = compile_options(compile)
-        if compile_kwargs is not None:
-            compiled = compile_module(prepared, compile_kwargs, self.device)
-            self._compiled[id(compiled)] = prepared
-            prepared = compiled
+        prepared = self._compile(prepared, compile)
         self._optimizer = optimizer
         self._prepared_any = True
         return prepared, (ParameterServerOptimizer(optimizer, bound, sparse) if optimizer is not None else None)
@@ -255,10 +249,6 @@ class ParameterServerStrategy(Strategy):
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return [self._optimizer] if self._optimizer is not None else []
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        """Return the user's module inside the precision wrapper (and compiled module) ``prepare`` returned."""
-        return super().unwrap(self._compiled.get(id(model), model))
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Call ``fn(*args, **kwargs)`` as this worker's step (see ``Strategy.run``).
