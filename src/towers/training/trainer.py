@@ -85,6 +85,7 @@ class Trainer:
         self._unsynced: torch.Tensor | None = None  # metric sums of steps not yet reduced across replicas
         self._steps_since_sync = 0
         self._last_train_logs: dict[str, float] = {}
+        self._nonfinite_warning = "unseen"  # -> "due" when a reduced loss is not finite -> "said"
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -186,6 +187,7 @@ class Trainer:
             self._callbacks.call("on_train_batch_end", batch_index, logs)
             if sync:
                 self.stop_training = self._any_replica(self.stop_training)
+                self._warn_nonfinite(logs)
                 if self.stop_training:
                     break
         self._sync_train_metrics()  # the epoch's sums are complete before its logs are read
@@ -243,6 +245,18 @@ class Trainer:
         info = batch_info(x)
         return info.global_batch_size if info is not None else len(y) * self.strategy.num_replicas_in_sync
 
+    def _warn_nonfinite(self, logs: Mapping[str, Any]) -> None:
+        """Warn once, on the chief, when a loss was not finite and no callback stopped training for it."""
+        if self._nonfinite_warning != "due":
+            return
+        self._nonfinite_warning = "said"  # once per Trainer; every replica saw the same reduced value
+        if self.strategy.is_chief and not self.stop_training:
+            warnings.warn(
+                f"The training loss is not finite (NaN or inf) on {int(logs.get('nonfinite_replicas', 0))} "
+                "replica-step(s) reduced at this step; training goes on with it. Add "
+                "towers.callbacks.TerminateOnNaN() to fit's callbacks to stop, or lower the learning rate / check the "
+                "data.", RuntimeWarning, stacklevel=3)
+
     def _sync_train_metrics(self) -> dict[str, float]:
         """Reduce the metric sums kept since the last call (one collective); return the logs through this step."""
         if self._unsynced is not None:
@@ -251,14 +265,8 @@ class Trainer:
             self._train_metrics.accumulate(reduced)
             self._last_train_logs = {**self._train_metrics.results(external=False),
                                      "nonfinite_replicas": float(reduced[-1].item())}
-            if reduced[-1].item() > 0 and not getattr(self, "_warned_nonfinite", False):
-                self._warned_nonfinite = True  # once per Trainer; every replica saw the same reduced value
-                if self.strategy.is_chief:
-                    warnings.warn(
-                        f"The training loss is not finite (NaN or inf) on {int(reduced[-1].item())} replica(s), "
-                        "first seen in the steps reduced at this step; training goes on with it. Add "
-                        "towers.callbacks.TerminateOnNaN() to fit's callbacks to stop, or lower the learning rate "
-                        "/ check the data.", RuntimeWarning, stacklevel=2)
+            if reduced[-1].item() > 0 and self._nonfinite_warning == "unseen":
+                self._nonfinite_warning = "due"  # said after the callbacks, unless one of them stops training
         self._steps_since_sync = 0
         return dict(self._last_train_logs)
 
