@@ -12,7 +12,7 @@ key                value
 ``num_replicas``   ``num_replicas_in_sync`` of the job that wrote it
 ``model``          the unwrapped module's ``state_dict()``
 ``optimizer``      the prepared optimizer's ``state_dict()`` or ``None``
-``strategy_state`` ``strategy.state_dict()``: state the strategy owns, e.g. the fp16 loss scaler
+``precision``      the strategy's precision state, e.g. the fp16 loss scale
 ``epoch``          the epoch in progress (0-based); ``step`` training steps of it are done
 ``global_step``    steps done since the first epoch
 ``data``           ``{"epoch", "examples", "global_batch_size", "seed", "state"}``: how many examples of
