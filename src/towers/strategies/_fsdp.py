@@ -10,9 +10,6 @@ divide by the number of replicas a second time (it averages by default).
 The mesh is 1-D (every rank holds a 1/N shard) or, for HSDP, 2-D ``(replicate, shard)``:
 shards within a group of ``shard_group_size`` ranks (a node), replicas across groups, so the
 all-gathers stay on the fast intra-node links and only the gradient all-reduce crosses nodes.
-
-``ShardedPrecision`` is the strategy's precision object: fp16 loss scaling on sharded
-gradients (each rank unscales and checks its own shards).
 """
 
 from __future__ import annotations
@@ -23,10 +20,9 @@ import torch
 from torch import nn
 
 from towers._logging import get_logger
-from towers.strategies.precision import Precision
 
 __all__ = ["ShardUnits", "DEFAULT_MIN_NUM_PARAMS", "select_units", "build_mesh", "mixed_precision_policy",
-           "shard_model", "fsdp_modules", "ShardedPrecision"]
+           "shard_model", "fsdp_modules"]
 
 log = get_logger(__name__)
 
@@ -171,33 +167,3 @@ def fsdp_modules(model: nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-class ShardedPrecision(Precision):
-    """The strategy's precision, unscaling fp16 gradients shard by shard (each rank its own shards).
-
-    The inf/NaN flag is this rank's; the prepared optimizer takes its maximum over the replicas,
-    so every rank skips or steps together and keeps the same loss scale.
-    """
-
-    @classmethod
-    def of(cls, precision: Precision) -> ShardedPrecision:
-        """Return ``precision`` as a ShardedPrecision, with the same settings and loss-scale state."""
-        sharded = cls.__new__(cls)
-        sharded.__dict__.update(precision.__dict__)  # same settings and loss-scale state
-        return sharded
-
-    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-        """Divide this rank's gradient shards by the loss scale (once per step); return its inf/NaN flag."""
-        if not self.needs_loss_scaling or id(optimizer) in self._unscaled:
-            return None
-        self._unscaled.add(id(optimizer))
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        found = torch.zeros(1, dtype=torch.float32, device=local[0].device if local else "cpu")
-        inv = 1.0 / self.scale
-        for grad in local:
-            grad.mul_(inv)
-            found += (~torch.isfinite(grad)).any().to(found.dtype)
-        self._found = found
-        return found

@@ -33,7 +33,7 @@ from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_
 from towers.strategies import _dcp
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
-from towers.strategies._fsdp import ShardedPrecision, ShardUnits, build_mesh, select_units, shard_model
+from towers.strategies._fsdp import ShardUnits, build_mesh, select_units, shard_model
 from towers.strategies._sync import SyncStrategy
 
 __all__ = ["FullyShardedStrategy"]
@@ -107,7 +107,6 @@ class FullyShardedStrategy(SyncStrategy):
         super().__init__(info=info, device=device, comm=comm, precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps)
         self._sharded: list[Any] = []  # the FSDP roots prepare() made
-        self._precision = ShardedPrecision.of(self._precision)
         log.info("%s: %d replica(s), this one on %s (mesh %s, precision=%s, accumulation=%d, reshard_after_forward=%s, "
                  "cpu_offload=%s)", type(self).__name__, self.num_replicas_in_sync, device,
                  None if self._mesh is None else dict(zip(self._mesh.mesh_dim_names, self._mesh.shape)),

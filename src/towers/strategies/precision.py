@@ -98,7 +98,10 @@ class Precision:
         if not self.needs_loss_scaling or id(optimizer) in self._unscaled:
             return None
         self._unscaled.add(id(optimizer))
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # A sharded gradient (DTensor) is unscaled and checked in this rank's shard; the flag's maximum
+        # over the replicas (optimizer_step) then covers every shard.
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
         inv = 1.0 / self.scale
         for grad in grads:
