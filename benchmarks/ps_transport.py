@@ -21,6 +21,7 @@ import statistics
 import threading
 import time
 import warnings
+from typing import Any
 
 SIZES = {"347k": 347_146, "10M": 10_000_000}
 
@@ -128,24 +129,34 @@ def _allreduce(numel: int, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _towers(numel: int, repeats: int, warmup: int, mode: str) -> float | None:
-    """Time ``optimizer.step()`` (push+pull) of the shipped ParameterServerStrategy on a flat model (ms)."""
+def _flat_ps_model(numel: int, mode: str, rank: int, world: int) -> tuple[Any, Any]:
+    """This rank's ParameterServerStrategy (1 ps task) and the prepared optimizer of a ``numel``-parameter linear
+    model with random gradients; ``(None, None)`` on the ps task, once it has served."""
     import torch
 
     import towers
     from towers.cluster.info import ProcessInfo
 
-    rank, world = _env_rank()
     info = ProcessInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world,
                        master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),
                        strategy="ps", num_ps=1)
     strategy = towers.ParameterServerStrategy(num_ps=1, mode=mode, info=info, exit_on_ps=False)
     if strategy.is_ps:
-        return None
+        return None, None
     model = torch.nn.Linear(numel // 1000, 1000, bias=False)
     model, optimizer = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-9))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
+    return strategy, optimizer
+
+
+def _towers(numel: int, repeats: int, warmup: int, mode: str) -> float | None:
+    """Time ``optimizer.step()`` (push+pull) of the shipped ParameterServerStrategy on a flat model (ms)."""
+
+    rank, world = _env_rank()
+    strategy, optimizer = _flat_ps_model(numel, mode, rank, world)
+    if strategy is None:
+        return None
     times = []
     for i in range(repeats + warmup):
         t0 = time.perf_counter()
@@ -163,22 +174,12 @@ def _interleaved(numel: int, repeats: int, warmup: int, mode: str) -> dict | Non
     import torch
     import torch.distributed as dist
 
-    import towers
-    from towers.cluster.info import ProcessInfo
-
     rank, world = _env_rank()
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     workers = dist.new_group(list(range(world - 1)))  # every rank joins, the ps task too
-    info = ProcessInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world,
-                       master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),
-                       strategy="ps", num_ps=1)
-    strategy = towers.ParameterServerStrategy(num_ps=1, mode=mode, info=info, exit_on_ps=False)
-    if strategy.is_ps:
+    strategy, optimizer = _flat_ps_model(numel, mode, rank, world)
+    if strategy is None:
         return None
-    model = torch.nn.Linear(numel // 1000, 1000, bias=False)
-    model, optimizer = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-9))
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
     flat = torch.randn(numel)
     steps, reduces, ratios = [], [], []
     block = 5
