@@ -163,15 +163,18 @@ def _source(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> _Ten
     return _MapSource(dataset, collate_fn or default_collate)
 
 
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Return ``value`` with ``fn`` applied to every tensor in it (tuples, namedtuples, lists and dicts keep their type)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map_tensors(v, fn) for v in value))
+        return type(value)(*(map_tensors(v, fn) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, map_tensors(v, fn)) for k, v in value.items())
     if isinstance(value, Mapping):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
+        return {k: map_tensors(v, fn) for k, v in value.items()}
     return value
 
 
@@ -303,16 +306,16 @@ class DistributedDataset:
             batch = self._source.fetch(index)
         else:  # an empty share of a generic dataset: collate one example for the structure, keep 0 rows
             template = self._source.fetch(slice(first, first + 1) if order is None else order[first:first + 1])
-            batch = _map_tensors(template, lambda t: t[:0])
+            batch = map_tensors(template, lambda t: t[:0])
         return self._to_device(batch)
 
     def _to_device(self, batch: Any) -> Any:
         if self.device.type == "cpu":
             return batch
         if self._pin:  # page-locked host memory lets the copy overlap with compute
-            return _map_tensors(batch, lambda t: (t.pin_memory() if t.device.type == "cpu" else t)
+            return map_tensors(batch, lambda t: (t.pin_memory() if t.device.type == "cpu" else t)
                                 .to(self.device, non_blocking=True))
-        return _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+        return map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
 
     def __repr__(self) -> str:
         return (f"DistributedDataset({self.num_examples} examples, global_batch_size={self.global_batch_size}, "

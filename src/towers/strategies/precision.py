@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from towers._logging import get_logger
+from towers.data import map_tensors
 
 __all__ = ["PRECISIONS", "Precision", "resolve_precision", "MixedPrecisionModule", "precision_forward"]
 
@@ -224,18 +225,6 @@ def _check_autocast(precision: Precision) -> None:
             f"Use precision={other} on this device, or upgrade torch.")
 
 
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_map_tensors(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
-    return value
-
-
 def _to_float32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
@@ -244,7 +233,7 @@ def precision_forward(forward: Callable[..., Any], precision: Precision, *args: 
     """Call ``forward`` under ``precision``'s autocast; return its outputs with half floats made float32."""
     with precision.forward_context():
         out = forward(*args, **kwargs)
-    return _map_tensors(out, _to_float32)
+    return map_tensors(out, _to_float32)
 
 
 class MixedPrecisionModule(nn.Module):
