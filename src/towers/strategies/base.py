@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import math
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -40,6 +41,13 @@ REDUCE_OPS = ("sum", "mean", "max", "min")
 
 _current_strategy: contextvars.ContextVar["Strategy | None"] = contextvars.ContextVar("towers_strategy", default=None)
 _current_replica: contextvars.ContextVar["ReplicaContext | None"] = contextvars.ContextVar("towers_replica", default=None)
+
+
+def check_max_norm(max_norm: Any) -> None:
+    """Refuse a gradient-clipping bound that is not a positive finite number (torch clips everything to 0 then)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
+        raise ValueError(f"max_norm must be a positive finite number. Received: max_norm={max_norm!r}. Use the "
+                         "largest gradient norm you accept, e.g. 1.0; to not clip, do not call clip_grad_norm_.")
 
 
 class ReplicaContext:
@@ -218,7 +226,11 @@ class Strategy(ABC):
         """Clip the gradients of ``parameters`` to a total norm of ``max_norm``; return the norm before clipping.
 
         Call it after backward and before ``optimizer.step()``; fp16 gradients are unscaled first.
+
+        Raises:
+            ValueError: ``max_norm`` is not a positive finite number.
         """
+        check_max_norm(max_norm)
         for optimizer in self._prepared_optimizers():
             self.precision.unscale_gradients(optimizer)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)

@@ -24,6 +24,7 @@ from towers._logging import get_logger
 from towers.process_group import DEFAULT_TIMEOUT_S
 from towers.strategies._comm_hooks import _sum_hook
 from towers.strategies._ddp import TowersDDP, check_same_parameters
+from towers.strategies.base import check_max_norm
 from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.strategy import ParameterServerStrategy
 from towers.strategies.precision import MixedPrecisionModule
@@ -76,6 +77,8 @@ class HybridStrategy(ParameterServerStrategy):
     """
 
     name = "hybrid"
+    #: The dense all-reduce needs every worker, so a dead worker ends the job: the static split is kept.
+    _dispatch_batches = False
 
     def __init__(self, num_ps: int | None = None, mode: str = "sync", staleness: int | None = None, *,
                  info: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
@@ -123,6 +126,7 @@ class HybridStrategy(ParameterServerStrategy):
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the dense gradients (all-reduced, the same on every worker) by their norm; the rows are not included."""
+        check_max_norm(max_norm)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def __repr__(self) -> str:
