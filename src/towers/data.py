@@ -6,6 +6,9 @@ in index order without shuffling) that does not depend on the number of replicas
 it (sizes differ by at most one, larger shares first). So N replicas see exactly the examples
 one device would see in the same global batch, which is what makes the maths the same.
 
+Under parameter servers the shares come from ps task 0 one at a time (``Dispatch``): each
+replica gets its own shares first, then those of a replica that died, so no example is lost.
+
 The last, partial global batch is kept unless ``drop_remainder=True``; a replica whose share of
 it is empty gets an empty batch (every tensor with first dimension 0) and still takes part in
 the step. Models that cannot take an empty batch can ask for ``pad_empty_batches=True``: that
@@ -28,8 +31,8 @@ from torch.utils.data import IterableDataset, TensorDataset, default_collate
 
 from towers._logging import get_logger
 
-__all__ = ["BatchInfo", "DistributedDataset", "distribute_dataset", "shard_bounds", "global_batch_sizes", "batch_info",
-           "find_batch_info"]
+__all__ = ["BatchInfo", "DistributedDataset", "Dispatch", "distribute_dataset", "shard_bounds", "global_batch_sizes",
+           "batch_info", "find_batch_info"]
 
 log = get_logger(__name__)
 
@@ -190,7 +193,7 @@ class DistributedDataset:
     def __init__(self, dataset: Any, global_batch_size: int, *, num_replicas: int = 1, replica_id: int = 0,
                  device: torch.device | str = "cpu", shuffle: bool = True, seed: int = 0,
                  drop_remainder: bool = False, pad_empty_batches: bool = False, accumulation_steps: int = 1,
-                 collate_fn: Callable[[list[Any]], Any] | None = None):
+                 collate_fn: Callable[[list[Any]], Any] | None = None, dispatch: Dispatch | None = None):
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ValueError(
                 f"global_batch_size must be a positive integer. Received: {global_batch_size!r}. "
@@ -218,16 +221,25 @@ class DistributedDataset:
         self.device = torch.device(device)
         self.shuffle, self.seed, self.drop_remainder = bool(shuffle), int(seed), bool(drop_remainder)
         self.pad_empty_batches = bool(pad_empty_batches)
-        self._infos = self._batch_infos(sizes, max(1, int(accumulation_steps)))
+        self._sizes, self._k = sizes, max(1, int(accumulation_steps))
+        self._infos = self._batch_infos(sizes, self._k)
+        if dispatch is not None and self._k != 1:
+            raise ValueError("Batches handed out one at a time (parameter servers) cannot be accumulated. Received: "
+                             f"accumulation_steps={accumulation_steps}. Use accumulation_steps=1.")
+        self._dispatch = dispatch
+        self._passes = 0  # iterations started (names a dispatched pass)
+        #: ``{"examples": ..., "expected": ...}`` of the last complete dispatched pass (None: static split).
+        self.last_pass: dict[str, int] | None = None
         self._epoch = 0
         self._position = 0  # batches consumed in the current epoch
         self._resume_at = 0  # where the next iteration starts (load_state_dict)
         self._pin = self.device.type == "cuda"
 
-    def _batch_infos(self, sizes: list[int], k: int) -> list[BatchInfo]:
+    def _batch_infos(self, sizes: list[int], k: int, replica_id: int | None = None) -> list[BatchInfo]:
         infos = []
+        replica_id = self.replica_id if replica_id is None else replica_id
         for i, size in enumerate(sizes):
-            start, stop = shard_bounds(size, self.num_replicas, self.replica_id)
+            start, stop = shard_bounds(size, self.num_replicas, replica_id)
             w0, w1 = (i // k) * k, min((i // k) * k + k, len(sizes))
             padding = 1 if stop == start and self.pad_empty_batches else 0
             infos.append(BatchInfo(i, len(sizes), size, stop - start, padding, sum(sizes[w0:w1]), w1 - w0, i == w1 - 1))
@@ -288,16 +300,51 @@ class DistributedDataset:
             raise ValueError(f"batch must be in [0, {len(self)}]. Received: {batch}.")
         order = self.order() if self.shuffle else None
         self._position = batch
-        for info in self._infos[batch:]:
-            value = _attach(self._fetch(order, info), info)
-            self._position = info.index + 1
-            yield value
+        self._passes += 1
+        if self._dispatch is not None:
+            yield from self._dispatched(self._dispatch, order, batch)
+        else:
+            for info in self._infos[batch:]:
+                value = _attach(self._fetch(order, info), info)
+                self._position = info.index + 1
+                yield value
         self._epoch += 1
         self._position = 0
 
-    def _fetch(self, order: torch.Tensor | None, info: BatchInfo) -> Any:
+    def _dispatched(self, dispatch: Dispatch, order: torch.Tensor | None, start: int) -> Iterator[Any]:
+        """Yield the batches the dispatcher hands this replica: its own shares first, a dead replica's after."""
+        spec = {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size,
+                "drop_remainder": self.drop_remainder, "start": start, "epoch": self._epoch,
+                "num_replicas": self.num_replicas}
+        infos: dict[int, list[BatchInfo]] = {self.replica_id: self._infos}
+        step = 0
+        while True:
+            answer = dispatch(f"{dispatch.name}.{self._passes}", step, spec)
+            if answer["kind"] == "stop":
+                self.last_pass = {"examples": int(answer["examples"]), "expected": int(answer["expected"])}
+                return
+            if answer["kind"] == "unit":
+                r = int(answer["r"])
+                if r not in infos:
+                    infos[r] = self._batch_infos(self._sizes, 1, r)
+                info = infos[r][int(answer["g"])]
+            else:  # an empty step: no example, the same step count as the replicas still working
+                last = self._infos[-1]
+                info = BatchInfo(last.index, last.num_batches, last.global_batch_size, 0,
+                                 1 if self.pad_empty_batches else 0, last.global_batch_size, 1, True)
+                r = self.replica_id
+            value = _attach(self._fetch(order, info, r), info)
+            step += 1
+            self._position = max(self._position, info.index + 1)
+            yield value
+
+    def _fetch(self, order: torch.Tensor | None, info: BatchInfo, replica_id: int | None = None) -> Any:
         first = info.index * self.global_batch_size
-        start, stop = shard_bounds(info.global_batch_size, self.num_replicas, self.replica_id)
+        if info.local_batch_size == 0:
+            start = stop = 0
+        else:
+            start, stop = shard_bounds(info.global_batch_size, self.num_replicas,
+                                       self.replica_id if replica_id is None else replica_id)
         lo, hi = first + start, first + stop
         if info.num_padding_examples:  # an empty share, padded with the batch's first example
             lo, hi = first, first + 1
@@ -320,6 +367,21 @@ class DistributedDataset:
     def __repr__(self) -> str:
         return (f"DistributedDataset({self.num_examples} examples, global_batch_size={self.global_batch_size}, "
                 f"{len(self)} batches/epoch, replica {self.replica_id}/{self.num_replicas}, epoch={self._epoch})")
+
+
+class Dispatch:
+    """Where a replica gets its batches one at a time: ``dispatch(key, step, spec)`` answers each step.
+
+    The answer is ``{"kind": "unit", "g": global batch, "r": whose share}``, ``{"kind": "empty"}`` (a
+    step without examples) or ``{"kind": "stop", "examples": ..., "expected": ...}``. ``name`` makes the
+    pass keys of one dataset (the same on every replica that distributes the same datasets in order).
+    """
+
+    def __init__(self, name: str, ask: Callable[[str, int, dict[str, Any]], dict[str, Any]]):
+        self.name, self._ask = name, ask
+
+    def __call__(self, key: str, step: int, spec: dict[str, Any]) -> dict[str, Any]:
+        return self._ask(key, step, spec)
 
 
 def distribute_dataset(dataset: Any, global_batch_size: int, **kwargs: Any) -> DistributedDataset:

@@ -1,4 +1,4 @@
-"""`towers launch --strategy ps` with a dead non-chief worker: async finishes without it, sync stops.
+"""`towers launch --strategy ps` with a dead non-chief worker: both modes finish without it.
 
 The real command in a new session with a deadline (the process group is killed on timeout), and
 no process left behind. One job of 1 ps task + 2 workers; worker rank 1 exits with code 3 after
@@ -78,19 +78,16 @@ def test_async_job_finishes_without_a_dead_worker(tmp_path):
     assert re.search(r"WARNING towers\.launch\.launcher: worker rank 1 \(local rank 1\) exited with code 3 during "
                      r"the job; the parameter-server job finished without it", err), err
     # the chief logged it and trained to the end; the ps applied every push of both workers, once
-    assert "worker 1 (rank 1) is gone" in err and "the other workers go on (async mode)" in err, err
+    assert "worker 1 (rank 1) is gone" in err and "the other workers go on" in err, err
     expected = f"chief finished steps={STEPS} applied=[{STEPS}, {VICTIM_STEPS}] version={STEPS + VICTIM_STEPS} dead=[1]"
     assert expected in out, f"missing {expected!r} in:\n{out}\nstderr:\n{err}"
 
 
-def test_sync_job_stops_when_a_worker_dies(tmp_path):
-    code, out, err, ended = run_ps_launch(tmp_path, "sync")
-    assert code != 0, f"stdout:\n{out}\nstderr:\n{err}"
-    match = re.search(r"worker rank 1 dies at ([0-9.]+)", out)
-    assert match, out
-    assert ended - float(match.group(1)) < 20.0, f"the job took too long to stop\n{err}"
-    assert "chief finished" not in out, out
-    assert "worker 1 (rank 1) is gone" in err and "sync mode needs every worker, so the job stops" in err, err
-    # the launcher's own error names the rank that stopped the job and, before it, the dead worker
-    assert re.search(r"towers launch: rank [02] \(local rank [02], pid \d+\) exited with code 1", err), err
-    assert "Before that, worker rank 1 (local rank 1) exited with code 3" in err, err
+def test_sync_job_finishes_without_a_dead_worker(tmp_path):
+    code, out, err, _ = run_ps_launch(tmp_path, "sync")
+    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "worker rank 1 dies at" in out, out
+    assert "worker 1 (rank 1) is gone" in err and "the other workers go on" in err, err
+    # rounds with both workers until the death, then the chief's pushes alone: one update per round
+    expected = f"chief finished steps={STEPS} applied=[{STEPS}, {VICTIM_STEPS}] version={STEPS} dead=[1]"
+    assert expected in out, f"missing {expected!r} in:\n{out}\nstderr:\n{err}"

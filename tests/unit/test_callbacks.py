@@ -69,8 +69,9 @@ def test_hooks_order_and_documented_logs():
     assert [b["size"] for b in batch_logs] == [16, 16, 8] and [b["examples"] for b in batch_logs] == [16, 32, 40]
     assert set(batch_logs[0]) == {"loss", "accuracy", "size", "examples", "nonfinite_replicas", "global_step"}
     epoch_logs = next(c[2] for c in rec.calls if c[0] == "on_epoch_end")
-    assert set(epoch_logs) == {"loss", "accuracy", "val_loss", "val_accuracy", "lr"}
+    assert set(epoch_logs) == {"loss", "accuracy", "val_loss", "val_accuracy", "lr", "examples", "val_examples"}
     assert epoch_logs["loss"] == batch_logs[-1]["loss"]  # the epoch value is the running mean at its end
+    assert epoch_logs["examples"] == 40 and epoch_logs["val_examples"] == 40  # every example, counted
     rec.calls.clear()
     trainer.predict(x, batch_size=32, callbacks=[rec])
     assert [c[0] for c in rec.calls] == ["on_predict_begin", "on_predict_batch_begin", "on_predict_batch_end",

@@ -29,7 +29,7 @@ def test_fit_evaluate_predict():
     trainer = _trainer()
     history = trainer.fit((x, y), 4, 16, validation_data=(x, y))
     assert history.epoch == [0, 1, 2, 3] and trainer.history is history
-    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy", "lr"}
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy", "lr", "examples", "val_examples"}
     assert history["loss"][-1] < history["loss"][0]
     assert trainer.progress.global_step == 4 * 4  # 50 examples / 16 = 4 batches, the last one partial
     result = trainer.evaluate((x, y), 7)  # another batch size: the same example-weighted means
@@ -82,7 +82,7 @@ def test_default_strategy_and_bad_inputs():
     model = nn.Linear(4, 2)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
     assert trainer.strategy.name == "one_device" and trainer.strategy.num_replicas_in_sync == 1
-    with pytest.raises(ValueError, match="epochs must be an integer >= 0. Received: -1"):
+    with pytest.raises(ValueError, match="epochs must be an integer >= 1. Received: epochs=-1"):
         trainer.fit((x, y), -1, 8)
     with pytest.raises(ValueError, match="global_batch_size must be an integer >= 1"):
         trainer.fit((x, y), 1, 0)

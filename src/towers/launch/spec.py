@@ -214,7 +214,7 @@ class LaunchSpec:
         survives = bool(entry is not None and entry.survives_dead_worker)
         if tolerate and not survives:
             raise ValueError(
-                f"--tolerate-worker-failures only applies to --strategy ps (async parameter servers go on without a "
+                f"--tolerate-worker-failures only applies to --strategy ps (parameter servers go on without a "
                 f"dead worker; every other strategy needs all of them). Received: --strategy {strategy}. Drop the "
                 "flag or use --strategy ps.")
         set_("strategy", strategy)
@@ -302,8 +302,8 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
     group.add_argument("--tolerate-worker-failures", default=None,
                        action=argparse.BooleanOptionalAction,
                        help="--strategy ps only (default: on there): a non-chief worker that fails does not stop the "
-                            "job; the launcher names it and the others finish (async mode; a sync-mode job still "
-                            "stops). The chief or a ps task failing always stops it. Such a worker "
+                            "job; the launcher names it and the others finish, taking over its batches. The chief or a ps "
+                            "task failing always stops it. Such a worker "
                             "death never triggers --max-restarts; --no-tolerate-worker-failures makes it stop (or "
                             "restart) the whole job, as torchrun does")
     group.add_argument("--interface", default=None, metavar="NAME",

@@ -2,8 +2,8 @@
 
 torchrun's elastic agent has gang semantics: as soon as one of its processes exits non-zero it
 stops all the others (and restarts the group when ``--max-restarts`` allows). In
-``--strategy ps`` ``async`` mode that is wrong for a non-chief worker: the ps tasks notice it is
-gone and the others train on. So ``towers launch --strategy ps`` starts every process as
+``--strategy ps`` that is wrong for a non-chief worker: the ps tasks notice it is gone and the
+others train on, taking over its batches. So ``towers launch --strategy ps`` starts every process as
 
     python -u -m towers.launch.supervise [--report-dir DIR] -- <the worker's command>
 
@@ -17,9 +17,6 @@ forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 to it, waits, and then de
   for the launcher in ``--report-dir``, and exit 0, so the agent lets the job go on;
 - the chief or a ps task failed (or the role is unknown): exit as the child did (a signal death
   is re-raised on the supervisor), so the agent stops the job and the launcher names the rank.
-
-In ``sync`` mode the job still stops: the ps tasks fail the round that misses the dead worker,
-and the error of the ps task or the chief ends the job (see ``docs/architecture.md``).
 
 On Linux the child leads its own process group and dies with the supervisor
 (``PR_SET_PDEATHSIG``), as under ``dumb-init``/``tini -p``: the agent's ``killpg`` reaches the
@@ -83,7 +80,7 @@ def decide(info: ProcessInfo | None, returncode: int, *, stop_requested: bool = 
     if info.task.type != "worker" or info.is_chief:
         return _propagate(returncode)
     message = (f"towers: worker rank {info.rank} {describe_exit(returncode)}; the parameter-server job continues "
-               "without it (async mode; a sync-mode job stops at its next round)")
+               "without it (the others take over its batches)")
     return Decision(exit_code=0, tolerated=True, message=message)
 
 

@@ -90,6 +90,10 @@ class MetricSet:
         chosen = self.metrics if external else self.summed
         return {"loss": self.loss.result(), **{m.name: m.result() for m in chosen}}
 
+    def examples(self) -> float:
+        """Return how many examples the accumulated sums cover."""
+        return float(self.loss.state_dict()["totals"][1].item())
+
     def all(self) -> list[Metric | ExternalMetric]:
         """Return the loss metric and every user metric."""
         return [self.loss, *self.metrics]

@@ -106,10 +106,13 @@ class Trainer:
             raise user_error("Trainer.fit needs an optimizer", "Trainer(model, optimizer=None, ...)",
                              "Pass one, e.g. Trainer(model, torch.optim.Adam(model.parameters()), loss=...).",
                              cls=RuntimeError)
-        for name, value, low in (("epochs", epochs, 0), ("global_batch_size", global_batch_size, 1),
+        for name, value, low in (("epochs", epochs, 1), ("global_batch_size", global_batch_size, 1),
                                  ("initial_epoch", initial_epoch, 0)):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}. Received: {value!r}.")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}. Received: {name}={value!r}.")
+        if initial_epoch >= epochs:
+            raise ValueError(f"epochs is the epoch to train up to, so it must be > initial_epoch. Received: epochs={epochs}, "
+                             f"initial_epoch={initial_epoch}: nothing would train. Use epochs={initial_epoch + 1} or more.")
         if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
             raise ValueError(f"steps_per_epoch must be a positive integer or None. Received: {steps_per_epoch!r}.")
         train_set = as_dataset(train_data, "train_data")
@@ -141,6 +144,7 @@ class Trainer:
                               resume["rng"] if resume is not None else None)
             resume = None
             epoch_logs = self._train_metrics.results()
+            epoch_logs["examples"] = float(self._epoch_examples(train_set, global_batch_size))
             if val_set is not None:
                 val_logs = self._evaluate(val_set, global_batch_size, cbs)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
@@ -163,6 +167,8 @@ class Trainer:
                 ckpt.set_rng_state(rng)
                 rng = None
         it = self._epoch_iterator(train_set, global_batch_size, shuffle, p.epoch, p.step)
+        if hasattr(self._train_batches, "last_pass"):
+            self._train_batches.last_pass = None  # set again when this epoch's pass completes
         if rng is not None:
             # Saved mid-epoch, after the iterator was built (which may draw from the RNGs): restore
             # only once this run's iterator is built and positioned.
@@ -191,6 +197,18 @@ class Trainer:
                 if self.stop_training:
                     break
         self._sync_train_metrics()  # the epoch's sums are complete before its logs are read
+
+    def _epoch_examples(self, train_set: Dataset, global_batch_size: int) -> int:
+        """The examples this epoch trained on: as the parameter servers counted them, else its global batches'."""
+        counted = getattr(self._train_batches, "last_pass", None)
+        if counted is not None:
+            if counted["examples"] != counted["expected"]:
+                log.warning("epoch %d trained on %d of its %d examples", self.progress.epoch, counted["examples"],
+                            counted["expected"])
+            return int(counted["examples"])
+        full, rest = divmod(len(cast(Sized, train_set)), global_batch_size)
+        sizes = [global_batch_size] * full + ([rest] if rest else [])
+        return sum(sizes[:self.progress.step])
 
     def _epoch_iterator(self, train_set: Dataset, global_batch_size: int, shuffle: bool, epoch: int,
                         start: int) -> Iterator[Any]:
@@ -307,6 +325,11 @@ class Trainer:
                 cbs.call("on_test_batch_end", batch_index, {})
         metrics.accumulate(self.strategy.reduce("sum", local))
         logs = metrics.results()
+        logs["examples"] = metrics.examples()
+        if logs["examples"] != len(cast(Sized, dataset)) and self.strategy.is_chief:
+            warnings.warn(f"evaluate covered {int(logs['examples'])} of the {len(cast(Sized, dataset))} examples: a "
+                          "worker died after its share was handed out and before its results were combined. Evaluate "
+                          "again for a complete score.", RuntimeWarning, stacklevel=3)
         cbs.call("on_test_end", dict(logs))
         self.model.train(was_training)
         return logs

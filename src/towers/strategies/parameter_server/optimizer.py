@@ -22,11 +22,13 @@ __all__ = ["ParameterServerOptimizer"]
 class ParameterServerOptimizer(torch.optim.Optimizer):
     """Wraps the user's optimizer: ``step()`` = push gradients, ps applies them, pull fresh parameters."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, bound: BoundModel | None, sparse: SparseTables | None = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, bound: BoundModel | None, sparse: SparseTables | None = None,
+                 empty_step: Callable[[], bool] = lambda: False):
         self._building = True
         self.optimizer = optimizer
         self._bound = bound
         self._sparse = sparse
+        self._empty_step = empty_step  # True when the step's batch had no example
         # Passing the user's group dicts makes both optimizers share them (torch keeps the dicts it is given).
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
@@ -40,7 +42,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         if self._sparse is not None:
             self._sparse.push()
         if self._bound is not None:
-            self._bound.push_pull()
+            self._bound.push_pull(empty=self._empty_step())
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -11,7 +11,8 @@ shard state sits behind one condition variable:
 * ``sync``: pushes of one round are summed; the last arrival applies one step for all.
 
 Workers that said goodbye or died stop counting for rounds, staleness and gathers. A dead
-worker is logged and, in ``sync`` mode, fails the job (every waiting worker gets the error).
+worker is logged and the others go on, in both modes: a sync round applies the pushes of the
+live workers, and ps task 0 hands the dead worker's batches to them (``dispatch.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from towers._logging import get_logger
 from towers.diagnostics import set_role
+from towers.strategies.parameter_server.dispatch import Dispatcher
 from towers.strategies.parameter_server.gather import GatherTable
 from towers.strategies.parameter_server.requests import RequestError, build_optimizer, clone_state
 from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, ParamSpec, signature_mismatch
@@ -76,6 +78,7 @@ class ParameterServer:
         self.sum_buf = torch.empty(0, dtype=torch.uint8)
         self.round_buf = torch.empty(0, dtype=torch.uint8)  # the values a finished round sends back
         self.embeddings = EmbeddingService(self, num_ps)
+        self.dispatcher = Dispatcher(self) if ps_index == 0 else None  # batches handed out to the workers
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def serve(self) -> dict[str, Any]:
@@ -108,7 +111,8 @@ class ParameterServer:
                     "version": self.version, "worker_versions": list(self.worker_versions),
                     "max_lead": self.max_lead, "dead": dict(self.dead), "finished": sorted(self.finished),
                     "num_params": len(self.params), "nbytes": self.params_buf.numel(),
-                    "embeddings": self.embeddings.stats()}
+                    "embeddings": self.embeddings.stats(),
+                    "passes": self.dispatcher.stats() if self.dispatcher is not None else {}}
 
     def _who(self, w: int) -> str:
         return f"worker {w} (rank {self.worker_ranks[w]})"
@@ -174,9 +178,8 @@ class ParameterServer:
             self.dead[w] = reason
             log.warning("ps task %d: %s is gone (%s); %d worker(s) left", self.ps_index, self._who(w), reason,
                         len(self._active()))
-            if self.mode == "sync" and self.failure is None:
-                self.failure = (f"{self._who(w)} is gone ({reason}); sync mode needs every worker, so the job "
-                                "stops. Restart it (BackupAndRestore resumes from the last checkpoint).")
+            if self.dispatcher is not None:
+                self.dispatcher.on_dead(w)
             self._progress()
 
     def _progress(self) -> None:
@@ -208,6 +211,10 @@ class ParameterServer:
             return {"meta": result}
         if msg.op == Op.STATS:
             return {"meta": self.stats()}
+        if msg.op == Op.DISPATCH:
+            if self.dispatcher is None:
+                raise RequestError(f"ps task {self.ps_index} hands out no batches; ask ps task 0.", Status.BAD_INPUT)
+            return {"meta": self.dispatcher.next(w, msg.meta)}
         if Op.EMB_REGISTER <= msg.op <= Op.EMB_SET:
             return self.embeddings.handle(w, msg)
         if self.layout is None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from towers._logging import get_logger, set_rank
 from towers.cluster.info import ProcessInfo
-from towers.data import DistributedDataset
+from towers.data import Dispatch, DistributedDataset, find_batch_info
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
 from towers.strategies._collectives import as_tensor, check_op
@@ -36,6 +36,7 @@ from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.optimizer import ParameterServerOptimizer
 from towers.strategies.parameter_server.roles import Roles, resolve_roles
 from towers.strategies.parameter_server.server import ParameterServer
+from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.worker import BoundModel
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
 
@@ -68,6 +69,8 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "ps"
+    #: Hand batches out one at a time from ps task 0, so survivors take over a dead worker's share.
+    _dispatch_batches = True
 
     def __init__(self, num_ps: int | None = None, mode: str = "async", staleness: int | None = None, *,
                  info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
@@ -96,6 +99,8 @@ class ParameterServerStrategy(Strategy):
         self._optimizer: torch.optim.Optimizer | None = None
         self._stats: dict[str, Any] | None = None
         self._comm: PsComm | None = None
+        self._datasets = 0  # distribute_dataset calls: names each dataset's passes the same on every worker
+        self._empty_step = False  # the last step's batch had no example
         self._device = self._replica_device()
         self._precision = resolve_precision(precision, self._device)
         if self._precision.needs_loss_scaling:
@@ -230,7 +235,9 @@ class ParameterServerStrategy(Strategy):
         prepared = self._compile(prepared, compile)
         self._optimizer = optimizer
         self._prepared_any = True
-        return prepared, (ParameterServerOptimizer(optimizer, bound, sparse) if optimizer is not None else None)
+        optimizer_out = (ParameterServerOptimizer(optimizer, bound, sparse, empty_step=lambda: self._empty_step)
+                         if optimizer is not None else None)
+        return prepared, optimizer_out
 
     def _bind_tables(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                      client: ParameterClient) -> SparseTables | None:
@@ -263,6 +270,8 @@ class ParameterServerStrategy(Strategy):
                 "strategy.prepare(model, optimizer)` first: under ParameterServerStrategy only a prepared model "
                 "trains the parameters the ps tasks hold (otherwise every worker would train a model of its own); "
                 "then call the returned model and optimizer inside the step.")
+        info = find_batch_info(args, kwargs)
+        self._empty_step = info is not None and info.local_batch_size == 0
         return super().run(fn, args, kwargs)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
@@ -279,17 +288,28 @@ class ParameterServerStrategy(Strategy):
             stats = self._client.stats()[0]
             for w, reason in sorted(stats["dead"].items()):
                 log.warning("worker %d (rank %d) is gone (%s); %s", w, w, reason,
-                            "the other workers go on (async mode)" if self.mode == "async" else "the job stops")
+                            "the other workers go on and take over its batches")
 
     def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                            drop_remainder: bool = False, pad_empty_batches: bool = False,
                            collate_fn: Callable[[list[Any]], Any] | None = None) -> DistributedDataset:
-        """Return this worker's share of each global batch of ``dataset`` (workers are the replicas; see ``towers.data``)."""
-        self._require_worker("distribute_dataset")
+        """Return this worker's share of each global batch of ``dataset`` (workers are the replicas; see ``towers.data``).
+
+        The batches come from ps task 0 one at a time: a worker's own share first, then the share of
+        a worker that died, so every example of a pass is used although a worker is gone.
+        """
+        client = self._require_worker("distribute_dataset")
+        self._datasets += 1
+        dispatch = None
+        if self._dispatch_batches:
+            def ask(key: str, step: int, spec: dict[str, Any]) -> dict[str, Any]:
+                return client.request(Op.DISPATCH, ps=[0], metas=[{"key": key, "step": step, "spec": spec}])[0].meta
+
+            dispatch = Dispatch(f"d{self._datasets}", ask)
         return DistributedDataset(
             dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
             device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
-            pad_empty_batches=pad_empty_batches, collate_fn=collate_fn)
+            pad_empty_batches=pad_empty_batches, collate_fn=collate_fn, dispatch=dispatch)
 
     # --- communication (met at ps task 0: see comm.py) ---------------------------------------------------
     def _comm_or_fail(self, what: str) -> PsComm:

@@ -59,10 +59,10 @@ class Op:
     """Request kinds (worker -> ps) and the reply kind (ps -> worker)."""
 
     REGISTER, PUSH, PULL, SET_PARAMS, GET_STATE, SET_STATE, STATS, GATHER, BYE, REPLY = range(1, 11)
-    EMB_REGISTER, EMB_PULL, EMB_PUSH, EMB_GET, EMB_SET = range(11, 16)
+    EMB_REGISTER, EMB_PULL, EMB_PUSH, EMB_GET, EMB_SET, DISPATCH = range(11, 17)
     NAMES = {1: "register", 2: "push", 3: "pull", 4: "set_params", 5: "get_state", 6: "set_state",
              7: "stats", 8: "gather", 9: "bye", 10: "reply", 11: "embedding_register", 12: "embedding_pull",
-             13: "embedding_push", 14: "embedding_get", 15: "embedding_set"}
+             13: "embedding_push", 14: "embedding_get", 15: "embedding_set", 16: "dispatch"}
 
 
 class Status:

@@ -91,8 +91,12 @@ class BoundModel:
         return {"cls": optimizer_name(self.optimizer), "defaults": dict(self.optimizer.defaults),
                 "groups": self.opt_groups[p]}
 
-    def push_pull(self) -> None:
-        """Send every shard's gradients (and changed hyperparameters); receive the updated parameters in place."""
+    def push_pull(self, empty: bool = False) -> None:
+        """Send every shard's gradients (and changed hyperparameters); receive the updated parameters in place.
+
+        ``empty``: the step had no example; its push updates nothing (an optimizer with momentum would
+        otherwise still move) but counts as the step, like everyone else's, in a sync round.
+        """
         self._rebind()
         metas, pieces = [], []
         for p in self.active:
@@ -100,8 +104,9 @@ class BoundModel:
             big = {i for _, _, i in self.segments[p] if i is not None}
             for pos, (i, view) in enumerate(zip(self.shards[p], self.grad_views[p])):
                 grad = self.params[i].grad
-                mask.append(grad is not None)
-                if grad is None:
+                mask.append(grad is not None and not empty)
+                if grad is None or empty:
+                    view.zero_()  # a sync round adds whole buffers: no stale gradient of an earlier step
                     continue
                 if pos in big and grad.device.type == "cpu" and grad.dtype == view.dtype and grad.is_contiguous():
                     direct[pos] = grad.detach().reshape(-1).view(torch.uint8)  # sent as is: no copy

@@ -6,9 +6,10 @@ every replica sees the same numbers and takes the same decisions):
 * ``on_train_batch_end(batch, logs)``: ``loss`` and each metric (running means over the epoch so
   far), ``size`` (examples in this global batch), ``examples`` (examples seen this epoch),
   ``nonfinite_replicas`` (replicas whose loss for this batch was NaN/inf), ``global_step``.
-* ``on_epoch_end(epoch, logs)``: ``loss``, each metric, ``val_loss``/``val_<metric>`` when
-  ``fit`` got ``validation_data``, ``lr`` (the first param group's learning rate).
-* ``on_test_batch_end``/``on_test_end``: ``loss`` and each metric (no ``val_`` prefix).
+* ``on_epoch_end(epoch, logs)``: ``loss``, each metric, ``examples`` (examples the epoch trained on),
+  ``val_loss``/``val_<metric>``/``val_examples`` when ``fit`` got ``validation_data``, ``lr`` (the
+  first param group's learning rate).
+* ``on_test_end``: ``loss``, each metric and ``examples`` (no ``val_`` prefix); ``on_test_batch_end``: ``{}``.
 * ``on_predict_batch_end(batch, logs)``: ``outputs`` (this batch's predictions).
 * ``*_begin`` hooks get ``{}`` (``on_train_batch_begin`` gets ``{"size": ...}`` when known).
 
