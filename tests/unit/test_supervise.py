@@ -35,7 +35,7 @@ def test_a_non_chief_worker_failure_is_tolerated():
     decision = decide(info_of(1), 3)
     assert decision.tolerated and decision.exit_code == 0 and decision.signal_number is None
     assert decision.message.startswith("towers: worker rank 1 exited with code 3; the parameter-server job "
-                                       "continues without it (async mode")
+                                       "continues without it (the others take over its batches)")
 
 
 @pytest.mark.parametrize("rank, role", [(0, "the chief"), (2, "the ps task")])

@@ -9,8 +9,9 @@ code 0 (like TF's ``server.join()``), so the rest of the training script runs on
 ``exit_on_ps=False`` returns instead (tests, notebooks): check ``strategy.is_ps``.
 
 Collectives (``reduce``, ``gather``, ``barrier``, ``*_object``) meet at ps task 0, not among the
-workers, so they keep working after a worker dies in ``async`` mode: they then combine the
-values of the live workers only.
+workers, so they keep working after a worker dies: they then combine the values of the live
+workers only. ``distribute_dataset`` gets its batches from ps task 0 one at a time, so the others
+take over a dead worker's share (``dispatch.py``).
 """
 
 from __future__ import annotations
@@ -317,7 +318,7 @@ class ParameterServerStrategy(Strategy):
         return self._comm  # type: ignore[return-value]  # set together with the client
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
-        """Combine ``value`` over the workers with ``op``; in ``async`` mode after a worker died: over the live ones.
+        """Combine ``value`` over the workers with ``op``; after a worker died: over the live ones.
 
         Raises:
             ValueError: on an unknown op or an axis the value does not have.

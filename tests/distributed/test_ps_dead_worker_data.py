@@ -1,0 +1,129 @@
+"""A worker killed at a random point of a parameter-server job loses no example: the others take its batches.
+
+The real command (``towers launch --strategy ps``, 3 workers + 1 ps task) trains ``Trainer.fit``
+with validation data and then evaluates. A non-chief worker SIGKILLs itself at a point drawn from
+a seeded RNG: at a train batch (mid-epoch or an epoch's first), at a validation batch, during the
+final ``evaluate``, or from a timer at a random instant (which can land inside a push).
+
+The check counts examples, not accuracy. The model is ``w . x`` on one-hot inputs with the
+prediction itself as the loss and plain SGD (lr = global batch size), so each use of example ``i``
+in an applied gradient lowers ``w[i]`` by exactly 1: ``-w`` after training is how many times each
+example was trained on. Sync mode: exactly once per epoch; async: at least once. The History's
+``examples``/``val_examples`` and the final ``evaluate`` count every example too.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import textwrap
+from pathlib import Path
+
+import pytest
+from cli_support import run, towers_command
+
+pytestmark = pytest.mark.timeout(240)
+
+EXAMPLES, VAL_EXAMPLES, BATCH, EPOCHS = 60, 27, 6, 3
+
+SCRIPT = f"""
+    import json, os, signal, sys, threading
+    import torch
+    from torch import nn
+    import towers
+
+    MODE, WHERE, VICTIM, EPOCH, BATCH_AT, DELAY = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \\
+        int(sys.argv[5]), float(sys.argv[6])
+    N, NV, B, EPOCHS = {EXAMPLES}, {VAL_EXAMPLES}, {BATCH}, {EPOCHS}
+
+    strategy = towers.strategy_from_env(mode=MODE, timeout_s=60)  # a ps task serves here, then exits 0
+    rank = strategy.process_info.rank
+    model = nn.Linear(N, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    x = torch.eye(N)
+    y = torch.zeros(N)
+
+    def prediction_as_loss(y_pred, y_true, reduction="none"):
+        return y_pred.reshape(-1)
+
+    class Killer(towers.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.epoch = 0
+            self.final = False
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def _maybe(self, phase, batch):
+            if rank == VICTIM and WHERE == phase and self.epoch == EPOCH and batch == BATCH_AT:
+                print(f"worker rank {{rank}} dies at {{phase}} epoch {{self.epoch}} batch {{batch}}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._maybe("train", batch)
+
+        def on_test_batch_begin(self, batch, logs=None):
+            self._maybe("final" if self.final else "val", batch)
+
+    if rank == VICTIM and WHERE == "timer":
+        timer = threading.Timer(DELAY, lambda: os.kill(os.getpid(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+
+    killer = Killer()
+    trainer = towers.Trainer(model, torch.optim.SGD(model.parameters(), lr=float(B)), loss=prediction_as_loss,
+                             strategy=strategy)
+    history = trainer.fit((x, y), epochs=EPOCHS, global_batch_size=B, validation_data=(x[:NV], y[:NV]),
+                          callbacks=[killer], shuffle=True)
+    killer.final, killer.epoch = True, EPOCH
+    final = trainer.evaluate((x[:NV], y[:NV]), global_batch_size=B, callbacks=[killer])
+    if strategy.is_chief:
+        uses = (-trainer.unwrapped_model.state_dict()["weight"].reshape(-1)).tolist()  # async: pulls first
+        print("RESULT " + json.dumps({{"uses": uses, "examples": history.history["examples"],
+                                       "val_examples": history.history["val_examples"],
+                                       "final_examples": final["examples"],
+                                       "dead": sorted(strategy.ps_stats()[0]["dead"])}}), flush=True)
+    strategy.shutdown()
+"""
+
+# (mode, where, epoch, batch): points chosen to cover mid-epoch, an epoch's start and evaluation; the rest drawn.
+FIXED = [("sync", "train", 1, 4), ("sync", "val", 1, 2), ("async", "train", 0, 7), ("async", "final", 0, 1)]
+
+
+def _drawn(seed: int) -> tuple[str, str, int, int, float, int]:
+    rng = random.Random(seed)
+    mode = rng.choice(["sync", "async"])
+    where = rng.choice(["train", "val", "timer"])
+    epoch = rng.randrange(EPOCHS)
+    batch = rng.randrange(EXAMPLES // BATCH if where == "train" else -(-VAL_EXAMPLES // BATCH))
+    return mode, where, epoch, batch, rng.uniform(0.1, 1.0), rng.choice([1, 2])
+
+
+CASES = [(*case, 0.0, 1 + i % 2) for i, case in enumerate(FIXED)] + [_drawn(seed) for seed in (11, 12)]
+
+
+@pytest.mark.parametrize("mode,where,epoch,batch,delay,victim", CASES,
+                         ids=[f"{c[0]}-{c[1]}-e{c[2]}b{c[3]}-w{c[5]}" for c in CASES])
+def test_a_killed_worker_loses_no_example(tmp_path: Path, mode, where, epoch, batch, delay, victim):
+    script = tmp_path / "dead_worker_data.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    command = [*towers_command(), "launch", "--strategy", "ps", "--num-ps", "1", "--nproc-per-node", "4",
+               "--monitor-interval", "0.2", str(script), mode, where, str(victim), str(epoch), str(batch), str(delay)]
+    result = run(command, cwd=tmp_path, deadline_s=180, marker=str(script))
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    line = next((ln for ln in out.splitlines() if "RESULT " in ln), None)
+    assert line is not None, f"stdout:\n{out}\nstderr:\n{err}"
+    found = json.loads(line.split("RESULT ", 1)[1])
+    died = where == "timer" and found["dead"] or f"worker rank {victim} dies at" in out
+    assert died and found["dead"] == [victim], f"the victim did not die where asked:\n{out}\n{err}"
+    uses = [round(u) for u in found["uses"]]
+    assert all(abs(u - round(u)) < 1e-3 for u in found["uses"]), found["uses"]
+    if mode == "sync":
+        assert uses == [EPOCHS] * EXAMPLES, f"examples not trained on exactly {EPOCHS} times: {uses}\n{err}"
+    else:
+        assert min(uses) >= EPOCHS, f"examples lost in async mode: {uses}\n{err}"
+    assert found["examples"] == [float(EXAMPLES)] * EPOCHS, found
+    assert found["val_examples"] == [float(VAL_EXAMPLES)] * EPOCHS, found
+    assert found["final_examples"] == VAL_EXAMPLES, found

@@ -1,0 +1,167 @@
+"""ps task 0's batch dispatcher without processes: own shares first, a dead worker's shares to the others, equal steps."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from towers.strategies.parameter_server.dispatch import Dispatcher, unit_sizes
+from towers.strategies.parameter_server.requests import RequestError
+
+
+class WouldWait(Exception):
+    pass
+
+
+class FakeServer:
+    """What the dispatcher reads of a ParameterServer: the lock, live workers, applied pushes on ps 0."""
+
+    def __init__(self, workers: int):
+        self.cond = threading.Condition()
+        self.links = [None] * workers
+        self.dead: dict[int, str] = {}
+        self.worker_versions = [0] * workers
+        self.wait_s = 0.0  # > 0: wait like the ps does (for requests asked together, in threads)
+
+    def _active(self) -> set[int]:
+        return {w for w in range(len(self.links)) if w not in self.dead}
+
+    def _wait(self, ready: Any, what: str, missing: Any) -> None:
+        if not self.cond.wait_for(ready, timeout=self.wait_s):
+            raise WouldWait(f"{what} waits for {sorted(missing())}")
+
+    def kill(self, dispatcher: Dispatcher, w: int) -> None:
+        self.dead[w] = "killed"
+        dispatcher.on_dead(w)
+
+
+def spec(n: int = 10, b: int = 4, workers: int = 2, start: int = 0) -> dict[str, Any]:
+    return {"num_examples": n, "global_batch_size": b, "drop_remainder": False, "start": start, "epoch": 0,
+            "num_replicas": workers}
+
+
+def ask(d: Dispatcher, w: int, step: int, key: str = "d1.1", **kw: Any) -> tuple:
+    answer = d.next(w, {"key": key, "step": step, "spec": spec(**kw)})
+    return (answer["kind"], answer.get("g"), answer.get("r")) if answer["kind"] != "stop" else (
+        "stop", answer["examples"], answer["expected"])
+
+
+def ask_together(d: Dispatcher, requests: list[tuple[int, int]], **kw: Any) -> list[tuple]:
+    """Ask ``(worker, step)`` requests at once, each in its own thread, as their link threads on ps 0 would."""
+    d.server.wait_s = 10.0
+    answers: dict[int, tuple] = {}
+    threads = [threading.Thread(target=lambda i=i, w=w, s=s: answers.__setitem__(i, ask(d, w, s, **kw)))
+               for i, (w, s) in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    d.server.wait_s = 0.0
+    return [answers.get(i) for i in range(len(requests))]
+
+
+def test_unit_sizes_match_the_static_split():
+    assert unit_sizes(spec(10, 4, 3)) == [[2, 1, 1], [2, 1, 1], [1, 1, 0]]
+
+
+def test_every_worker_alive_gets_exactly_its_static_shares_then_stops_at_the_same_step():
+    server = FakeServer(2)
+    d = Dispatcher(server)
+    for step, g in enumerate(range(3)):  # 10 examples in batches of 4: 3 global batches
+        assert ask(d, 0, step) == ("unit", g, 0)
+        assert ask(d, 1, step) == ("unit", g, 1)
+        server.worker_versions = [v + 1 for v in server.worker_versions]  # both pushed
+    assert ask_together(d, [(0, 3), (1, 3)]) == [("stop", 10, 10)] * 2
+
+
+def test_a_dead_workers_unapplied_and_remaining_shares_go_to_the_survivors():
+    server = FakeServer(3)
+    d = Dispatcher(server)
+    kw = {"n": 12, "b": 3, "workers": 3}  # 4 global batches of 3: one example per share
+    for w in range(3):
+        assert ask(d, w, 0, **kw) == ("unit", 0, w)
+    server.worker_versions = [1, 1, 1]  # step 0 applied everywhere
+    for w in range(3):
+        assert ask(d, w, 1, **kw) == ("unit", 1, w)
+    server.worker_versions = [2, 2, 1]  # worker 2 dies before its push of step 1 reached ps 0
+    server.kill(d, 2)
+    got = [ask(d, w, s, **kw) for s in (2, 3, 4) for w in (0, 1)]
+    assert got[:4] == [("unit", 2, 0), ("unit", 2, 1), ("unit", 3, 0), ("unit", 3, 1)]
+    # then the orphans, in order: (1, 2) unapplied, (2, 2) and (3, 2) never handed out
+    assert got[4:] == [("unit", 1, 2), ("unit", 2, 2)]
+    assert ask(d, 0, 5, **kw) == ("unit", 3, 2)
+    assert ask(d, 1, 5, **kw) == ("empty", None, None)  # worker 0 still works at step 5: same step count
+    assert ask_together(d, [(0, 6), (1, 6)], **kw) == [("stop", 12, 12)] * 2
+
+
+def test_an_applied_share_of_a_dead_worker_is_not_handed_out_again():
+    server = FakeServer(2)
+    d = Dispatcher(server)
+    assert ask(d, 0, 0) == ("unit", 0, 0) and ask(d, 1, 0) == ("unit", 0, 1)
+    server.worker_versions = [1, 1]  # both pushes applied, then worker 1 dies between steps
+    server.kill(d, 1)
+    assert [ask(d, 0, s)[1:] for s in (1, 2, 3, 4)] == [(1, 0), (2, 0), (1, 1), (2, 1)]
+    assert ask(d, 0, 5) == ("stop", 10, 10)
+
+
+def test_an_evaluation_pass_hands_every_share_of_a_dead_worker_out_again():
+    server = FakeServer(2)
+    d = Dispatcher(server)  # no push between the steps: nothing is applied
+    assert ask(d, 0, 0) == ("unit", 0, 0) and ask(d, 1, 0) == ("unit", 0, 1)
+    assert ask(d, 1, 1) == ("unit", 1, 1)
+    server.kill(d, 1)
+    assert [ask(d, 0, s)[1:] for s in (1, 2, 3, 4, 5)] == [(1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert ask(d, 0, 6) == ("stop", 10, 10)
+
+
+def test_a_worker_ahead_waits_for_the_others_and_a_worker_behind_gets_empty_steps():
+    server = FakeServer(2)
+    d = Dispatcher(server)
+    kw = {"n": 8, "b": 4}  # 2 global batches
+    assert ask(d, 0, 0, **kw)[0] == "unit" and ask(d, 0, 1, **kw)[0] == "unit"
+    with pytest.raises(WouldWait, match=r"step 2 waits for \[1\]"):
+        ask(d, 0, 2, **kw)  # its shares are done; worker 1 may still die and leave some
+    assert ask(d, 1, 0, **kw)[0] == "unit" and ask(d, 1, 1, **kw)[0] == "unit"
+    server.worker_versions = [2, 2]
+    assert ask_together(d, [(0, 2), (1, 2)], **kw) == [("stop", 8, 8)] * 2
+
+
+def test_workers_that_disagree_on_a_pass_get_an_error_naming_both_specs():
+    d = Dispatcher(FakeServer(2))
+    ask(d, 0, 0)
+    with pytest.raises(RequestError, match="same dataset size, global_batch_size") as err:
+        ask(d, 1, 0, n=11)
+    assert "'num_examples': 11" in str(err.value) and "'num_examples': 10" in str(err.value)
+
+
+def test_a_pass_started_after_a_worker_died_gives_its_shares_to_the_others_from_the_start():
+    server = FakeServer(2)
+    d = Dispatcher(server)
+    server.kill(d, 1)
+    assert [ask(d, 0, s)[1:] for s in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert ask(d, 0, 6) == ("stop", 10, 10)
+
+
+def test_a_worker_waiting_at_the_end_takes_the_share_of_a_worker_that_dies_meanwhile():
+    server = FakeServer(2)
+    d = Dispatcher(server)
+    kw = {"n": 8, "b": 4}
+    for s in (0, 1):
+        assert ask(d, 0, s, **kw) == ("unit", s, 0) and ask(d, 1, s, **kw) == ("unit", s, 1)
+        server.worker_versions[0] += 1  # worker 0 pushes each step; worker 1 only its first
+        server.worker_versions[1] = 1  # worker 1's last share (1, 1) is not applied yet
+    server.wait_s = 10.0
+    answer: list[tuple] = []
+    waiter = threading.Thread(target=lambda: answer.append(ask(d, 0, 2, **kw)))
+    waiter.start()
+    with server.cond:  # worker 0 is waiting (it asked) before worker 1 dies
+        assert server.cond.wait_for(lambda: d.passes["d1.1"].asked.get(0) == 2, timeout=10)
+        server.kill(d, 1)
+        server.cond.notify_all()
+    waiter.join(20)
+    assert answer == [("unit", 1, 1)]
+    server.worker_versions = [3, 1]
+    server.wait_s = 0.0
+    assert ask(d, 0, 3, **kw) == ("stop", 8, 8)
