@@ -9,6 +9,7 @@ same bytes between the workers (no ps) is timed too, and the shipped towers tran
 
     python benchmarks/ps_transport.py --repeats 7
     python benchmarks/ps_transport.py --interleaved --sizes 10M --repeats 15   # step vs all-reduce, one job
+    python benchmarks/ps_transport.py --raw-chunks 1,4,10 --sizes 10M --repeats 7  # the wire alone, pipelined
 
 Results go in BENCHMARKS.md.
 """
@@ -207,6 +208,81 @@ def _interleaved(numel: int, repeats: int, warmup: int, mode: str) -> dict | Non
             "ratio_median": statistics.median(ratios)}
 
 
+def _raw_chunked(numel: int, chunks: int, repeats: int, warmup: int) -> dict | None:
+    """The wire alone, pipelined: each worker posts its gradient in ``chunks`` pieces and the receives of the
+    reply at once; the ps updates chunk k (``add_``) and sends it back while chunk k+1 arrives. Alternated in
+    blocks of 5 with all-reduces of the same bytes, as ``_interleaved`` does; return the same medians."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = _env_rank()
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    store = dist.distributed_c10d._get_default_store()
+    workers_group = dist.new_group(list(range(world - 1)))
+    ps, block = world - 1, 5
+
+    def pair(w: int) -> Any:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = datetime.timedelta(seconds=120)
+        return dist.ProcessGroupGloo(dist.PrefixStore(f"chunked/{w}", store), 0 if rank == w else 1, 2, opts)
+
+    bounds = [numel * k // chunks for k in range(chunks + 1)]
+    ranges = list(zip(bounds, bounds[1:]))
+    if rank == ps:
+        groups = [pair(w) for w in range(world - 1)]
+        params, lock = torch.randn(numel), threading.Lock()
+
+        def serve(g: Any) -> None:
+            grad = torch.empty(numel)
+            for _ in range((repeats + warmup) * block):
+                works, sends = [g.recv([grad[a:b]], 0, 0) for a, b in ranges], []
+                for (a, b), work in zip(ranges, works):
+                    work.wait()
+                    with lock:
+                        params[a:b].add_(grad[a:b], alpha=-1e-6)
+                    sends.append(g.send([params[a:b]], 0, 0))
+                for work in sends:
+                    work.wait()
+
+        threads = [threading.Thread(target=serve, args=(g,)) for g in groups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        dist.barrier()
+        dist.destroy_process_group()
+        return None
+    g = pair(rank)
+    grad, params, flat = torch.randn(numel), torch.empty(numel), torch.randn(numel)
+    steps, reduces, ratios = [], [], []
+    for i in range(repeats + warmup):
+        dist.barrier(group=workers_group)
+        step_ms = []
+        for _ in range(block):
+            t0 = time.perf_counter()
+            works = [g.send([grad[a:b]], 1, 0) for a, b in ranges] + [g.recv([params[a:b]], 1, 0) for a, b in ranges]
+            for work in works:
+                work.wait()
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+        dist.barrier(group=workers_group)
+        reduce_ms = []
+        for _ in range(block):
+            t0 = time.perf_counter()
+            dist.all_reduce(flat, group=workers_group)
+            reduce_ms.append((time.perf_counter() - t0) * 1e3)
+        if i >= warmup:
+            steps.append(statistics.median(step_ms))
+            reduces.append(statistics.median(reduce_ms))
+            ratios.append(steps[-1] / reduces[-1])
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"step_ms": statistics.median(steps), "allreduce_ms": statistics.median(reduces),
+            "ratio_median": statistics.median(ratios)}
+
+
 def main() -> None:
     """Run every measurement and print a markdown table."""
     import towers
@@ -221,7 +297,21 @@ def main() -> None:
     parser.add_argument("--interleaved", action="store_true",
                         help="only: async optimizer.step() vs all-reduce of the same bytes, alternated in blocks of 5 "
                              "in one job of 2 workers + 1 ps (the ratio that noise from other processes affects least)")
+    parser.add_argument("--raw-chunks", default=None, metavar="C1,C2",
+                        help="only: the wire alone (raw Gloo send/recv, ps add_ per chunk), pipelined in C chunks, "
+                             "alternated with all-reduces as --interleaved does")
     args = parser.parse_args()
+    if args.raw_chunks:
+        print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}", flush=True)
+        for label in args.sizes.split(","):
+            for chunks in (int(c) for c in args.raw_chunks.split(",")):
+                res = towers.spawn(_raw_chunked, 3, args=(SIZES[label], chunks, args.repeats, args.warmup),
+                                   timeout_s=600, threads_per_process=1)
+                for w, r in enumerate(res[:2]):
+                    print(f"{label} {chunks} chunk(s) worker {w}: raw push+pull {r['step_ms']:.1f} ms, all-reduce "
+                          f"{r['allreduce_ms']:.1f} ms, median ratio {r['ratio_median']:.2f}x", flush=True)
+        print(f"load average (1 min) at end: {os.getloadavg()[0]:.2f}", flush=True)
+        return
     if args.interleaved:
         print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}", flush=True)
         for label in args.sizes.split(","):
