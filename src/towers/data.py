@@ -23,7 +23,7 @@ evaluation pass in between, or running a kept batch again never changes what a s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -65,6 +65,8 @@ class BatchInfo:
     batches_per_update: int
     #: True on the last micro-batch of an update: gradients are all-reduced and the optimizer steps.
     last_in_update: bool
+    #: ``(pass, global batch, replica)`` of a batch handed out one at a time (parameter servers), else None.
+    unit: tuple[str, int, int] | None = None
 
 
 #: Attribute under which a yielded tensor carries its batch's ``BatchInfo``.
@@ -319,7 +321,8 @@ class DistributedDataset:
         infos: dict[int, list[BatchInfo]] = {self.replica_id: self._infos}
         step = 0
         while True:
-            answer = dispatch(f"{dispatch.name}.{self._passes}", step, spec)
+            key = f"{dispatch.name}.{self._passes}"
+            answer = dispatch(key, step, spec)
             if answer["kind"] == "stop":
                 self.last_pass = {"examples": int(answer["examples"]), "expected": int(answer["expected"])}
                 return
@@ -327,7 +330,7 @@ class DistributedDataset:
                 r = int(answer["r"])
                 if r not in infos:
                     infos[r] = self._batch_infos(self._sizes, 1, r)
-                info = infos[r][int(answer["g"])]
+                info = replace(infos[r][int(answer["g"])], unit=(key, int(answer["g"]), r))
             else:  # an empty step: no example, the same step count as the replicas still working
                 last = self._infos[-1]
                 info = BatchInfo(last.index, last.num_batches, last.global_batch_size, 0,

@@ -15,6 +15,7 @@ example was trained on. Sync mode: exactly once per epoch; async: at least once.
 from __future__ import annotations
 
 import json
+import os
 import random
 import textwrap
 from pathlib import Path
@@ -94,17 +95,19 @@ FIXED = [("sync", "train", 1, 4), ("sync", "val", 1, 2), ("async", "train", 0, 7
 def _drawn(seed: int) -> tuple[str, str, int, int, float, int]:
     rng = random.Random(seed)
     mode = rng.choice(["sync", "async"])
-    where = rng.choice(["train", "val", "timer"])
+    where = rng.choice(["train", "val", "final", "timer"])
     epoch = rng.randrange(EPOCHS)
     batch = rng.randrange(EXAMPLES // BATCH if where == "train" else -(-VAL_EXAMPLES // BATCH))
     return mode, where, epoch, batch, rng.uniform(0.1, 1.0), rng.choice([1, 2])
 
 
-CASES = [(*case, 0.0, 1 + i % 2) for i, case in enumerate(FIXED)] + [_drawn(seed) for seed in (11, 12)]
+#: More drawn kill points: TOWERS_DEAD_WORKER_RUNS=20 python -m pytest tests/distributed/test_ps_dead_worker_data.py
+DRAWN = int(os.environ.get("TOWERS_DEAD_WORKER_RUNS", "2"))
+CASES = [(*case, 0.0, 1 + i % 2) for i, case in enumerate(FIXED)] + [_drawn(seed) for seed in range(11, 11 + DRAWN)]
 
 
 @pytest.mark.parametrize("mode,where,epoch,batch,delay,victim", CASES,
-                         ids=[f"{c[0]}-{c[1]}-e{c[2]}b{c[3]}-w{c[5]}" for c in CASES])
+                         ids=[f"{c[0]}-{c[1]}-e{c[2]}b{c[3]}-w{c[5]}-{i}" for i, c in enumerate(CASES)])
 def test_a_killed_worker_loses_no_example(tmp_path: Path, mode, where, epoch, batch, delay, victim):
     script = tmp_path / "dead_worker_data.py"
     script.write_text(textwrap.dedent(SCRIPT))

@@ -16,13 +16,12 @@ class WouldWait(Exception):
 
 
 class FakeServer:
-    """What the dispatcher reads of a ParameterServer: the lock, live workers, applied pushes on ps 0."""
+    """What the dispatcher reads of a ParameterServer: the lock and the live workers."""
 
     def __init__(self, workers: int):
         self.cond = threading.Condition()
         self.links = [None] * workers
         self.dead: dict[int, str] = {}
-        self.worker_versions = [0] * workers
         self.wait_s = 0.0  # > 0: wait like the ps does (for requests asked together, in threads)
 
     def _active(self) -> set[int]:
@@ -35,6 +34,11 @@ class FakeServer:
     def kill(self, dispatcher: Dispatcher, w: int) -> None:
         self.dead[w] = "killed"
         dispatcher.on_dead(w)
+
+
+def apply(d: Dispatcher, w: int, *units: tuple[int, int], key: str = "d1.1") -> None:
+    """Worker ``w``'s push naming ``units`` (global batch, replica) was applied on ps 0."""
+    d.applied(w, [[key, g, r] for g, r in units])
 
 
 def spec(n: int = 10, b: int = 4, workers: int = 2, start: int = 0) -> dict[str, Any]:
@@ -72,7 +76,8 @@ def test_every_worker_alive_gets_exactly_its_static_shares_then_stops_at_the_sam
     for step, g in enumerate(range(3)):  # 10 examples in batches of 4: 3 global batches
         assert ask(d, 0, step) == ("unit", g, 0)
         assert ask(d, 1, step) == ("unit", g, 1)
-        server.worker_versions = [v + 1 for v in server.worker_versions]  # both pushed
+        apply(d, 0, (g, 0))
+        apply(d, 1, (g, 1))
     assert ask_together(d, [(0, 3), (1, 3)]) == [("stop", 10, 10)] * 2
 
 
@@ -82,10 +87,12 @@ def test_a_dead_workers_unapplied_and_remaining_shares_go_to_the_survivors():
     kw = {"n": 12, "b": 3, "workers": 3}  # 4 global batches of 3: one example per share
     for w in range(3):
         assert ask(d, w, 0, **kw) == ("unit", 0, w)
-    server.worker_versions = [1, 1, 1]  # step 0 applied everywhere
+    for w in range(3):
+        apply(d, w, (0, w))  # step 0 applied everywhere
     for w in range(3):
         assert ask(d, w, 1, **kw) == ("unit", 1, w)
-    server.worker_versions = [2, 2, 1]  # worker 2 dies before its push of step 1 reached ps 0
+    apply(d, 0, (1, 0))
+    apply(d, 1, (1, 1))  # worker 2 dies before its push of step 1 reached ps 0
     server.kill(d, 2)
     got = [ask(d, w, s, **kw) for s in (2, 3, 4) for w in (0, 1)]
     assert got[:4] == [("unit", 2, 0), ("unit", 2, 1), ("unit", 3, 0), ("unit", 3, 1)]
@@ -100,7 +107,8 @@ def test_an_applied_share_of_a_dead_worker_is_not_handed_out_again():
     server = FakeServer(2)
     d = Dispatcher(server)
     assert ask(d, 0, 0) == ("unit", 0, 0) and ask(d, 1, 0) == ("unit", 0, 1)
-    server.worker_versions = [1, 1]  # both pushes applied, then worker 1 dies between steps
+    apply(d, 0, (0, 0))
+    apply(d, 1, (0, 1))  # both pushes applied, then worker 1 dies between steps
     server.kill(d, 1)
     assert [ask(d, 0, s)[1:] for s in (1, 2, 3, 4)] == [(1, 0), (2, 0), (1, 1), (2, 1)]
     assert ask(d, 0, 5) == ("stop", 10, 10)
@@ -124,7 +132,8 @@ def test_a_worker_ahead_waits_for_the_others_and_a_worker_behind_gets_empty_step
     with pytest.raises(WouldWait, match=r"step 2 waits for \[1\]"):
         ask(d, 0, 2, **kw)  # its shares are done; worker 1 may still die and leave some
     assert ask(d, 1, 0, **kw)[0] == "unit" and ask(d, 1, 1, **kw)[0] == "unit"
-    server.worker_versions = [2, 2]
+    apply(d, 0, (0, 0), (1, 0))
+    apply(d, 1, (0, 1), (1, 1))
     assert ask_together(d, [(0, 2), (1, 2)], **kw) == [("stop", 8, 8)] * 2
 
 
@@ -150,8 +159,8 @@ def test_a_worker_waiting_at_the_end_takes_the_share_of_a_worker_that_dies_meanw
     kw = {"n": 8, "b": 4}
     for s in (0, 1):
         assert ask(d, 0, s, **kw) == ("unit", s, 0) and ask(d, 1, s, **kw) == ("unit", s, 1)
-        server.worker_versions[0] += 1  # worker 0 pushes each step; worker 1 only its first
-        server.worker_versions[1] = 1  # worker 1's last share (1, 1) is not applied yet
+        apply(d, 0, (s, 0))
+    apply(d, 1, (0, 1))  # worker 1's last share (1, 1) is not applied yet
     server.wait_s = 10.0
     answer: list[tuple] = []
     waiter = threading.Thread(target=lambda: answer.append(ask(d, 0, 2, **kw)))
@@ -162,6 +171,24 @@ def test_a_worker_waiting_at_the_end_takes_the_share_of_a_worker_that_dies_meanw
         server.cond.notify_all()
     waiter.join(20)
     assert answer == [("unit", 1, 1)]
-    server.worker_versions = [3, 1]
+    apply(d, 0, (1, 1))
     server.wait_s = 0.0
     assert ask(d, 0, 3, **kw) == ("stop", 8, 8)
+
+
+def test_a_batch_fetched_ahead_and_not_run_is_handed_out_again_when_its_worker_dies():
+    server = FakeServer(2)
+    d = Dispatcher(server)
+    assert ask(d, 0, 0) == ("unit", 0, 0) and ask(d, 1, 0) == ("unit", 0, 1)
+    assert ask(d, 1, 1) == ("unit", 1, 1)  # worker 1 prefetches its next batch ...
+    apply(d, 1, (0, 1))  # ... then its push of the first one is applied
+    server.kill(d, 1)  # dies before running the prefetched batch
+    assert [ask(d, 0, s)[1:] for s in (1, 2, 3, 4)] == [(1, 0), (2, 0), (1, 1), (2, 1)]
+
+
+def test_a_model_without_dense_parameters_acknowledges_its_batches_apart():
+    server = FakeServer(2)
+    d = Dispatcher(server)
+    assert ask(d, 1, 0) == ("unit", 0, 1)
+    assert d.next(1, {"applied": [["d1.1", 0, 1]]}) == {}
+    assert d.passes["d1.1"].held[(0, 1)] == (1, True)

@@ -7,10 +7,11 @@ worker lives the split (and the maths) is exactly the static one. When a worker 
 remaining units and every unit it held whose gradient was not applied go back into the pass,
 and the survivors take them after their own.
 
-A unit counts as applied once its worker's next dense push reached ps task 0: a unit handed out
-while the worker had ``n`` applied pushes there is applied when that count exceeds ``n``. An
-evaluation pass pushes nothing, so a dead worker's evaluation units are all handed out again
-(its metric sums died with it).
+Each batch carries its unit; ``strategy.run`` collects the units it ran, and the worker's next
+push to ps task 0 names them. A unit counts as applied once that push was applied there (async)
+or arrived in its sync round (the round then applies it whatever happens to the worker). A unit
+fetched ahead and not yet run is not applied. An evaluation pass pushes nothing, so a dead
+worker's evaluation units are all handed out again (its metric sums died with it).
 
 Every live worker takes the same number of steps in a pass (the Trainer's collectives pair up
 by count): a worker with nothing left gets an *empty* step while another live worker still
@@ -55,7 +56,7 @@ class _Pass:
     sizes: list[list[int]]
     own: dict[int, deque[tuple[int, int]]]  # worker -> its own units (g, w) still to hand out
     orphans: deque[tuple[int, int]] = field(default_factory=deque)  # (g, r) of dead workers
-    held: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # unit -> (worker, pushes then)
+    held: dict[tuple[int, int], tuple[int, bool]] = field(default_factory=dict)  # unit -> (worker, applied)
     asked: dict[int, int] = field(default_factory=dict)  # worker -> the step it asked for last
     real: dict[int, int] = field(default_factory=dict)  # worker -> the last step it got a unit at
     closed: bool = False
@@ -73,11 +74,20 @@ class Dispatcher:
         self.passes: dict[str, _Pass] = {}
         self.closed_order: deque[str] = deque()
 
-    def _pushes(self, w: int) -> int:
-        return self.server.worker_versions[w]
+    def applied(self, w: int, units: Any) -> None:
+        """Record that worker ``w``'s gradients of ``units`` (``[key, g, r]`` each) were applied (lock held)."""
+        for key, g, r in units if isinstance(units, list) else []:
+            p = self.passes.get(str(key))
+            unit = (int(g), int(r))
+            if p is not None and p.held.get(unit, (None, True))[0] == w:
+                p.held[unit] = (w, True)
 
     def next(self, w: int, meta: Any) -> dict[str, Any]:
         """Answer worker ``w``'s request for the unit of step ``meta["step"]`` of pass ``meta["key"]``."""
+        if isinstance(meta, dict) and "applied" in meta:  # a model without dense parameters acknowledges apart
+            with self.server.cond:
+                self.applied(w, meta["applied"])
+            return {}
         if not isinstance(meta, dict) or not {"key", "step", "spec"} <= set(meta):
             raise RequestError("a dispatch request needs key, step and spec.", Status.BAD_INPUT)
         key, step, spec = str(meta["key"]), int(meta["step"]), meta["spec"]
@@ -100,7 +110,7 @@ class Dispatcher:
                 g, r = p.own[w].popleft() if p.own.get(w) else p.orphans.popleft()
                 if r != w:
                     log.info("ps task 0: worker %d takes global batch %d's share of worker %d (pass %s)", w, g, r, key)
-                p.held[(g, r)] = (w, self._pushes(w))
+                p.held[(g, r)] = (w, False)
                 p.real[w] = step
                 return {"kind": UNIT, "g": g, "r": r}
             if any(p.real.get(u, -1) >= step for u in server._active()):
@@ -138,9 +148,8 @@ class Dispatcher:
     def _orphan(self, p: _Pass, w: int) -> int:
         """Put ``w``'s remaining and unapplied units of ``p`` back for the others; return how many."""
         units = list(p.own.pop(w, deque()))
-        pushes = self._pushes(w)
-        for unit, (holder, before) in list(p.held.items()):
-            if holder == w and pushes <= before:
+        for unit, (holder, done) in list(p.held.items()):
+            if holder == w and not done:
                 del p.held[unit]
                 units.append(unit)
         p.orphans.extend(sorted(units))
@@ -152,7 +161,7 @@ class Dispatcher:
         """Hand ``w``'s share of every open pass to the survivors (caller holds the lock)."""
         for p in self.passes.values():
             if p.closed:
-                lost = [u for u, (holder, before) in p.held.items() if holder == w and self._pushes(w) <= before]
+                lost = [u for u, (holder, done) in p.held.items() if holder == w and not done]
                 if lost:
                     log.warning("ps task 0: worker %d died after dataset pass %s ended, holding %d unit(s) whose "
                                 "results it had not handed in; that pass's results miss them", w, p.key, len(lost))

@@ -23,12 +23,14 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     """Wraps the user's optimizer: ``step()`` = push gradients, ps applies them, pull fresh parameters."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, bound: BoundModel | None, sparse: SparseTables | None = None,
-                 empty_step: Callable[[], bool] = lambda: False):
+                 empty_step: Callable[[], bool] = lambda: False,
+                 ran_units: Callable[[], list[Any]] = list):
         self._building = True
         self.optimizer = optimizer
         self._bound = bound
         self._sparse = sparse
         self._empty_step = empty_step  # True when the step's batch had no example
+        self._ran_units = ran_units  # the dispatched batches whose gradients this step pushes
         # Passing the user's group dicts makes both optimizers share them (torch keeps the dicts it is given).
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
@@ -41,9 +43,16 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._sparse is not None:
             self._sparse.push()
+        units = self._ran_units()
         if self._bound is not None:
-            self._bound.push_pull(empty=self._empty_step())
+            self._bound.push_pull(empty=self._empty_step(), units=units)
+        elif units:  # no dense push reaches ps task 0: tell it apart which batches were applied
+            self._sparse_ack(units)
         return loss
+
+    def _sparse_ack(self, units: list[Any]) -> None:
+        if self._sparse is not None:
+            self._sparse.client.request(Op.DISPATCH, ps=[0], metas=[{"applied": units}])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' gradients and those of the embedding rows looked up since the last step."""

@@ -301,6 +301,7 @@ class ParameterServer:
 
     def _push(self, w: int, msg: Message) -> dict[str, Any]:
         mask, hyper = (msg.meta or {}).get("mask"), (msg.meta or {}).get("hyper")
+        units = (msg.meta or {}).get("units")
         grads = self._shard().views(_flat(msg))
         with self.cond:
             if self.mode == "async":
@@ -313,6 +314,8 @@ class ParameterServer:
                 for i, p in enumerate(self.params):
                     p.grad = grads[i] if mask is None or mask[i] else None
                 self._step([w])
+                if units and self.dispatcher is not None:
+                    self.dispatcher.applied(w, units)
                 # The reply reads the parameters in place, after the lock is released: like TF's unlocked
                 # variable reads in async training, it may mix in part of another worker's concurrent update.
                 # Copying a snapshot first cost one pass over the shard per push (measured: BENCHMARKS.md).
@@ -324,6 +327,8 @@ class ParameterServer:
                 s.copy_(g) if not self.arrivals else s.add_(g)
             self.present = [a or mask is None or bool(mask[i]) for i, a in enumerate(self.present)]
             self.arrivals.add(w)
+            if units and self.dispatcher is not None:  # the round applies an arrival whatever happens to w
+                self.dispatcher.applied(w, units)
             self._progress()
             self._wait(lambda: self.round != my_round, f"sync round {my_round}",
                        lambda: self._active() - self.arrivals)

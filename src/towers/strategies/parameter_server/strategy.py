@@ -102,6 +102,7 @@ class ParameterServerStrategy(Strategy):
         self._comm: PsComm | None = None
         self._datasets = 0  # distribute_dataset calls: names each dataset's passes the same on every worker
         self._empty_step = False  # the last step's batch had no example
+        self._ran_units: list[list[Any]] = []  # dispatched batches run since the last push: [pass, g, r]
         self._device = self._replica_device()
         self._precision = resolve_precision(precision, self._device)
         if self._precision.needs_loss_scaling:
@@ -236,7 +237,8 @@ class ParameterServerStrategy(Strategy):
         prepared = self._compile(prepared, compile)
         self._optimizer = optimizer
         self._prepared_any = True
-        optimizer_out = (ParameterServerOptimizer(optimizer, bound, sparse, empty_step=lambda: self._empty_step)
+        optimizer_out = (ParameterServerOptimizer(optimizer, bound, sparse, empty_step=lambda: self._empty_step,
+                                                  ran_units=self._take_units)
                          if optimizer is not None else None)
         return prepared, optimizer_out
 
@@ -254,6 +256,11 @@ class ParameterServerStrategy(Strategy):
         sparse.register()
         self._sparse = sparse
         return sparse
+
+    def _take_units(self) -> list[list[Any]]:
+        """The dispatched batches run since the last push (their gradients are in this one); forgets them."""
+        units, self._ran_units = self._ran_units, []
+        return units
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return [self._optimizer] if self._optimizer is not None else []
@@ -273,6 +280,8 @@ class ParameterServerStrategy(Strategy):
                 "then call the returned model and optimizer inside the step.")
         info = find_batch_info(args, kwargs)
         self._empty_step = info is not None and info.local_batch_size == 0
+        if info is not None and info.unit is not None:
+            self._ran_units.append(list(info.unit))
         return super().run(fn, args, kwargs)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,

@@ -91,11 +91,12 @@ class BoundModel:
         return {"cls": optimizer_name(self.optimizer), "defaults": dict(self.optimizer.defaults),
                 "groups": self.opt_groups[p]}
 
-    def push_pull(self, empty: bool = False) -> None:
+    def push_pull(self, empty: bool = False, units: list[Any] | None = None) -> None:
         """Send every shard's gradients (and changed hyperparameters); receive the updated parameters in place.
 
         ``empty``: the step had no example; its push updates nothing (an optimizer with momentum would
         otherwise still move) but counts as the step, like everyone else's, in a sync round.
+        ``units``: the dispatched batches whose gradients this push carries (told to ps task 0).
         """
         self._rebind()
         metas, pieces = [], []
@@ -120,10 +121,14 @@ class BoundModel:
             hyper = self._hyper(p)
             if hyper is not None:
                 meta["hyper"] = hyper
+            if p == 0 and units:
+                meta["units"] = units
             metas.append(meta or None)
         replies = self.client.request(Op.PUSH, ps=self.active, metas=metas, flat_parts=pieces,
                                       replies_into=[self.param_bufs[p] for p in self.active])
         self.pushes += 1
+        if units and 0 not in self.active:  # ps task 0 holds none of these parameters: tell it apart
+            self.client.request(Op.DISPATCH, ps=[0], metas=[{"applied": units}])
         for p, reply in zip(self.active, replies):
             self.versions[p] = reply.ints[0]
             if reply.ints[2] > self.dead_seen:
