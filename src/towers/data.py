@@ -319,27 +319,29 @@ class DistributedDataset:
                 "drop_remainder": self.drop_remainder, "start": start, "epoch": self._epoch,
                 "num_replicas": self.num_replicas}
         infos: dict[int, list[BatchInfo]] = {self.replica_id: self._infos}
+        key = f"{dispatch.name}.{self._passes}"  # this pass's name, the same on every replica
         step = 0
         while True:
-            key = f"{dispatch.name}.{self._passes}"
             answer = dispatch(key, step, spec)
             if answer["kind"] == "stop":
                 self.last_pass = {"examples": int(answer["examples"]), "expected": int(answer["expected"])}
                 return
-            if answer["kind"] == "unit":
-                r = int(answer["r"])
-                if r not in infos:
-                    infos[r] = self._batch_infos(self._sizes, 1, r)
-                info = replace(infos[r][int(answer["g"])], unit=(key, int(answer["g"]), r))
+            batches: list[tuple[BatchInfo, int]] = []
+            if answer["kind"] == "unit":  # one or more units, each a replica's share of a global batch
+                for g, r in answer["units"]:
+                    if r not in infos:
+                        infos[r] = self._batch_infos(self._sizes, 1, r)
+                    batches.append((replace(infos[r][g], unit=(key, g, r)), r))
             else:  # an empty step: no example, the same step count as the replicas still working
                 last = self._infos[-1]
-                info = BatchInfo(last.index, last.num_batches, last.global_batch_size, 0,
-                                 1 if self.pad_empty_batches else 0, last.global_batch_size, 1, True)
-                r = self.replica_id
-            value = _attach(self._fetch(order, info, r), info)
-            step += 1
-            self._position = max(self._position, info.index + 1)
-            yield value
+                batches.append((BatchInfo(last.index, last.num_batches, last.global_batch_size, 0,
+                                          1 if self.pad_empty_batches else 0, last.global_batch_size, 1, True),
+                                self.replica_id))
+            for info, r in batches:
+                value = _attach(self._fetch(order, info, r), info)
+                step += 1
+                self._position = max(self._position, info.index + 1)
+                yield value
 
     def _fetch(self, order: torch.Tensor | None, info: BatchInfo, replica_id: int | None = None) -> Any:
         first = info.index * self.global_batch_size
@@ -373,11 +375,12 @@ class DistributedDataset:
 
 
 class Dispatch:
-    """Where a replica gets its batches one at a time: ``dispatch(key, step, spec)`` answers each step.
+    """Where a replica gets its batches at run time: ``dispatch(key, step, spec)`` answers for step ``step``.
 
-    The answer is ``{"kind": "unit", "g": global batch, "r": whose share}``, ``{"kind": "empty"}`` (a
-    step without examples) or ``{"kind": "stop", "examples": ..., "expected": ...}``. ``name`` makes the
-    pass keys of one dataset (the same on every replica that distributes the same datasets in order).
+    The answer is ``{"kind": "unit", "units": [[global batch, whose share], ...]}`` (the batches of
+    the next steps), ``{"kind": "empty"}`` (a step without examples) or ``{"kind": "stop",
+    "examples": ..., "expected": ...}``. ``name`` makes the pass keys of one dataset (the same on
+    every replica that distributes the same datasets in order).
     """
 
     def __init__(self, name: str, ask: Callable[[str, int, dict[str, Any]], dict[str, Any]]):

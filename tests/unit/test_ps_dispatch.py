@@ -48,8 +48,10 @@ def spec(n: int = 10, b: int = 4, workers: int = 2, start: int = 0) -> dict[str,
 
 def ask(d: Dispatcher, w: int, step: int, key: str = "d1.1", **kw: Any) -> tuple:
     answer = d.next(w, {"key": key, "step": step, "spec": spec(**kw)})
-    return (answer["kind"], answer.get("g"), answer.get("r")) if answer["kind"] != "stop" else (
-        "stop", answer["examples"], answer["expected"])
+    if answer["kind"] == "unit":
+        assert len(answer["units"]) == 1, answer
+        return ("unit", *answer["units"][0])
+    return ("empty", None, None) if answer["kind"] == "empty" else ("stop", answer["examples"], answer["expected"])
 
 
 def ask_together(d: Dispatcher, requests: list[tuple[int, int]], **kw: Any) -> list[tuple]:
@@ -72,7 +74,7 @@ def test_unit_sizes_match_the_static_split():
 
 def test_every_worker_alive_gets_exactly_its_static_shares_then_stops_at_the_same_step():
     server = FakeServer(2)
-    d = Dispatcher(server)
+    d = Dispatcher(server, lease=1)
     for step, g in enumerate(range(3)):  # 10 examples in batches of 4: 3 global batches
         assert ask(d, 0, step) == ("unit", g, 0)
         assert ask(d, 1, step) == ("unit", g, 1)
@@ -83,7 +85,7 @@ def test_every_worker_alive_gets_exactly_its_static_shares_then_stops_at_the_sam
 
 def test_a_dead_workers_unapplied_and_remaining_shares_go_to_the_survivors():
     server = FakeServer(3)
-    d = Dispatcher(server)
+    d = Dispatcher(server, lease=1)
     kw = {"n": 12, "b": 3, "workers": 3}  # 4 global batches of 3: one example per share
     for w in range(3):
         assert ask(d, w, 0, **kw) == ("unit", 0, w)
@@ -105,7 +107,7 @@ def test_a_dead_workers_unapplied_and_remaining_shares_go_to_the_survivors():
 
 def test_an_applied_share_of_a_dead_worker_is_not_handed_out_again():
     server = FakeServer(2)
-    d = Dispatcher(server)
+    d = Dispatcher(server, lease=1)
     assert ask(d, 0, 0) == ("unit", 0, 0) and ask(d, 1, 0) == ("unit", 0, 1)
     apply(d, 0, (0, 0))
     apply(d, 1, (0, 1))  # both pushes applied, then worker 1 dies between steps
@@ -116,7 +118,7 @@ def test_an_applied_share_of_a_dead_worker_is_not_handed_out_again():
 
 def test_an_evaluation_pass_hands_every_share_of_a_dead_worker_out_again():
     server = FakeServer(2)
-    d = Dispatcher(server)  # no push between the steps: nothing is applied
+    d = Dispatcher(server, lease=1)  # no push between the steps: nothing is applied
     assert ask(d, 0, 0) == ("unit", 0, 0) and ask(d, 1, 0) == ("unit", 0, 1)
     assert ask(d, 1, 1) == ("unit", 1, 1)
     server.kill(d, 1)
@@ -126,7 +128,7 @@ def test_an_evaluation_pass_hands_every_share_of_a_dead_worker_out_again():
 
 def test_a_worker_ahead_waits_for_the_others_and_a_worker_behind_gets_empty_steps():
     server = FakeServer(2)
-    d = Dispatcher(server)
+    d = Dispatcher(server, lease=1)
     kw = {"n": 8, "b": 4}  # 2 global batches
     assert ask(d, 0, 0, **kw)[0] == "unit" and ask(d, 0, 1, **kw)[0] == "unit"
     with pytest.raises(WouldWait, match=r"step 2 waits for \[1\]"):
@@ -138,7 +140,7 @@ def test_a_worker_ahead_waits_for_the_others_and_a_worker_behind_gets_empty_step
 
 
 def test_workers_that_disagree_on_a_pass_get_an_error_naming_both_specs():
-    d = Dispatcher(FakeServer(2))
+    d = Dispatcher(FakeServer(2), lease=1)
     ask(d, 0, 0)
     with pytest.raises(RequestError, match="same dataset size, global_batch_size") as err:
         ask(d, 1, 0, n=11)
@@ -147,7 +149,7 @@ def test_workers_that_disagree_on_a_pass_get_an_error_naming_both_specs():
 
 def test_a_pass_started_after_a_worker_died_gives_its_shares_to_the_others_from_the_start():
     server = FakeServer(2)
-    d = Dispatcher(server)
+    d = Dispatcher(server, lease=1)
     server.kill(d, 1)
     assert [ask(d, 0, s)[1:] for s in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
     assert ask(d, 0, 6) == ("stop", 10, 10)
@@ -155,7 +157,7 @@ def test_a_pass_started_after_a_worker_died_gives_its_shares_to_the_others_from_
 
 def test_a_worker_waiting_at_the_end_takes_the_share_of_a_worker_that_dies_meanwhile():
     server = FakeServer(2)
-    d = Dispatcher(server)
+    d = Dispatcher(server, lease=1)
     kw = {"n": 8, "b": 4}
     for s in (0, 1):
         assert ask(d, 0, s, **kw) == ("unit", s, 0) and ask(d, 1, s, **kw) == ("unit", s, 1)
@@ -178,7 +180,7 @@ def test_a_worker_waiting_at_the_end_takes_the_share_of_a_worker_that_dies_meanw
 
 def test_a_batch_fetched_ahead_and_not_run_is_handed_out_again_when_its_worker_dies():
     server = FakeServer(2)
-    d = Dispatcher(server)
+    d = Dispatcher(server, lease=1)
     assert ask(d, 0, 0) == ("unit", 0, 0) and ask(d, 1, 0) == ("unit", 0, 1)
     assert ask(d, 1, 1) == ("unit", 1, 1)  # worker 1 prefetches its next batch ...
     apply(d, 1, (0, 1))  # ... then its push of the first one is applied
@@ -188,7 +190,32 @@ def test_a_batch_fetched_ahead_and_not_run_is_handed_out_again_when_its_worker_d
 
 def test_a_model_without_dense_parameters_acknowledges_its_batches_apart():
     server = FakeServer(2)
-    d = Dispatcher(server)
+    d = Dispatcher(server, lease=1)
     assert ask(d, 1, 0) == ("unit", 0, 1)
     assert d.next(1, {"applied": [["d1.1", 0, 1]]}) == {}
     assert d.passes["d1.1"].held[(0, 1)] == (1, True)
+
+
+def test_own_shares_go_out_several_at_a_time_and_a_dead_workers_one_at_a_time():
+    server = FakeServer(2)
+    d = Dispatcher(server, lease=4)
+    kw = {"n": 20, "b": 2}  # 10 global batches
+    first = d.next(0, {"key": "d1.1", "step": 0, "spec": spec(**kw)})
+    assert first == {"kind": "unit", "units": [[0, 0], [1, 0], [2, 0], [3, 0]]}
+    lease = d.next(1, {"key": "d1.1", "step": 0, "spec": spec(**kw)})["units"]
+    apply(d, 1, *(tuple(u) for u in lease[:2]))  # ran two of its four, then died
+    server.kill(d, 1)
+    assert d.next(0, {"key": "d1.1", "step": 4, "spec": spec(**kw)})["units"] == [[4, 0], [5, 0], [6, 0], [7, 0]]
+    assert d.next(0, {"key": "d1.1", "step": 8, "spec": spec(**kw)})["units"] == [[8, 0], [9, 0]]
+    orphans = [d.next(0, {"key": "d1.1", "step": s, "spec": spec(**kw)})["units"] for s in range(10, 18)]
+    assert orphans == [[[g, 1]] for g in range(2, 10)]  # its unrun lease and its remaining shares, one by one
+    assert ask(d, 0, 18, **kw) == ("stop", 20, 20)
+
+
+def test_a_pushs_one_batch_rides_in_the_header_ints_and_anything_else_in_the_json():
+    from towers.strategies.parameter_server.worker import pack_unit, unpack_unit
+
+    assert pack_unit([["d3.7", 5, 1]]) == (3, 7, 5, 1) and unpack_unit((3, 7, 5, 1)) == [["d3.7", 5, 1]]
+    assert pack_unit([["d3.7", 5, 1], ["d3.7", 6, 1]]) is None  # several: JSON
+    assert pack_unit([]) is None and pack_unit(None) is None and unpack_unit((0, 0, 0, 0)) is None
+    assert pack_unit([["custom", 1, 2]]) is None

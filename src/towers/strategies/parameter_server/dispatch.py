@@ -13,6 +13,9 @@ or arrived in its sync round (the round then applies it whatever happens to the 
 fetched ahead and not yet run is not applied. An evaluation pass pushes nothing, so a dead
 worker's evaluation units are all handed out again (its metric sums died with it).
 
+A request hands out up to ``LEASE`` of the worker's own units at once (one round trip to ps
+task 0 per ``LEASE`` steps); a dead worker's units go out one at a time, to spread them.
+
 Every live worker takes the same number of steps in a pass (the Trainer's collectives pair up
 by count): a worker with nothing left gets an *empty* step while another live worker still
 works at that step, and the pass ends for all at the first step at which nobody got a unit.
@@ -31,7 +34,7 @@ from towers.strategies.parameter_server.transport import Status
 if TYPE_CHECKING:
     from towers.strategies.parameter_server.server import ParameterServer
 
-__all__ = ["Dispatcher", "UNIT", "EMPTY", "STOP", "unit_sizes"]
+__all__ = ["Dispatcher", "UNIT", "EMPTY", "STOP", "LEASE", "unit_sizes"]
 
 log = get_logger(__name__)
 
@@ -39,6 +42,8 @@ log = get_logger(__name__)
 UNIT, EMPTY, STOP = "unit", "empty", "stop"
 _SPEC_KEYS = ("num_examples", "global_batch_size", "drop_remainder", "start", "epoch", "num_replicas")
 _MAX_CLOSED = 16
+#: Own units handed out per request.
+LEASE = 32
 
 
 def unit_sizes(spec: dict[str, Any]) -> list[list[int]]:
@@ -69,8 +74,8 @@ class _Pass:
 class Dispatcher:
     """The passes in progress on ps task 0 (guarded by the server's condition variable)."""
 
-    def __init__(self, server: "ParameterServer"):
-        self.server = server
+    def __init__(self, server: "ParameterServer", lease: int = LEASE):
+        self.server, self.lease = server, lease
         self.passes: dict[str, _Pass] = {}
         self.closed_order: deque[str] = deque()
 
@@ -107,12 +112,15 @@ class Dispatcher:
             if p.closed:
                 return {"kind": STOP, **p.result}
             if self._available(p, w):
-                g, r = p.own[w].popleft() if p.own.get(w) else p.orphans.popleft()
-                if r != w:
-                    log.info("ps task 0: worker %d takes global batch %d's share of worker %d (pass %s)", w, g, r, key)
-                p.held[(g, r)] = (w, False)
-                p.real[w] = step
-                return {"kind": UNIT, "g": g, "r": r}
+                own = p.own.get(w)
+                units = [own.popleft() for _ in range(min(self.lease, len(own)))] if own else [p.orphans.popleft()]
+                for g, r in units:
+                    if r != w:
+                        log.info("ps task 0: worker %d takes global batch %d's share of worker %d (pass %s)", w, g,
+                                 r, key)
+                    p.held[(g, r)] = (w, False)
+                p.real[w] = p.asked[w] = step + len(units) - 1  # as if it had asked for each of them
+                return {"kind": UNIT, "units": [list(u) for u in units]}
             if any(p.real.get(u, -1) >= step for u in server._active()):
                 return {"kind": EMPTY}
             self._close(p)

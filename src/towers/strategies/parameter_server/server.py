@@ -39,6 +39,7 @@ from towers.strategies.parameter_server.transport import (
     ProtocolError,
     Status,
 )
+from towers.strategies.parameter_server.worker import unpack_unit
 
 __all__ = ["ParameterServer"]
 
@@ -301,7 +302,7 @@ class ParameterServer:
 
     def _push(self, w: int, msg: Message) -> dict[str, Any]:
         mask, hyper = (msg.meta or {}).get("mask"), (msg.meta or {}).get("hyper")
-        units = (msg.meta or {}).get("units")
+        units = (msg.meta or {}).get("units") or unpack_unit(msg.ints)
         grads = self._shard().views(_flat(msg))
         with self.cond:
             if self.mode == "async":

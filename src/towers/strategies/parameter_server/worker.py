@@ -21,7 +21,7 @@ from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatL
 from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.wire import encode
 
-__all__ = ["BoundModel"]
+__all__ = ["BoundModel", "pack_unit", "unpack_unit"]
 
 log = get_logger(__name__)
 
@@ -100,6 +100,7 @@ class BoundModel:
         """
         self._rebind()
         metas, pieces = [], []
+        packed = pack_unit(units)
         for p in self.active:
             mask, direct = [], {}
             big = {i for _, _, i in self.segments[p] if i is not None}
@@ -121,11 +122,11 @@ class BoundModel:
             hyper = self._hyper(p)
             if hyper is not None:
                 meta["hyper"] = hyper
-            if p == 0 and units:
+            if p == 0 and units and packed is None:
                 meta["units"] = units
             metas.append(meta or None)
         replies = self.client.request(Op.PUSH, ps=self.active, metas=metas, flat_parts=pieces,
-                                      replies_into=[self.param_bufs[p] for p in self.active])
+                                      replies_into=[self.param_bufs[p] for p in self.active], ints=packed or ())
         self.pushes += 1
         if units and 0 not in self.active:  # ps task 0 holds none of these parameters: tell it apart
             self.client.request(Op.DISPATCH, ps=[0], metas=[{"applied": units}])
@@ -169,6 +170,23 @@ class BoundModel:
         if refresh_on_state_dict:
             self.model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.pull())
         self.model.register_load_state_dict_post_hook(lambda module, incompatible: self.push_params())
+
+
+def pack_unit(units: list[Any] | None) -> tuple[int, int, int, int] | None:
+    """The one dispatched batch of a push as the header's four ints (no JSON part: a push stays one small
+    header and its gradients); None when there are none or several (those travel in the JSON)."""
+    if not units or len(units) != 1:
+        return None
+    key, g, r = units[0]
+    dataset, _, number = str(key)[1:].partition(".")
+    if not (str(key).startswith("d") and dataset.isdigit() and number.isdigit() and int(dataset) > 0):
+        return None
+    return int(dataset), int(number), int(g), int(r)
+
+
+def unpack_unit(ints: tuple[int, ...]) -> list[list[Any]] | None:
+    """The batch ``pack_unit`` put in a push's header ints, else None."""
+    return [[f"d{ints[0]}.{ints[1]}", ints[2], ints[3]]] if ints and ints[0] > 0 else None
 
 
 def _hyper_key(hyper: list[dict[str, Any]]) -> bytes:
