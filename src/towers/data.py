@@ -323,8 +323,10 @@ class DistributedDataset:
         step = 0
         while True:
             answer = dispatch(key, step, spec)
-            if answer["kind"] == "stop":
-                self.last_pass = {"examples": int(answer["examples"]), "expected": int(answer["expected"])}
+            if answer["kind"] == "stop":  # counted from `start`: a resumed epoch trained the batches before it
+                before = sum(self._sizes[:start])
+                self.last_pass = {"examples": int(answer["examples"]) + before,
+                                  "expected": int(answer["expected"]) + before}
                 return
             batches: list[tuple[BatchInfo, int]] = []
             if answer["kind"] == "unit":  # one or more units, each a replica's share of a global batch

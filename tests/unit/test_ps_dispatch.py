@@ -219,3 +219,14 @@ def test_a_pushs_one_batch_rides_in_the_header_ints_and_anything_else_in_the_jso
     assert pack_unit([["d3.7", 5, 1], ["d3.7", 6, 1]]) is None  # several: JSON
     assert pack_unit([]) is None and pack_unit(None) is None and unpack_unit((0, 0, 0, 0)) is None
     assert pack_unit([["custom", 1, 2]]) is None
+
+
+def test_passes_left_unfinished_are_dropped_after_many_newer_ones_and_named_if_asked_again():
+    from towers.strategies.parameter_server import dispatch
+
+    d = Dispatcher(FakeServer(2), lease=1)
+    for i in range(dispatch._MAX_OPEN + 3):  # each pass read one step deep, like steps_per_epoch=1
+        assert ask(d, 0, 0, key=f"d1.{i}")[0] == "unit"
+    assert len(d.passes) == dispatch._MAX_OPEN
+    with pytest.raises(RequestError, match="d1.0 was left unfinished and dropped"):
+        ask(d, 1, 0, key="d1.0")

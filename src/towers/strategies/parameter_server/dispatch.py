@@ -42,6 +42,8 @@ log = get_logger(__name__)
 UNIT, EMPTY, STOP = "unit", "empty", "stop"
 _SPEC_KEYS = ("num_examples", "global_batch_size", "drop_remainder", "start", "epoch", "num_replicas")
 _MAX_CLOSED = 16
+#: Passes left unfinished (e.g. ``steps_per_epoch`` stopped them) kept before the oldest is dropped.
+_MAX_OPEN = 64
 #: Own units handed out per request.
 LEASE = 32
 
@@ -78,6 +80,8 @@ class Dispatcher:
         self.server, self.lease = server, lease
         self.passes: dict[str, _Pass] = {}
         self.closed_order: deque[str] = deque()
+        self.open_order: deque[str] = deque()
+        self.dropped: set[str] = set()
 
     def applied(self, w: int, units: Any) -> None:
         """Record that worker ``w``'s gradients of ``units`` (``[key, g, r]`` each) were applied (lock held)."""
@@ -129,6 +133,11 @@ class Dispatcher:
     def _open(self, key: str, spec: Any) -> _Pass:
         if not isinstance(spec, dict) or set(spec) != set(_SPEC_KEYS):
             raise RequestError(f"a dispatch spec needs exactly {_SPEC_KEYS}. Received: {spec!r}.", Status.BAD_INPUT)
+        if key in self.dropped:
+            raise RequestError(
+                f"dataset pass {key} was left unfinished and dropped after {_MAX_OPEN} newer passes started, so its "
+                "batches can no longer be handed out. Iterate a distributed dataset to its end (or start a new "
+                "iteration) instead of keeping many half-read iterators.", Status.BAD_INPUT)
         sizes = unit_sizes(spec)
         start, workers = int(spec["start"]), len(self.server.links)
         own = {w: deque((g, w) for g in range(start, len(sizes))) for w in range(workers)}
@@ -137,6 +146,13 @@ class Dispatcher:
             if w in self.server.dead:
                 self._orphan(p, w)
         self.passes[key] = p
+        self.open_order.append(key)
+        open_keys = [k for k in self.open_order if k in self.passes and not self.passes[k].closed]
+        self.open_order = deque(open_keys)
+        while len(self.open_order) > _MAX_OPEN:  # passes abandoned part-way (steps_per_epoch, a break)
+            old = self.open_order.popleft()
+            self.passes.pop(old, None)
+            self.dropped.add(old)
         return p
 
     def _available(self, p: _Pass, w: int) -> bool:
