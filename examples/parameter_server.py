@@ -2,16 +2,23 @@
 
     towers launch --strategy ps --num-ps 1 --nproc-per-node 3 examples/parameter_server.py
     towers launch --strategy ps --num-ps 1 --nproc-per-node 3 examples/parameter_server.py --mode sync
+    towers launch --strategy ps --num-ps 1 --nproc-per-node 4 examples/parameter_server.py --kill-worker-at 30
 
 The last ``--num-ps`` processes are ps tasks: constructing the strategy there serves the
 parameters until the workers are done and then exits, so everything below that line runs on
 the workers only. The workers split each global batch between them (they are the replicas);
 worker 0 is the chief and the only one that prints and writes files.
+
+``--kill-worker-at STEP`` makes worker 1 kill itself (SIGKILL) at that training step: the job goes
+on, the other workers take over its batches, and the History's ``examples`` / ``val_examples``
+still count every example of every epoch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +35,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--global-batch-size", type=int, default=64)
     parser.add_argument("--out-dir", default="towers-out/parameter_server")
+    parser.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
+                        help="worker 1 kills itself at this global training step (the others take over its batches)")
     args = parser.parse_args()
 
     # On a ps task this line serves until the workers finish, then exits the process.
@@ -39,12 +48,14 @@ def main() -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
 
     trainer = towers.Trainer(model, optimizer, loss=F.cross_entropy, metrics=["accuracy"], strategy=strategy)
+    killer = KillWorker(args.kill_worker_at, strategy.replica_id) if args.kill_worker_at is not None else None
     history = trainer.fit(
         train_set, epochs=args.epochs, global_batch_size=args.global_batch_size, validation_data=test_set,
         callbacks=[
             # The lr change reaches the ps tasks' optimizers with the next push.
             towers.callbacks.LearningRateScheduler(lambda epoch, lr: 2e-3 * 0.75 ** epoch),
             towers.callbacks.BackupAndRestore(f"{args.out_dir}/backup", save_freq=20),  # resume after a crash
+            *([killer] if killer is not None else []),
         ])
     test = trainer.evaluate(test_set)  # reduced over the workers (through ps task 0): the same numbers everywhere
     if strategy.is_chief:
@@ -52,7 +63,22 @@ def main() -> None:
         print(f"{strategy.num_replicas_in_sync} workers, {len(stats)} ps task(s), mode {args.mode}: "
               f"test accuracy {test['accuracy']:.4f}, final loss {history.history['loss'][-1]:.4f}, "
               f"updates applied {[s['version'] for s in stats]}, per worker {stats[0]['worker_versions']}")
+        print(f"examples per epoch {history.history['examples']} of {len(train_set)}, validation "
+              f"{history.history['val_examples']} of {len(test_set)}, evaluate {test['examples']:.0f}; "
+              f"dead workers {sorted(stats[0]['dead'])}")
     strategy.shutdown()  # tell the ps tasks this worker is done (also done at exit)
+
+
+class KillWorker(towers.callbacks.Callback):
+    """Worker 1 kills itself at global step ``step``: a fault to watch the others take over its batches."""
+
+    def __init__(self, step: int, replica_id: int):
+        super().__init__()
+        self.step, self.replica_id = step, replica_id
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self.replica_id == 1 and self.trainer.progress.global_step >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

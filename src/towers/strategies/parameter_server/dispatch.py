@@ -120,7 +120,7 @@ class Dispatcher:
                 units = [own.popleft() for _ in range(min(self.lease, len(own)))] if own else [p.orphans.popleft()]
                 for g, r in units:
                     if r != w:
-                        log.info("ps task 0: worker %d takes global batch %d's share of worker %d (pass %s)", w, g,
+                        log.debug("ps task 0: worker %d takes global batch %d's share of worker %d (pass %s)", w, g,
                                  r, key)
                     p.held[(g, r)] = (w, False)
                 p.real[w] = p.asked[w] = step + len(units) - 1  # as if it had asked for each of them
