@@ -193,7 +193,7 @@ def test_a_model_without_dense_parameters_acknowledges_its_batches_apart():
     d = Dispatcher(server, lease=1)
     assert ask(d, 1, 0) == ("unit", 0, 1)
     assert d.next(1, {"applied": [["d1.1", 0, 1]]}) == {}
-    assert d.passes["d1.1"].held[(0, 1)] == (1, True)
+    assert (0, 1) not in d.passes["d1.1"].held and d.passes["d1.1"].done == 2  # applied: its 2 examples count
 
 
 def test_own_shares_go_out_several_at_a_time_and_a_dead_workers_one_at_a_time():
@@ -230,3 +230,15 @@ def test_passes_left_unfinished_are_dropped_after_many_newer_ones_and_named_if_a
     assert len(d.passes) == dispatch._MAX_OPEN
     with pytest.raises(RequestError, match="d1.0 was left unfinished and dropped"):
         ask(d, 1, 0, key="d1.0")
+
+
+def test_a_pass_of_millions_of_batches_costs_no_memory_per_batch():
+    server = FakeServer(4)
+    d = Dispatcher(server, lease=2)
+    kw = {"n": 10_000_000_000, "b": 8, "workers": 4}  # 1.25e9 global batches
+    assert d.next(0, {"key": "d1.1", "step": 0, "spec": spec(**kw)})["units"] == [[0, 0], [1, 0]]
+    p = d.passes["d1.1"]
+    server.kill(d, 3)  # its whole remaining share becomes one range, not a billion entries
+    assert list(p.orphans) == [[0, 1_250_000_000, 3]] and len(p.held) == 2
+    assert p.shape.expected() == 10_000_000_000
+    assert unit_sizes(spec(10, 4, 3)) == [[2, 1, 1], [2, 1, 1], [1, 1, 0]]

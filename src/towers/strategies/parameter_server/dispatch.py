@@ -50,27 +50,45 @@ LEASE = 32
 
 def unit_sizes(spec: dict[str, Any]) -> list[list[int]]:
     """Return ``sizes[g][r]``: examples in replica ``r``'s share of global batch ``g`` of the pass ``spec``."""
-    n, b, w = int(spec["num_examples"]), int(spec["global_batch_size"]), int(spec["num_replicas"])
-    full, rest = divmod(n, b)
-    batches = [b] * full + ([rest] if rest and not spec["drop_remainder"] else [])
-    return [[size // w + (1 if r < size % w else 0) for r in range(w)] for size in batches]
+    shape = _Shape(spec)
+    return [[shape.share(g, r) for r in range(shape.replicas)] for g in range(shape.batches)]
+
+
+class _Shape:
+    """A pass's global batches and shares, computed on demand (a pass may have millions of batches)."""
+
+    def __init__(self, spec: dict[str, Any]):
+        n, self.b, self.replicas = int(spec["num_examples"]), int(spec["global_batch_size"]), int(spec["num_replicas"])
+        self.full, rest = divmod(n, self.b)
+        self.rest = 0 if spec["drop_remainder"] else rest
+        self.batches = self.full + (1 if self.rest else 0)
+        self.start = int(spec["start"])
+
+    def size(self, g: int) -> int:
+        return self.b if g < self.full else self.rest
+
+    def share(self, g: int, r: int) -> int:
+        size = self.size(g)
+        return size // self.replicas + (1 if r < size % self.replicas else 0)
+
+    def expected(self) -> int:
+        """Examples in the global batches from ``start`` on."""
+        return max(0, self.full - self.start) * self.b + (self.rest if self.start <= self.full else 0)
 
 
 @dataclass
 class _Pass:
     key: str
     spec: dict[str, Any]
-    sizes: list[list[int]]
-    own: dict[int, deque[tuple[int, int]]]  # worker -> its own units (g, w) still to hand out
-    orphans: deque[tuple[int, int]] = field(default_factory=deque)  # (g, r) of dead workers
-    held: dict[tuple[int, int], tuple[int, bool]] = field(default_factory=dict)  # unit -> (worker, applied)
+    shape: _Shape
+    own: dict[int, list[int]]  # worker -> [next, end): its own global batches still to hand out
+    orphans: deque[list[int]] = field(default_factory=deque)  # [g0, g1, r]: a dead worker's shares g0 .. g1-1
+    held: dict[tuple[int, int], int] = field(default_factory=dict)  # unit handed out, not applied yet -> worker
+    done: int = 0  # examples of units applied
     asked: dict[int, int] = field(default_factory=dict)  # worker -> the step it asked for last
     real: dict[int, int] = field(default_factory=dict)  # worker -> the last step it got a unit at
     closed: bool = False
     result: dict[str, int] = field(default_factory=dict)
-
-    def expected(self) -> int:
-        return sum(sum(row) for row in self.sizes[int(self.spec["start"]):])
 
 
 class Dispatcher:
@@ -88,8 +106,9 @@ class Dispatcher:
         for key, g, r in units if isinstance(units, list) else []:
             p = self.passes.get(str(key))
             unit = (int(g), int(r))
-            if p is not None and p.held.get(unit, (None, True))[0] == w:
-                p.held[unit] = (w, True)
+            if p is not None and p.held.get(unit) == w:
+                del p.held[unit]
+                p.done += p.shape.share(*unit)
 
     def next(self, w: int, meta: Any) -> dict[str, Any]:
         """Answer worker ``w``'s request for the unit of step ``meta["step"]`` of pass ``meta["key"]``."""
@@ -116,19 +135,29 @@ class Dispatcher:
             if p.closed:
                 return {"kind": STOP, **p.result}
             if self._available(p, w):
-                own = p.own.get(w)
-                units = [own.popleft() for _ in range(min(self.lease, len(own)))] if own else [p.orphans.popleft()]
-                for g, r in units:
-                    if r != w:
-                        log.debug("ps task 0: worker %d takes global batch %d's share of worker %d (pass %s)", w, g,
-                                 r, key)
-                    p.held[(g, r)] = (w, False)
+                units = self._take(p, w)
+                for unit in units:
+                    p.held[unit] = w
                 p.real[w] = p.asked[w] = step + len(units) - 1  # as if it had asked for each of them
                 return {"kind": UNIT, "units": [list(u) for u in units]}
             if any(p.real.get(u, -1) >= step for u in server._active()):
                 return {"kind": EMPTY}
             self._close(p)
             return {"kind": STOP, **p.result}
+
+    def _take(self, p: _Pass, w: int) -> list[tuple[int, int]]:
+        """Up to ``lease`` of ``w``'s own units, else one orphan."""
+        own = p.own.get(w)
+        if own is not None and own[0] < own[1]:
+            first, own[0] = own[0], min(own[1], own[0] + self.lease)
+            return [(g, w) for g in range(first, own[0])]
+        g0, g1, r = p.orphans[0]
+        if g0 + 1 < g1:
+            p.orphans[0] = [g0 + 1, g1, r]
+        else:
+            p.orphans.popleft()
+        log.debug("ps task 0: worker %d takes global batch %d's share of worker %d (pass %s)", w, g0, r, p.key)
+        return [(g0, r)]
 
     def _open(self, key: str, spec: Any) -> _Pass:
         if not isinstance(spec, dict) or set(spec) != set(_SPEC_KEYS):
@@ -138,11 +167,12 @@ class Dispatcher:
                 f"dataset pass {key} was left unfinished and dropped after {_MAX_OPEN} newer passes started, so its "
                 "batches can no longer be handed out. Iterate a distributed dataset to its end (or start a new "
                 "iteration) instead of keeping many half-read iterators.", Status.BAD_INPUT)
-        sizes = unit_sizes(spec)
-        start, workers = int(spec["start"]), len(self.server.links)
-        own = {w: deque((g, w) for g in range(start, len(sizes))) for w in range(workers)}
-        p = _Pass(key, dict(spec), sizes, own)
-        for w in range(workers):  # workers already gone never come for their share
+        shape = _Shape(spec)
+        if shape.replicas != len(self.server.links):
+            raise RequestError(f"dataset pass {key} splits batches over {shape.replicas} replicas; this job has "
+                               f"{len(self.server.links)} workers.", Status.BAD_INPUT)
+        p = _Pass(key, dict(spec), shape, {w: [shape.start, shape.batches] for w in range(shape.replicas)})
+        for w in range(shape.replicas):  # workers already gone never come for their share
             if w in self.server.dead:
                 self._orphan(p, w)
         self.passes[key] = p
@@ -156,36 +186,42 @@ class Dispatcher:
         return p
 
     def _available(self, p: _Pass, w: int) -> bool:
-        return bool(p.own.get(w)) or bool(p.orphans)
+        own = p.own.get(w)
+        return (own is not None and own[0] < own[1]) or bool(p.orphans)
 
     def _everyone_at(self, p: _Pass, step: int) -> bool:
         return all(p.asked.get(u, -1) >= step for u in self.server._active())
 
     def _close(self, p: _Pass) -> None:
         p.closed = True
-        done = sum(p.sizes[g][r] for g, r in p.held)
-        p.result = {"examples": done, "expected": p.expected()}
+        # the units still held belong to live workers: computed (an evaluation pass is never "applied")
+        done = p.done + sum(p.shape.share(g, r) for g, r in p.held)
+        p.result = {"examples": done, "expected": p.shape.expected()}
+        p.own.clear()
         self.closed_order.append(p.key)
         while len(self.closed_order) > _MAX_CLOSED:
             self.passes.pop(self.closed_order.popleft(), None)
 
     def _orphan(self, p: _Pass, w: int) -> int:
         """Put ``w``'s remaining and unapplied units of ``p`` back for the others; return how many."""
-        units = list(p.own.pop(w, deque()))
-        for unit, (holder, done) in list(p.held.items()):
-            if holder == w and not done:
-                del p.held[unit]
-                units.append(unit)
-        p.orphans.extend(sorted(units))
+        held = sorted(unit for unit, holder in p.held.items() if holder == w)
+        for unit in held:
+            del p.held[unit]
+        p.orphans.extend([g, g + 1, r] for g, r in held)
+        moved = len(held)
+        own = p.own.pop(w, None)
+        if own is not None and own[0] < own[1]:
+            p.orphans.append([own[0], own[1], w])
+            moved += own[1] - own[0]
         p.asked.pop(w, None)
         p.real.pop(w, None)
-        return len(units)
+        return moved
 
     def on_dead(self, w: int) -> None:
         """Hand ``w``'s share of every open pass to the survivors (caller holds the lock)."""
         for p in self.passes.values():
             if p.closed:
-                lost = [u for u, (holder, done) in p.held.items() if holder == w and not done]
+                lost = [u for u, holder in p.held.items() if holder == w]
                 if lost:
                     log.warning("ps task 0: worker %d died after dataset pass %s ended, holding %d unit(s) whose "
                                 "results it had not handed in; that pass's results miss them", w, p.key, len(lost))
@@ -197,5 +233,5 @@ class Dispatcher:
 
     def stats(self) -> dict[str, Any]:
         """Return each pass's state: units left, held, examples done (caller holds the lock)."""
-        return {k: {"closed": p.closed, "orphans": len(p.orphans), "held": len(p.held), **p.result}
-                for k, p in self.passes.items()}
+        return {k: {"closed": p.closed, "orphans": sum(g1 - g0 for g0, g1, _ in p.orphans), "held": len(p.held),
+                    **p.result} for k, p in self.passes.items()}
