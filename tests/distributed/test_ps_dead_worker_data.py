@@ -9,7 +9,8 @@ The check counts examples, not accuracy. The model is ``w . x`` on one-hot input
 prediction itself as the loss and plain SGD (lr = global batch size), so each use of example ``i``
 in an applied gradient lowers ``w[i]`` by exactly 1: ``-w`` after training is how many times each
 example was trained on. Sync mode: exactly once per epoch; async: at least once. The History's
-``examples``/``val_examples`` and the final ``evaluate`` count every example too.
+``examples``/``val_examples`` and the final ``evaluate`` count every example too. One job runs
+with two ps tasks and a bias (on ps task 1, ``-bias`` counts every use) so both shards are checked.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ SCRIPT = f"""
 
     MODE, WHERE, VICTIM, EPOCH, BATCH_AT, DELAY = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \\
         int(sys.argv[5]), float(sys.argv[6])
+    BIAS = len(sys.argv) > 7 and sys.argv[7] == "bias"  # a second parameter: on ps task 1 when there are two
     N, NV, B, EPOCHS = {EXAMPLES}, {VAL_EXAMPLES}, {BATCH}, {EPOCHS}
 
     strategy = towers.strategy_from_env(mode=MODE, timeout_s=60)  # a ps task serves here, then exits 0
     rank = strategy.process_info.rank
-    model = nn.Linear(N, 1, bias=False)
+    model = nn.Linear(N, 1, bias=BIAS)
     nn.init.zeros_(model.weight)
+    if BIAS:
+        nn.init.zeros_(model.bias)
     x = torch.eye(N)
     y = torch.zeros(N)
 
@@ -80,10 +84,12 @@ SCRIPT = f"""
     killer.final, killer.epoch = True, EPOCH
     final = trainer.evaluate((x[:NV], y[:NV]), global_batch_size=B, callbacks=[killer])
     if strategy.is_chief:
-        uses = (-trainer.unwrapped_model.state_dict()["weight"].reshape(-1)).tolist()  # async: pulls first
+        state = trainer.unwrapped_model.state_dict()  # async: pulls first
+        uses = (-state["weight"].reshape(-1)).tolist()
         print("RESULT " + json.dumps({{"uses": uses, "examples": history.history["examples"],
                                        "val_examples": history.history["val_examples"],
                                        "final_examples": final["examples"],
+                                       "bias_uses": -state["bias"].item() if BIAS else None,
                                        "dead": sorted(strategy.ps_stats()[0]["dead"])}}), flush=True)
     strategy.shutdown()
 """
@@ -109,10 +115,22 @@ CASES = [(*case, 0.0, 1 + i % 2) for i, case in enumerate(FIXED)] + [_drawn(seed
 @pytest.mark.parametrize("mode,where,epoch,batch,delay,victim", CASES,
                          ids=[f"{c[0]}-{c[1]}-e{c[2]}b{c[3]}-w{c[5]}-{i}" for i, c in enumerate(CASES)])
 def test_a_killed_worker_loses_no_example(tmp_path: Path, mode, where, epoch, batch, delay, victim):
+    _check(tmp_path, mode, where, epoch, batch, delay, victim, num_ps=1)
+
+
+def test_with_two_ps_tasks_a_sync_job_trains_every_example_exactly_once_on_both(tmp_path: Path):
+    found = _check(tmp_path, "sync", "train", 1, 3, 0.0, 2, num_ps=2)
+    assert found["bias_uses"] == pytest.approx(EPOCHS * EXAMPLES, abs=1e-3), found  # the shard on ps task 1
+
+
+def _check(tmp_path: Path, mode: str, where: str, epoch: int, batch: int, delay: float, victim: int, *,
+           num_ps: int) -> dict:
+    """Run the job with worker ``victim`` killed where asked; assert every example counted; return the result."""
     script = tmp_path / "dead_worker_data.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    command = [*towers_command(), "launch", "--strategy", "ps", "--num-ps", "1", "--nproc-per-node", "4",
-               "--monitor-interval", "0.2", str(script), mode, where, str(victim), str(epoch), str(batch), str(delay)]
+    command = [*towers_command(), "launch", "--strategy", "ps", "--num-ps", str(num_ps), "--nproc-per-node",
+               str(3 + num_ps), "--monitor-interval", "0.2", str(script), mode, where, str(victim), str(epoch),
+               str(batch), str(delay), "bias" if num_ps > 1 else "-"]
     result = run(command, cwd=tmp_path, deadline_s=180, marker=str(script))
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
@@ -130,3 +148,4 @@ def test_a_killed_worker_loses_no_example(tmp_path: Path, mode, where, epoch, ba
     assert found["examples"] == [float(EXAMPLES)] * EPOCHS, found
     assert found["val_examples"] == [float(VAL_EXAMPLES)] * EPOCHS, found
     assert found["final_examples"] == VAL_EXAMPLES, found
+    return found
