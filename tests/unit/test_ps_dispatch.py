@@ -213,7 +213,7 @@ def test_own_shares_go_out_several_at_a_time_and_a_dead_workers_one_at_a_time():
 
 
 def test_a_pushs_one_batch_rides_in_the_header_ints_and_anything_else_in_the_json():
-    from towers.strategies.parameter_server.worker import pack_unit, unpack_unit
+    from towers.strategies.parameter_server.dispatch import pack_unit, unpack_unit
 
     assert pack_unit([["d3.7", 5, 1]]) == (3, 7, 5, 1) and unpack_unit((3, 7, 5, 1)) == [["d3.7", 5, 1]]
     assert pack_unit([["d3.7", 5, 1], ["d3.7", 6, 1]]) is None  # several: JSON

@@ -34,7 +34,7 @@ from towers.strategies.parameter_server.transport import Status
 if TYPE_CHECKING:
     from towers.strategies.parameter_server.server import ParameterServer
 
-__all__ = ["Dispatcher", "UNIT", "EMPTY", "STOP", "LEASE", "unit_sizes"]
+__all__ = ["Dispatcher", "UNIT", "EMPTY", "STOP", "LEASE", "unit_sizes", "pack_unit", "unpack_unit"]
 
 log = get_logger(__name__)
 
@@ -74,6 +74,23 @@ class _Shape:
     def expected(self) -> int:
         """Examples in the global batches from ``start`` on."""
         return max(0, self.full - self.start) * self.b + (self.rest if self.start <= self.full else 0)
+
+
+def pack_unit(units: list[Any] | None) -> tuple[int, int, int, int] | None:
+    """The one dispatched batch of a push as the header's four ints (no JSON part: a push stays one small
+    header and its gradients); None when there are none or several (those travel in the JSON)."""
+    if not units or len(units) != 1:
+        return None
+    key, g, r = units[0]
+    dataset, _, number = str(key)[1:].partition(".")
+    if not (str(key).startswith("d") and dataset.isdigit() and number.isdigit() and int(dataset) > 0):
+        return None
+    return int(dataset), int(number), int(g), int(r)
+
+
+def unpack_unit(ints: tuple[int, ...]) -> list[list[Any]] | None:
+    """The batch ``pack_unit`` put in a push's header ints, else None."""
+    return [[f"d{ints[0]}.{ints[1]}", ints[2], ints[3]]] if ints and ints[0] > 0 else None
 
 
 @dataclass

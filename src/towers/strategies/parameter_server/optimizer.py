@@ -23,14 +23,13 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     """Wraps the user's optimizer: ``step()`` = push gradients, ps applies them, pull fresh parameters."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, bound: BoundModel | None, sparse: SparseTables | None = None,
-                 empty_step: Callable[[], bool] = lambda: False,
-                 ran_units: Callable[[], list[Any]] = list):
+                 step_batches: Callable[[], tuple[bool, list[Any]]] = lambda: (False, [])):
         self._building = True
         self.optimizer = optimizer
         self._bound = bound
         self._sparse = sparse
-        self._empty_step = empty_step  # True when the step's batch had no example
-        self._ran_units = ran_units  # the dispatched batches whose gradients this step pushes
+        # (the step's batch had no example, the dispatched batches whose gradients this step pushes)
+        self._step_batches = step_batches
         # Passing the user's group dicts makes both optimizers share them (torch keeps the dicts it is given).
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
@@ -43,9 +42,9 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._sparse is not None:
             self._sparse.push()
-        units = self._ran_units()
+        empty, units = self._step_batches()
         if self._bound is not None:
-            self._bound.push_pull(empty=self._empty_step(), units=units)
+            self._bound.push_pull(empty=empty, units=units)
         elif units:  # no dense push reaches ps task 0: tell it apart which batches were applied
             self._sparse_ack(units)
         return loss

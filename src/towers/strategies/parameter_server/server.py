@@ -25,7 +25,7 @@ import torch
 
 from towers._logging import get_logger
 from towers.diagnostics import set_role
-from towers.strategies.parameter_server.dispatch import Dispatcher
+from towers.strategies.parameter_server.dispatch import Dispatcher, unpack_unit
 from towers.strategies.parameter_server.gather import GatherTable
 from towers.strategies.parameter_server.requests import RequestError, build_optimizer, clone_state
 from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, ParamSpec, signature_mismatch
@@ -39,7 +39,6 @@ from towers.strategies.parameter_server.transport import (
     ProtocolError,
     Status,
 )
-from towers.strategies.parameter_server.worker import unpack_unit
 
 __all__ = ["ParameterServer"]
 

@@ -237,8 +237,7 @@ class ParameterServerStrategy(Strategy):
         prepared = self._compile(prepared, compile)
         self._optimizer = optimizer
         self._prepared_any = True
-        optimizer_out = (ParameterServerOptimizer(optimizer, bound, sparse, empty_step=lambda: self._empty_step,
-                                                  ran_units=self._take_units)
+        optimizer_out = (ParameterServerOptimizer(optimizer, bound, sparse, step_batches=self._take_step_batches)
                          if optimizer is not None else None)
         return prepared, optimizer_out
 
@@ -257,10 +256,12 @@ class ParameterServerStrategy(Strategy):
         self._sparse = sparse
         return sparse
 
-    def _take_units(self) -> list[list[Any]]:
-        """The dispatched batches run since the last push (their gradients are in this one); forgets them."""
-        units, self._ran_units = self._ran_units, []
-        return units
+    def _take_step_batches(self) -> tuple[bool, list[list[Any]]]:
+        """Whether the last step's batch was empty, and the dispatched batches run since the last push (their
+        gradients are in this one); forgets both."""
+        empty, units = self._empty_step, self._ran_units
+        self._empty_step, self._ran_units = False, []
+        return empty, units
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return [self._optimizer] if self._optimizer is not None else []

@@ -16,12 +16,13 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.strategies.parameter_server.client import ParameterClient
+from towers.strategies.parameter_server.dispatch import pack_unit
 from towers.strategies.parameter_server.requests import optimizer_name
 from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, assign_shards, model_signature
 from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.wire import encode
 
-__all__ = ["BoundModel", "pack_unit", "unpack_unit"]
+__all__ = ["BoundModel"]
 
 log = get_logger(__name__)
 
@@ -170,23 +171,6 @@ class BoundModel:
         if refresh_on_state_dict:
             self.model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.pull())
         self.model.register_load_state_dict_post_hook(lambda module, incompatible: self.push_params())
-
-
-def pack_unit(units: list[Any] | None) -> tuple[int, int, int, int] | None:
-    """The one dispatched batch of a push as the header's four ints (no JSON part: a push stays one small
-    header and its gradients); None when there are none or several (those travel in the JSON)."""
-    if not units or len(units) != 1:
-        return None
-    key, g, r = units[0]
-    dataset, _, number = str(key)[1:].partition(".")
-    if not (str(key).startswith("d") and dataset.isdigit() and number.isdigit() and int(dataset) > 0):
-        return None
-    return int(dataset), int(number), int(g), int(r)
-
-
-def unpack_unit(ints: tuple[int, ...]) -> list[list[Any]] | None:
-    """The batch ``pack_unit`` put in a push's header ints, else None."""
-    return [[f"d{ints[0]}.{ints[1]}", ints[2], ints[3]]] if ints and ints[0] > 0 else None
 
 
 def _hyper_key(hyper: list[dict[str, Any]]) -> bytes:
