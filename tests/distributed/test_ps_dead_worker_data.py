@@ -1,9 +1,9 @@
-"""A worker killed at a random point of a parameter-server job loses no example: the others take its batches.
+"""Workers killed at random points of a parameter-server job lose no example: the others take their batches.
 
 The real command (``towers launch --strategy ps``, 3 workers + 1 ps task) trains ``Trainer.fit``
-with validation data and then evaluates. A non-chief worker SIGKILLs itself at a point drawn from
-a seeded RNG: at a train batch (mid-epoch or an epoch's first), at a validation batch, during the
-final ``evaluate``, or from a timer at a random instant (which can land inside a push).
+with validation data and then evaluates. Non-chief workers SIGKILL themselves at chosen points (two
+per fixed job: mid-epoch, an epoch's first batch, a validation batch, the final ``evaluate``) or at
+a point drawn from a seeded RNG, which may be a timer at a random instant (it can land inside a push).
 
 The check counts examples, not accuracy. The model is ``w . x`` on one-hot inputs with the
 prediction itself as the loss and plain SGD (lr = global batch size), so each use of example ``i``
@@ -34,9 +34,9 @@ SCRIPT = f"""
     from torch import nn
     import towers
 
-    MODE, WHERE, VICTIM, EPOCH, BATCH_AT, DELAY = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \\
-        int(sys.argv[5]), float(sys.argv[6])
-    BIAS = len(sys.argv) > 7 and sys.argv[7] == "bias"  # a second parameter: on ps task 1 when there are two
+    MODE, BIAS = sys.argv[1], sys.argv[2] == "bias"  # bias: a second parameter, on ps task 1 when there are two
+    # one kill per victim: "rank:where:epoch:batch:delay"
+    KILLS = {{int(k.split(":")[0]): k.split(":")[1:] for k in sys.argv[3].split(",")}}
     N, NV, B, EPOCHS = {EXAMPLES}, {VAL_EXAMPLES}, {BATCH}, {EPOCHS}
 
     strategy = towers.strategy_from_env(mode=MODE, timeout_s=60)  # a ps task serves here, then exits 0
@@ -61,7 +61,8 @@ SCRIPT = f"""
             self.epoch = epoch
 
         def _maybe(self, phase, batch):
-            if rank == VICTIM and WHERE == phase and self.epoch == EPOCH and batch == BATCH_AT:
+            where, epoch, at, _ = KILLS.get(rank, ("-", -1, -1, 0))
+            if where == phase and self.epoch == int(epoch) and batch == int(at):
                 print(f"worker rank {{rank}} dies at {{phase}} epoch {{self.epoch}} batch {{batch}}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -71,8 +72,8 @@ SCRIPT = f"""
         def on_test_batch_begin(self, batch, logs=None):
             self._maybe("final" if self.final else "val", batch)
 
-    if rank == VICTIM and WHERE == "timer":
-        timer = threading.Timer(DELAY, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    if KILLS.get(rank, ("-",))[0] == "timer":
+        timer = threading.Timer(float(KILLS[rank][3]), lambda: os.kill(os.getpid(), signal.SIGKILL))
         timer.daemon = True
         timer.start()
 
@@ -81,7 +82,8 @@ SCRIPT = f"""
                              strategy=strategy)
     history = trainer.fit((x, y), epochs=EPOCHS, global_batch_size=B, validation_data=(x[:NV], y[:NV]),
                           callbacks=[killer], shuffle=True)
-    killer.final, killer.epoch = True, EPOCH
+    killer.final = True
+    killer.epoch = int(KILLS.get(rank, ("-", -1))[1])  # a kill in the final evaluate names its batch only
     final = trainer.evaluate((x[:NV], y[:NV]), global_batch_size=B, callbacks=[killer])
     if strategy.is_chief:
         state = trainer.unwrapped_model.state_dict()  # async: pulls first
@@ -94,51 +96,56 @@ SCRIPT = f"""
     strategy.shutdown()
 """
 
-# (mode, where, epoch, batch): points chosen to cover mid-epoch, an epoch's start and evaluation; the rest drawn.
-FIXED = [("sync", "train", 1, 4), ("sync", "val", 1, 2), ("async", "train", 0, 7), ("async", "final", 0, 1)]
+#: Kills are (victim rank, where, epoch, batch, timer delay s). Each fixed job kills two of the three workers
+#: at different points: mid-epoch, an epoch's first batch, validation, the final evaluate.
+FIXED = [("sync", ((1, "train", 1, 4, 0.0), (2, "val", 2, 2, 0.0))),
+         ("async", ((2, "train", 0, 0, 0.0), (1, "final", 0, 1, 0.0)))]
 
 
-def _drawn(seed: int) -> tuple[str, str, int, int, float, int]:
+def _drawn(seed: int) -> tuple[str, tuple[tuple[int, str, int, int, float], ...]]:
     rng = random.Random(seed)
     mode = rng.choice(["sync", "async"])
     where = rng.choice(["train", "val", "final", "timer"])
     epoch = rng.randrange(EPOCHS)
     batch = rng.randrange(EXAMPLES // BATCH if where == "train" else -(-VAL_EXAMPLES // BATCH))
-    return mode, where, epoch, batch, rng.uniform(0.1, 1.0), rng.choice([1, 2])
+    return mode, ((rng.choice([1, 2]), where, epoch, batch, rng.uniform(0.1, 1.0)),)
 
 
 #: More drawn kill points: TOWERS_DEAD_WORKER_RUNS=20 python -m pytest tests/distributed/test_ps_dead_worker_data.py
 DRAWN = int(os.environ.get("TOWERS_DEAD_WORKER_RUNS", "1"))
-CASES = [(*case, 0.0, 1 + i % 2) for i, case in enumerate(FIXED)] + [_drawn(seed) for seed in range(11, 11 + DRAWN)]
+CASES = FIXED + [_drawn(seed) for seed in range(11, 11 + DRAWN)]
 
 
-@pytest.mark.parametrize("mode,where,epoch,batch,delay,victim", CASES,
-                         ids=[f"{c[0]}-{c[1]}-e{c[2]}b{c[3]}-w{c[5]}-{i}" for i, c in enumerate(CASES)])
-def test_a_killed_worker_loses_no_example(tmp_path: Path, mode, where, epoch, batch, delay, victim):
-    _check(tmp_path, mode, where, epoch, batch, delay, victim, num_ps=1)
+def _case_id(i: int, case: tuple) -> str:
+    return f"{case[0]}-" + "-".join(f"w{v}{where}e{e}b{b}" for v, where, e, b, _ in case[1]) + f"-{i}"
+
+
+@pytest.mark.parametrize("mode,kills", CASES, ids=[_case_id(i, c) for i, c in enumerate(CASES)])
+def test_killed_workers_lose_no_example(tmp_path: Path, mode, kills):
+    _check(tmp_path, mode, kills, num_ps=1)
 
 
 def test_with_two_ps_tasks_a_sync_job_trains_every_example_exactly_once_on_both(tmp_path: Path):
-    found = _check(tmp_path, "sync", "train", 1, 3, 0.0, 2, num_ps=2)
+    found = _check(tmp_path, "sync", ((2, "train", 1, 3, 0.0),), num_ps=2)
     assert found["bias_uses"] == pytest.approx(EPOCHS * EXAMPLES, abs=1e-3), found  # the shard on ps task 1
 
 
-def _check(tmp_path: Path, mode: str, where: str, epoch: int, batch: int, delay: float, victim: int, *,
-           num_ps: int) -> dict:
-    """Run the job with worker ``victim`` killed where asked; assert every example counted; return the result."""
+def _check(tmp_path: Path, mode: str, kills: tuple[tuple[int, str, int, int, float], ...], *, num_ps: int) -> dict:
+    """Run the job with the ``kills``; assert every example counted; return the chief's result."""
     script = tmp_path / "dead_worker_data.py"
     script.write_text(textwrap.dedent(SCRIPT))
+    spec = ",".join(f"{v}:{where}:{e}:{b}:{delay}" for v, where, e, b, delay in kills)
     command = [*towers_command(), "launch", "--strategy", "ps", "--num-ps", str(num_ps), "--nproc-per-node",
-               str(3 + num_ps), "--monitor-interval", "0.2", str(script), mode, where, str(victim), str(epoch),
-               str(batch), str(delay), "bias" if num_ps > 1 else "-"]
+               str(3 + num_ps), "--monitor-interval", "0.2", str(script), mode, "bias" if num_ps > 1 else "-", spec]
     result = run(command, cwd=tmp_path, deadline_s=180, marker=str(script))
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
     line = next((ln for ln in out.splitlines() if "RESULT " in ln), None)
     assert line is not None, f"stdout:\n{out}\nstderr:\n{err}"
     found = json.loads(line.split("RESULT ", 1)[1])
-    died = where == "timer" and found["dead"] or f"worker rank {victim} dies at" in out
-    assert died and found["dead"] == [victim], f"the victim did not die where asked:\n{out}\n{err}"
+    for victim, where, *_ in kills:
+        assert where == "timer" or f"worker rank {victim} dies at {where}" in out, f"rank {victim}:\n{out}\n{err}"
+    assert found["dead"] == sorted(v for v, *_ in kills), f"the victims did not all die:\n{out}\n{err}"
     uses = [round(u) for u in found["uses"]]
     assert all(abs(u - round(u)) < 1e-3 for u in found["uses"]), found["uses"]
     if mode == "sync":
