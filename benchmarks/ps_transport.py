@@ -31,6 +31,48 @@ def _env_rank() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
+def _pair(prefix: str, w: int, rank: int) -> Any:
+    """The two-rank Gloo group of worker ``w`` and the ps task (the last rank), on loopback."""
+    import datetime
+
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = datetime.timedelta(seconds=120)
+    store = dist.distributed_c10d._get_default_store()
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/{w}", store), 0 if rank == w else 1, 2, opts)
+
+
+def _alternate(step: Any, flat: Any, group: Any, repeats: int, warmup: int, block: int = 5) -> dict:
+    """Alternate blocks of ``block`` calls of ``step`` and of all-reduces of ``flat`` among ``group``; return the
+    medians of the block medians (ms) and the median of the per-round ratios."""
+    import torch.distributed as dist
+
+    steps, reduces, ratios = [], [], []
+    for i in range(repeats + warmup):
+        # A block of steps as a worker runs them (no barrier in between: the workers drift apart, as async
+        # training lets them), then a block of all-reduces; the ratio of the two block medians.
+        dist.barrier(group=group)
+        step_ms = []
+        for _ in range(block):
+            t0 = time.perf_counter()
+            step()
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+        dist.barrier(group=group)
+        reduce_ms = []
+        for _ in range(block):
+            t0 = time.perf_counter()
+            dist.all_reduce(flat, group=group)
+            reduce_ms.append((time.perf_counter() - t0) * 1e3)
+        if i >= warmup:
+            steps.append(statistics.median(step_ms))
+            reduces.append(statistics.median(reduce_ms))
+            ratios.append(steps[-1] / reduces[-1])
+    return {"step_ms": statistics.median(steps), "allreduce_ms": statistics.median(reduces),
+            "ratio_median": statistics.median(ratios)}
+
+
 def _gloo_p2p(numel: int, repeats: int, warmup: int) -> float | None:
     """Time push+pull over a dedicated 2-rank Gloo group per (worker, ps) pair; return the worker's median (ms)."""
     import torch
@@ -38,19 +80,12 @@ def _gloo_p2p(numel: int, repeats: int, warmup: int) -> float | None:
 
     rank, world = _env_rank()
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
-    store = dist.distributed_c10d._get_default_store()
     ps = world - 1
     workers = list(range(world - 1))
 
-    def pair(w: int) -> "dist.ProcessGroupGloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        opts._timeout = __import__("datetime").timedelta(seconds=120)
-        return dist.ProcessGroupGloo(dist.PrefixStore(f"bench/{w}", store), 0 if rank == w else 1, 2, opts)
-
     n = repeats + warmup
     if rank == ps:
-        groups = [pair(w) for w in workers]
+        groups = [_pair("bench", w, rank) for w in workers]
         params = torch.randn(numel)
 
         def serve(g) -> None:
@@ -67,7 +102,7 @@ def _gloo_p2p(numel: int, repeats: int, warmup: int) -> float | None:
             t.join()
         result = None
     else:
-        g = pair(rank)
+        g = _pair("bench", rank, rank)
         grad, params = torch.randn(numel), torch.empty(numel)
         times = []
         for i in range(n):
@@ -181,58 +216,27 @@ def _interleaved(numel: int, repeats: int, warmup: int, mode: str) -> dict | Non
     strategy, optimizer = _flat_ps_model(numel, mode, rank, world)
     if strategy is None:
         return None
-    flat = torch.randn(numel)
-    steps, reduces, ratios = [], [], []
-    block = 5
-    for i in range(repeats + warmup):
-        # A block of async steps as a worker runs them (no barrier in between: the workers drift apart,
-        # as async training lets them), then a block of all-reduces; the ratio of the two block medians.
-        dist.barrier(group=workers)
-        step_ms = []
-        for _ in range(block):
-            t0 = time.perf_counter()
-            optimizer.step()
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-        dist.barrier(group=workers)
-        reduce_ms = []
-        for _ in range(block):
-            t0 = time.perf_counter()
-            dist.all_reduce(flat, group=workers)
-            reduce_ms.append((time.perf_counter() - t0) * 1e3)
-        if i >= warmup:
-            steps.append(statistics.median(step_ms))
-            reduces.append(statistics.median(reduce_ms))
-            ratios.append(steps[-1] / reduces[-1])
+    result = _alternate(optimizer.step, torch.randn(numel), workers, repeats, warmup)
     strategy.shutdown()
-    return {"step_ms": statistics.median(steps), "allreduce_ms": statistics.median(reduces),
-            "ratio_median": statistics.median(ratios)}
+    return result
 
 
 def _raw_chunked(numel: int, chunks: int, repeats: int, warmup: int) -> dict | None:
     """The wire alone, pipelined: each worker posts its gradient in ``chunks`` pieces and the receives of the
     reply at once; the ps updates chunk k (``add_``) and sends it back while chunk k+1 arrives. Alternated in
     blocks of 5 with all-reduces of the same bytes, as ``_interleaved`` does; return the same medians."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     rank, world = _env_rank()
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
-    store = dist.distributed_c10d._get_default_store()
     workers_group = dist.new_group(list(range(world - 1)))
     ps, block = world - 1, 5
-
-    def pair(w: int) -> Any:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        opts._timeout = datetime.timedelta(seconds=120)
-        return dist.ProcessGroupGloo(dist.PrefixStore(f"chunked/{w}", store), 0 if rank == w else 1, 2, opts)
 
     bounds = [numel * k // chunks for k in range(chunks + 1)]
     ranges = list(zip(bounds, bounds[1:]))
     if rank == ps:
-        groups = [pair(w) for w in range(world - 1)]
+        groups = [_pair("chunked", w, rank) for w in range(world - 1)]
         params, lock = torch.randn(numel), threading.Lock()
 
         def serve(g: Any) -> None:
@@ -255,32 +259,18 @@ def _raw_chunked(numel: int, chunks: int, repeats: int, warmup: int) -> dict | N
         dist.barrier()
         dist.destroy_process_group()
         return None
-    g = pair(rank)
-    grad, params, flat = torch.randn(numel), torch.empty(numel), torch.randn(numel)
-    steps, reduces, ratios = [], [], []
-    for i in range(repeats + warmup):
-        dist.barrier(group=workers_group)
-        step_ms = []
-        for _ in range(block):
-            t0 = time.perf_counter()
-            works = [g.send([grad[a:b]], 1, 0) for a, b in ranges] + [g.recv([params[a:b]], 1, 0) for a, b in ranges]
-            for work in works:
-                work.wait()
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-        dist.barrier(group=workers_group)
-        reduce_ms = []
-        for _ in range(block):
-            t0 = time.perf_counter()
-            dist.all_reduce(flat, group=workers_group)
-            reduce_ms.append((time.perf_counter() - t0) * 1e3)
-        if i >= warmup:
-            steps.append(statistics.median(step_ms))
-            reduces.append(statistics.median(reduce_ms))
-            ratios.append(steps[-1] / reduces[-1])
+    g = _pair("chunked", rank, rank)
+    grad, params = torch.randn(numel), torch.empty(numel)
+
+    def push_pull() -> None:
+        works = [g.send([grad[a:b]], 1, 0) for a, b in ranges] + [g.recv([params[a:b]], 1, 0) for a, b in ranges]
+        for work in works:
+            work.wait()
+
+    result = _alternate(push_pull, torch.randn(numel), workers_group, repeats, warmup, block)
     dist.barrier()
     dist.destroy_process_group()
-    return {"step_ms": statistics.median(steps), "allreduce_ms": statistics.median(reduces),
-            "ratio_median": statistics.median(ratios)}
+    return result
 
 
 def main() -> None:
