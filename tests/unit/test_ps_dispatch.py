@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from towers.strategies.parameter_server.dispatch import Dispatcher, unit_sizes
+from towers.data import global_batch_sizes, shard_bounds
+from towers.strategies.parameter_server.dispatch import Dispatcher, _Shape
 from towers.strategies.parameter_server.requests import RequestError
 
 
@@ -68,8 +69,15 @@ def ask_together(d: Dispatcher, requests: list[tuple[int, int]], **kw: Any) -> l
     return [answers.get(i) for i in range(len(requests))]
 
 
+def unit_sizes(s: dict[str, Any]) -> list[list[int]]:
+    shape = _Shape(s)
+    return [[shape.share(g, r) for r in range(shape.replicas)] for g in range(shape.batches)]
+
+
 def test_unit_sizes_match_the_static_split():
     assert unit_sizes(spec(10, 4, 3)) == [[2, 1, 1], [2, 1, 1], [1, 1, 0]]
+    static = [[b - a for a, b in (shard_bounds(size, 3, r) for r in range(3))] for size in global_batch_sizes(10, 4)]
+    assert unit_sizes(spec(10, 4, 3)) == static
 
 
 def test_every_worker_alive_gets_exactly_its_static_shares_then_stops_at_the_same_step():

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from towers import checkpoint as ckpt
 from towers._logging import get_logger
-from towers.data import batch_info
+from towers.data import batch_info, global_batch_sizes
 from towers.errors import user_error
 from towers.strategies.base import Strategy
 from towers.training._state import TrainingProgress, capture_state, restore_state
@@ -206,9 +206,7 @@ class Trainer:
                 log.warning("epoch %d trained on %d of its %d examples", self.progress.epoch, counted["examples"],
                             counted["expected"])
             return int(counted["examples"])
-        full, rest = divmod(len(cast(Sized, train_set)), global_batch_size)
-        sizes = [global_batch_size] * full + ([rest] if rest else [])
-        return sum(sizes[:self.progress.step])
+        return sum(global_batch_sizes(len(cast(Sized, train_set)), global_batch_size)[:self.progress.step])
 
     def _epoch_iterator(self, train_set: Dataset, global_batch_size: int, shuffle: bool, epoch: int,
                         start: int) -> Iterator[Any]:
@@ -326,8 +324,9 @@ class Trainer:
         metrics.accumulate(self.strategy.reduce("sum", local))
         logs = metrics.results()
         logs["examples"] = metrics.examples()
-        if logs["examples"] != len(cast(Sized, dataset)) and self.strategy.is_chief:
-            warnings.warn(f"evaluate covered {int(logs['examples'])} of the {len(cast(Sized, dataset))} examples: a "
+        size = len(cast(Sized, dataset))
+        if logs["examples"] != size and self.strategy.is_chief:
+            warnings.warn(f"evaluate covered {int(logs['examples'])} of the {size} examples: a "
                           "worker died after its share was handed out and before its results were combined. Evaluate "
                           "again for a complete score.", RuntimeWarning, stacklevel=3)
         cbs.call("on_test_end", dict(logs))

@@ -100,6 +100,14 @@ class ParameterClient:
         self._gather_seq += 1
         return self.request(Op.GATHER, ps=[0], metas=[(seq, value)])[0].meta
 
+    def next_batches(self, key: str, step: int, spec: dict[str, Any]) -> dict[str, Any]:
+        """Ask ps task 0 for the batches of step ``step`` of dataset pass ``key`` (see ``dispatch.py``)."""
+        return self.request(Op.DISPATCH, ps=[0], metas=[{"key": key, "step": step, "spec": spec}])[0].meta
+
+    def batches_applied(self, units: list[Any]) -> None:
+        """Tell ps task 0 that the gradients of ``units`` were applied (when no dense push of them reaches it)."""
+        self.request(Op.DISPATCH, ps=[0], metas=[{"applied": units}])
+
     def stats(self) -> list[dict[str, Any]]:
         """Return every ps task's versions and counts."""
         return [r.meta for r in self.request(Op.STATS)]

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from towers._logging import get_logger
+from towers.data import shard_bounds
 from towers.strategies.parameter_server.requests import RequestError
 from towers.strategies.parameter_server.transport import Status
 
 if TYPE_CHECKING:
     from towers.strategies.parameter_server.server import ParameterServer
 
-__all__ = ["Dispatcher", "UNIT", "EMPTY", "STOP", "LEASE", "unit_sizes", "pack_unit", "unpack_unit"]
+__all__ = ["Dispatcher", "UNIT", "EMPTY", "STOP", "LEASE", "pack_unit", "unpack_unit"]
 
 log = get_logger(__name__)
 
@@ -46,12 +47,6 @@ _MAX_CLOSED = 16
 _MAX_OPEN = 64
 #: Own units handed out per request.
 LEASE = 32
-
-
-def unit_sizes(spec: dict[str, Any]) -> list[list[int]]:
-    """Return ``sizes[g][r]``: examples in replica ``r``'s share of global batch ``g`` of the pass ``spec``."""
-    shape = _Shape(spec)
-    return [[shape.share(g, r) for r in range(shape.replicas)] for g in range(shape.batches)]
 
 
 class _Shape:
@@ -68,8 +63,9 @@ class _Shape:
         return self.b if g < self.full else self.rest
 
     def share(self, g: int, r: int) -> int:
-        size = self.size(g)
-        return size // self.replicas + (1 if r < size % self.replicas else 0)
+        """Examples in replica ``r``'s share of global batch ``g`` (the static split's, ``towers.data``)."""
+        start, stop = shard_bounds(self.size(g), self.replicas, r)
+        return stop - start
 
     def expected(self) -> int:
         """Examples in the global batches from ``start`` on."""

@@ -45,13 +45,9 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         empty, units = self._step_batches()
         if self._bound is not None:
             self._bound.push_pull(empty=empty, units=units)
-        elif units:  # no dense push reaches ps task 0: tell it apart which batches were applied
-            self._sparse_ack(units)
+        elif units and self._sparse is not None:  # no dense push reaches ps task 0: tell it apart
+            self._sparse.client.batches_applied(units)
         return loss
-
-    def _sparse_ack(self, units: list[Any]) -> None:
-        if self._sparse is not None:
-            self._sparse.client.request(Op.DISPATCH, ps=[0], metas=[{"applied": units}])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' gradients and those of the embedding rows looked up since the last step."""

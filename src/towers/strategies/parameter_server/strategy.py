@@ -25,11 +25,11 @@ from torch import nn
 
 from towers._logging import get_logger, set_rank
 from towers.cluster.info import ProcessInfo
-from towers.data import Dispatch, DistributedDataset, find_batch_info
+from towers.data import BatchInfo, Dispatch, DistributedDataset
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
 from towers.strategies._collectives import as_tensor, check_op
-from towers.strategies.base import Strategy
+from towers.strategies.base import ReplicaContext, Strategy
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.comm import PsComm
@@ -37,7 +37,6 @@ from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.optimizer import ParameterServerOptimizer
 from towers.strategies.parameter_server.roles import Roles, resolve_roles
 from towers.strategies.parameter_server.server import ParameterServer
-from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.worker import BoundModel
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
 
@@ -279,11 +278,14 @@ class ParameterServerStrategy(Strategy):
                 "strategy.prepare(model, optimizer)` first: under ParameterServerStrategy only a prepared model "
                 "trains the parameters the ps tasks hold (otherwise every worker would train a model of its own); "
                 "then call the returned model and optimizer inside the step.")
-        info = find_batch_info(args, kwargs)
-        self._empty_step = info is not None and info.local_batch_size == 0
-        if info is not None and info.unit is not None:
-            self._ran_units.append(list(info.unit))
         return super().run(fn, args, kwargs)
+
+    def _replica_context(self, batch: BatchInfo | None) -> ReplicaContext:
+        # The step's batch, as run found it: the next push names its unit and masks an empty one.
+        self._empty_step = batch is not None and batch.local_batch_size == 0
+        if batch is not None and batch.unit is not None:
+            self._ran_units.append(list(batch.unit))
+        return super()._replica_context(batch)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
@@ -311,12 +313,7 @@ class ParameterServerStrategy(Strategy):
         """
         client = self._require_worker("distribute_dataset")
         self._datasets += 1
-        dispatch = None
-        if self._dispatch_batches:
-            def ask(key: str, step: int, spec: dict[str, Any]) -> dict[str, Any]:
-                return client.request(Op.DISPATCH, ps=[0], metas=[{"key": key, "step": step, "spec": spec}])[0].meta
-
-            dispatch = Dispatch(f"d{self._datasets}", ask)
+        dispatch = Dispatch(f"d{self._datasets}", client.next_batches) if self._dispatch_batches else None
         return DistributedDataset(
             dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
             device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,

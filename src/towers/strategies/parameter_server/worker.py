@@ -130,7 +130,7 @@ class BoundModel:
                                       replies_into=[self.param_bufs[p] for p in self.active], ints=packed or ())
         self.pushes += 1
         if units and 0 not in self.active:  # ps task 0 holds none of these parameters: tell it apart
-            self.client.request(Op.DISPATCH, ps=[0], metas=[{"applied": units}])
+            self.client.batches_applied(units)
         for p, reply in zip(self.active, replies):
             self.versions[p] = reply.ints[0]
             if reply.ints[2] > self.dead_seen:
