@@ -51,15 +51,18 @@ def main() -> None:
     data = random_tokens(args.sequences, config, seed=1)
     batches = strategy.distribute_dataset(data, args.global_batch_size, shuffle=True, seed=0)
 
-    checkpoint = os.path.join(args.out, "checkpoint")
+    # The one checkpoint recipe of every strategy: model, optimizer, data position and your values.
+    manager = towers.checkpoint.CheckpointManager(os.path.join(args.out, "checkpoints"), strategy=strategy,
+                                                  max_to_keep=2)
     first_epoch = 0
-    if args.resume and strategy.broadcast_object(os.path.exists(checkpoint) if strategy.is_chief else None):
-        state = strategy.load_checkpoint(checkpoint)   # resharded for this job's number of processes
-        strategy.load_state_dict(state, model, optimizer)
-        first_epoch = int(state["epoch"]) + 1
-        if strategy.is_chief:
-            print(f"resumed from {checkpoint} (written by {state.get('num_replicas', '?')} process(es)) at epoch "
-                  f"{first_epoch}")
+    if args.resume:
+        state = manager.restore({"model": model, "optimizer": optimizer, "data": batches})  # resharded for this job
+        if state is not None:
+            first_epoch = int(state["epoch"]) + 1
+            if strategy.is_chief:
+                info = towers.checkpoint.checkpoint_info(manager.latest_checkpoint)
+                print(f"resumed from {manager.latest_checkpoint} (written by {info['num_replicas']} process(es) under "
+                      f"{info['strategy']}) at epoch {first_epoch}")
 
     params = list(model.parameters())
     if strategy.is_chief:
@@ -82,18 +85,17 @@ def main() -> None:
         for x, y in batches:
             total += float(strategy.reduce("sum", strategy.run(step, args=(x, y))))
             count += 1
-        state = {**strategy.state_dict(model, optimizer), "epoch": epoch}
-        strategy.save_checkpoint(checkpoint, state)     # every rank writes its shard; atomic
+        path = manager.save({"model": model, "optimizer": optimizer, "data": batches, "epoch": epoch})
         if strategy.is_chief:
             grads_and_state = _local_mb(p.grad for p in params) + _local_mb(
                 v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
             print(f"epoch {epoch + 1}: loss {total / count:.4f}; this rank's gradients + AdamW state "
-                  f"{grads_and_state:.2f} MB; checkpoint {checkpoint}")
+                  f"{grads_and_state:.2f} MB; checkpoint {path}")
 
-    exported = os.path.join(args.out, "model.pt")
+    exported = os.path.join(args.out, "model.safetensors")
     strategy.export_model(model, exported)               # one call: the full model, gathered to and written by the chief
     if strategy.is_chief:
-        weights = towers.checkpoint.load_checkpoint(exported)["model"]
+        weights = towers.checkpoint.load_exported(exported)  # plain tensors: GPT(config).load_state_dict(weights)
         print(f"exported the full model for inference: {exported} ({len(weights)} tensors)")
     strategy.barrier()
 

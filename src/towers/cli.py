@@ -225,6 +225,9 @@ def add_k8s_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-ps", "--num_ps", type=int, default=None, help="passed to towers launch --num-ps")
     p.add_argument("--max-restarts", type=int, default=3, help="worker-group restarts inside the job (torchrun's)")
     p.add_argument("--backoff-limit", type=int, default=6, help="pod restarts before Kubernetes fails the job")
+    p.add_argument("--grace-period", type=int, default=60, dest="grace_period_s",
+                   help="seconds between a preemption's SIGTERM and the kill (terminationGracePeriodSeconds; SLURM: "
+                        "--signal=TERM@N): every rank saves a checkpoint in it (default 60)")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: the runtime's for trainjob, "
                                                           "23456 pytorchjob, 29500 indexed-job, 15000 + job id %% 20000 "
                                                           "slurm)")
@@ -258,7 +261,8 @@ def run_k8s(args: argparse.Namespace) -> int:
             name=args.name, image=args.image, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
             gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node, memory_per_node=args.memory_per_node,
             namespace=args.namespace, strategy=args.strategy, num_ps=args.num_ps, max_restarts=args.max_restarts,
-            backoff_limit=args.backoff_limit, port=args.port, checkpoint_pvc=args.checkpoint_pvc,
+            backoff_limit=args.backoff_limit, grace_period_s=args.grace_period_s, port=args.port,
+            checkpoint_pvc=args.checkpoint_pvc,
             checkpoint_size=args.checkpoint_size, checkpoint_dir=args.checkpoint_dir,
             checkpoint_access_mode=args.checkpoint_access_mode, checkpoint_storage_class=args.checkpoint_storage_class,
             runtime=args.runtime, env=env,

@@ -78,7 +78,7 @@ def test_crashed_replica_restarts_at_the_exact_step(tmp_path, case):
     # replica 1 died; the others either saw the dead peer first ("error") or were stopped
     assert failure.value.states[1].status == "died" and os.path.exists(marker)
     assert all(s.status in ("error", "stopped") for s in failure.value.states if s.rank != 1)
-    saved = checkpoint.load_checkpoint(Path(backup_dir) / "backup.pt")
+    saved = checkpoint.load_checkpoint(Path(backup_dir) / "backup")
     assert (saved["global_step"], saved["epoch"], saved["step"]) == (6, 0, 6)
     assert len(saved["rng"]) == 2  # one RNG state per replica
     assert len(saved["optimizer"]["state"]) == 4  # Adam state of every parameter (from the ps under PS)

@@ -80,7 +80,7 @@ def test_ps_task_killed_job_resumes_with_its_rows_and_slots(tmp_path):
     with pytest.raises(SpawnError) as failure:
         towers.spawn(_fit, 3, args=(backup_dir, marker, pid_file), timeout_s=120, env=ENV)
     assert os.path.exists(marker) and failure.value.states[2].status == "died"
-    saved = checkpoint.load_checkpoint(Path(backup_dir) / "backup.pt")
+    saved = checkpoint.load_checkpoint(Path(backup_dir) / "backup")
     assert saved["global_step"] == 6
     rows = saved["model"]["table.rows"]
     assert {"ids", "weight", "slot_sum"} <= set(rows) and rows["ids"].numel() > 0

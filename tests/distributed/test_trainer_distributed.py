@@ -93,8 +93,10 @@ def test_two_replicas_share_one_history_equal_to_one_device(tmp_path):
         assert r["nan"]["global_step"] == 3 and r["nan"]["epochs"] == 1
         assert r["nan"]["flags"] == [0.0, 0.0, 1.0]
 
-    files = sorted(os.listdir(tmp_path))  # the chief wrote, rank 1 did not
-    assert files == ["log-rank0.csv", "model-rank0-1.pt", "model-rank0-2.pt", "model-rank0-3.pt"]
+    files = sorted(os.listdir(tmp_path))  # the chief's names: rank 1 wrote its part of each checkpoint there
+    assert [f for f in files if not f.startswith(".")] == ["log-rank0.csv", "model-rank0-1.pt", "model-rank0-2.pt",
+                                                           "model-rank0-3.pt"]
+    assert all(f.startswith(".model-rank0-") for f in files if f.startswith("."))  # each checkpoint's directory
     assert len(open(tmp_path / "log-rank0.csv").read().splitlines()) == EPOCHS + 1
 
 

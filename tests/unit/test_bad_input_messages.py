@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -13,8 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import towers
-from towers.checkpoint import remove_stale_temp_files
-from towers.checkpoint_manager import CheckpointManager
 
 
 def _data(n: int = 32, width: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,14 +47,3 @@ def test_a_wrong_input_width_names_the_batch_shape_and_the_fix():
         trainer.fit((x, y), epochs=1, global_batch_size=8)
 
 
-def test_stale_checkpoint_temp_files_are_removed_at_start_up_and_a_live_writers_kept(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
-    stale = tmp_path / f".ckpt-2.pt.{dead_pid}.tmp"
-    live = tmp_path / f".ckpt-3.pt.{os.getpid()}.tmp"
-    stale.write_bytes(b"half a checkpoint")
-    live.write_bytes(b"being written")
-    CheckpointManager(tmp_path)
-    assert not stale.exists()
-    assert live.exists()
-    assert remove_stale_temp_files(tmp_path) == []

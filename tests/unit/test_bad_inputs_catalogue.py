@@ -20,7 +20,7 @@ from torch import nn
 import towers
 from towers import cli, cluster
 from towers.checkpoint import load_checkpoint
-from towers.checkpoint_manager import CheckpointManager
+from towers.checkpoint import CheckpointManager
 
 
 def _cli(*argv: str) -> str:

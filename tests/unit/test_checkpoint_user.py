@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -29,8 +33,8 @@ def test_a_users_dict_round_trips_with_weights_only(tmp_path):
     path = ckpt.save_checkpoint(tmp_path / "c.pt", {"model": model, "optimizer": optimizer, "schedule": schedule,
                                                     "epoch": 3, "notes": {"best": [0.5, None, "x"]},
                                                     "ema": torch.arange(3.0)})
-    raw = torch.load(path, weights_only=True)  # nothing in it needs unpickling of classes
-    assert raw["kind"] == "user" and raw["epoch"] == 3
+    raw = torch.load(path / "state.pt", weights_only=True)  # nothing in it needs unpickling of classes
+    assert raw["state"]["epoch"] == 3
 
     fresh_model, fresh_optimizer = _model_and_optimizer(1)
     fresh_schedule = torch.optim.lr_scheduler.StepLR(fresh_optimizer, step_size=1, gamma=0.5)
@@ -68,8 +72,8 @@ def test_errors_name_the_key_and_the_fix(tmp_path):
         ckpt.save_checkpoint(tmp_path / "a.pt", {"model": model, "config": Config()})
     with pytest.raises(CheckpointError, match=r"'stats'\['mean'\] is a ndarray.*torch.from_numpy"):
         ckpt.save_checkpoint(tmp_path / "b.pt", {"stats": {"mean": np.zeros(3)}})
-    with pytest.raises(CheckpointError, match=r"keys must be strings other than.*Received: \['format'\]"):
-        ckpt.save_checkpoint(tmp_path / "c.pt", {"format": 1})
+    with pytest.raises(CheckpointError, match=r"keys must be strings. Received: \[1\]"):
+        ckpt.save_checkpoint(tmp_path / "c.pt", {1: 1})
     assert not list(tmp_path.iterdir())  # nothing half-written
     path = ckpt.save_checkpoint(tmp_path / "d.pt", {"model": model})
     with pytest.raises(CheckpointError, match=r"has no \['optimizer'\]; it holds \['model'\]"):
@@ -77,8 +81,6 @@ def test_errors_name_the_key_and_the_fix(tmp_path):
     with pytest.raises(CheckpointError, match="does not fit this model: missing keys"):
         ckpt.restore_checkpoint(path, {"model": nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2),
                                                               nn.Linear(2, 2))})
-    with pytest.raises(CheckpointError, match="user checkpoint.*restore_checkpoint"):
-        ckpt.load_checkpoint(path, kind="full")
 
     class Wrapper(nn.Module):  # what DDP looks like from outside: the user's module under .module
         def __init__(self, module):
@@ -98,8 +100,14 @@ def test_manager_keeps_the_newest_n_and_restores_the_latest(tmp_path):
         with torch.no_grad():
             model[0].bias.fill_(float(epoch))
         manager.save({"model": model, "optimizer": optimizer, "epoch": epoch})
-    assert [p.name for p in manager.checkpoints] == ["ckpt-2.pt", "ckpt-3.pt"]
-    assert manager.latest_checkpoint == tmp_path / "ckpt" / "ckpt-3.pt"
+    assert [p.name for p in manager.checkpoints] == ["ckpt-2", "ckpt-3"]
+    assert manager.latest_checkpoint == tmp_path / "ckpt" / "ckpt-3"
+    intruder = subprocess.run(  # a second job on the same folder is refused while the first runs
+        [sys.executable, "-c", "import sys; from towers.checkpoint import CheckpointManager; "
+         "CheckpointManager(sys.argv[1]).save({'epoch': 9})", str(tmp_path / "ckpt")], capture_output=True, text=True)
+    assert intruder.returncode == 1 and "Another job is writing checkpoints to" in intruder.stderr
+    assert f"pid {os.getpid()}" in intruder.stderr
+    manager.close()  # the first job ends
 
     other, other_optimizer = _model_and_optimizer(1)
     again = CheckpointManager(tmp_path / "ckpt", max_to_keep=2)  # a restarted job
@@ -107,13 +115,15 @@ def test_manager_keeps_the_newest_n_and_restores_the_latest(tmp_path):
     assert state["epoch"] == 3 and torch.equal(other[0].bias, torch.full((4,), 3.0))
     older = again.restore({"model": other}, path=again.checkpoints[0])
     assert older["epoch"] == 2 and torch.equal(other[0].bias, torch.full((4,), 2.0))
-    assert again.save({"epoch": 4}, checkpoint_number=10).name == "ckpt-10.pt"
-    assert [p.name for p in again.checkpoints] == ["ckpt-3.pt", "ckpt-10.pt"]
+    assert again.save({"epoch": 4}, checkpoint_number=10).name == "ckpt-10"
+    assert [p.name for p in again.checkpoints] == ["ckpt-3", "ckpt-10"]
+    again.close()
 
     keep_all = CheckpointManager(tmp_path / "all", max_to_keep=None, prefix="step")
     for _ in range(3):
         keep_all.save({"x": 1})
-    assert [p.name for p in keep_all.checkpoints] == ["step-0.pt", "step-1.pt", "step-2.pt"]
+    assert [p.name for p in keep_all.checkpoints] == ["step-0", "step-1", "step-2"]
+    keep_all.close()
     with pytest.raises(ValueError, match="max_to_keep must be a positive integer.*Received: 0"):
         CheckpointManager(tmp_path, max_to_keep=0)
     with pytest.raises(ValueError, match="prefix must be"):

@@ -51,8 +51,9 @@ def test_pytorchjob_replicas_resources_and_command():
     replicas = pj["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 2
     for replica in replicas.values():
-        assert replica["restartPolicy"] == "OnFailure"
+        assert replica["restartPolicy"] == "OnFailure"  # a preempted pod (exit 75) is started again
         pod = replica["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == 60  # time for every rank to save on SIGTERM
         container = pod["containers"][0]
         assert container["name"] == "pytorch" and container["image"] == "ghcr.io/me/train:1.0"
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
@@ -92,6 +93,7 @@ def test_indexed_job_service_and_rendezvous_on_pod_zero():
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
     pod = spec["template"]["spec"]
     assert pod["subdomain"] == "digits" and pod["restartPolicy"] == "OnFailure"
+    assert pod["terminationGracePeriodSeconds"] == 60
     words = launch_words(pod["containers"][0]["command"][2])
     assert "--rdzv-endpoint" in words and words[words.index("--rdzv-endpoint") + 1] == "digits-0.digits:29555"
     assert words[-4:] == ["-m", "pkg.train", "--epochs", "5"]
@@ -117,7 +119,12 @@ def test_sbatch_script():
     (srun,) = [line for line in lines if line.startswith("srun ")]
     assert "--cpus-per-task=16" in srun.split(" towers launch")[0]  # srun does not inherit it from sbatch
     assert '--nnodes "$SLURM_NNODES"' in srun and '--rdzv-endpoint "$head_node:$head_port"' in srun
-    assert srun.endswith("--max-restarts 3 train.py --epochs 5")
+    assert srun.endswith("--max-restarts 3 train.py --epochs 5 || status=$?")
+    # a preemption warning reaches every node's launcher 60 s ahead; a preempted job (75, or 143) is requeued
+    assert "#SBATCH --signal=TERM@60" in lines
+    assert 'if [ "${status:-0}" -eq 75 ] || [ "${status:-0}" -eq 143 ]; then' in lines
+    assert '    scontrol requeue "$SLURM_JOB_ID"' in lines and lines[-1] == 'exit "${status:-0}"'
+    assert "#SBATCH --signal=TERM@120" in render_sbatch(job(grace_period_s=120)).splitlines()
     assert 'export TOWERS_CHECKPOINT_DIR="$SLURM_SUBMIT_DIR/checkpoints/digits"' in lines
 
 

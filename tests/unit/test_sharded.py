@@ -18,7 +18,7 @@ from torch import nn
 import towers
 from towers.cluster.info import ProcessInfo
 from towers.models_gpt import GPT, Block, GPTConfig, random_tokens
-from towers.strategies import _dcp
+from towers.checkpoint import CheckpointError, checkpoint_info, layout, load_exported
 from towers.strategies._fsdp import build_mesh, select_units
 from towers.strategies.fully_sharded import FullyShardedStrategy
 
@@ -88,12 +88,12 @@ def test_checkpoint_round_trip_and_full_export(tmp_path):
     model, optimizer = _train(strategy)
     path = tmp_path / "ckpt"
     strategy.save_checkpoint(path, {**strategy.state_dict(model, optimizer), "epoch": 1, "note": "hello"})
-    assert path.is_symlink() and _dcp.is_sharded_checkpoint(path)
+    assert path.is_symlink() and layout.is_checkpoint(path)
 
     other = _one_process()
     fresh, fresh_optimizer = _train(other, steps=0)
     state = other.load_checkpoint(path)
-    assert state["epoch"] == 1 and state["note"] == "hello" and state["num_replicas"] == 1
+    assert state["epoch"] == 1 and state["note"] == "hello" and checkpoint_info(path)["num_replicas"] == 1
     other.load_state_dict(state, fresh, fresh_optimizer)
     for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), name
@@ -103,8 +103,8 @@ def test_checkpoint_round_trip_and_full_export(tmp_path):
     for key in saved_moments:
         assert torch.equal(saved_moments[key]["exp_avg"], loaded_moments[key]["exp_avg"])
 
-    exported = strategy.export_model(model, tmp_path / "model.pt")
-    weights = towers.checkpoint.load_checkpoint(exported)["model"]
+    exported = strategy.export_model(model, tmp_path / "model.safetensors")
+    weights = load_exported(exported)
     reference = GPT(GPTConfig.tiny())
     reference.load_state_dict(weights)
     assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), model.state_dict().values()))
@@ -129,13 +129,13 @@ def test_a_save_that_dies_half_way_leaves_the_previous_checkpoint(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         strategy.save_checkpoint(path, {**strategy.state_dict(model, optimizer), "global_step": 2})
     assert os.readlink(path) == first_target  # the name still points at the complete first checkpoint
-    assert _dcp.read_extra(path)["global_step"] == 1
+    assert towers.checkpoint.load_checkpoint(path)["global_step"] == 1
     debris = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.") and p.name != first_target]
     assert len(debris) == 1  # the torn save, invisible under the checkpoint's name
 
     monkeypatch.setattr(dcp, "save", real_save)
     strategy.save_checkpoint(path, {**strategy.state_dict(model, optimizer), "global_step": 3})
-    assert _dcp.read_extra(path)["global_step"] == 3
+    assert towers.checkpoint.load_checkpoint(path)["global_step"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", os.readlink(path)])  # debris removed
 
 
@@ -157,11 +157,11 @@ def test_metadata_cannot_run_code_and_foreign_paths_are_refused(tmp_path):
 
     foreign = tmp_path / "not-ours"
     foreign.mkdir()
-    with pytest.raises(_dcp.ShardedCheckpointError, match="not a towers sharded checkpoint"):
+    with pytest.raises(CheckpointError, match="not a towers checkpoint"):
         strategy.load_checkpoint(foreign)
-    with pytest.raises(_dcp.ShardedCheckpointError, match="that towers did not write"):
+    with pytest.raises(CheckpointError, match="that towers did not write"):
         strategy.save_checkpoint(foreign, strategy.state_dict(model, optimizer))
-    with pytest.raises(FileNotFoundError, match="No sharded checkpoint"):
+    with pytest.raises(FileNotFoundError, match="No checkpoint at"):
         strategy.load_checkpoint(tmp_path / "missing")
 
 

@@ -26,5 +26,5 @@ def test_sharded_example_trains_resumes_and_exports(tmp_path):
     resumed = run("--epochs", "2", "--resume", "--sequences", "32")
     assert "resumed from" in resumed and "at epoch 1" in resumed and "epoch 2: loss" in resumed
     assert "epoch 1: loss" not in resumed  # the finished epoch is not trained again
-    weights = towers.checkpoint.load_checkpoint(tmp_path / "model.pt")["model"]
+    weights = towers.checkpoint.load_exported(tmp_path / "model.safetensors")
     assert weights["head.weight"].shape == (97, 32) and torch.isfinite(weights["head.weight"]).all()

@@ -99,7 +99,9 @@ def _pod_spec(spec: DeploySpec, command: str, port: int, *, port_name: str) -> d
     resources = _resources(spec)
     if resources:
         container["resources"] = resources
-    return {"containers": [container], "volumes": _volumes(spec)}
+    # SIGTERM reaches `towers launch` first; every rank then saves at the next step it agrees on and exits
+    # with code 75, which restartPolicy OnFailure restarts. The save must fit in the grace period.
+    return {"containers": [container], "volumes": _volumes(spec), "terminationGracePeriodSeconds": spec.grace_period_s}
 
 
 def _claim(spec: DeploySpec) -> list[dict[str, Any]]:

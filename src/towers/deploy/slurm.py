@@ -3,6 +3,8 @@
 The rendezvous is c10d on the allocation's first host, on port ``15000 + SLURM_JOB_ID % 20000``
 (the formula ``towers.cluster`` uses for SLURM), unless ``port`` is given. ``--requeue`` lets SLURM
 requeue a preempted job; with checkpoints in ``TOWERS_CHECKPOINT_DIR`` it resumes where it stopped.
+``--signal=TERM@<grace>`` warns every node's ``towers launch`` that long before the time limit: the
+ranks save at the next step they agree on and exit with code 75, and the script requeues the job.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def render_sbatch(spec: DeploySpec) -> str:
         "--ntasks-per-node=1",
         f"--output={spec.name}-%j.out",
         "--requeue",
+        f"--signal=TERM@{spec.grace_period_s}",
     ]
     if spec.gpus_per_node:
         directives.append(f"--gpus-per-node={spec.gpus_per_node}")
@@ -70,7 +73,13 @@ def render_sbatch(spec: DeploySpec) -> str:
         "",
         "# One task per node; --kill-on-bad-exit ends the other nodes when one node's launcher fails.",
         "# srun does not inherit --cpus-per-task from sbatch (SLURM >= 22.05): it is passed again.",
-        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1{cpus} {launch}",
+        "# A preemption notice (the --signal above, or scancel --signal=TERM) makes every rank save at one step",
+        "# and exit with code 75 (143 for the launcher that got the signal): requeue, and the job resumes there.",
+        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1{cpus} {launch} || status=$?",
+        'if [ "${status:-0}" -eq 75 ] || [ "${status:-0}" -eq 143 ]; then',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "${status:-0}"',
         "",
     ]
     return "\n".join(lines)

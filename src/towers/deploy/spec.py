@@ -89,6 +89,7 @@ class DeploySpec:
     num_ps: int | None = None
     max_restarts: int = 3
     backoff_limit: int = 6
+    grace_period_s: int = 60
     port: int | None = None
     checkpoint_pvc: str | None = None
     checkpoint_size: str = "10Gi"
@@ -111,7 +112,8 @@ class DeploySpec:
             raise ValueError(f"--image must be a container image reference without spaces. Received: {self.image!r}. "
                              "Example: ghcr.io/me/train:1.0.")
         for what, value, low in (("--nnodes", self.nnodes, 1), ("--gpus-per-node", self.gpus_per_node, 0),
-                                 ("--max-restarts", self.max_restarts, 0), ("--backoff-limit", self.backoff_limit, 0)):
+                                 ("--max-restarts", self.max_restarts, 0), ("--backoff-limit", self.backoff_limit, 0),
+                                 ("--grace-period", self.grace_period_s, 10)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{what} must be an integer >= {low}. Received: {value!r}.")
         if self.nproc_per_node.isdigit():

@@ -288,6 +288,9 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
 
     parser = get_args_parser()
     parser.prog = prog
+    # A script's own flags follow it: `--signal` must reach the script, not be read as torchrun's
+    # `--signals-to-handle` (argparse matches prefixes of options before the script's arguments).
+    parser.allow_abbrev = False
     parser.description = ("Run a training script on N processes per node: torchrun's flags, plus --strategy, "
                           "--num-ps and --[no-]tolerate-worker-failures. Workers get torchrun's variables (RANK, "
                           "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...), TOWERS_STRATEGY/TOWERS_NUM_PS, "

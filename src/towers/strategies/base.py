@@ -12,12 +12,14 @@ import importlib
 import math
 import os
 from abc import ABC, abstractmethod
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from towers import checkpoint
+from towers.checkpoint.api import load_plain_state_dict, plain_state_dict
+from towers.checkpoint.layout import CheckpointIO
 from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
 from towers.data import BatchInfo, find_batch_info
@@ -270,47 +272,66 @@ class Strategy(ABC):
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Return ``{"model", "optimizer", "precision"}``: the training state of a prepared model and optimizer.
 
-        Full (unsharded) tensors unless the strategy says otherwise; plain tensors, numbers,
-        strings, lists and dicts only (checkpoints load with ``weights_only=True``). A collective
-        where the state lives elsewhere (parameter servers, shards): every replica calls it.
+        The model's is the user's module's ``state_dict()`` (full tensors, or this process's shards
+        as DTensors under a sharded strategy); the optimizer's is keyed by parameter NAME, not by
+        torch's position, so it loads under any strategy. Plain tensors, numbers, strings, lists and
+        dicts only. A collective where the state lives elsewhere (shards): every replica calls it.
         """
-        return {"model": self.unwrap(model).state_dict(),
-                "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                "precision": self.precision.state_dict()}
+        return {**plain_state_dict(self.unwrap(model), optimizer), "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any], model: nn.Module,
                         optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Restore what ``state_dict`` returned into a prepared model (and optimizer); every replica calls it.
+        """Restore what ``state_dict`` returned (under this or another strategy) into a prepared model and optimizer.
 
-        The optimizer loads first: torch checks its state before changing anything.
+        Every replica calls it. The optimizer loads first: torch checks its state before changing anything.
         """
-        if optimizer is not None and state.get("optimizer") is not None:
-            optimizer.load_state_dict(state["optimizer"])
-        self.unwrap(model).load_state_dict(state["model"], strict=True)
+        load_plain_state_dict(state, self.unwrap(model), optimizer)
         self.precision.load_state_dict(state.get("precision") or {})
 
-    def save_checkpoint(self, path: str | os.PathLike[str], state: Mapping[str, Any], *, kind: str = "full") -> str:
-        """Write ``state`` as a checkpoint in this strategy's format, atomically; return its path (every replica calls it).
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """Return the user's module's full (unsharded) ``state_dict()``; a collective where it is sharded."""
+        return self.unwrap(model).state_dict()
 
-        The default format is one file, written by the chief (``towers.checkpoint``).
+    def export_model(self, model: nn.Module, path: str | os.PathLike[str]) -> Any:
+        """Write the user's module's full weights to ``path`` for inference (safetensors or a torch file); every replica calls it.
+
+        The same as ``towers.checkpoint.export_model(model, path, strategy=self)``; returns the path.
         """
-        from towers import checkpoint
+        return checkpoint.export_model(model, path, strategy=self)
 
-        return str(checkpoint.save_checkpoint(path, state, strategy=self, kind=kind))
+    def checkpoint_io(self) -> CheckpointIO:
+        """How this strategy's processes write checkpoint tensors (every process its part, by default)."""
+        return self.__dict__.setdefault("_checkpoint_io", CheckpointIO(collective=True))
+
+    def save_checkpoint(self, path: str | os.PathLike[str], state: Mapping[str, Any]) -> str:
+        """Write ``state`` (your dict: model, optimizer, data, values) as a checkpoint at ``path``; every replica calls it.
+
+        The same as ``towers.checkpoint.save_checkpoint(path, state, strategy=self)``; any strategy restores it.
+        """
+        return str(checkpoint.save_checkpoint(path, state, strategy=self))
+
+    def restore_checkpoint(self, path: str | os.PathLike[str], objects: Mapping[str, Any]) -> dict[str, Any]:
+        """Load the checkpoint at ``path`` into ``objects`` (``{"model": model, ...}``) and return all it holds.
+
+        The same as ``towers.checkpoint.restore_checkpoint(path, objects, strategy=self)``.
+        """
+        return checkpoint.restore_checkpoint(path, objects, strategy=self)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Return the state of a checkpoint written by ``save_checkpoint`` (every replica reads it)."""
-        from towers import checkpoint
-
-        return dict(checkpoint.load_checkpoint(path))
+        """Return the dict saved at ``path`` (tensors whole, on the CPU); every replica reads it."""
+        return checkpoint.load_checkpoint(path, strategy=self)
 
     def checkpoint_exists(self, path: str | os.PathLike[str]) -> bool:
-        """Return True when ``save_checkpoint`` completed a checkpoint at ``path`` (the chief's view)."""
-        return Path(path).is_file()
+        """Return True when a complete checkpoint is published at ``path``."""
+        return checkpoint.checkpoint_exists(path)
 
     def delete_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the checkpoint at ``path`` and everything it holds; call it on the chief (nothing if absent)."""
-        Path(path).unlink(missing_ok=True)
+        checkpoint.delete_checkpoint(path)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous checkpoint in flight (if any) is written and visible at its path."""
+        self.checkpoint_io().wait(is_chief=self.is_chief, broadcast_object=self.broadcast_object)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(replica {self.replica_id}/{self.num_replicas_in_sync}, "

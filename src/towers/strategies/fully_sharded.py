@@ -11,26 +11,21 @@ Cost against Mirrored: per step, one all-gather per unit in forward, one in back
 ``reshard_after_forward=True``) and one reduce-scatter: about 1.5x Mirrored's bytes on the wire,
 for parameters + gradients + optimizer state at ~1/N of Mirrored's per rank.
 
-Checkpoints are sharded and atomic (``towers.strategies._dcp``): each rank writes its shards,
-a job of another size reshards on load, and ``export_model`` writes one full state dict for
-inference.
+Checkpoints (``towers.checkpoint``) are sharded and atomic: each rank writes its shards, and a
+job of another size or strategy reshards on load.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import time
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from towers._logging import get_logger
+from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
-from towers.strategies import _dcp
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
 from towers.strategies._fsdp import ShardUnits, build_mesh, select_units, shard_model
@@ -83,9 +78,6 @@ class FullyShardedStrategy(SyncStrategy):
         self._reshard_after_forward = bool(reshard_after_forward)
         self._cpu_offload = bool(cpu_offload)
         self._async_save = bool(async_save)
-        self._pending: Any = None
-        self.last_save_blocking_s: float | None = None  # how long the last save_checkpoint blocked
-        self._ckpt_group: Any = None
         self._owns_group = False
         device = _replica_device(info)
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
@@ -190,6 +182,8 @@ class FullyShardedStrategy(SyncStrategy):
         """
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        if self._mesh is None:  # one process: a plain module
+            return super().state_dict(model, optimizer)
         if optimizer is None:
             model_state, optim_state = get_model_state_dict(model), None
         else:
@@ -197,107 +191,48 @@ class FullyShardedStrategy(SyncStrategy):
         return {"model": model_state, "optimizer": optim_state, "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any = None) -> None:
-        """Restore what ``state_dict`` (or ``load_checkpoint``) returned into the prepared model and optimizer."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        """Restore a state from ``state_dict`` here, or a full one from any strategy, into the prepared model and optimizer.
 
+        Shards (DTensors) load as they are; full tensors (from another strategy, or read whole)
+        are cut into this process's shards.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+        from towers.checkpoint.state import is_dtensor
+
+        if self._mesh is None:
+            return super().load_state_dict(state, model, optimizer)
+        full = self._mesh is not None and not any(is_dtensor(v) for v in state["model"].values())
+        options = StateDictOptions(full_state_dict=full, strict=True)
         if optimizer is None or state.get("optimizer") is None:
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=options)
         else:
             set_state_dict(model, [_raw(optimizer)], model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
+                           optim_state_dict=state["optimizer"], options=options)
         self.precision.load_state_dict(state.get("precision") or {})
 
-    def save_checkpoint(self, path: str | os.PathLike[str], state: Mapping[str, Any], *, kind: str = "full") -> str:
-        """Write ``state`` as a sharded, atomic DCP checkpoint directory at ``path``; return the path. Every rank calls it.
-
-        ``state["model"]`` / ``state["optimizer"]`` are this rank's shards (from ``state_dict``):
-        each rank writes its own, nothing is gathered. The other entries are plain values the
-        chief writes once. With ``async_save=True`` the call returns once the shards are copied to
-        memory and a background thread writes them; the checkpoint appears at ``path`` (complete)
-        as soon as every rank's shards are written. The next save, ``load_checkpoint``,
-        ``wait_for_checkpoint()`` and ``shutdown()`` wait for it first.
-        """
-        self.wait_for_checkpoint()
-        tensors = {k: state[k] for k in ("model", "optimizer") if state.get(k) is not None}
-        extra = {**{k: v for k, v in state.items() if k not in tensors}, "kind": kind,
-                 "strategy": self.name, "num_replicas": self.num_replicas_in_sync}
-        started = time.perf_counter()
-        self._pending = _dcp.save_sharded(
-            path, tensors, extra, is_chief=self.is_chief, broadcast_object=self.broadcast_object,
-            process_group=self._checkpoint_group(), async_save=self._async_save)
-        self.last_save_blocking_s = time.perf_counter() - started
-        log.debug("checkpoint %s: %.3f s blocking (async_save=%s)", path, self.last_save_blocking_s, self._async_save)
-        return str(path)
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until an asynchronous checkpoint in flight (if any) is written and visible at its path."""
-        pending, self._pending = self._pending, None
-        _dcp.wait_pending(pending, is_chief=self.is_chief, broadcast_object=self.broadcast_object)
-
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Return the checkpoint at ``path`` with ``"model"``/``"optimizer"`` resharded for this job; every rank calls it.
-
-        The shards are read into the model and optimizer ``prepare`` returned (one of each), laid
-        out for this job whatever the number of processes that wrote them; pass the result to
-        ``load_state_dict``.
-
-        Raises:
-            FileNotFoundError: when there is nothing at ``path``.
-            ShardedCheckpointError: when it is not a sharded checkpoint or does not fit the model.
-            RuntimeError: when not exactly one model was prepared.
-        """
-        self.wait_for_checkpoint()
-        if len(self._wrapped) != 1:
-            raise RuntimeError(
-                f"load_checkpoint reads the shards into the prepared model; {len(self._wrapped)} models are prepared. "
-                "Expected exactly one: call `model, optimizer = strategy.prepare(model, optimizer)` first.")
-        extra = _dcp.read_extra(path)
-        optimizer = self._optimizers[0] if self._optimizers and extra.get("kind", "full") == "full" else None
-        template = self.state_dict(self._wrapped[0], optimizer)
-        tensors = {"model": template["model"]}
-        if optimizer is not None:
-            tensors["optimizer"] = template["optimizer"]
-        _dcp.load_sharded(path, tensors, process_group=self._checkpoint_group())
-        return {**extra, "model": tensors["model"], "optimizer": tensors.get("optimizer")}
-
-    def checkpoint_exists(self, path: str | os.PathLike[str]) -> bool:
-        """Return True when a complete sharded checkpoint is published at ``path`` (its link resolves)."""
-        return Path(path).exists()
-
-    def delete_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the published checkpoint at ``path``: the link and the shard directory it points to (chief only)."""
-        link = Path(path)
-        target = link.resolve() if link.is_symlink() else None
-        if link.is_symlink() or link.is_file():
-            link.unlink()
-        elif link.is_dir():
-            shutil.rmtree(link, ignore_errors=True)
-        if target is not None and target.is_dir():
-            shutil.rmtree(target, ignore_errors=True)
-
-    def export_model(self, model: nn.Module, path: str | os.PathLike[str]) -> Path:
-        """Write the full (unsharded) model state dict to ``path`` for inference, in one call; return the path.
-
-        A collective: the shards are gathered to the chief on CPU, which writes one towers weights
-        file atomically; load it anywhere with ``towers.checkpoint.load_checkpoint(path)["model"]``.
-        """
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """Return the user's module's full state dict, gathered from every shard onto the CPU (a collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from towers.checkpoint import save_checkpoint
+        if self._mesh is None:
+            return super().full_state_dict(model)
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return save_checkpoint(path, {"model": full}, strategy=self, kind="weights")
+    def checkpoint_io(self) -> CheckpointIO:
+        """Every process writes its own shards; with ``async_save`` a background thread does, on a Gloo group of its own."""
+        io = self.__dict__.get("_checkpoint_io")
+        if io is None:
+            group = None
+            if self._mesh is not None and self._async_save:
+                # Asynchronous saves talk in a background thread: a group of their own, so they never
+                # interleave with the training step's collectives.
+                import torch.distributed as dist
 
-    def _checkpoint_group(self) -> Any:
-        # Asynchronous saves talk in a background thread: give them their own Gloo group, so they
-        # never interleave with the training step's collectives.
-        if self._mesh is None or not self._async_save:
-            return None
-        if self._ckpt_group is None:
-            import torch.distributed as dist
-
-            self._ckpt_group = dist.new_group(backend="gloo")
-        return self._ckpt_group
+                group = dist.new_group(backend="gloo")
+            io = self.__dict__["_checkpoint_io"] = CheckpointIO(collective=True, process_group=group,
+                                                                async_save=self._async_save)
+        return io
 
     def shutdown(self) -> None:
         """Finish an asynchronous checkpoint in flight, then leave the process group this strategy joined (idempotent)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
-from towers import checkpoint as ckpt
 from towers._logging import get_logger
+from towers.checkpoint import state as ckpt
 
 if TYPE_CHECKING:
     from towers.training.trainer import Trainer
@@ -60,8 +60,6 @@ def capture_state(trainer: "Trainer") -> dict[str, Any]:
             callbacks[f"{i}:{type(cb).__name__}"] = cb.state_dict()
     training = strategy.state_dict(trainer.model, trainer.optimizer)
     return {
-        "strategy": str(strategy.name),
-        "num_replicas": int(strategy.num_replicas_in_sync),
         "model": training["model"],
         "optimizer": training["optimizer"],
         "precision": training.get("precision", {}),
@@ -80,24 +78,22 @@ def capture_state(trainer: "Trainer") -> dict[str, Any]:
 def restore_state(trainer: "Trainer", state: Mapping[str, Any], *, path: str = "<state>") -> dict[str, Any]:
     """Check that ``state`` fits ``trainer``, then restore model, optimizer, scaler, history and metrics.
 
-    Returns what ``fit`` applies when it starts: ``{"progress", "rng", "callbacks"}``. Nothing is
-    changed when a check fails.
+    ``state`` holds the model and optimizer as ``strategy.state_dict`` gives them (laid out for
+    this job, as ``towers.checkpoint.api.read_into`` reads them; their keys and shapes are checked
+    there). Returns what ``fit`` applies when it starts: ``{"progress", "rng", "callbacks"}``.
+    Nothing is changed when a check fails.
 
     Raises:
         CheckpointError: naming the file and what does not fit.
     """
-    model = trainer.unwrapped_model
     optimizer = trainer.optimizer
     _check_fits(trainer, state, path)
-    ckpt.check_model_state(model, state["model"], path=path)
-    if optimizer is not None and state.get("optimizer") is not None:
-        ckpt.check_optimizer_state(optimizer, state["optimizer"], path=path)
     try:  # the optimizer loads first, and torch checks it before it changes anything
         trainer.strategy.load_state_dict({"model": state["model"], "optimizer": state.get("optimizer"),
                                           "precision": state.get("precision", {})}, trainer.model, optimizer)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ckpt.CheckpointError(f"Checkpoint {path} does not fit this optimizer: {exc}. "
-                                   "Build the same optimizer (same parameter groups) that wrote it.") from exc
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise ckpt.CheckpointError(f"Checkpoint {path} does not fit this model/optimizer: {exc}. "
+                                   "Build the same model and optimizer (same parameter groups) that wrote it.") from exc
     trainer.history.load_state_dict(state.get("history", {}))
     saved_metrics = state.get("metrics", {})
     for m in trainer._train_metrics.all():

@@ -17,8 +17,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from towers import checkpoint as ckpt
 from towers._logging import get_logger
+from towers.checkpoint import api as ckpt
+from towers.checkpoint import layout as ckpt_layout
+from towers.checkpoint.state import set_rng_state
 from towers.data import batch_info, global_batch_sizes
 from towers.errors import user_error
 from towers.strategies.base import Strategy
@@ -164,7 +166,7 @@ class Trainer:
             self._train_metrics.reset()
             self._last_train_logs = {}
             if rng is not None:  # saved at an epoch boundary: before this epoch built its iterator
-                ckpt.set_rng_state(rng)
+                set_rng_state(rng)
                 rng = None
         it = self._epoch_iterator(train_set, global_batch_size, shuffle, p.epoch, p.step)
         if hasattr(self._train_batches, "last_pass"):
@@ -172,7 +174,7 @@ class Trainer:
         if rng is not None:
             # Saved mid-epoch, after the iterator was built (which may draw from the RNGs): restore
             # only once this run's iterator is built and positioned.
-            ckpt.set_rng_state(rng)
+            set_rng_state(rng)
         last = len(self._train_batches) if hasattr(self._train_batches, "__len__") else None  # the epoch's steps
         if steps_per_epoch is not None:
             last = steps_per_epoch if last is None else min(last, steps_per_epoch)
@@ -375,21 +377,33 @@ class Trainer:
         self._resume = restore_state(self, state, path=path)
 
     def save_checkpoint(self, path: str, *, weights_only: bool = False) -> str:
-        """Write a checkpoint of this Trainer in the strategy's format (call on every replica); return its path."""
-        if weights_only:
-            state = {"model": self.strategy.state_dict(self.model)["model"], "strategy": self.strategy.name,
-                     "num_replicas": self.strategy.num_replicas_in_sync}
-            return self.strategy.save_checkpoint(path, state, kind="weights")
-        return self.strategy.save_checkpoint(path, self.state_dict())
+        """Write a checkpoint of this Trainer at ``path`` (call on every replica); return its path.
 
-    def load_checkpoint(self, path: str) -> None:
-        """Read a checkpoint (every replica reads it); a full one makes the next ``fit`` resume from it."""
-        state = self.strategy.load_checkpoint(path)
-        if state.get("kind", "full") == "weights":
-            ckpt.check_model_state(self.unwrapped_model, state["model"], path=str(path))
-            self.strategy.load_state_dict({"model": state["model"]}, self.model)
+        Any strategy and number of replicas restores it (``load_checkpoint``). ``weights_only``:
+        the model alone.
+        """
+        if weights_only:
+            state: dict[str, Any] = {"model": self.strategy.state_dict(self.model)["model"]}
         else:
+            state = self.state_dict()
+        ckpt.write_checkpoint(path, state, strategy=self.strategy, distributed_keys=("model", "optimizer"))
+        return str(path)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Read a checkpoint (every replica reads it); a full one makes the next ``fit`` resume from it. Returns its values.
+
+        Raises:
+            CheckpointError: when it does not fit this model and optimizer (nothing is changed then).
+        """
+        manifest = ckpt_layout.read_manifest(path)
+        full = "epoch" in manifest["state"]
+        state, _ = ckpt.read_into(path, strategy=self.strategy, model=self.model,
+                                  optimizer=self.optimizer if full else None)
+        if full:
             self.load_state_dict(state, path=str(path))
+        else:
+            self.strategy.load_state_dict({"model": state["model"]}, self.model)
+        return state
 
 
 def _check_precision(strategy: Strategy, precision: Any) -> None:

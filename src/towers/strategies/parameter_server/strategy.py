@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from towers._logging import get_logger, set_rank
+from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.data import BatchInfo, Dispatch, DistributedDataset
 from towers.devices import gpu_count, warn_if_gpus_idle
@@ -356,6 +357,10 @@ class ParameterServerStrategy(Strategy):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Return every live worker's ``obj``, in worker order."""
         return self._comm_or_fail("all_gather_object").all_gather_object(obj)
+
+    def checkpoint_io(self) -> CheckpointIO:
+        """The chief writes every checkpoint tensor: the state lives on ps tasks, which do not run the script."""
+        return self.__dict__.setdefault("_checkpoint_io", CheckpointIO(collective=False))
 
     def ps_stats(self) -> list[dict[str, Any]]:
         """Return each ps task's stats (``version``, ``worker_versions``, ``max_lead``, ``dead``); on a ps, its own."""

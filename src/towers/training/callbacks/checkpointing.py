@@ -8,6 +8,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from towers._logging import get_logger
+from towers.checkpoint.manager import DirectoryClaim
+from towers.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHandler, preemption_signals
+from towers.checkpoint.state import CheckpointError
+from towers.cluster.environ import read_environ
 from towers.errors import user_error
 from towers.training.callbacks.base import Callback
 from towers.training.callbacks.stopping import resolve_mode
@@ -78,18 +82,22 @@ class BackupAndRestore(Callback):
 
     ``save_freq="epoch"`` backs up at the end of each epoch; an integer ``n`` every ``n`` global
     steps (and the resumed run is then the same as an uninterrupted one: same data order, same
-    RNG streams, same parameters). The backup is one file, ``backup_dir/backup.pt``, replaced
-    atomically. Like Keras, the backup is deleted when ``fit`` finishes normally (also after an
+    RNG streams, same parameters). The backup is one checkpoint, ``backup_dir/backup``, replaced
+    atomically; any strategy and number of replicas resumes from it. ``preemption`` (default True):
+    a SIGTERM or SIGUSR1 to any process (or to ``towers launch``) makes every process back up at the
+    next step they agree on and exit with ``PREEMPTED_EXIT_CODE`` for a restart, so a preemption
+    costs at most one step (``towers.checkpoint.preemption``; ``TOWERS_PREEMPTION_SIGNALS`` names
+    other signals, e.g. ``TERM,USR2``). Like Keras, the backup is deleted when ``fit`` finishes normally (also after an
     early stop) unless ``delete_checkpoint=False``; it is kept when ``fit`` raises or the process dies.
     Put it before callbacks whose state should be restored (it restores theirs too).
     ``backup_dir=None`` uses the job's checkpoint directory (``TOWERS_CHECKPOINT_DIR``, which the
     manifests of ``towers k8s`` set to their checkpoint volume), so a restarted pod resumes.
     """
 
-    FILENAME = "backup.pt"
+    FILENAME = "backup"
 
     def __init__(self, backup_dir: str | os.PathLike[str] | None = None, *, save_freq: str | int = "epoch",
-                 delete_checkpoint: bool = True):
+                 delete_checkpoint: bool = True, preemption: bool = True):
         super().__init__()
         if save_freq != "epoch" and not (isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0):
             raise ValueError(f"save_freq must be 'epoch' or a positive number of steps. Received: {save_freq!r}.")
@@ -99,11 +107,14 @@ class BackupAndRestore(Callback):
         self.backup_dir = Path(backup_dir) if backup_dir is not None else None
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
+        self.preemption: PreemptionHandler | None = None
+        self._preemption = bool(preemption)
+        self._claim: DirectoryClaim | None = None
         self.restored_from: dict[str, int] | None = None
 
     @property
     def path(self) -> Path:
-        """The backup file."""
+        """The backup checkpoint."""
         if self.backup_dir is None:
             raise ValueError("BackupAndRestore has no backup_dir yet: it is taken from the job at the start of fit().")
         return self.backup_dir / self.FILENAME
@@ -118,12 +129,25 @@ class BackupAndRestore(Callback):
                     "(TOWERS_CHECKPOINT_DIR is unset). Pass BackupAndRestore('path/to/backup') or set "
                     "TOWERS_CHECKPOINT_DIR.")
             self.backup_dir = Path(job_dir) / "backup"
-        # The chief decides whether there is a backup, so every replica takes the same branch.
-        exists = strategy.broadcast_object(strategy.checkpoint_exists(self.path) if strategy.is_chief else None, src=0)
+        # The chief claims the folder (a second job writing there is refused) and decides whether there is a
+        # backup, so every replica takes the same branch.
+        found: tuple[bool, str | None] = (False, None)
+        if strategy.is_chief:
+            try:
+                if self._claim is None:
+                    self._claim = DirectoryClaim.acquire(self.backup_dir)
+                found = (strategy.checkpoint_exists(self.path), None)
+            except (CheckpointError, OSError) as exc:
+                found = (False, str(exc))
+        exists, problem = strategy.broadcast_object(found, src=0)
+        if problem is not None:
+            raise CheckpointError(f"BackupAndRestore cannot use {self.backup_dir}: {problem}")
+        if self._preemption:
+            self.preemption = PreemptionHandler(signals=preemption_signals(read_environ().get("TOWERS_PREEMPTION_SIGNALS")),
+                                                rank=strategy.process_info.rank).install()
         if not exists:
             return
-        state = strategy.load_checkpoint(self.path)  # in the strategy's format (one file, or shards)
-        self.trainer.load_state_dict(state, path=str(self.path))
+        state = self.trainer.load_checkpoint(str(self.path))  # under any strategy and size
         self.restored_from = {"epoch": int(state["epoch"]), "step": int(state["step"]),
                               "global_step": int(state["global_step"])}
         if strategy.is_chief:
@@ -134,7 +158,15 @@ class BackupAndRestore(Callback):
         self.trainer.save_checkpoint(str(self.path))
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
-        if isinstance(self.save_freq, int) and self.trainer.progress.global_step % self.save_freq == 0:
+        step = self.trainer.progress.global_step
+        if self.preemption is not None and self.preemption.should_save(step):
+            self._backup()
+            self.trainer.strategy.wait_for_checkpoint()  # an asynchronous save must be on disk before the exit
+            if self.trainer.strategy.is_chief:
+                log.warning("preempted: backed up to %s at global step %d; exiting with code %d for a restart",
+                            self.path, step, PREEMPTED_EXIT_CODE)
+            raise Preempted(step, str(self.path))
+        if isinstance(self.save_freq, int) and step % self.save_freq == 0:
             self._backup()
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
@@ -143,6 +175,12 @@ class BackupAndRestore(Callback):
 
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
         strategy = self.trainer.strategy
+        if self.preemption is not None:
+            self.preemption.uninstall()
+            self.preemption = None
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
         if self.delete_checkpoint and strategy.is_chief:
             strategy.delete_checkpoint(self.path)
         strategy.barrier()  # nobody starts a new fit (and looks for a backup) before the chief deleted it

@@ -1,0 +1,34 @@
+"""The state of a job, saved and restored one way under every strategy and world size.
+
+Layers, each file using only those above it:
+
+- ``state.py``: the pieces as plain values (RNG streams, optimizer state by parameter name, paths);
+- ``layout.py``: the format on disk (DCP tensor files + the chief's ``state.pt``, published atomically);
+- ``api.py``: ``save_checkpoint`` / ``load_checkpoint`` / ``restore_checkpoint`` through a strategy;
+- ``manager.py``: ``CheckpointManager`` (numbered, keep N, latest, preemption);
+- ``preemption.py``: a SIGTERM notice -> one agreed step -> a save -> a "restart me" exit;
+- ``export.py``: the plain module's full weights for inference.
+
+The Trainer's callbacks (``BackupAndRestore``, ``ModelCheckpoint``) build on these in
+``towers.training.callbacks``.
+"""
+
+from towers.checkpoint.api import (
+    checkpoint_exists,
+    checkpoint_info,
+    delete_checkpoint,
+    load_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from towers.checkpoint.export import export_model, load_exported
+from towers.checkpoint.layout import CheckpointIO
+from towers.checkpoint.manager import CheckpointManager
+from towers.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHandler
+from towers.checkpoint.state import CheckpointError, rng_state, set_rng_state
+
+__all__ = [
+    "CheckpointError", "CheckpointIO", "CheckpointManager", "PREEMPTED_EXIT_CODE", "Preempted", "PreemptionHandler",
+    "checkpoint_exists", "checkpoint_info", "delete_checkpoint", "export_model", "load_checkpoint", "load_exported",
+    "restore_checkpoint", "rng_state", "save_checkpoint", "set_rng_state",
+]

@@ -1,0 +1,78 @@
+"""A Trainer.fit job with BackupAndRestore, for the preemption tests (run under ``towers launch``).
+
+    preempt_job.py OUT_DIR [--signal-self-at STEP --signal NAME --rank R] [--wait-at STEP]
+
+Each global step the chief prints ``step N``. ``--signal-self-at``: on the first attempt, rank R
+sends itself the signal after that step (a SIGTERM/SIGUSR1 to one process). ``--wait-at``: on the
+first attempt, every rank waits after that step until a preemption notice reached it (the test
+signals ``towers launch`` then). At the end the chief writes the parameters to OUT_DIR/final.pt and
+prints where the backup resumed (``resumed at global step N`` or ``fresh start``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import towers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--signal-self-at", type=int, default=None)
+    parser.add_argument("--signal", default="SIGUSR1")
+    parser.add_argument("--rank", type=int, default=1)
+    parser.add_argument("--wait-at", type=int, default=None)
+    args = parser.parse_args()
+    out = Path(args.out)
+    first_attempt = not (out / "signalled").exists()
+
+    strategy = towers.strategy_from_env(timeout_s=60)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long()
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    trainer = towers.Trainer(model, optimizer, F.cross_entropy, strategy=strategy)
+    backup = towers.callbacks.BackupAndRestore(out / "backup", save_freq="epoch")
+    rank = strategy.process_info.rank
+
+    class Drive(towers.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(logs["global_step"])
+            if strategy.is_chief:
+                print(f"step {step}", flush=True)
+            if not first_attempt:
+                return
+            if args.signal_self_at == step and rank == args.rank:
+                (out / "signalled").touch()
+                os.kill(os.getpid(), getattr(signal, args.signal))
+            if args.wait_at == step:
+                if strategy.is_chief:
+                    (out / "signalled").touch()
+                    print(f"waiting at step {step}", flush=True)
+                deadline = time.monotonic() + 60
+                while backup.preemption is not None and backup.preemption.noticed is None:  # the test signals
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("no preemption notice arrived within 60 s")
+                    time.sleep(0.05)
+
+    trainer.fit((x, y), epochs=3, global_batch_size=16, callbacks=[backup, Drive()])
+    if strategy.is_chief:
+        torch.save([p.detach().clone() for p in trainer.unwrapped_model.parameters()], out / "final.pt")
+        where = backup.restored_from
+        print(f"resumed at global step {where['global_step']}" if where else "fresh start", flush=True)
+
+
+if __name__ == "__main__":
+    main()
