@@ -44,8 +44,8 @@ _EXPORTS: dict[str, str] = {
 
 _SUBMODULES = {
     "cluster": "towers.cluster",
-    "callbacks": "towers.training.callbacks",
-    "metrics": "towers.training.metrics",
+    "callbacks": "towers.callbacks",
+    "metrics": "towers.metrics",
     "checkpoint": "towers.checkpoint",
     "data": "towers.data",
 }

@@ -225,6 +225,8 @@ def add_k8s_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-ps", "--num_ps", type=int, default=None, help="passed to towers launch --num-ps")
     p.add_argument("--max-restarts", type=int, default=3, help="worker-group restarts inside the job (torchrun's)")
     p.add_argument("--backoff-limit", type=int, default=6, help="pod restarts before Kubernetes fails the job")
+    p.add_argument("--strategy-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of --strategy passed to every node's towers launch (repeatable), e.g. mode=async")
     p.add_argument("--grace-period", type=int, default=60, dest="grace_period_s",
                    help="seconds between a preemption's SIGTERM and the kill (terminationGracePeriodSeconds; SLURM: "
                         "--signal=TERM@N): every rank saves a checkpoint in it (default 60)")
@@ -251,6 +253,7 @@ def add_k8s_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_k8s(args: argparse.Namespace) -> int:
+    from towers.cluster.strategy_options import parse_strategy_options
     from towers.deploy import DeploySpec, render
 
     try:
@@ -260,7 +263,8 @@ def run_k8s(args: argparse.Namespace) -> int:
         spec = DeploySpec(
             name=args.name, image=args.image, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
             gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node, memory_per_node=args.memory_per_node,
-            namespace=args.namespace, strategy=args.strategy, num_ps=args.num_ps, max_restarts=args.max_restarts,
+            namespace=args.namespace, strategy=args.strategy, num_ps=args.num_ps,
+            strategy_options=parse_strategy_options(args.strategy_option), max_restarts=args.max_restarts,
             backoff_limit=args.backoff_limit, grace_period_s=args.grace_period_s, port=args.port,
             checkpoint_pvc=args.checkpoint_pvc,
             checkpoint_size=args.checkpoint_size, checkpoint_dir=args.checkpoint_dir,

@@ -17,6 +17,7 @@ import ipaddress
 import itertools
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -125,11 +126,16 @@ def init_process_group(
     except RendezvousError as exc:
         raise DistributedError(f"{_rank_tag(info)} {exc}") from None
     enable_flight_recorder(info)  # torch's record of every collective, read by the stuck-job watchdog
+    excepthook = sys.excepthook
     try:
         dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
                                 timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # torch raises several types (DistNetworkError, DistStoreError, RuntimeError)
         raise _init_error(info, backend, exc, time.monotonic() - started) from None
+    if info.log_level is not None:
+        # Under `towers launch` every output line already starts with "[rank N]: ": torch's hook would
+        # prefix a script's traceback a second time ("[rank 0]: [rank0]: Traceback ...").
+        sys.excepthook = excepthook
     _leave_at_exit()
     start_watchdog(info)  # ends the job with a report naming the stuck rank (towers.diagnostics)
     log.info("joined process group: backend=%s world_size=%d", backend, info.world_size)

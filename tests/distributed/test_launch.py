@@ -87,6 +87,22 @@ def test_a_failing_rank_stops_the_job_and_is_named(tmp_path):
     assert "towers launch: rank 1 (local rank 1" in err and "exited with code 3" in err, err
 
 
+def test_a_scripts_traceback_has_one_rank_prefix(tmp_path):
+    # torch's excepthook would prefix every line of a traceback with "[rank1]: ", after the launcher's "[rank 1]: ".
+    script = write_script(tmp_path, "raises.py", """
+        import towers
+
+        strategy = towers.MirroredStrategy(timeout_s=30)
+        if strategy.replica_id == 1:
+            raise ValueError("bad data in shard 7")
+        strategy.barrier()
+    """)
+    code, out, err, _ = run_launch(["--nproc-per-node", "2", "--monitor-interval", "0.2"], script)
+    assert code != 0
+    assert "[rank 1]: ValueError: bad data in shard 7" in err.splitlines(), err
+    assert "[rank1]:" not in err, err
+
+
 def test_parameter_server_flags_reach_the_workers(tmp_path):
     script = write_script(tmp_path, "roles.py", """
         import os
@@ -94,14 +110,16 @@ def test_parameter_server_flags_reach_the_workers(tmp_path):
 
         info = cluster.from_env()
         print(f"rank={info.rank} task={info.task.type}:{info.task.index} strategy={info.strategy} "
-              f"num_ps={info.num_ps} env={os.environ['TOWERS_STRATEGY']},{os.environ['TOWERS_NUM_PS']}", flush=True)
+              f"num_ps={info.num_ps} env={os.environ['TOWERS_STRATEGY']},{os.environ['TOWERS_NUM_PS']} "
+              f"options={sorted(info.strategy_options.items())}", flush=True)
     """)
     code, out, err, _ = run_launch(
-        ["--nproc-per-node", "2", "--monitor-interval", "0.2", "--strategy", "parameter_server", "--num-ps", "1"],
-        script)
+        ["--nproc-per-node", "2", "--monitor-interval", "0.2", "--strategy", "parameter_server", "--num-ps", "1",
+         "--strategy-option", "mode=sync", "--strategy-option", "staleness=2"], script)
     assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
-    assert "rank=0 task=worker:0 strategy=ps num_ps=1 env=ps,1" in out, out
-    assert "rank=1 task=ps:0 strategy=ps num_ps=1 env=ps,1" in out, out
+    options = "options=[('mode', 'sync'), ('staleness', 2)]"
+    assert f"rank=0 task=worker:0 strategy=ps num_ps=1 env=ps,1 {options}" in out, out
+    assert f"rank=1 task=ps:0 strategy=ps num_ps=1 env=ps,1 {options}" in out, out
 
 
 def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):

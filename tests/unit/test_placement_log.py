@@ -26,11 +26,28 @@ def placement_lines():
 
     handler = _ListHandler()
     logger = logging.getLogger("towers")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # INFO must pass whatever tests ran before (alone, the effective level is WARNING)
     logger.addHandler(handler)
     try:
         yield lines
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_a_plain_script_sees_the_lines_on_stderr():
+    import subprocess
+    import sys
+
+    code = "import torch, towers\ntowers.log_device_placement(True)\ntorch.ones(2) + 1\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "aten::add.Tensor -> /cpu:0" in done.stderr.splitlines()  # as TensorFlow prints every op
+    configured = "import logging, torch, towers\nlogging.basicConfig(level=logging.INFO, format='LOG %(message)s')\n" \
+                 "towers.log_device_placement(True)\ntorch.ones(2) + 1\n"
+    done = subprocess.run([sys.executable, "-c", configured], capture_output=True, text=True, timeout=120)
+    assert "LOG aten::add.Tensor -> /cpu:0" in done.stderr.splitlines()  # logging configured: through logging
 
 
 def _linear_forward() -> torch.Tensor:

@@ -19,6 +19,8 @@ from towers.cluster.kubeflow import KubeflowTrainerEnvironment
 from towers.cluster.local import LocalEnvironment
 from towers.cluster.mpi import MPIEnvironment
 from towers.cluster.slurm import SlurmEnvironment
+from towers.cluster.strategy_options import ENV as STRATEGY_OPTIONS_ENV
+from towers.cluster.strategy_options import decode_strategy_options
 from towers.cluster.tf_config import TFConfigEnvironment
 from towers.cluster.torchrun import TorchrunEnvironment
 
@@ -99,6 +101,12 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     log_level = environ.get("TOWERS_LOG_LEVEL", "").strip().upper()
     if log_level:
         info = dataclasses.replace(info, log_level=log_level)
+    if environ.get(STRATEGY_OPTIONS_ENV, "").strip():
+        try:
+            options = decode_strategy_options(environ[STRATEGY_OPTIONS_ENV])
+        except ValueError as exc:
+            raise ClusterConfigError(str(exc)) from None
+        info = dataclasses.replace(info, strategy_options=options)
     if explicit:
         explicit.setdefault("source", f"explicit+{info.source}")
         try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
 __all__ = ["TASK_TYPES", "DEFAULT_JOIN_TIMEOUT_S", "ClusterSpec", "TaskInfo", "ProcessInfo"]
 
@@ -109,6 +109,8 @@ class ProcessInfo:
     log_level: str | None = None
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     stuck_timeout_s: float | None = None
+    #: Options for the strategy from outside the script (``towers launch --strategy-option``, ``TOWERS_STRATEGY_OPTIONS``).
+    strategy_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
+from towers.cluster.roles import strategy_entry
 from towers.launch.spec import LaunchSpec
 
 __all__ = ["DeploySpec", "KINDS", "ACCESS_MODES", "check_dns1123_label", "check_dns1123_subdomain", "MAX_NAME_LENGTH"]
@@ -87,6 +89,7 @@ class DeploySpec:
     namespace: str = "default"
     strategy: str | None = None
     num_ps: int | None = None
+    strategy_options: Mapping[str, Any] = field(default_factory=dict)
     max_restarts: int = 3
     backoff_limit: int = 6
     grace_period_s: int = 60
@@ -133,7 +136,7 @@ class DeploySpec:
         nproc = int(self.nproc_per_node) if self.nproc_per_node.isdigit() else (self.num_ps or 0) + 1
         launch = LaunchSpec(script=self.script, script_args=self.script_args, module=self.module, nproc_per_node=nproc,
                             min_nodes=self.nnodes, max_nodes=self.nnodes, strategy=self.strategy, num_ps=self.num_ps,
-                            max_restarts=self.max_restarts)
+                            max_restarts=self.max_restarts, strategy_options=self.strategy_options)
         set_("strategy", launch.strategy)
         set_("num_ps", launch.num_ps)
         if self.port is not None and not 1024 <= self.port < 65536:
@@ -190,8 +193,10 @@ class DeploySpec:
         args = ["--max-restarts", str(self.max_restarts)]
         if self.strategy is not None:
             args += ["--strategy", self.strategy]
-            if self.strategy == "ps":
+            if strategy_entry(self.strategy).has_ps:  # ps and hybrid (and their aliases): the job's ps tasks
                 args += ["--num-ps", str(self.num_ps)]
+            for key, value in self.strategy_options.items():  # every option reaches every node's launcher
+                args += ["--strategy-option", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
         if self.module:
             args.append("-m")
         return [*args, self.script, *self.script_args]

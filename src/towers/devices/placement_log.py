@@ -1,6 +1,7 @@
 """The placement log: ``towers.log_device_placement(True)`` logs each executed op and its device.
 
-Lines look like ``aten::addmm -> /cpu:0`` and go to the ``towers.devices.placement`` logger at INFO.
+Lines look like ``aten::addmm -> /cpu:0`` and go to the ``towers.devices.placement`` logger at INFO, or to
+stderr when no logging handler is configured (what TensorFlow does: a plain script sees them).
 They come from a ``TorchDispatchMode`` that sees every ATen op after autograd, so backward ops are
 logged too (``aten::mm``, ``aten::convolution_backward``...). The op's device is its first output
 tensor's device (or its first input's, for an op with no tensor output).
@@ -18,6 +19,8 @@ Scope and cost:
 
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -36,6 +39,18 @@ from towers.devices.names import Device
 __all__ = ["PlacementRecord", "PlacementLog", "log_device_placement", "get_log_device_placement"]
 
 placement_logger = get_logger("towers.devices.placement")
+
+
+def _logging_configured(logger: logging.Logger) -> bool:
+    """True when a handler other than a NullHandler would receive ``logger``'s records."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in current.handlers):
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
 
 _NAMES: dict[torch.device, str] = {}
 
@@ -79,6 +94,8 @@ class _PlacementLogMode(TorchDispatchMode):
         super().__init__()
         self.records = records
         self.to_logger = to_logger
+        # As TensorFlow prints every op: with nobody listening to the logger, the lines go to stderr.
+        self.to_stderr = to_logger and not _logging_configured(placement_logger)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -87,7 +104,9 @@ class _PlacementLogMode(TorchDispatchMode):
             dev = _first_device(args)
         device_name = "?" if dev is None else _device_name(dev)
         op = func.name()
-        if self.to_logger:
+        if self.to_stderr:
+            sys.stderr.write(f"{op} -> {device_name}\n")
+        elif self.to_logger:
             placement_logger.info("%s -> %s", op, device_name)
         if self.records is not None:
             self.records.append(PlacementRecord(op, device_name))

@@ -15,6 +15,8 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from towers.cluster import roles as _roles
+from towers.cluster.strategy_options import ENV as STRATEGY_OPTIONS_ENV
+from towers.cluster.strategy_options import encode_strategy_options, parse_strategy_options
 from towers.launch.spawn import cpu_threads_per_process
 
 __all__ = [
@@ -43,7 +45,7 @@ _SPEC_OPTIONS = frozenset({
     "training_script", "training_script_args", "module", "no_python", "run_path", "nproc_per_node", "nnodes",
     "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "standalone",
     "max_restarts", "monitor_interval", "strategy", "num_ps", "tolerate_worker_failures", "interface",
-    "join_timeout",
+    "join_timeout", "strategy_option",
 })
 
 
@@ -142,6 +144,7 @@ class LaunchSpec:
     tolerate_worker_failures: bool | None = None
     interface: str | None = None
     join_timeout_s: float | None = None
+    strategy_options: Mapping[str, Any] = field(default_factory=dict)
     torchrun_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -151,6 +154,7 @@ class LaunchSpec:
                              "Usage: towers launch --nproc-per-node 2 train.py [args ...]")
         set_("script_args", tuple(str(a) for a in self.script_args))
         set_("torchrun_options", MappingProxyType(dict(self.torchrun_options)))
+        set_("strategy_options", MappingProxyType(dict(self.strategy_options)))
         if self.module and self.no_python:
             raise ValueError("--module and --no-python exclude each other: a module needs Python. Drop one of them.")
         if self.module and self.run_path:
@@ -217,6 +221,9 @@ class LaunchSpec:
                 f"--tolerate-worker-failures only applies to --strategy ps (parameter servers go on without a "
                 f"dead worker; every other strategy needs all of them). Received: --strategy {strategy}. Drop the "
                 "flag or use --strategy ps.")
+        if self.strategy_options and strategy is None:
+            raise ValueError(f"--strategy-option needs --strategy: the options belong to one strategy. Received: "
+                             f"{dict(self.strategy_options)} without --strategy. Add e.g. --strategy ps.")
         set_("strategy", strategy)
         set_("num_ps", num_ps)
         set_("tolerate_worker_failures", survives if tolerate is None else tolerate)
@@ -268,6 +275,8 @@ class LaunchSpec:
         if self.strategy is not None:
             updates["TOWERS_STRATEGY"] = self.strategy
             updates["TOWERS_NUM_PS"] = str(self.num_ps)
+        if self.strategy_options:
+            updates[STRATEGY_OPTIONS_ENV] = encode_strategy_options(self.strategy_options)
         if not environ.get("TOWERS_LOG_LEVEL", "").strip():  # towers' own lines, [rank r/w]-prefixed, in the workers
             updates["TOWERS_LOG_LEVEL"] = "INFO"
         if not environ.get("OMP_NUM_THREADS", "").strip():
@@ -302,6 +311,9 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
                             "(alias: parameter_server); sets TOWERS_STRATEGY for every worker")
     group.add_argument("--num-ps", "--num_ps", type=int, default=None, metavar="K",
                        help="parameter-server processes (the last K ranks; implies --strategy ps); sets TOWERS_NUM_PS")
+    group.add_argument("--strategy-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="an option of the --strategy (repeatable), e.g. --strategy-option mode=async "
+                            "--strategy-option staleness=2; the strategy must take it (sets TOWERS_STRATEGY_OPTIONS)")
     group.add_argument("--tolerate-worker-failures", default=None,
                        action=argparse.BooleanOptionalAction,
                        help="--strategy ps only (default: on there): a non-chief worker that fails does not stop the "
@@ -362,6 +374,7 @@ def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
         monitor_interval_s=float(args.monitor_interval),
         strategy=args.strategy,
         num_ps=args.num_ps,
+        strategy_options=parse_strategy_options(getattr(args, "strategy_option", None) or []),
         tolerate_worker_failures=getattr(args, "tolerate_worker_failures", None),
         interface=getattr(args, "interface", None),
         join_timeout_s=getattr(args, "join_timeout", None),

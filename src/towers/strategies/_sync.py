@@ -20,7 +20,7 @@ from towers.data import DistributedDataset, find_batch_info
 from towers.errors import user_error
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op
 from towers.strategies._steps import StepTracker, StrategyOptimizer
-from towers.strategies.base import ReplicaContext, Strategy
+from towers.strategies.base import ReplicaContext, Strategy, current_replica_context
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
 
 __all__ = ["SyncStrategy"]
@@ -32,7 +32,7 @@ class SyncStrategy(Strategy):
     """A synchronous data-parallel strategy: replicas step together on shares of one global batch."""
 
     def __init__(self, *, info: ProcessInfo, device: torch.device, comm: LocalComm | ProcessGroupComm,
-                 precision: str | int | None = "32", gradient_accumulation_steps: int = 1):
+                 precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1):
         self._info = info
         self._device = device
         self._comm = comm
@@ -116,6 +116,10 @@ class SyncStrategy(Strategy):
                                     all_reduce_max=self._comm.all_reduce_max_ if multi else None,
                                     before_step=check)
         return wrapped, wrapper
+
+    def _updates_now(self) -> bool:
+        context = current_replica_context()  # outside run: the last run's place in its accumulation window
+        return context.is_update_step if context is not None else self._tracker.sync
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._optimizers)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import inspect
 import math
 import os
 from abc import ABC, abstractmethod
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from towers import checkpoint
+from towers._logging import get_logger
 from towers.checkpoint.api import load_plain_state_dict, plain_state_dict
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster import roles
@@ -27,6 +29,7 @@ from towers.strategies._compile import compile_module, compile_options
 from towers.strategies.precision import Precision
 
 __all__ = [
+    "strategy_options",
     "REDUCE_OPS",
     "Strategy",
     "ReplicaContext",
@@ -37,6 +40,8 @@ __all__ = [
     "strategy_names",
     "strategy_from_env",
 ]
+
+log = get_logger(__name__)
 
 #: Reductions accepted by ``Strategy.reduce``.
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -228,14 +233,30 @@ class Strategy(ABC):
         """Clip the gradients of ``parameters`` to a total norm of ``max_norm``; return the norm before clipping.
 
         Call it after backward and before ``optimizer.step()``; fp16 gradients are unscaled first.
+        Under gradient accumulation it clips once per update, on the last micro-batch, when the
+        gradient is complete (summed over the micro-batches and, where replicas synchronise, over
+        the replicas): on the other micro-batches it changes nothing and returns the norm of the
+        gradient accumulated so far on this replica (unscaled). One device's result, at any
+        accumulation and replica count.
 
         Raises:
             ValueError: ``max_norm`` is not a positive finite number.
         """
         check_max_norm(max_norm)
+        if not self._updates_now():
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+            norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).cpu()
+                                                          for g in grads]), norm_type) if grads else torch.zeros(()))
+            return norm / self.precision.scale if self.precision.needs_loss_scaling else norm
         for optimizer in self._prepared_optimizers():
             self.precision.unscale_gradients(optimizer)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def _updates_now(self) -> bool:
+        """True unless the step in progress is a micro-batch that accumulates without updating."""
+        context = current_replica_context()
+        return context is None or context.is_update_step
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         """The user's optimizers this strategy prepared (their gradients are what fp16 unscales)."""
@@ -359,24 +380,75 @@ def strategy_names() -> list[str]:
     return sorted({*roles.strategy_names(aliases=True), *_REGISTRY})
 
 
+def _factory(name: str) -> Callable[..., Strategy]:
+    factory = _REGISTRY.get(_key(name))
+    if factory is None:
+        module, _, attr = roles.strategy_entry(name).target.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+    return factory
+
+
 def get_strategy(name: str, **kwargs: Any) -> Strategy:
     """Return a new strategy named ``name`` (e.g. ``"mirrored"``), built with ``kwargs``.
 
     Raises:
         ValueError: when no strategy has that name; the message lists the names.
     """
-    factory = _REGISTRY.get(_key(name))
-    if factory is None:
-        module, _, attr = roles.strategy_entry(name).target.partition(":")
-        factory = getattr(importlib.import_module(module), attr)
-    return factory(**kwargs)
+    return _factory(name)(**kwargs)
+
+
+def strategy_options(name: str) -> set[str] | None:
+    """Return the keyword options strategy ``name`` takes (None: any, its factory takes ``**kwargs``)."""
+    parameters = inspect.signature(_factory(name)).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {"self", "info"}
+
+
+def _takers(option: str) -> list[str]:
+    names = sorted({roles.canonical_strategy(n) if n in roles.strategy_names(aliases=True) else n
+                    for n in strategy_names()})
+    return [n for n in names if (taken := strategy_options(n)) is None or option in taken]
+
+
+def _options_for(name: str, launcher: Mapping[str, Any], script: Mapping[str, Any]) -> dict[str, Any]:
+    """The options strategy ``name`` gets: the launcher's (which it must take) over the script's own."""
+    taken = strategy_options(name)
+    if taken is None:
+        return {**script, **launcher}
+    for key, value in launcher.items():
+        if key not in taken:
+            others = [n for n in _takers(key) if n != name]
+            raise ValueError(
+                f"Strategy {name!r} does not take the option {key!r}. Received: --strategy-option {key}={value!r} "
+                f"(TOWERS_STRATEGY_OPTIONS). {f'{key!r} is an option of {others}; ' if others else ''}{name!r} takes "
+                f"{sorted(taken)}. Drop it or pick another --strategy.")
+    options = {}
+    for key, value in script.items():
+        if key in taken:
+            options[key] = value
+            continue
+        others = _takers(key)
+        if not others:
+            raise TypeError(f"strategy_from_env() got an option no strategy takes. Received: {key}={value!r}. "
+                            f"{name!r} takes {sorted(taken)}.")
+        # The same script runs under every strategy: an option of another one is not this one's business.
+        log.debug("strategy %s does not take %s=%r (an option of %s): not passed", name, key, value, others)
+    return {**options, **launcher}
 
 
 def strategy_from_env(info: ProcessInfo | None = None, **kwargs: Any) -> Strategy:
     """Return the strategy ``towers launch --strategy`` (or TF_CONFIG, torchrun, SLURM) asked for.
 
     Without a request: ``one_device`` for a single process, ``mirrored`` on one host,
-    ``multi_worker_mirrored`` across hosts.
+    ``multi_worker_mirrored`` across hosts. ``kwargs`` are the script's options: each goes to the
+    strategy when it takes it, and is left out when only other strategies take it (so
+    ``strategy_from_env(mode="sync")`` runs under Mirrored too). Options from outside
+    (``towers launch --strategy-option``) win over them, and the strategy must take each one.
+
+    Raises:
+        ValueError: an option from outside that the strategy does not take (naming those that do).
+        TypeError: an option of the script that no strategy takes.
     """
     from towers import cluster
 
@@ -389,4 +461,4 @@ def strategy_from_env(info: ProcessInfo | None = None, **kwargs: Any) -> Strateg
             name = "mirrored"
         else:
             name = "multi_worker_mirrored"
-    return get_strategy(name, info=info, **kwargs)
+    return get_strategy(name, info=info, **_options_for(name, info.strategy_options, kwargs))

@@ -29,7 +29,9 @@ from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
 from towers.strategies._fsdp import ShardUnits, build_mesh, select_units, shard_model
+from towers.strategies._steps import StepTracker
 from towers.strategies._sync import SyncStrategy
+from towers.strategies.precision import Precision, resolve_precision
 
 __all__ = ["FullyShardedStrategy"]
 
@@ -65,7 +67,7 @@ class FullyShardedStrategy(SyncStrategy):
     name = "sharded"
 
     def __init__(self, *, info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 backend: str = "auto", precision: str | int | None = "32", gradient_accumulation_steps: int = 1,
+                 backend: str = "auto", precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1,
                  shard_units: ShardUnits = "auto", reshard_after_forward: bool = True, cpu_offload: bool = False,
                  shard_group_size: int | None = None, async_save: bool = False):
         from towers import cluster
@@ -81,6 +83,9 @@ class FullyShardedStrategy(SyncStrategy):
         self._owns_group = False
         device = _replica_device(info)
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
+        # Options are checked before the process group is joined: a typo fails at once, on every rank alike.
+        precision = resolve_precision(precision, device)
+        StepTracker(gradient_accumulation_steps)
         comm: LocalComm | ProcessGroupComm = LocalComm()
         self._mesh: Any = None
         if info.world_size > 1:

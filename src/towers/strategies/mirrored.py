@@ -20,8 +20,10 @@ from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._comm_hooks import check_compression, register_sum_hook
 from towers.strategies._ddp import TowersDDP, check_same_parameters, unused_parameters_error
+from towers.strategies._steps import StepTracker
 from towers.strategies._sync import SyncStrategy
 from towers.strategies._sync_bn import convert_sync_batchnorm
+from towers.strategies.precision import Precision, resolve_precision
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy"]
 
@@ -51,7 +53,7 @@ class MirroredStrategy(SyncStrategy):
     name = "mirrored"
 
     def __init__(self, *, info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 backend: str = "auto", precision: str | int | None = "32", gradient_accumulation_steps: int = 1,
+                 backend: str = "auto", precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1,
                  gradient_compression: str | None = None, sync_batchnorm: bool = False,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  powersgd_rank: int = 1, powersgd_start_iter: int = 10):
@@ -71,6 +73,9 @@ class MirroredStrategy(SyncStrategy):
         info = info or cluster.from_env()
         device = _replica_device(info)
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
+        # Options are checked before the process group is joined: a typo fails at once, on every rank alike.
+        precision = resolve_precision(precision, device)
+        StepTracker(gradient_accumulation_steps)
         comm: LocalComm | ProcessGroupComm = LocalComm()
         if info.world_size > 1:
             from towers.process_group import is_initialized

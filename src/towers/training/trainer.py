@@ -23,7 +23,7 @@ from towers.checkpoint import layout as ckpt_layout
 from towers.checkpoint.state import set_rng_state
 from towers.data import batch_info, global_batch_sizes
 from towers.errors import user_error
-from towers.strategies.base import Strategy
+from towers.strategies.base import Strategy, check_max_norm
 from towers.training._state import TrainingProgress, capture_state, restore_state
 from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn, split_batch
 from towers.training.callbacks.base import Callback, CallbackList
@@ -50,17 +50,24 @@ class Trainer:
     and a ``stop_training`` set by a callback takes effect at the next reduction — on every replica
     at the same step. Epoch logs and the History are exact whatever the value; 1 reduces every step,
     as does a single replica (nothing to communicate).
+
+    ``clip_grad_norm``: clip the gradient's global norm to this value before every update
+    (``strategy.clip_grad_norm_``: once per update, on the complete gradient, under accumulation and
+    on every replica count; fp16 gradients unscaled first).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any, *,
                  metrics: Iterable[Any] | Mapping[str, Any] | None = (), strategy: Strategy | None = None,
                  precision: Any = None, seed: int = 0, compile: bool | Mapping[str, Any] = False,
-                 log_every_n_steps: int = 10):
+                 log_every_n_steps: int = 10, clip_grad_norm: float | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}.")
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be a positive integer. Received: {log_every_n_steps!r}. "
                              "Use 1 to reduce the metrics every step, or e.g. 10.")
+        if clip_grad_norm is not None:
+            check_max_norm(clip_grad_norm)
+        self.clip_grad_norm = clip_grad_norm
         if strategy is None:
             from towers.strategies import strategy_from_env
 
@@ -242,6 +249,8 @@ class Trainer:
             per_example = self.loss_fn(y_pred, y)
             loss = compute_average_loss(per_example)
             self.strategy.backward(loss)  # the strategy's precision: fp16 scales the loss first
+            if self.clip_grad_norm is not None:  # once per update, on the complete gradient
+                self.strategy.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
             self.optimizer.step()  # the prepared optimizer: all-reduced, accumulated or pushed to servers
             self.optimizer.zero_grad(set_to_none=True)
             return per_example.detach(), y_pred.detach()
