@@ -124,20 +124,42 @@ def _attach(batch: Any, info: BatchInfo) -> Any:
 
 
 class _TensorSource:
-    """Rows of one or more tensors with the same first dimension; batches are fancy-indexed rows."""
+    """Rows of one or more tensors with the same first dimension; batches are fancy-indexed rows (a dict with ``keys``)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], single: bool):
+    def __init__(self, tensors: Sequence[torch.Tensor], single: bool, keys: Sequence[str] | None = None):
         sizes = {int(t.shape[0]) if t.dim() else -1 for t in tensors}
         if len(sizes) != 1 or -1 in sizes:
-            shapes = [tuple(t.shape) for t in tensors]
+            shapes = dict(zip(keys, (tuple(t.shape) for t in tensors))) if keys else [tuple(t.shape) for t in tensors]
             raise ValueError(
                 f"distribute_dataset needs tensors with the same first (example) dimension. Received shapes: {shapes}. "
                 "Make every tensor hold one row per example.")
         self.tensors, self.single, self.size = tuple(tensors), single, sizes.pop()
+        self.keys = tuple(keys) if keys is not None else None
 
     def fetch(self, index: torch.Tensor | slice) -> Any:
         rows = tuple(t[index] for t in self.tensors)
+        if self.keys is not None:
+            return dict(zip(self.keys, rows))
         return rows[0] if self.single else rows
+
+
+class TensorDictDataset(torch.utils.data.Dataset):
+    """A dict of tensors with one row per example (``{"input_ids": ..., "labels": ...}``) as a map-style dataset of dicts."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        bad = [k for k, v in tensors.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if not tensors or bad:
+            raise ValueError(f"A dict dataset needs str keys and tensor values, one row per example. Received: "
+                             f"{bad or 'an empty dict'}. Example: {{'input_ids': ids, 'labels': labels}}.")
+        self.tensors = dict(tensors)
+        _TensorSource(list(self.tensors.values()), single=False, keys=list(self.tensors))  # same row counts
+        self._size = len(next(iter(self.tensors.values())))
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {k: v[index] for k, v in self.tensors.items()}
 
 
 class _MapSource:
@@ -160,10 +182,14 @@ def _source(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> _Ten
         return _TensorSource(dataset, single=False)
     if isinstance(dataset, TensorDataset) and collate_fn is None:
         return _TensorSource(dataset.tensors, single=False)
+    if isinstance(dataset, Mapping) and dataset and all(isinstance(t, torch.Tensor) for t in dataset.values()):
+        dataset = TensorDictDataset(dataset)  # {"input_ids": ..., "labels": ...}: batches are dicts
+    if isinstance(dataset, TensorDictDataset) and collate_fn is None:
+        return _TensorSource(list(dataset.tensors.values()), single=False, keys=list(dataset.tensors))
     if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise TypeError(
-            f"distribute_dataset needs a map-style dataset (with __len__ and __getitem__), a tensor or a tuple of "
-            f"tensors. Received: {type(dataset).__name__}. Wrap your data in a torch.utils.data.Dataset or "
+            f"distribute_dataset needs a map-style dataset (with __len__ and __getitem__), a tensor, a tuple of "
+            f"tensors or a dict of tensors. Received: {type(dataset).__name__}. Wrap your data in a torch.utils.data.Dataset or "
             "TensorDataset; streams (IterableDataset) cannot be split into exact global batches.")
     return _MapSource(dataset, collate_fn or default_collate)
 

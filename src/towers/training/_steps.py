@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from towers.data import TensorDictDataset
 from towers.training.metrics import ExternalMetric, Mean, Metric
 
 __all__ = ["per_example_loss_fn", "as_dataset", "split_batch", "MetricSet"]
@@ -31,9 +32,15 @@ def as_dataset(data: Any, what: str) -> Dataset:
         if len(data[0]) != len(data[1]):
             raise ValueError(f"{what}: x and y must have the same length. Received: {len(data[0])} and {len(data[1])}.")
         return TensorDataset(data[0], data[1])
+    if isinstance(data, Mapping):  # {"input_ids": ..., "attention_mask": ..., "labels": ...}
+        try:
+            return TensorDictDataset(data)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
         return data
-    raise TypeError(f"{what} must be a map-style Dataset (e.g. TensorDataset) or a tuple (x, y) of tensors. "
+    raise TypeError(f"{what} must be a map-style Dataset (e.g. TensorDataset), a tuple (x, y) of tensors or a dict of "
+                    "tensors. "
                     f"Received: {type(data).__name__}.")
 
 

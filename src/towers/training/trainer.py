@@ -21,11 +21,13 @@ from towers._logging import get_logger
 from towers.checkpoint import api as ckpt
 from towers.checkpoint import layout as ckpt_layout
 from towers.checkpoint.state import set_rng_state
-from towers.data import batch_info, global_batch_sizes
+from towers.data import find_batch_info, global_batch_sizes
 from towers.errors import user_error
-from towers.strategies.base import Strategy, check_max_norm
+from towers.strategies.base import Strategy, check_max_norm, current_replica_context
 from towers.training._state import TrainingProgress, capture_state, restore_state
-from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn, split_batch
+from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn
+from towers.training.batches import BatchParts, call_model, label_count, model_loss, predictions
+from towers.training.batches import split as split_batch
 from towers.training.callbacks.base import Callback, CallbackList
 from towers.training.history import History
 from towers.training.metrics import ExternalMetric, Metric, build_metrics
@@ -51,15 +53,28 @@ class Trainer:
     at the same step. Epoch logs and the History are exact whatever the value; 1 reduces every step,
     as does a single replica (nothing to communicate).
 
+    Batches as real data has them: ``(x, y)`` tuples, or dicts of tensors passed to the model as
+    keyword arguments (``model(**batch)``; the labels are ``batch[label_key]``). Outputs as models
+    return them: a tensor, a tuple (nanoGPT's ``(logits, loss)``), a dict or a Hugging Face
+    ``ModelOutput``; the predictions (for ``loss=``, metrics and ``predict``) are ``"logits"``, a
+    tuple's first non-scalar tensor, or ``prediction_key``. ``loss=None`` trains on the loss the
+    model returns (a mean over its label tokens) with one device's maths at any replica count and
+    accumulation: the update is normalised by the GLOBAL count of labels (those not equal to
+    ``ignore_index``) over every replica and micro-batch: the model's mean times this batch's label
+    count (a model that takes ``num_items_in_batch``, as Hugging Face's do, is given that count)
+    is its sum of label losses, and at the update step the gradient is divided by the global count.
+    A tuple batch ``(x, y)`` is passed as ``model(x, y)`` then (nanoGPT's ``model(idx, targets)``).
+
     ``clip_grad_norm``: clip the gradient's global norm to this value before every update
     (``strategy.clip_grad_norm_``: once per update, on the complete gradient, under accumulation and
     on every replica count; fp16 gradients unscaled first).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any, *,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any = None, *,
                  metrics: Iterable[Any] | Mapping[str, Any] | None = (), strategy: Strategy | None = None,
                  precision: Any = None, seed: int = 0, compile: bool | Mapping[str, Any] = False,
-                 log_every_n_steps: int = 10, clip_grad_norm: float | None = None):
+                 log_every_n_steps: int = 10, clip_grad_norm: float | None = None, label_key: str = "labels",
+                 prediction_key: str | int | None = None, ignore_index: int = -100):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}.")
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
@@ -76,11 +91,14 @@ class Trainer:
             raise TypeError(f"strategy must be a towers Strategy (e.g. towers.MirroredStrategy()) or None for "
                             f"towers.strategy_from_env(). Received: {type(strategy).__name__}.")
         self.strategy: Strategy = strategy
-        self.loss_fn = per_example_loss_fn(loss)
+        self.loss_fn = per_example_loss_fn(loss) if loss is not None else None
+        self.label_key, self.prediction_key, self.ignore_index = label_key, prediction_key, int(ignore_index)
+        self._label_total = 0  # labels of the micro-batches of the update in progress (loss=None)
         self.metrics: list[Metric | ExternalMetric] = build_metrics(metrics, strategy=strategy)
         self._train_metrics = MetricSet(self.metrics)
         self._val_metrics = MetricSet(copy.deepcopy(self.metrics))
         _check_precision(strategy, precision)
+        self._passes_count = loss is None and _takes(model, "num_items_in_batch")
         self.model, self.optimizer = strategy.prepare(model, optimizer, compile=compile)
         self.seed = int(seed)
         self.stop_training = False
@@ -241,36 +259,69 @@ class Trainer:
 
     def _train_step(self, batch: Any) -> int:
         """Run one step; keep its metric sums on this replica; return the step's global batch size."""
-        x, y = split_batch(batch)
+        parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
+        y = parts.labels
         from towers.losses import compute_average_loss
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            y_pred = self.model(x)  # the strategy's prepared model applies its precision policy
-            per_example = self.loss_fn(y_pred, y)
-            loss = compute_average_loss(per_example)
-            self.strategy.backward(loss)  # the strategy's precision: fp16 scales the loss first
-            if self.clip_grad_norm is not None:  # once per update, on the complete gradient
-                self.strategy.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
-            self.optimizer.step()  # the prepared optimizer: all-reduced, accumulated or pushed to servers
-            self.optimizer.zero_grad(set_to_none=True)
-            return per_example.detach(), y_pred.detach()
+        def step(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
+            if self.loss_fn is not None:
+                outputs = call_model(self.model, parts)  # the prepared model applies its precision policy
+                y_pred = predictions(outputs, self.prediction_key)
+                per_example = self.loss_fn(y_pred, _labels(parts, self.label_key))
+                self.strategy.backward(compute_average_loss(per_example))  # fp16 scales the loss first
+                self._update()
+                return per_example.detach(), y_pred.detach()
+            return self._own_loss_step(parts)
 
-        try:
-            losses, y_pred = self.strategy.run(step, args=(x, y))
+        try:  # the batch as distribute_dataset yielded it: run reads its accounting from its tensors
+            losses, y_pred = self.strategy.run(step, args=(batch,))
         except RuntimeError as exc:
             if "cannot be multiplied" not in str(exc) and "size mismatch" not in str(exc):
                 raise
+            x = parts.inputs
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(
                 f"The model cannot take this batch: its input has shape {shape} (batch first), and torch says: "
                 f"{str(exc).splitlines()[0]}. Make the data's feature shape match the model's first layer (e.g. "
                 "nn.Linear(in_features=...) equal to the last dimension of x), or reshape/flatten x.") from exc
-        losses = per_example(losses, len(y))
+        if y is None:
+            y = torch.zeros(len(y_pred), device=y_pred.device)  # no labels: only the loss is a metric then
+        losses = per_example(losses, len(losses))
         nonfinite = (~torch.isfinite(losses)).any().to(torch.float64).reshape(1)
         local = torch.cat([self._train_metrics.local_state(losses, y_pred, y), nonfinite])
         self._unsynced = local if self._unsynced is None else self._unsynced + local
-        info = batch_info(x)
-        return info.global_batch_size if info is not None else len(y) * self.strategy.num_replicas_in_sync
+        info = find_batch_info((batch,))
+        return info.global_batch_size if info is not None else parts.size() * self.strategy.num_replicas_in_sync
+
+    def _update(self) -> None:
+        if self.clip_grad_norm is not None:  # once per update, on the complete gradient
+            self.strategy.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+        self.optimizer.step()  # the prepared optimizer: all-reduced, accumulated or pushed to servers
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _own_loss_step(self, parts: BatchParts) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step on the model's own (token-mean) loss, normalised by the update's global label count."""
+        count = label_count(parts, self.ignore_index)
+        # The model's loss is its mean over this batch's labels; times their count it is their sum. A model that
+        # takes num_items_in_batch (Hugging Face's) divides its sum by exactly that count, so the product is its
+        # sum of token losses whatever tokens it counts (a causal LM shifts its labels).
+        extra = {"num_items_in_batch": max(count, 1)} if self._passes_count else {}
+        outputs = call_model(self.model, parts, **extra)
+        total = model_loss(outputs) * count
+        self.strategy.backward(total)
+        self._label_total += count
+        context = current_replica_context()
+        if context is None or context.is_update_step:
+            # Every replica's and micro-batch's labels: the gradient becomes one device's mean over them.
+            labels = float(self.strategy.reduce("sum", torch.tensor([float(self._label_total)])).item())
+            self._label_total = 0
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(max(labels, 1.0))
+            self._update()
+        mean = total.detach().float() / max(count, 1)
+        return mean.expand(max(count, 1)).clone(), _predictions_or(outputs, self.prediction_key, mean)
 
     def _warn_nonfinite(self, logs: Mapping[str, Any]) -> None:
         """Warn once, on the chief, when a loss was not finite and no callback stopped training for it."""
@@ -317,24 +368,33 @@ class Trainer:
         self.model.eval()
         metrics = self._val_metrics
         metrics.reset()
-        local = torch.zeros(metrics.size, dtype=torch.float64, device=self.strategy.device)
+        local = torch.zeros(metrics.size + 1, dtype=torch.float64, device=self.strategy.device)  # + examples
         cbs.call("on_test_begin", {})
         with torch.no_grad():
             batches = self.strategy.distribute_dataset(dataset, global_batch_size, shuffle=False, drop_remainder=False)
             for batch_index, batch in enumerate(batches):
                 cbs.call("on_test_batch_begin", batch_index, {})
-                x, y = split_batch(batch)
+                parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
 
-                def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                    y_pred = self.model(x)
-                    return self.loss_fn(y_pred, y).detach(), y_pred.detach()
+                def step(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                    parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
+                    outputs = call_model(self.model, parts)
+                    if self.loss_fn is not None:
+                        y_pred = predictions(outputs, self.prediction_key)
+                        return self.loss_fn(y_pred, _labels(parts, self.label_key)).detach(), y_pred.detach()
+                    count = max(label_count(parts, self.ignore_index), 1)  # one loss per label: token-weighted
+                    mean = model_loss(outputs).detach().float()
+                    return mean.expand(count).clone(), _predictions_or(outputs, self.prediction_key, mean)
 
-                losses, y_pred = self.strategy.run(step, args=(x, y))
-                local += metrics.local_state(per_example(losses, len(y)), y_pred, y)  # reduced once, at the end
+                losses, y_pred = self.strategy.run(step, args=(batch,))
+                y = parts.labels if parts.labels is not None else torch.zeros(len(y_pred), device=y_pred.device)
+                sums = metrics.local_state(per_example(losses, len(losses)), y_pred, y)  # reduced once, at the end
+                local += torch.cat([sums, torch.tensor([float(parts.size())], dtype=torch.float64, device=sums.device)])
                 cbs.call("on_test_batch_end", batch_index, {})
-        metrics.accumulate(self.strategy.reduce("sum", local))
+        reduced = self.strategy.reduce("sum", local)
+        metrics.accumulate(reduced[:-1])
         logs = metrics.results()
-        logs["examples"] = metrics.examples()
+        logs["examples"] = float(reduced[-1].item())
         size = len(cast(Sized, dataset))
         if logs["examples"] != size and self.strategy.is_chief:
             warnings.warn(f"evaluate covered {int(logs['examples'])} of the {size} examples: a "
@@ -352,6 +412,8 @@ class Trainer:
         """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer. Received: {batch_size!r}.")
+        if isinstance(x, Mapping):  # a dict of tensors: the model's keyword arguments (labels left out)
+            return self._predict_dicts({k: v for k, v in x.items() if k != self.label_key}, batch_size, callbacks)
         if not isinstance(x, torch.Tensor):
             dataset = as_dataset(x, "x")
             x = torch.stack([dataset[i][0] if isinstance(dataset[i], (tuple, list)) else dataset[i]
@@ -365,7 +427,28 @@ class Trainer:
         with torch.no_grad():
             for batch_index, start in enumerate(range(0, len(x), batch_size)):
                 cbs.call("on_predict_batch_begin", batch_index, {})
-                out = model(x[start:start + batch_size].to(self.strategy.device)).float().cpu()
+                out = predictions(model(x[start:start + batch_size].to(self.strategy.device)),
+                                  self.prediction_key).float().cpu()
+                outputs.append(out)
+                cbs.call("on_predict_batch_end", batch_index, {"outputs": out})
+        cbs.call("on_predict_end", {})
+        model.train(was_training)
+        return torch.cat(outputs) if outputs else torch.empty(0)
+
+    def _predict_dicts(self, inputs: Mapping[str, torch.Tensor], batch_size: int,
+                       callbacks: Sequence[Callback]) -> torch.Tensor:
+        cbs = CallbackList(callbacks, trainer=self)
+        model = self.unwrapped_model
+        was_training = model.training
+        model.eval()
+        n = len(next(iter(inputs.values())))
+        outputs = []
+        cbs.call("on_predict_begin", {})
+        with torch.no_grad():
+            for batch_index, start in enumerate(range(0, n, batch_size)):
+                cbs.call("on_predict_batch_begin", batch_index, {})
+                chunk = {k: v[start:start + batch_size].to(self.strategy.device) for k, v in inputs.items()}
+                out = predictions(model(**chunk), self.prediction_key).float().cpu()
                 outputs.append(out)
                 cbs.call("on_predict_batch_end", batch_index, {"outputs": out})
         cbs.call("on_predict_end", {})
@@ -413,6 +496,38 @@ class Trainer:
         else:
             self.strategy.load_state_dict({"model": state["model"]}, self.model)
         return state
+
+
+def _labels(parts: BatchParts, label_key: str) -> torch.Tensor:
+    if parts.labels is None:
+        raise user_error("Trainer(loss=...) compares the predictions with the batch's labels, but this batch has none",
+                         f"a {'dict without ' + repr(label_key) if parts.as_kwargs else 'batch without a second item'}",
+                         "Give batches as (x, y) or dicts with the labels under label_key, or pass loss=None to train "
+                         "on the loss the model returns.")
+    return parts.labels
+
+
+def _predictions_or(outputs: Any, key: str | int | None, fallback: torch.Tensor) -> torch.Tensor:
+    """The model's predictions, or ``fallback`` when its output holds none (a model returning only its loss)."""
+    try:
+        return predictions(outputs, key).detach()
+    except ValueError:
+        return fallback.reshape(1)
+
+
+def _takes(model: nn.Module, name: str) -> bool:
+    """True when ``model.forward`` takes ``name`` (Hugging Face's ``num_items_in_batch``: named, or through the
+    ``**kwargs`` a transformers model hands its ``loss_function``)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    if name in parameters:
+        return True
+    var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return var_keyword and hasattr(type(model), "loss_function")
 
 
 def _check_precision(strategy: Strategy, precision: Any) -> None:
