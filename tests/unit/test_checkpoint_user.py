@@ -128,3 +128,23 @@ def test_manager_keeps_the_newest_n_and_restores_the_latest(tmp_path):
         CheckpointManager(tmp_path, max_to_keep=0)
     with pytest.raises(ValueError, match="prefix must be"):
         CheckpointManager(tmp_path, prefix="a/b")
+
+
+def test_the_manager_saves_on_the_configured_preemption_signal(tmp_path, monkeypatch):
+    import signal
+
+    from towers.checkpoint import Preempted
+
+    monkeypatch.setenv("TOWERS_PREEMPTION_SIGNALS", "USR2")
+    manager = CheckpointManager(tmp_path / "ckpt")
+    try:
+        assert manager.preemption.signals == (signal.SIGUSR2,)
+        model, optimizer = _model_and_optimizer(0)
+        manager.save_if_preempted({"model": model, "step": 1}, step=1)  # no notice: nothing happens
+        assert manager.checkpoints == []
+        os.kill(os.getpid(), signal.SIGUSR2)  # the notice (handled at once: the signal is for this process)
+        with pytest.raises(Preempted) as preempted:
+            manager.save_if_preempted({"model": model, "step": 2}, step=2)
+        assert preempted.value.code == 75 and [p.name for p in manager.checkpoints] == ["ckpt-2"]
+    finally:
+        manager.close()

@@ -29,8 +29,9 @@ from typing import Any, Mapping
 
 from towers._logging import get_logger
 from towers.checkpoint import api, layout
-from towers.checkpoint.preemption import Preempted, PreemptionHandler
+from towers.checkpoint.preemption import Preempted, PreemptionHandler, preemption_signals
 from towers.checkpoint.state import CheckpointError, rng_state, set_rng_state
+from towers.cluster.environ import read_environ
 
 __all__ = ["CheckpointManager", "DirectoryClaim"]
 
@@ -99,7 +100,8 @@ class CheckpointManager:
     process writes its part, the chief deletes, every process agrees on the number, and the
     prepared model is saved and restored wherever it lives. ``preemption`` (default True): a
     SIGTERM/SIGUSR1 notice makes ``save_if_preempted`` save at a step every process agrees on and
-    exit for a restart (``towers.checkpoint.preemption``).
+    exit for a restart (``towers.checkpoint.preemption``; ``TOWERS_PREEMPTION_SIGNALS=TERM,USR2`` names
+    other signals).
 
     Raises:
         ValueError: on a ``max_to_keep`` that is not a positive integer or None, or a ``prefix`` with
@@ -123,7 +125,8 @@ class CheckpointManager:
         self.strategy = strategy
         self._pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)$")
         self._claim: DirectoryClaim | None = None
-        self.preemption = PreemptionHandler(rank=_rank(strategy)).install() if preemption else None
+        signals = preemption_signals(read_environ().get("TOWERS_PREEMPTION_SIGNALS"))
+        self.preemption = PreemptionHandler(signals=signals, rank=_rank(strategy)).install() if preemption else None
 
     def _numbered(self) -> list[tuple[int, Path]]:
         if not self.directory.is_dir():
