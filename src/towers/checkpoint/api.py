@@ -221,14 +221,13 @@ def write_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, 
     strategy = _strategy(strategy)
     tensors: dict[str, torch.Tensor] = {}
     places: list[list[Any]] = []
-    skeleton = dict(state)
-    for tensor_path, tensor in list(flatten(state)):
+    for tensor_path, tensor in flatten(state):
         if tensor_path[0] in distributed_keys or is_dtensor(tensor):
             key = flat_key(tensor_path)
             tensors[key] = tensor
             places.append([list(tensor_path), key])
     # the plain values, with every tensor written through DCP replaced by None
-    skeleton = _copy_containers(skeleton)
+    skeleton = _copy_containers(state)
     for tensor_path, _ in places:
         skeleton = set_path(skeleton, tuple(tensor_path), None)
     info = {"strategy": str(strategy.name), "num_replicas": int(strategy.num_replicas_in_sync), "tensors": places,
@@ -273,11 +272,13 @@ def delete_checkpoint(path: str | os.PathLike[str]) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, strategy: CheckpointStrategy | None = None,
-                    templates: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+                    templates: Mapping[str, torch.Tensor] | None = None,
+                    manifest: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Return the dict saved at ``path``, its tensors on the CPU; every process of the job calls it.
 
     ``templates`` (flat tensor names -> DTensors of this job) receive their tensors resharded in
-    place; every other tensor is read whole.
+    place; every other tensor is read whole. ``manifest``: what ``layout.read_manifest(path)`` returned,
+    when the caller read it already.
 
     Raises:
         FileNotFoundError: when there is no checkpoint at ``path``.
@@ -286,7 +287,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, strategy: CheckpointStrateg
     strategy = _strategy(strategy)
     io = strategy.checkpoint_io()
     io.wait(is_chief=strategy.is_chief, broadcast_object=strategy.broadcast_object)
-    manifest = layout.read_manifest(path)
+    manifest = layout.read_manifest(path) if manifest is None else manifest
     shapes = layout.tensor_metadata(path)
     targets: dict[str, torch.Tensor] = {}
     for _, key in manifest["tensors"]:
@@ -369,19 +370,21 @@ def check_model_fits(path: str | os.PathLike[str], manifest: Mapping[str, Any], 
 
 def read_into(path: str | os.PathLike[str], *, strategy: CheckpointStrategy | None, model: nn.Module | None,
               optimizer: Any = None, model_key: str = "model", optimizer_key: str | None = "optimizer",
-              check: Mapping[str, nn.Module] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+              check: Mapping[str, nn.Module] | None = None,
+              manifest: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Return ``(state, manifest)`` of the checkpoint at ``path``, its model/optimizer laid out for ``model``/``optimizer``.
 
     Checks first, before anything is read: the saved model under ``model_key`` (and optimizer under
     ``optimizer_key`` when ``optimizer`` is given) fit this job's, and each module of ``check``
     fits the state under its key. Shards are read straight into this job's layout. Nothing is
-    loaded into the objects: pass ``state`` to ``strategy.load_state_dict``.
+    loaded into the objects: pass ``state`` to ``strategy.load_state_dict``. ``manifest``: the
+    checkpoint's manifest when the caller read it already.
 
     Raises:
         FileNotFoundError, CheckpointError: as ``restore_checkpoint``.
     """
     strategy = _strategy(strategy)
-    manifest = layout.read_manifest(path)
+    manifest = dict(layout.read_manifest(path) if manifest is None else manifest)
     templates: dict[str, torch.Tensor] = {}
     if model is not None:
         live = strategy.state_dict(model, optimizer)
@@ -393,7 +396,7 @@ def read_into(path: str | os.PathLike[str], *, strategy: CheckpointStrategy | No
                 templates.update({flat_key((key, *p)): t for p, t in flatten(sub) if is_dtensor(t)})
     for key, module in (check or {}).items():
         _check_plain_module(path, strategy.unwrap(module), manifest["state"].get(key), key)
-    return load_checkpoint(path, strategy=strategy, templates=templates), manifest
+    return load_checkpoint(path, strategy=strategy, templates=templates, manifest=manifest), manifest
 
 
 def restore_checkpoint(path: str | os.PathLike[str], objects: Mapping[str, Any] | None = None, *,
@@ -412,7 +415,8 @@ def restore_checkpoint(path: str | os.PathLike[str], objects: Mapping[str, Any] 
     """
     strategy = _strategy(strategy)
     objects = dict(objects or {})
-    held = set(layout.read_manifest(path)["state"])
+    manifest = layout.read_manifest(path)
+    held = set(manifest["state"])
     missing = [k for k in objects if k not in held]
     if missing:
         raise CheckpointError(f"Checkpoint {path} has no {missing}; it holds {sorted(held)}. Pass the keys you saved.")
@@ -420,7 +424,7 @@ def restore_checkpoint(path: str | os.PathLike[str], objects: Mapping[str, Any] 
     others = {k: v for k, v in objects.items() if k != model_key and isinstance(v, nn.Module)}
     state, manifest = read_into(path, strategy=strategy, model=objects[model_key] if model_key else None,
                                 optimizer=objects[opt_key] if opt_key else None, model_key=model_key or "model",
-                                optimizer_key=opt_key, check=others)
+                                optimizer_key=opt_key, check=others, manifest=manifest)
     if model_key is not None:
         try:
             strategy.load_state_dict({"model": state[model_key], "optimizer": state[opt_key] if opt_key else None,

@@ -490,7 +490,7 @@ class Trainer:
         manifest = ckpt_layout.read_manifest(path)
         full = "epoch" in manifest["state"]
         state, _ = ckpt.read_into(path, strategy=self.strategy, model=self.model,
-                                  optimizer=self.optimizer if full else None)
+                                  optimizer=self.optimizer if full else None, manifest=manifest)
         if full:
             self.load_state_dict(state, path=str(path))
         else:
