@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from towers.errors import user_error
 from towers.strategies.base import ReplicaContext, current_replica_context, current_strategy
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
 
 
 def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int | None = None, *,
-                         sample_weight: torch.Tensor | float | None = None) -> torch.Tensor:
+                         sample_weight: torch.Tensor | float | None = None,
+                         weights: torch.Tensor | None = None) -> torch.Tensor:
     """Return ``sum(per_example_loss * sample_weight) / global_batch_size`` for this replica.
 
     ``global_batch_size`` defaults to what the batch given to ``strategy.run`` carries: the
@@ -24,11 +26,25 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
     Padding examples (``pad_empty_batches``) weigh zero. With one replica and no accumulation the
     local batch is the global batch, so any batch works there.
 
+    ``weights`` (a tensor shaped like the loss, e.g. ``(labels != -100).float()`` for a token-level
+    loss ``[batch, tokens]``) normalises by the WEIGHTS instead: the gradient is exactly that of
+    ``sum(loss * weights) / W`` where ``W`` is the sum of the weights over every replica and every
+    accumulated micro-batch of the update (one device's token mean, whatever the padding and the
+    split). ``W`` is known only at the update step, so there the strategy divides the gradient by it
+    (one small all-reduce, before clipping and the optimizer step); the value returned is this
+    share's weighted mean divided by the shares of the update (replicas x micro-batches), so summed
+    over them it is the mean of the shares' means. Every loss term of such an update must then use
+    ``weights``.
+
     Raises:
         ValueError: when ``per_example_loss`` is a scalar or ``global_batch_size`` is not positive; when
             the global batch size is unknown because several replicas (or micro-batches) share the step:
-            outside ``strategy.run``, or inside it on a batch that did not come from ``distribute_dataset``.
+            outside ``strategy.run``, or inside it on a batch that did not come from ``distribute_dataset``;
+            when ``weights`` does not fit the loss, is combined with ``global_batch_size`` or
+            ``sample_weight``, or an update mixes weighted and example-normalised losses.
     """
+    if weights is not None:
+        return _weighted_loss(per_example_loss, weights, global_batch_size, sample_weight)
     if not isinstance(per_example_loss, torch.Tensor) or per_example_loss.dim() == 0:
         shape = tuple(per_example_loss.shape) if isinstance(per_example_loss, torch.Tensor) else type(per_example_loss).__name__
         raise ValueError(
@@ -46,7 +62,57 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
         raise ValueError(
             f"global_batch_size must be a positive integer. Received: {global_batch_size!r}. "
             "Pass the number of examples in the step over all replicas, or leave it out inside strategy.run.")
+    if ctx is not None and (ctx.num_replicas_in_sync > 1 or ctx.accumulation_steps > 1) and per_example_loss.requires_grad:
+        ctx.strategy._loss_weights.note_plain(ctx.is_update_step)
     return per_example_loss.sum() / global_batch_size
+
+
+def _weighted_loss(loss: torch.Tensor, weights: torch.Tensor, global_batch_size: int | None,
+                   sample_weight: torch.Tensor | float | None) -> torch.Tensor:
+    """``compute_average_loss(loss, weights=...)``: normalised by the update's global sum of ``weights``."""
+    if global_batch_size is not None or sample_weight is not None:
+        raise user_error("compute_average_loss takes weights= alone: it normalises by the weights' global sum",
+                         f"weights with {'global_batch_size' if global_batch_size is not None else 'sample_weight'}",
+                         "Fold a per-example weight into weights (weights * sample_weight[:, None]) and leave "
+                         "global_batch_size out.")
+    if not isinstance(loss, torch.Tensor) or not isinstance(weights, torch.Tensor):
+        raise user_error("compute_average_loss(loss, weights=...) expects two tensors",
+                         f"{type(loss).__name__} and {type(weights).__name__}",
+                         "Pass the unreduced loss (reduction='none') and a weight tensor of the same shape, e.g. "
+                         "(labels != -100).float().")
+    try:
+        weights = torch.broadcast_to(weights.to(loss.device), loss.shape) if loss.dim() else weights
+    except RuntimeError:
+        raise user_error("weights must have the loss's shape (or broadcast to it)",
+                         f"loss {tuple(loss.shape)}, weights {tuple(weights.shape)}",
+                         "Pass one weight per loss element, e.g. (labels != -100).float() for a loss "
+                         "F.cross_entropy(logits.transpose(1, 2), labels, reduction='none').") from None
+    if loss.dim() == 0 or weights.shape != loss.shape:
+        raise user_error("weights must have the loss's shape, with the batch first",
+                         f"loss {tuple(loss.shape)}, weights {tuple(weights.shape)}",
+                         "Compute the loss with reduction='none' and pass one weight per element.")
+    ctx = current_replica_context()
+    padding = ctx.num_padding_examples if ctx is not None else 0
+    if padding:  # padding examples weigh nothing
+        loss, weights = loss[: loss.shape[0] - padding], weights[: weights.shape[0] - padding]
+    weights = weights.to(loss.dtype) if loss.is_floating_point() else weights.float()
+    total = (loss * weights).sum()
+    weight = float(weights.detach().sum().item())
+    shares = 1 if ctx is None else ctx.num_replicas_in_sync * ctx.accumulation_steps
+    if shares == 1 and (ctx is not None or _replicas_outside_run() == 1):
+        return total / weight if weight > 0 else total * 0.0  # one device, one micro-batch: divide now
+    if ctx is None:
+        raise user_error(
+            "compute_average_loss(..., weights=...) was called outside strategy.run while several replicas train",
+            f"{_replicas_outside_run()} replicas",
+            "Call it inside the step function given to strategy.run: the gradient is divided by the weights' sum "
+            "over the replicas at the update step.")
+    if total.requires_grad:  # a loss to train on (an evaluation under no_grad notes nothing)
+        ctx.strategy._check_weighted_loss()
+        ctx.strategy._loss_weights.note_weighted(weight, ctx.is_update_step)
+    shown = (total.detach() / weight if weight > 0 else total.detach() * 0.0) / shares
+    # The gradient is the weighted SUM's (divided by the global weight at the update step); the value is the share's.
+    return total + (shown - total.detach())
 
 
 def _known_global_batch_size(ctx: ReplicaContext | None, local_batch_size: int) -> int:
@@ -90,4 +156,6 @@ def scale_regularization_loss(regularization_loss: torch.Tensor | float) -> torc
     ctx = current_replica_context()
     if ctx is None:
         return regularization_loss
+    if ctx.num_replicas_in_sync * ctx.accumulation_steps > 1 and getattr(regularization_loss, "requires_grad", False):
+        ctx.strategy._loss_weights.note_plain(ctx.is_update_step)
     return regularization_loss / (ctx.num_replicas_in_sync * ctx.accumulation_steps)

@@ -16,7 +16,10 @@ from towers.training.metrics import (
     top_k_accuracy,
 )
 
+#: Keras' name for ``Accuracy`` on integer labels (the TensorFlow tutorials' ``train_accuracy``).
+SparseCategoricalAccuracy = Accuracy
+
 __all__ = [
-    "Metric", "Mean", "MeanMetricWrapper", "Accuracy", "TopKAccuracy", "ExternalMetric",
+    "Metric", "Mean", "MeanMetricWrapper", "Accuracy", "SparseCategoricalAccuracy", "TopKAccuracy", "ExternalMetric",
     "accuracy", "top_k_accuracy", "get_metric", "build_metrics",
 ]

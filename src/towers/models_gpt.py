@@ -89,7 +89,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A decoder-only language model: ``GPT(config)(idx)`` maps token ids ``[B, T]`` to logits ``[B, T, vocab_size]``."""
+    """A decoder-only language model: ``GPT(config)(idx)`` maps token ids ``[B, T]`` to logits ``[B, T, vocab_size]``.
+
+    ``model(idx, targets)`` also returns the mean token loss, as nanoGPT's does (``Trainer`` without
+    ``loss=`` trains on it, ``ignore_index=-1``).
+    """
 
     def __init__(self, config: GPTConfig | None = None):
         super().__init__()
@@ -111,7 +115,9 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Return the logits; given ``targets`` (nanoGPT's convention, ``-1`` ignored), ``(logits, mean token loss)``."""
         t = idx.size(1)
         if t > self.config.block_size:
             raise ValueError(
@@ -121,7 +127,11 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
 
     def num_parameters(self) -> int:
         """Return the number of parameters (each tensor counted once)."""

@@ -5,11 +5,14 @@
   loss: the model's own token-mean loss, normalised by the GLOBAL count of label tokens.
 - A tiny Hugging Face ``BertForSequenceClassification``: dict batches, the model's own loss, the
   accuracy metric on its ``logits``; ``predict`` on a dict of tensors returns the logits.
-- A nanoGPT-style model: ``(x, y)`` batches, ``forward(idx, targets)`` returning ``(logits, loss)``,
-  padding targets -1 (``ignore_index=-1``).
+- towers' own GPT in nanoGPT's convention: ``(x, y)`` batches, ``forward(idx, targets)`` returning
+  ``(logits, loss)``, padding targets -1 (``ignore_index=-1``).
+- The custom loop on GPT-2 and towers' GPT: per-token losses normalised by
+  ``compute_average_loss(per_token, weights=...)``, clipped, with Keras-style metrics
+  (``update`` inside ``strategy.run``, ``result()`` over every replica).
 
 Each runs on 1 process, 1 process with gradient accumulation 2, 2 Mirrored and 2 sharded
-replicas: the same parameters and the same History.
+replicas: the same parameters, History and metrics.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import towers
+from towers.metrics import Mean, SparseCategoricalAccuracy
+from towers.models_gpt import GPT, GPTConfig
 
 pytest.importorskip("transformers", reason="the real-model tests need transformers (the test extra installs it)")
 pytestmark = pytest.mark.timeout(300)
@@ -32,22 +37,6 @@ def _tokens(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=g)
     lengths = torch.randint(3, LENGTH + 1, (ROWS,), generator=g)
     return ids, (torch.arange(LENGTH)[None] < lengths[:, None]).long()  # right padding
-
-
-class NanoGPT(nn.Module):
-    """nanoGPT's interface: ``forward(idx, targets=None) -> (logits, loss)``, targets -1 ignored."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, 16)
-        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, VOCAB))
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        logits = self.mlp(self.wte(idx))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-1)
-        return logits, loss
 
 
 def _build(kind: str) -> tuple[nn.Module, dict, dict]:
@@ -67,13 +56,14 @@ def _build(kind: str) -> tuple[nn.Module, dict, dict]:
             max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
         labels = ids[:, 0] % 3
         return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}, {"metrics": ["accuracy"]}
-    targets = torch.roll(ids, -1, dims=1).masked_fill(mask == 0, -1)
-    return NanoGPT(), (ids, targets), {"ignore_index": -1}
+    targets = torch.roll(ids, -1, dims=1).masked_fill(mask == 0, -1)  # nanoGPT's convention: -1 is padding
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=LENGTH, n_layer=2, n_head=2, n_embd=16))
+    return model, (ids, targets), {"ignore_index": -1}
 
 
 def _fit_all(accumulation: int) -> dict:
     out = {}
-    for kind in ("gpt2", "bert", "nanogpt"):
+    for kind in ("gpt2", "bert", "gpt"):
         strategy = towers.strategy_from_env(gradient_accumulation_steps=accumulation, timeout_s=60)
         model, data, options = _build(kind)
         with strategy.scope():
@@ -85,7 +75,49 @@ def _fit_all(accumulation: int) -> dict:
                      "history": history.history}
         if kind == "bert":
             out[kind]["predict"] = trainer.predict({k: v for k, v in data.items()}, batch_size=5)
+    for kind in ("gpt2", "gpt"):
+        out[f"loop {kind}"] = _custom_loop(kind, accumulation)
     return out
+
+
+def _custom_loop(kind: str, accumulation: int) -> dict:
+    """TensorFlow's custom-training-loop tutorial, on a token-level loss with padding."""
+    strategy = towers.strategy_from_env(gradient_accumulation_steps=accumulation, timeout_s=60)
+    model, data, _ = _build(kind)
+    with strategy.scope():
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        train_loss, train_accuracy = Mean("train_loss"), SparseCategoricalAccuracy("train_accuracy")
+    model, optimizer = strategy.prepare(model, optimizer)
+    dataset = strategy.distribute_dataset(data, 8 // accumulation, shuffle=False)
+
+    def step(batch) -> torch.Tensor:
+        if kind == "gpt2":
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            labels, ignore = batch["labels"][:, 1:], -100
+        else:
+            (x, labels), ignore = batch, -1
+            logits = model(x)
+        per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=ignore, reduction="none")
+        keep = labels != ignore
+        loss = towers.compute_average_loss(per_token, weights=keep.float())  # the update's global token mean
+        loss.backward()
+        strategy.clip_grad_norm_(model.parameters(), 0.8)  # clips the first update, on the normalised gradient
+        optimizer.step()
+        optimizer.zero_grad()
+        train_loss.update(per_token[keep])
+        train_accuracy.update(logits[keep], labels[keep])
+        return loss
+
+    history = []
+    for _ in range(2):
+        for batch in dataset:
+            strategy.run(step, args=(batch,))
+        history.append((train_loss.result(), train_accuracy.result()))  # every replica's tokens
+        train_loss.reset_state()
+        train_accuracy.reset_state()
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    return {"params": [full(p).detach().clone() for p in strategy.unwrap(model).parameters()],
+            "history": {"loss": [h[0] for h in history], "accuracy": [h[1] for h in history]}}
 
 
 def test_hugging_face_and_nanogpt_models_train_with_one_devices_maths():
@@ -93,7 +125,7 @@ def test_hugging_face_and_nanogpt_models_train_with_one_devices_maths():
     runs = {"accumulation 2": towers.spawn(_fit_all, 1, args=(2,), timeout_s=120)[0],
             "mirrored 2": towers.spawn(_fit_all, 2, args=(1,), timeout_s=150, env={"TOWERS_STRATEGY": "mirrored"})[0],
             "sharded 2": towers.spawn(_fit_all, 2, args=(1,), timeout_s=150, env={"TOWERS_STRATEGY": "sharded"})[0]}
-    for kind in ("gpt2", "bert", "nanogpt"):
+    for kind in ("gpt2", "bert", "gpt", "loop gpt2", "loop gpt"):
         assert one[kind]["history"]["loss"][1] < one[kind]["history"]["loss"][0]  # it learns
         for name, run in runs.items():
             for a, b in zip(run[kind]["params"], one[kind]["params"]):

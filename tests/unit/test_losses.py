@@ -101,3 +101,98 @@ def test_bad_inputs_are_explained():
         compute_average_loss(torch.tensor(1.0))
     with pytest.raises(ValueError, match="global_batch_size must be a positive integer. Received: 0"):
         compute_average_loss(torch.ones(2), 0)
+
+
+def _token_model_and_data():
+    torch.manual_seed(0)
+    x = torch.randn(8, 5, 3)  # 8 sequences of 5 tokens
+    y = torch.randn(8, 5)
+    weights = (torch.rand(8, 5) > 0.4).float()
+    weights[:4, 3:] = 0  # the first micro-batch holds fewer tokens than the second
+    return x, y, weights
+
+
+def _weighted_update(accumulation: int, *, clip: float | None = None) -> torch.Tensor:
+    """One update on (x, y, weights) under OneDeviceStrategy with accumulation; the parameters after it."""
+    x, y, weights = _token_model_and_data()
+    strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=accumulation)
+    torch.manual_seed(1)
+    model = torch.nn.Linear(3, 1)
+    model, optimizer = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
+
+    def step(xb, yb, wb):
+        per_token = (model(xb).squeeze(-1) - yb) ** 2
+        loss = compute_average_loss(per_token, weights=wb)
+        loss.backward()
+        if clip is not None:
+            strategy.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    for batch in strategy.distribute_dataset((x, y, weights), 8 // accumulation, shuffle=False):
+        strategy.run(step, args=batch)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_weights_normalise_by_the_updates_total_weight_across_micro_batches():
+    one = _weighted_update(1)
+    x, y, weights = _token_model_and_data()
+    torch.manual_seed(1)
+    reference = torch.nn.Linear(3, 1)
+    ((((reference(x).squeeze(-1) - y) ** 2) * weights).sum() / weights.sum()).backward()
+    expected = torch.cat([(p - p.grad).detach().flatten() for p in reference.parameters()])
+    assert torch.allclose(one, expected, atol=1e-6)  # one device: the token mean
+    assert torch.allclose(_weighted_update(2), one, atol=1e-6)  # two micro-batches of unequal token counts
+    assert torch.allclose(_weighted_update(2, clip=0.05), _weighted_update(1, clip=0.05), atol=1e-6)  # clipped after
+
+
+def test_the_value_of_a_weighted_loss_is_the_shares_mean_over_the_shares():
+    strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=2)
+    strategy.prepare(torch.nn.Linear(1, 1))
+    per_token, weights = torch.tensor([[1.0, 3.0, 100.0]], requires_grad=True), torch.tensor([[1.0, 1.0, 0.0]])
+    batches = list(strategy.distribute_dataset((per_token.detach().repeat(2, 1), weights.repeat(2, 1)), 1, shuffle=False))
+    loss = strategy.run(lambda *_: compute_average_loss(per_token, weights=weights), args=batches[0])
+    assert loss.item() == pytest.approx(2.0 / 2)  # mean over its 2 tokens, one of 2 shares
+    loss.backward()
+    assert per_token.grad.tolist() == [[1.0, 1.0, 0.0]]  # the weighted SUM's gradient, divided at the update step
+
+
+def test_a_weighted_and_an_example_normalised_loss_cannot_share_an_update():
+    strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=2)
+    model, _ = strategy.prepare(torch.nn.Linear(2, 1))
+    data = torch.ones(4, 2)
+    batch = next(iter(strategy.distribute_dataset(data, 2, shuffle=False)))
+
+    def mixed(xb):
+        out = model(xb).squeeze(-1)
+        compute_average_loss(out, weights=torch.ones(len(out)))
+        compute_average_loss(out)
+
+    with pytest.raises(ValueError, match="cannot share an update.*Received: an example-normalised loss after a weighted"):
+        strategy.run(mixed, args=(batch,))
+
+
+def test_an_evaluation_pass_leaves_nothing_behind_for_the_next_update():
+    strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=2)
+    model, _ = strategy.prepare(torch.nn.Linear(2, 1))
+    batches = list(strategy.distribute_dataset(torch.ones(4, 2), 2, shuffle=False))
+    with torch.no_grad():  # a validation loss under no_grad notes nothing
+        strategy.run(lambda xb: compute_average_loss(model(xb).squeeze(-1), weights=torch.ones(len(xb))), args=(batches[0],))
+    assert not strategy._loss_weights.weighted
+    for b in batches:  # with gradients on but no optimizer step: the next update starts afresh
+        strategy.run(lambda xb: compute_average_loss(model(xb).squeeze(-1), weights=torch.ones(len(xb))), args=(b,))
+    strategy.run(lambda xb: compute_average_loss(model(xb).squeeze(-1)), args=(batches[0],))  # plain: no error
+    assert strategy._loss_weights.plain and not strategy._loss_weights.weighted
+
+
+def test_bad_weights_are_explained():
+    losses = torch.ones(4, 3)
+    with pytest.raises(ValueError, match=r"weights must have the loss's shape.*Received: loss \(4, 3\), weights \(4, 2\)"):
+        compute_average_loss(losses, weights=torch.ones(4, 2))
+    with pytest.raises(ValueError, match="takes weights= alone.*Received: weights with global_batch_size"):
+        compute_average_loss(losses, 8, weights=torch.ones(4, 3))
+    with pytest.raises(ValueError, match="expects two tensors.*Received: Tensor and list"):
+        compute_average_loss(losses, weights=[1, 2, 3])  # type: ignore[arg-type]
+    assert compute_average_loss(losses * 2, weights=torch.ones(3)).item() == pytest.approx(2.0)  # broadcast
+    assert compute_average_loss(losses, weights=torch.zeros(4, 3)).item() == 0.0  # nothing weighs: 0, not NaN

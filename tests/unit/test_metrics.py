@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -97,3 +99,40 @@ def test_specs_and_names():
         M.get_metric(3)
     with pytest.raises(ValueError, match="positive integer"):
         M.TopKAccuracy(0)
+
+
+def test_keras_style_update_and_result_in_a_custom_loop():
+    from towers.metrics import Mean, SparseCategoricalAccuracy
+
+    accuracy, loss = SparseCategoricalAccuracy("train_accuracy"), Mean("train_loss")
+    assert Mean().name == "mean"
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0]])
+    accuracy.update(logits[:2], torch.tensor([0, 0]))  # 1 of 2
+    accuracy.update_state(torch.tensor([0]), logits[2:])  # Keras' order: labels first; 1 of 1
+    loss.update_state(torch.tensor([1.0, 2.0]))
+    loss.update(torch.tensor(6.0))
+    assert accuracy.result() == pytest.approx(2 / 3)
+    assert loss.result() == pytest.approx(3.0)
+    assert accuracy.result() == pytest.approx(2 / 3)  # result() twice counts nothing twice
+    accuracy.reset_state()
+    assert math.isnan(accuracy.result())
+
+
+def test_metric_result_combines_every_replicas_updates_through_the_strategy():
+    from towers.metrics import Accuracy
+    from towers.strategies.base import _current_strategy
+
+    class TwoReplicas:  # the other replica saw 3 examples, all right
+        num_replicas_in_sync = 2
+
+        def reduce(self, op, value):
+            assert op == "sum"
+            return value + torch.tensor([3.0, 3.0], dtype=torch.float64)
+
+    metric = Accuracy()
+    token = _current_strategy.set(TwoReplicas())  # as inside strategy.run
+    try:
+        metric.update(torch.tensor([[1.0, 0.0]]), torch.tensor([1]))  # this replica: 0 of 1
+    finally:
+        _current_strategy.reset(token)
+    assert metric.result() == pytest.approx(3 / 4)

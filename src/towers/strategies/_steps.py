@@ -67,13 +67,15 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, tracker: StepTracker, precision: Precision, *,
                  all_reduce_max: Callable[[torch.Tensor], None] | None = None,
-                 before_step: Callable[[], None] | None = None):
+                 before_step: Callable[[], None] | None = None,
+                 finish_gradients: Callable[[], None] | None = None):
         # Deliberately no super().__init__: this object is a view of `optimizer`, not a second optimizer.
         self.optimizer = optimizer
         self._tracker = tracker
         self._precision = precision
         self._all_reduce_max = all_reduce_max
         self._before_step = before_step
+        self._finish_gradients = finish_gradients  # weighted losses: divide by the update's global weight
         self._accumulating = False
         #: True when the last update was skipped (fp16: inf/NaN gradients on some replica).
         self.last_step_skipped = False
@@ -138,6 +140,8 @@ class StrategyOptimizer(torch.optim.Optimizer):
             self._accumulating = True
             return None
         self._accumulating = False
+        if self._finish_gradients is not None:
+            self._finish_gradients()
         if self._before_step is not None:
             self._before_step()
         if closure is not None and not self._precision.needs_loss_scaling:

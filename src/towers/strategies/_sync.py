@@ -114,7 +114,7 @@ class SyncStrategy(Strategy):
         multi = self._comm.num_replicas > 1
         wrapper = StrategyOptimizer(optimizer, self._tracker, self._precision,
                                     all_reduce_max=self._comm.all_reduce_max_ if multi else None,
-                                    before_step=check)
+                                    before_step=check, finish_gradients=self._finish_loss_weights)
         return wrapped, wrapper
 
     def _updates_now(self) -> bool:

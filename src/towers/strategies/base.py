@@ -26,6 +26,7 @@ from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
 from towers.data import BatchInfo, find_batch_info
 from towers.strategies._compile import compile_module, compile_options
+from towers.strategies._loss_weights import UpdateWeights
 from towers.strategies.precision import Precision
 
 __all__ = [
@@ -249,6 +250,7 @@ class Strategy(ABC):
             norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).cpu()
                                                           for g in grads]), norm_type) if grads else torch.zeros(()))
             return norm / self.precision.scale if self.precision.needs_loss_scaling else norm
+        self._finish_loss_weights()
         for optimizer in self._prepared_optimizers():
             self.precision.unscale_gradients(optimizer)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
@@ -261,6 +263,22 @@ class Strategy(ABC):
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         """The user's optimizers this strategy prepared (their gradients are what fp16 unscales)."""
         return []
+
+    @property
+    def _loss_weights(self) -> UpdateWeights:
+        """This replica's loss weights in the update in progress (``compute_average_loss(weights=...)``)."""
+        return self.__dict__.setdefault("_update_weights", UpdateWeights())
+
+    def _check_weighted_loss(self) -> None:  # noqa: B027 (a no-op by default: most strategies refuse nothing)
+        """Raise when this strategy cannot normalise a loss by the update's global weight (nothing to refuse here)."""
+
+    def _finish_loss_weights(self) -> None:
+        """At an update step: divide the gradients by the update's global loss weight, when its losses were weighted.
+
+        Called before clipping and before the optimizer steps (the first of them does it)."""
+        params = [p for optimizer in self._prepared_optimizers() for group in optimizer.param_groups
+                  for p in group["params"]]
+        self._loss_weights.finish(params, lambda total: self.reduce("sum", total))
 
     @abstractmethod
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:

@@ -37,14 +37,17 @@ log = get_logger(__name__)
 class HybridOptimizer(torch.optim.Optimizer):
     """The user's optimizer for the dense parameters; ``step()`` first sends the embedding rows' gradients to the ps."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, sparse: SparseTables | None):
+    def __init__(self, optimizer: torch.optim.Optimizer, sparse: SparseTables | None,
+                 finish_gradients: Callable[[], None] = lambda: None):
         self.optimizer = optimizer
         self._sparse = sparse
+        self._finish_gradients = finish_gradients  # weighted losses: divide by the update's global weight
         super().__init__(optimizer.param_groups, optimizer.defaults)  # shares the user's group dicts
         self.state = optimizer.state
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Push the rows' gradients (the ps tasks update them), then step the dense parameters; return the loss."""
+        self._finish_gradients()
         if self._sparse is not None:
             self._sparse.push()
         return self.optimizer.step(closure)
@@ -121,12 +124,13 @@ class HybridStrategy(ParameterServerStrategy):
         self._prepared_any = True
         log.info("hybrid: %d dense parameter(s) all-reduced over %d worker(s), %d table(s) on %d ps task(s)",
                  len(dense), self.roles.num_workers, len(sparse) if sparse is not None else 0, self.num_ps)
-        return prepared, (HybridOptimizer(optimizer, sparse) if optimizer is not None else None)
+        return prepared, (HybridOptimizer(optimizer, sparse, self._finish_loss_weights) if optimizer is not None else None)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the dense gradients (all-reduced, the same on every worker) by their norm; the rows are not included."""
         check_max_norm(max_norm)
+        self._finish_loss_weights()
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def __repr__(self) -> str:

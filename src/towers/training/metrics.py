@@ -37,28 +37,64 @@ class Metric(ABC):
     #: length of the state vector
     num_states: int = 2
 
-    def __init__(self, name: str):
+    def __init__(self, name: str | None = None):
+        name = _snake(type(self).__name__) if name is None else name
         if not name or not isinstance(name, str):
             raise ValueError(f"A metric needs a non-empty string name. Received: {name!r}.")
         self.name = name
         self._totals = torch.zeros(self.num_states, dtype=torch.float64)
+        self._pending: torch.Tensor | None = None  # update()'s sums on this replica, not yet combined
+        self._strategy: Any = None  # the strategy whose replicas result() combines (seen by update())
 
     @abstractmethod
-    def local_state(self, y_pred: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor:
+    def local_state(self, y_pred: torch.Tensor, y_true: torch.Tensor | None = None) -> torch.Tensor:
         """Return this replica's float64 sums for one batch (``[num_states]``, on ``y_pred``'s device)."""
 
     def accumulate(self, state: torch.Tensor) -> None:
         """Add sums already reduced across replicas."""
         self._totals += state.detach().to("cpu", torch.float64)
 
+    def update(self, y_pred: torch.Tensor, y_true: torch.Tensor | None = None) -> None:
+        """Add this replica's batch (in your own loop, inside ``strategy.run``); ``result()`` combines every replica's.
+
+        The TensorFlow pattern: ``train_accuracy.update(logits, labels)`` in the step,
+        ``train_accuracy.result()`` after it, on every replica.
+        """
+        from towers.strategies.base import current_strategy
+
+        with torch.no_grad():
+            state = self.local_state(y_pred, y_true).detach()
+        self._pending = state if self._pending is None else self._pending + state.to(self._pending.device)
+        self._strategy = current_strategy() or self._strategy
+
+    def update_state(self, y_true: torch.Tensor, y_pred: torch.Tensor | None = None) -> None:
+        """Keras' argument order: ``update_state(labels, predictions)``, or ``update_state(values)`` for a mean."""
+        if y_pred is None:
+            self.update(y_true)
+        else:
+            self.update(y_pred, y_true)
+
     def result(self) -> float:
-        """Return the metric over everything accumulated since ``reset`` (NaN before any example)."""
+        """Return the metric over everything accumulated since ``reset`` (NaN before any example).
+
+        After ``update`` under a strategy of several replicas it is a collective: every replica
+        calls it, and each gets the metric over all replicas' examples.
+        """
+        if self._strategy is not None and self._strategy.num_replicas_in_sync > 1:
+            local = self._pending if self._pending is not None else torch.zeros(self.num_states, dtype=torch.float64)
+            self.accumulate(self._strategy.reduce("sum", local))
+        elif self._pending is not None:
+            self.accumulate(self._pending)
+        self._pending = None
         total, count = self._totals[0].item(), self._totals[1].item()
         return total / count if count else float("nan")
 
     def reset(self) -> None:
-        """Forget everything accumulated."""
+        """Forget everything accumulated (``reset_state``: Keras' name)."""
         self._totals.zero_()
+        self._pending = None
+
+    reset_state = reset
 
     def state_dict(self) -> dict[str, Any]:
         """Return the accumulated sums (checkpoint-safe)."""
@@ -80,7 +116,7 @@ class Mean(Metric):
 
     def local_state(self, y_pred: torch.Tensor, y_true: torch.Tensor | None = None) -> torch.Tensor:
         """Return ``[sum, count]`` of the values in ``y_pred`` (one value per example)."""
-        values = y_pred.detach().to(torch.float64).reshape(-1)
+        values = torch.as_tensor(y_pred).detach().to(torch.float64).reshape(-1)
         return torch.stack([values.sum(), torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device)])
 
 

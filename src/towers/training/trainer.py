@@ -23,7 +23,7 @@ from towers.checkpoint import layout as ckpt_layout
 from towers.checkpoint.state import set_rng_state
 from towers.data import find_batch_info, global_batch_sizes
 from towers.errors import user_error
-from towers.strategies.base import Strategy, check_max_norm, current_replica_context
+from towers.strategies.base import Strategy, check_max_norm
 from towers.training._state import TrainingProgress, capture_state, restore_state
 from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn
 from towers.training.batches import BatchParts, call_model, label_count, model_loss, predictions
@@ -93,7 +93,6 @@ class Trainer:
         self.strategy: Strategy = strategy
         self.loss_fn = per_example_loss_fn(loss) if loss is not None else None
         self.label_key, self.prediction_key, self.ignore_index = label_key, prediction_key, int(ignore_index)
-        self._label_total = 0  # labels of the micro-batches of the update in progress (loss=None)
         self.metrics: list[Metric | ExternalMetric] = build_metrics(metrics, strategy=strategy)
         self._train_metrics = MetricSet(self.metrics)
         self._val_metrics = MetricSet(copy.deepcopy(self.metrics))
@@ -302,26 +301,22 @@ class Trainer:
 
     def _own_loss_step(self, parts: BatchParts) -> tuple[torch.Tensor, torch.Tensor]:
         """A step on the model's own (token-mean) loss, normalised by the update's global label count."""
+        from towers.losses import compute_average_loss
+
         count = label_count(parts, self.ignore_index)
         # The model's loss is its mean over this batch's labels; times their count it is their sum. A model that
         # takes num_items_in_batch (Hugging Face's) divides its sum by exactly that count, so the product is its
         # sum of token losses whatever tokens it counts (a causal LM shifts its labels).
         extra = {"num_items_in_batch": max(count, 1)} if self._passes_count else {}
         outputs = call_model(self.model, parts, **extra)
-        total = model_loss(outputs) * count
-        self.strategy.backward(total)
-        self._label_total += count
-        context = current_replica_context()
-        if context is None or context.is_update_step:
-            # Every replica's and micro-batch's labels: the gradient becomes one device's mean over them.
-            labels = float(self.strategy.reduce("sum", torch.tensor([float(self._label_total)])).item())
-            self._label_total = 0
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(max(labels, 1.0))
-            self._update()
-        mean = total.detach().float() / max(count, 1)
-        return mean.expand(max(count, 1)).clone(), _predictions_or(outputs, self.prediction_key, mean)
+        mean = model_loss(outputs)
+        if count == 0:  # no label here (an empty share): a zero gradient, not the NaN of a mean over nothing
+            mean = _zero_loss(outputs, mean)
+        # The strategy divides the update's gradient by the label count over every replica and micro-batch.
+        self.strategy.backward(compute_average_loss(mean.reshape(1), weights=torch.full((1,), float(count))))
+        self._update()
+        shown = mean.detach().float()
+        return shown.expand(max(count, 1)).clone(), _predictions_or(outputs, self.prediction_key, shown)
 
     def _warn_nonfinite(self, logs: Mapping[str, Any]) -> None:
         """Warn once, on the chief, when a loss was not finite and no callback stopped training for it."""
@@ -505,6 +500,14 @@ def _labels(parts: BatchParts, label_key: str) -> torch.Tensor:
                          "Give batches as (x, y) or dicts with the labels under label_key, or pass loss=None to train "
                          "on the loss the model returns.")
     return parts.labels
+
+
+def _zero_loss(outputs: Any, loss: torch.Tensor) -> torch.Tensor:
+    """A zero loss connected to the model's outputs (its gradient is zero, never NaN)."""
+    try:
+        return predictions(outputs, None).sum() * 0.0
+    except ValueError:
+        return torch.nan_to_num(loss, nan=0.0) * 0.0
 
 
 def _predictions_or(outputs: Any, key: str | int | None, fallback: torch.Tensor) -> torch.Tensor:

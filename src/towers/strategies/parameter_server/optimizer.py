@@ -23,13 +23,15 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     """Wraps the user's optimizer: ``step()`` = push gradients, ps applies them, pull fresh parameters."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, bound: BoundModel | None, sparse: SparseTables | None = None,
-                 step_batches: Callable[[], tuple[bool, list[Any]]] = lambda: (False, [])):
+                 step_batches: Callable[[], tuple[bool, list[Any]]] = lambda: (False, []),
+                 finish_gradients: Callable[[], None] = lambda: None):
         self._building = True
         self.optimizer = optimizer
         self._bound = bound
         self._sparse = sparse
         # (the step's batch had no example, the dispatched batches whose gradients this step pushes)
         self._step_batches = step_batches
+        self._finish_gradients = finish_gradients  # weighted losses: divide by the update's global weight
         # Passing the user's group dicts makes both optimizers share them (torch keeps the dicts it is given).
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
@@ -40,6 +42,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._finish_gradients()
         if self._sparse is not None:
             self._sparse.push()
         empty, units = self._step_batches()

@@ -28,6 +28,7 @@ from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.data import BatchInfo, Dispatch, DistributedDataset
 from towers.devices import gpu_count, warn_if_gpus_idle
+from towers.errors import user_error
 from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
 from towers.strategies._collectives import as_tensor, check_op
 from towers.strategies.base import ReplicaContext, Strategy
@@ -237,7 +238,8 @@ class ParameterServerStrategy(Strategy):
         prepared = self._compile(prepared, compile)
         self._optimizer = optimizer
         self._prepared_any = True
-        optimizer_out = (ParameterServerOptimizer(optimizer, bound, sparse, step_batches=self._take_step_batches)
+        optimizer_out = (ParameterServerOptimizer(optimizer, bound, sparse, step_batches=self._take_step_batches,
+                                                  finish_gradients=self._finish_loss_weights)
                          if optimizer is not None else None)
         return prepared, optimizer_out
 
@@ -265,6 +267,14 @@ class ParameterServerStrategy(Strategy):
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return [self._optimizer] if self._optimizer is not None else []
+
+    def _check_weighted_loss(self) -> None:
+        if self._sparse is not None:
+            raise user_error(
+                "compute_average_loss(..., weights=...) cannot normalise the gradients of ShardedEmbedding rows (they "
+                "go to the ps tasks apart from the dense gradients)", f"a model with {len(self._sparse)} table(s)",
+                "Normalise by examples instead: compute_average_loss(per_example_loss) with one loss per example "
+                "(e.g. each example's mean over its tokens).")
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Call ``fn(*args, **kwargs)`` as this worker's step (see ``Strategy.run``).
