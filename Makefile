@@ -3,6 +3,7 @@
 # Both create a virtual environment in .venv first and install into it only, so they work with
 # a system Python that refuses global installs (Debian/Ubuntu: "externally-managed-environment").
 # Nothing is installed outside .venv; delete the folder to start over.
+# `make gpu-check` runs the GPU tier on the machine it starts on and writes its report (docs/gpu.md).
 #
 # Variables (make VAR=value ...):
 #   PYTHON       interpreter that creates .venv (default: python3)
@@ -17,6 +18,11 @@
 #   PYTEST_ARGS  arguments for pytest       (e.g. PYTEST_ARGS="tests/unit -x")
 #   LINT         anything but 0 (default 1): `make test` first checks src/ with ruff and mypy (configured in
 #                pyproject.toml); LINT=0 skips them
+#   GPU_PY       interpreter for `make gpu-check` (the GPU tier and its report, docs/gpu.md). Default: .venv's, made
+#                as `make install` does where it is missing (CPU-only torch on a host without an NVIDIA driver);
+#                without .venv, a $(PYTHON) whose torch sees a GPU is used as it is (nothing installed)
+#   GPU_OUT      where `make gpu-check` writes gpu-report.json and gpu-report.md (default: towers-out/gpu-check)
+#   GPU_ARGS     more flags for tools/gpu_check.py (e.g. GPU_ARGS="--no-bench")
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -27,6 +33,9 @@ EXTRAS ?= test
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 LINT ?= 1
+GPU_PY ?=
+GPU_OUT ?= towers-out/gpu-check
+GPU_ARGS ?=
 
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
@@ -34,8 +43,11 @@ TORCH_INDEX_FLAGS := $(if $(strip $(TORCH_INDEX)),--index-url $(TORCH_INDEX),)
 # Reinstall only when the package's metadata (dependencies, extras) or these settings change.
 STAMP := $(VENV)/.towers-installed
 SETTINGS := $(TORCH) $(TORCH_INDEX) $(EXTRAS)
+# gpu-check on a host without an NVIDIA driver installs (if it must) CPU-only torch, never the CUDA build.
+NVIDIA := $(wildcard /proc/driver/nvidia/version /dev/nvidiactl)
+GPU_TORCH_INDEX := $(or $(strip $(TORCH_INDEX)),$(if $(NVIDIA),,https://download.pytorch.org/whl/cpu))
 
-.PHONY: install demo test bench clean-venv
+.PHONY: install demo test bench gpu-check clean-venv
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -60,6 +72,18 @@ endif
 
 bench: install
 	$(VENV)/bin/towers bench
+
+# The GPU tier on this machine, within 10 minutes; exits 0 on a machine without a GPU (every GPU check skipped).
+# An existing .venv is used as it is: no reinstall, no network.
+gpu-check:
+	@py="$(GPU_PY)"; \
+	if [ -z "$$py" ] && [ ! -x $(VPY) ] && $(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; \
+	then py=$(PYTHON); fi; \
+	if [ -z "$$py" ]; then \
+		[ -f $(STAMP) ] || $(MAKE) --no-print-directory $(STAMP) TORCH_INDEX="$(GPU_TORCH_INDEX)" || exit 1; py=$(VPY); \
+	fi; \
+	echo "$$py tools/gpu_check.py --out-dir $(GPU_OUT) $(GPU_ARGS)"; \
+	$$py tools/gpu_check.py --out-dir $(GPU_OUT) $(GPU_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -125,8 +125,8 @@ def run_demo(args: argparse.Namespace) -> int:
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure speed-up and efficiency per replica count and strategy vs raw DDP",
                        description="Train a model (the seed CNN, or yours with --model) with each strategy and with "
-                       "hand-written torch DDP, interleaved on the same processes (GPUs when visible, else CPU "
-                       "cores); print examples/s, speed-up, weak-scaling efficiency, the towers/raw ratio, CPU "
+                       "hand-written torch DDP, interleaved on the same processes (a GPU per replica when there are enough, "
+                       "else CPU cores); print examples/s, speed-up, weak-scaling efficiency, the towers/raw ratio, CPU "
                        "ms/step and peak memory; write JSON and a PNG.")
     p.add_argument("--replicas", default="1,2", help="comma-separated replica counts (default: 1,2)")
     from towers.bench.config import STRATEGIES

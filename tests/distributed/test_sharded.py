@@ -22,6 +22,7 @@ from torch import nn
 
 import towers
 from towers.cluster.info import ProcessInfo
+from towers.strategies._fsdp import fsdp_modules
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -185,3 +186,56 @@ def test_trainer_fit_sharded_matches_one_device():
             assert all(torch.isfinite(torch.tensor(loss))) and loss[-1] < loss[0], precision
             assert abs(loss[-1] - ref["history"]["history"]["loss"][-1]) < 0.05, precision
         assert got["fp16"]["scale"] == 2.0 ** 16  # the loss scale was applied and no step overflowed
+
+
+class _BlocksAndHead(nn.Module):
+    """Repeated blocks in a ModuleList (units under shard_units="auto") and layers of the root's own after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)) for _ in range(2))
+        self.norm, self.head = nn.LayerNorm(4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x))
+
+
+def _mixed_blocks_replica(precision: str) -> dict:
+    torch.manual_seed(0)
+    strategy = towers.FullyShardedStrategy(timeout_s=60, precision=precision)
+    with strategy.scope():
+        net = _BlocksAndHead()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt = strategy.prepare(net, opt)
+    dtypes = set()
+
+    def step(bx, by):
+        out = model(bx)
+        dtypes.add(str(out.dtype))
+        loss = towers.compute_average_loss(F.cross_entropy(out, by, reduction="none"))
+        strategy.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    losses = [strategy.reduce("sum", strategy.run(step, args=batch)).item()
+              for batch in strategy.distribute_dataset(_fit_data(), 16, shuffle=False)]
+    return {"losses": losses, "out_dtypes": sorted(dtypes), "units": len(fsdp_modules(net))}
+
+
+def test_mixed_precision_units_hand_their_outputs_to_the_roots_own_layers():
+    # A unit's output stays in the compute dtype: cast to float32, it would not match the root's head weights.
+    # (bf16 only: the policy is the same for fp16, whose loss scaling test_trainer_fit_sharded_matches_one_device covers.)
+    per_rank = towers.spawn(_mixed_blocks_replica, 2, args=("bf16",), timeout_s=SPAWN_TIMEOUT_S)
+    torch.manual_seed(0)
+    ref_net = _BlocksAndHead()
+    x, y = _fit_data()
+    ref_losses = [F.cross_entropy(ref_net(x[:16]), y[:16]).item()]
+    for got in per_rank:
+        assert got["units"] == 3  # two blocks and the root
+        assert got["out_dtypes"] == ["torch.float32"]  # the root's output: losses in float32
+        assert all(torch.isfinite(torch.tensor(got["losses"])))
+        assert abs(got["losses"][0] - ref_losses[0]) < 0.02 * abs(ref_losses[0]), (got["losses"], ref_losses)
+    assert per_rank[0]["losses"] == per_rank[1]["losses"]

@@ -46,6 +46,7 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
     log_level = logging.getLogger("towers").getEffectiveLevel() if configured_logging() else None
     measurements: list[Measurement] = []
     notes: list[str] = []
+    devices: set[str] = set()  # where the replicas computed: cuda:<i> or cpu
     multi = [n for n in config.replicas if n > 1]
     for strategy in sorted(config.strategies, key=lambda s: s != "mirrored"):
         num_ps = NUM_PS if bench_strategy(strategy)[1] else 0
@@ -63,6 +64,7 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
                 f"(deadline {timeout_s:.0f} s)")
             results = spawn(_job, procs, args=(config, n, strategy, num_ps, baseline, log_level),
                             timeout_s=timeout_s, threads_per_process=config.threads)
+            devices.update(r["device"] for r in results if r is not None and "device" in r)
             if results[0]["skipped"]:
                 note = f"note: {strategy} at {n} replica(s) skipped: {results[0]['skipped']}"
                 log.warning(note)
@@ -73,8 +75,8 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
     if any(bench_strategy(s)[1] for s in config.strategies):
         notes.append(f"note: *_async/*_sync run N workers + {NUM_PS} ps task; their CPU ms/step counts the workers only, "
                      "and raw DDP beside them runs on the workers' subgroup.")
-    return BenchReport(measurements=measurements, config=asdict(config), environment=_environment(cores),
-                       notes=notes)
+    return BenchReport(measurements=measurements, config=asdict(config),
+                       environment={**_environment(cores), "devices": sorted(devices)}, notes=notes)
 
 
 #: ps tasks a parameter-server benchmark job starts beside its workers.
@@ -110,6 +112,7 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
     With ``baseline``, rank 0 also runs both on 1 replica (the other ranks sit those turns out).
     Returns None on a ps task (it only serves), the rank's measurements on a worker.
     """
+    import torch
     import torch.distributed as dist
 
     if log_level is not None and not configured_logging():
@@ -119,8 +122,8 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
     rank, group, barrier = 0, None, _no_barrier
     if world_size > 1:
         # The hand-written DDP script's own set-up: env:// reads the torchrun variables spawn() set.
-        # NCCL between GPUs; Gloo on CPUs and wherever ps tasks (which may have no GPU) take part.
-        backend = "nccl" if replica_device().type == "cuda" and not num_ps else "gloo"
+        # NCCL between GPUs (one per replica); Gloo on CPUs and wherever ps tasks (which may have no GPU) take part.
+        backend = "nccl" if replica_device(0, num_replicas).type == "cuda" and not num_ps else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         rank = dist.get_rank()
         if num_ps:  # raw DDP runs on the workers only; every rank takes part in creating the subgroup
@@ -129,10 +132,14 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
             barrier = partial(dist.barrier, group=group)
     set_rank(rank, world_size)
     spec = config.workload_spec()
-    device = replica_device(rank)  # one host: the rank is the local rank
+    # One host: the rank is the local rank. A ps task computes nothing here and keeps to the CPU.
+    device = replica_device(rank, num_replicas) if rank < num_replicas else torch.device("cpu")
+    if device.type == "cuda":
+        # Kernels run asynchronously: a timed chunk must end when the GPU has finished it, not when it was queued.
+        barrier = partial(_synchronized, barrier, device)
     skipped = ""
-    try:
-        made = _make_strategy(strategy, num_replicas, timeout_s=timeout_s)  # a ps task serves in here
+    try:  # the strategy computes where the raw baseline does (a ps task serves in here)
+        made = _make_strategy(strategy, num_replicas, timeout_s=timeout_s, device=device)
     except NotImplementedError as exc:  # a strategy still being written: every rank skips it alike
         made, skipped = None, str(exc)
     if rank >= num_replicas:
@@ -154,7 +161,14 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
         for w in workloads.values():
             w.close()
     return {"measured": {name: (workloads[name].engine, values) for name, values in measured.items()},
-            "skipped": skipped, "memory_mib": _peak_memory_mib(device)}
+            "skipped": skipped, "memory_mib": _peak_memory_mib(device), "device": str(device)}
+
+
+def _synchronized(barrier: Callable[[], Any], device: Any) -> None:
+    import torch
+
+    torch.cuda.synchronize(device)
+    barrier()
 
 
 def _peak_memory_mib(device: Any) -> float:

@@ -3,7 +3,7 @@ and as towers user code.
 
 Every workload has the same two calls: ``start_epoch()`` (untimed: a fresh pass over the data) and
 ``train(steps)`` (timed by the runner). Data is generated once, before any timing, and placed on
-the replica's device (``cuda:<local rank>`` when GPUs are visible, else the CPU); warm-up steps
+the replica's device (``cuda:<local rank>`` when every local replica has a GPU, else the CPU); warm-up steps
 are run by the runner outside the timed region.
 """
 
@@ -23,11 +23,15 @@ __all__ = ["OPTIMIZERS", "WorkloadSpec", "Workload", "IdleWorkload", "RawTorchWo
            "make_dataset", "replica_device"]
 
 
-def replica_device(local_rank: int = 0) -> torch.device:
-    """Return the device a benchmark replica uses: ``cuda:<local_rank>`` when GPUs are visible, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+def replica_device(local_rank: int = 0, local_world_size: int = 1) -> torch.device:
+    """Return the device a benchmark replica uses: ``cuda:<local_rank>`` when every local replica has a GPU, else the CPU.
+
+    The strategies' rule (and ``choose_backend``'s for NCCL): replicas never share a GPU, which NCCL
+    refuses, so 2 replicas on a 1-GPU host both run on the CPU, as ``MirroredStrategy`` places them.
+    """
+    from towers.devices import gpu_count
+
+    return torch.device("cuda", local_rank) if gpu_count() >= local_world_size else torch.device("cpu")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,6 +4,9 @@
 ``start_watchdog(info)`` starts the process's watchdog once the process group exists (the process
 group module does it); ``stop_watchdog()`` stops it. See ``watchdog.py`` for the protocol,
 ``report.py`` for the verdict and ``lifecycle.py`` for the one watchdog of a process.
+
+``gpu_report.py`` (imported by name, not from here) is the GPU tier's report: the machine, each
+check and its figures, as JSON and Markdown (``make gpu-check``).
 """
 
 from towers.diagnostics.lifecycle import current_watchdog, start_watchdog, stop_watchdog

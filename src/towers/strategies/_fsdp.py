@@ -123,17 +123,20 @@ def build_mesh(world_size: int, device_type: str, shard_group_size: int | None =
     return init_device_mesh(device_type, (world_size // group, group), mesh_dim_names=("replicate", "shard"))
 
 
-def mixed_precision_policy(precision: str) -> Any:
+def mixed_precision_policy(precision: str, *, root: bool = True) -> Any:
     """Return FSDP2's ``MixedPrecisionPolicy`` for towers' precision name: parameters in bf16/fp16, reductions in fp32.
 
-    Outputs are cast back to float32, so losses are computed in full precision as under the other strategies.
+    The root's outputs are cast back to float32, so losses are computed in full precision as under the
+    other strategies. A unit's (``root=False``) stay in the compute dtype: the root's own layers after it
+    (a final norm, a head) compute in that dtype, and a float32 input would not match their weights.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     dtype = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     if dtype is None:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None)
 
 
 def shard_model(model: nn.Module, mesh: Any, *, shard_units: ShardUnits = "auto",
@@ -147,13 +150,14 @@ def shard_model(model: nn.Module, mesh: Any, *, shard_units: ShardUnits = "auto"
     units = select_units(model, shard_units)
     options: dict[str, Any] = {
         "mesh": mesh,
-        "mp_policy": mixed_precision_policy(precision),
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
     }
     for unit in units:
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
+        fully_shard(unit, reshard_after_forward=reshard_after_forward,
+                    mp_policy=mixed_precision_policy(precision, root=False), **options)
     # The root's parameters are needed first in backward: keep them gathered after forward (FSDP2's own default).
-    fully_shard(model, reshard_after_forward=False if units else reshard_after_forward, **options)
+    fully_shard(model, reshard_after_forward=False if units else reshard_after_forward,
+                mp_policy=mixed_precision_policy(precision), **options)
     for module in fsdp_modules(model):
         module.set_gradient_divide_factor(1.0)  # SUM: see the module docstring
         module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (no PREMUL_SUM, which Gloo lacks)
