@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,3 +118,37 @@ def test_precision_belongs_to_the_strategy():
     assert bf16.strategy.precision.name == "bf16"
     x, y = _data()
     assert len(bf16.fit((x, y), 1, 16)) == 1
+
+
+def test_a_micro_batch_without_labels_adds_nothing_not_nan():
+    # nanoGPT's convention (a mean over targets != -1, no num_items_in_batch): a micro-batch whose targets are all
+    # padding has a NaN mean; it must add a zero gradient and no loss, so accumulation equals one big batch.
+    from towers.models_gpt import GPT, GPTConfig
+
+    idx = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(idx, -1, dims=1)
+    targets[2:] = -1  # rows 2..3: the second micro-batch has no label at all
+
+    class MaskedMean(nn.Module):  # a hand-written token mean: 0/0 without labels, a NaN gradient too
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(20, 8), nn.Linear(8, 20)
+
+        def forward(self, idx, targets):
+            logits = self.head(self.embed(idx))
+            keep = (targets != -1).float()
+            per_token = F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
+            return logits, (per_token * keep).sum() / keep.sum()
+
+    def train(accumulation: int, kind: str) -> tuple[list[torch.Tensor], dict]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=20, block_size=6, n_layer=1, n_head=1, n_embd=8)) if kind == "gpt" else MaskedMean()
+        strategy = towers.OneDeviceStrategy("cpu", gradient_accumulation_steps=accumulation)
+        trainer = towers.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), strategy=strategy, ignore_index=-1)
+        history = trainer.fit((idx, targets), epochs=1, global_batch_size=4 // accumulation, shuffle=False)
+        return [p.detach().clone() for p in model.parameters()], history.history
+
+    for kind in ("gpt", "masked mean"):
+        (one, one_logs), (two, two_logs) = train(1, kind), train(2, kind)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one, two)), kind
+        assert two_logs["loss"] == pytest.approx(one_logs["loss"]) and math.isfinite(two_logs["loss"][0]), kind

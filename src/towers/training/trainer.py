@@ -315,8 +315,8 @@ class Trainer:
         # The strategy divides the update's gradient by the label count over every replica and micro-batch.
         self.strategy.backward(compute_average_loss(mean.reshape(1), weights=torch.full((1,), float(count))))
         self._update()
-        shown = mean.detach().float()
-        return shown.expand(max(count, 1)).clone(), _predictions_or(outputs, self.prediction_key, shown)
+        shown = mean.detach().float()  # one loss per label (none without labels: the loss metric is token-weighted)
+        return shown.expand(count).clone(), _predictions_or(outputs, self.prediction_key, shown)
 
     def _warn_nonfinite(self, logs: Mapping[str, Any]) -> None:
         """Warn once, on the chief, when a loss was not finite and no callback stopped training for it."""
@@ -377,7 +377,7 @@ class Trainer:
                     if self.loss_fn is not None:
                         y_pred = predictions(outputs, self.prediction_key)
                         return self.loss_fn(y_pred, _labels(parts, self.label_key)).detach(), y_pred.detach()
-                    count = max(label_count(parts, self.ignore_index), 1)  # one loss per label: token-weighted
+                    count = label_count(parts, self.ignore_index)  # one loss per label: token-weighted
                     mean = model_loss(outputs).detach().float()
                     return mean.expand(count).clone(), _predictions_or(outputs, self.prediction_key, mean)
 
