@@ -34,6 +34,9 @@ _EXPORTS: dict[str, str] = {
     "get_strategy": "towers.strategies",
     "strategy_from_env": "towers.strategies",
     "current_strategy": "towers.strategies",
+    # input
+    "Shards": "towers.data",
+    "InputContext": "towers.data",
     # losses
     "compute_average_loss": "towers.losses",
     "scale_regularization_loss": "towers.losses",

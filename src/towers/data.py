@@ -19,108 +19,39 @@ weight zero.
 ``BatchInfo`` (global batch size, padding, place in an accumulation window): ``strategy.run``
 reads it from the arguments it is given (``batch_info``), so fetching batches ahead, running an
 evaluation pass in between, or running a kept batch again never changes what a step divides by.
+
+Streams (``Shards``, a torch ``IterableDataset``, a Hugging Face streaming dataset) are split the
+same way by ``DistributedStream`` (``towers.streams``); ``distribute_dataset`` picks the class.
+Both are ``DistributedBatches``, the protocol the Trainer relies on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils.data import IterableDataset, TensorDataset, default_collate
 
+from towers._batch import (
+    BatchInfo,
+    DistributedBatches,
+    attach_batch_info,
+    batch_info,
+    find_batch_info,
+    global_batch_sizes,
+    map_tensors,
+    shard_bounds,
+    to_device,
+)
 from towers._logging import get_logger
+from towers.streams import DistributedStream, InputContext, Shards, is_stream
 
 __all__ = ["BatchInfo", "DistributedDataset", "Dispatch", "distribute_dataset", "shard_bounds", "global_batch_sizes",
-           "batch_info", "find_batch_info"]
+           "batch_info", "find_batch_info", "map_tensors", "DistributedBatches", "DistributedStream", "Shards",
+           "InputContext", "is_stream"]
 
 log = get_logger(__name__)
-
-
-def shard_bounds(batch_size: int, num_replicas: int, replica_id: int) -> tuple[int, int]:
-    """Return ``[start, stop)`` of ``replica_id``'s contiguous share of a batch of ``batch_size`` examples."""
-    base, extra = divmod(batch_size, num_replicas)
-    start = replica_id * base + min(replica_id, extra)
-    return start, start + base + (1 if replica_id < extra else 0)
-
-
-def global_batch_sizes(num_examples: int, global_batch_size: int, *, drop_remainder: bool = False) -> list[int]:
-    """Return the size of every global batch of one epoch."""
-    full, rest = divmod(num_examples, global_batch_size)
-    return [global_batch_size] * full + ([rest] if rest and not drop_remainder else [])
-
-
-@dataclass(frozen=True)
-class BatchInfo:
-    """The accounting a yielded batch carries: its global batch size, padding and place in an update window."""
-
-    index: int
-    num_batches: int
-    global_batch_size: int
-    local_batch_size: int
-    num_padding_examples: int
-    #: Examples (global) in the optimizer update this batch belongs to (= global_batch_size without accumulation).
-    examples_per_update: int
-    #: Micro-batches in that update (``gradient_accumulation_steps``, fewer at the end of an epoch).
-    batches_per_update: int
-    #: True on the last micro-batch of an update: gradients are all-reduced and the optimizer steps.
-    last_in_update: bool
-    #: ``(pass, global batch, replica)`` of a batch handed out one at a time (parameter servers), else None.
-    unit: tuple[str, int, int] | None = None
-
-
-#: Attribute under which a yielded tensor carries its batch's ``BatchInfo``.
-_INFO_ATTR = "_towers_batch"
-
-
-def batch_info(value: Any) -> BatchInfo | None:
-    """Return the ``BatchInfo`` a tensor yielded by ``distribute_dataset`` carries, or None for any other value."""
-    return getattr(value, _INFO_ATTR, None) if isinstance(value, torch.Tensor) else None
-
-
-def _leaves(value: Any) -> Iterator[Any]:
-    if isinstance(value, Mapping):
-        for v in value.values():
-            yield from _leaves(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _leaves(v)
-    else:
-        yield value
-
-
-def find_batch_info(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> BatchInfo | None:
-    """Return the ``BatchInfo`` carried by the tensors among ``args``/``kwargs`` (nested), or None when none carries one.
-
-    Raises:
-        ValueError: when tensors of batches with different accounting are mixed in one call.
-    """
-    found: BatchInfo | None = None
-    for leaf in _leaves((tuple(args), dict(kwargs or {}))):
-        info = batch_info(leaf)
-        if info is None or info == found:
-            continue
-        if found is not None and _accounting(info) != _accounting(found):
-            raise ValueError(
-                f"strategy.run got tensors of two different batches: global batch {found.index} "
-                f"({found.global_batch_size} examples) and global batch {info.index} ({info.global_batch_size} "
-                "examples), so the step's global batch size is ambiguous. Pass the tensors of one batch from "
-                "strategy.distribute_dataset, or compute the loss with "
-                "towers.compute_average_loss(..., global_batch_size=N).")
-        found = found or info
-    return found
-
-
-def _accounting(info: BatchInfo) -> tuple[int, int, int, int, bool]:
-    return (info.global_batch_size, info.num_padding_examples, info.examples_per_update, info.batches_per_update,
-            info.last_in_update)
-
-
-def _attach(batch: Any, info: BatchInfo) -> Any:
-    for leaf in _leaves(batch):
-        if isinstance(leaf, torch.Tensor):
-            setattr(leaf, _INFO_ATTR, info)
-    return batch
 
 
 class _TensorSource:
@@ -190,23 +121,10 @@ def _source(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> _Ten
         raise TypeError(
             f"distribute_dataset needs a map-style dataset (with __len__ and __getitem__), a tensor, a tuple of "
             f"tensors or a dict of tensors. Received: {type(dataset).__name__}. Wrap your data in a torch.utils.data.Dataset or "
-            "TensorDataset; streams (IterableDataset) cannot be split into exact global batches.")
+            "TensorDataset; for streams (IterableDataset, towers.data.Shards) use towers.data.distribute_dataset or "
+            "strategy.distribute_dataset, which return a DistributedStream.")
     return _MapSource(dataset, collate_fn or default_collate)
 
-
-def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Return ``value`` with ``fn`` applied to every tensor in it (tuples, namedtuples, lists and dicts keep their type)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(map_tensors(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, map_tensors(v, fn)) for k, v in value.items())
-    if isinstance(value, Mapping):
-        return {k: map_tensors(v, fn) for k, v in value.items()}
-    return value
 
 
 class DistributedDataset:
@@ -261,7 +179,6 @@ class DistributedDataset:
         self._epoch = 0
         self._position = 0  # batches consumed in the current epoch
         self._resume_at = 0  # where the next iteration starts (load_state_dict)
-        self._pin = self.device.type == "cuda"
 
     def _batch_infos(self, sizes: list[int], k: int, replica_id: int | None = None) -> list[BatchInfo]:
         infos = []
@@ -275,6 +192,11 @@ class DistributedDataset:
 
     # --- epochs and resuming ----------------------------------------------------------------------
     def __len__(self) -> int:
+        return len(self._infos)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Global batches per epoch (``len(self)``; a stream answers None)."""
         return len(self._infos)
 
     @property
@@ -333,7 +255,7 @@ class DistributedDataset:
             yield from self._dispatched(self._dispatch, order, batch)
         else:
             for info in self._infos[batch:]:
-                value = _attach(self._fetch(order, info), info)
+                value = attach_batch_info(self._fetch(order, info), info)
                 self._position = info.index + 1
                 yield value
         self._epoch += 1
@@ -366,7 +288,7 @@ class DistributedDataset:
                                           1 if self.pad_empty_batches else 0, last.global_batch_size, 1, True),
                                 self.replica_id))
             for info, r in batches:
-                value = _attach(self._fetch(order, info, r), info)
+                value = attach_batch_info(self._fetch(order, info, r), info)
                 step += 1
                 self._position = max(self._position, info.index + 1)
                 yield value
@@ -387,15 +309,7 @@ class DistributedDataset:
         else:  # an empty share of a generic dataset: collate one example for the structure, keep 0 rows
             template = self._source.fetch(slice(first, first + 1) if order is None else order[first:first + 1])
             batch = map_tensors(template, lambda t: t[:0])
-        return self._to_device(batch)
-
-    def _to_device(self, batch: Any) -> Any:
-        if self.device.type == "cpu":
-            return batch
-        if self._pin:  # page-locked host memory lets the copy overlap with compute
-            return map_tensors(batch, lambda t: (t.pin_memory() if t.device.type == "cpu" else t)
-                                .to(self.device, non_blocking=True))
-        return map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+        return to_device(batch, self.device)
 
     def __repr__(self) -> str:
         return (f"DistributedDataset({self.num_examples} examples, global_batch_size={self.global_batch_size}, "
@@ -418,6 +332,11 @@ class Dispatch:
         return self._ask(key, step, spec)
 
 
-def distribute_dataset(dataset: Any, global_batch_size: int, **kwargs: Any) -> DistributedDataset:
-    """Return a ``DistributedDataset`` (see its parameters); strategies call this with their replica layout."""
+def distribute_dataset(dataset: Any, global_batch_size: int, **kwargs: Any) -> DistributedDataset | DistributedStream:
+    """Return a ``DistributedStream`` for a stream (see ``is_stream``), else a ``DistributedDataset`` (see their parameters).
+
+    Strategies call this with their replica layout.
+    """
+    if is_stream(dataset):
+        return DistributedStream(dataset, global_batch_size, **kwargs)
     return DistributedDataset(dataset, global_batch_size, **kwargs)

@@ -9,15 +9,13 @@ from towers.training.metrics import (
     Mean,
     MeanMetricWrapper,
     Metric,
+    SparseCategoricalAccuracy,
     TopKAccuracy,
     accuracy,
     build_metrics,
     get_metric,
     top_k_accuracy,
 )
-
-#: Keras' name for ``Accuracy`` on integer labels (the TensorFlow tutorials' ``train_accuracy``).
-SparseCategoricalAccuracy = Accuracy
 
 __all__ = [
     "Metric", "Mean", "MeanMetricWrapper", "Accuracy", "SparseCategoricalAccuracy", "TopKAccuracy", "ExternalMetric",

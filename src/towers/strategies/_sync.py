@@ -16,7 +16,7 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
-from towers.data import DistributedDataset, find_batch_info
+from towers.data import DistributedDataset, DistributedStream, find_batch_info, is_stream
 from towers.errors import user_error
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op
 from towers.strategies._steps import StepTracker, StrategyOptimizer
@@ -139,19 +139,29 @@ class SyncStrategy(Strategy):
 
     def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                            drop_remainder: bool = False, pad_empty_batches: bool = False,
-                           collate_fn: Callable[[list[Any]], Any] | None = None) -> DistributedDataset:
+                           collate_fn: Callable[[list[Any]], Any] | None = None,
+                           **stream_options: Any) -> DistributedDataset | DistributedStream:
         """Return this replica's share of each global batch of ``dataset``, on its device (see ``towers.data``).
+
+        A stream (``towers.data.Shards``, a torch ``IterableDataset``, a Hugging Face streaming
+        dataset) gives a ``DistributedStream``; ``stream_options`` (``num_virtual_shards``,
+        ``shuffle_block``) go to it. Anything else gives a ``DistributedDataset``.
 
         Raises:
             ValueError: when ``global_batch_size`` is not positive or smaller than the replicas, or the
                 dataset has fewer examples than replicas.
-            TypeError: when ``dataset`` is not map-style.
+            TypeError: when ``dataset`` is neither map-style nor a stream, or a stream option is unknown.
         """
-        return DistributedDataset(
-            dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
-            device=self._device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
-            pad_empty_batches=pad_empty_batches, accumulation_steps=self._tracker.accumulation_steps,
-            collate_fn=collate_fn)
+        layout: dict[str, Any] = dict(
+            num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id, device=self._device, shuffle=shuffle,
+            seed=seed, drop_remainder=drop_remainder, pad_empty_batches=pad_empty_batches,
+            accumulation_steps=self._tracker.accumulation_steps, collate_fn=collate_fn)
+        if is_stream(dataset):
+            return DistributedStream(dataset, global_batch_size, **layout, **stream_options)
+        if stream_options:
+            raise user_error("num_virtual_shards and shuffle_block apply to streams only", sorted(stream_options),
+                             "Leave them out for a map-style dataset.", cls=TypeError)
+        return DistributedDataset(dataset, global_batch_size, **layout)
 
     # --- steps ----------------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:

@@ -24,7 +24,7 @@ from towers.checkpoint.api import load_plain_state_dict, plain_state_dict
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
-from towers.data import BatchInfo, find_batch_info
+from towers.data import BatchInfo, InputContext, find_batch_info
 from towers.strategies._compile import compile_module, compile_options
 from towers.strategies._loss_weights import UpdateWeights
 from towers.strategies.precision import Precision
@@ -191,6 +191,29 @@ class Strategy(ABC):
     def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                            drop_remainder: bool = False) -> Any:
         """Return an iterable (once per epoch) of this replica's share of each global batch, on its device."""
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any]) -> Any:
+        """Return ``dataset_fn(input_context)``: this replica's own input pipeline (tf.distribute's per-worker function).
+
+        ``input_context`` says which pipeline this is (``input_pipeline_id`` of
+        ``num_input_pipelines``: one per replica), ``get_per_replica_batch_size(B)`` and the
+        replica's ``device``. The function shards and batches the data itself, and its batches are
+        returned as they are: they carry no accounting, so pass ``global_batch_size=`` to
+        ``compute_average_loss`` under several replicas, and give every replica the same number of
+        batches. For exact global batches, return ``towers.data.distribute_dataset(data, B,
+        num_replicas=ctx.num_input_pipelines, replica_id=ctx.input_pipeline_id, device=ctx.device)``
+        from the function instead: its batches carry their accounting.
+
+        Raises:
+            TypeError: when ``dataset_fn`` is not callable.
+        """
+        if not callable(dataset_fn):
+            raise TypeError(f"distribute_datasets_from_function expects a function of an InputContext. Received: "
+                            f"{type(dataset_fn).__name__}. Example: strategy.distribute_datasets_from_function("
+                            "lambda ctx: my_batches(shard=ctx.input_pipeline_id, num_shards=ctx.num_input_pipelines)).")
+        n = self.num_replicas_in_sync
+        return dataset_fn(InputContext(num_input_pipelines=n, input_pipeline_id=self.replica_id,
+                                       num_replicas_in_sync=n, device=self.device))
 
     # --- steps and communication ------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:

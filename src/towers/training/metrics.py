@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 __all__ = [
-    "Metric", "Mean", "MeanMetricWrapper", "Accuracy", "TopKAccuracy", "ExternalMetric",
+    "Metric", "Mean", "MeanMetricWrapper", "Accuracy", "SparseCategoricalAccuracy", "TopKAccuracy", "ExternalMetric",
     "accuracy", "top_k_accuracy", "get_metric", "build_metrics",
 ]
 
@@ -161,6 +161,13 @@ class Accuracy(MeanMetricWrapper):
 
     def __init__(self, name: str = "accuracy"):
         super().__init__(accuracy, name)
+
+
+class SparseCategoricalAccuracy(Accuracy):
+    """Keras' name for ``Accuracy`` on integer labels (the TensorFlow tutorials' ``train_accuracy``)."""
+
+    def __init__(self, name: str = "sparse_categorical_accuracy"):
+        super().__init__(name)
 
 
 class TopKAccuracy(MeanMetricWrapper):

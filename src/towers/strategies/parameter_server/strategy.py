@@ -26,7 +26,7 @@ from torch import nn
 from towers._logging import get_logger, set_rank
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
-from towers.data import BatchInfo, Dispatch, DistributedDataset
+from towers.data import BatchInfo, Dispatch, DistributedDataset, is_stream
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import user_error
 from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
@@ -321,7 +321,16 @@ class ParameterServerStrategy(Strategy):
 
         The batches come from ps task 0 one at a time: a worker's own share first, then the share of
         a worker that died, so every example of a pass is used although a worker is gone.
+
+        Raises:
+            NotImplementedError: for a stream (``towers.data.Shards``, an ``IterableDataset``): not supported yet.
         """
+        if is_stream(dataset):
+            raise user_error(f"{type(self).__name__} does not take streaming input yet (its ps task 0 hands out "
+                             "shares of a dataset whose length is known)", type(dataset).__name__,
+                             "Use a map-style dataset here, or stream under MirroredStrategy / "
+                             "MultiWorkerMirroredStrategy, or build each worker's own input with "
+                             "strategy.distribute_datasets_from_function(fn).", cls=NotImplementedError)
         client = self._require_worker("distribute_dataset")
         self._datasets += 1
         dispatch = Dispatch(f"d{self._datasets}", client.next_batches) if self._dispatch_batches else None

@@ -1,0 +1,300 @@
+"""Streaming input split into exact global batches: files or shards, torch ``IterableDataset``, Hugging Face streams.
+
+An epoch's examples form one sequence that depends on the seed, the epoch, the number of virtual
+shards V and ``shuffle_block`` — never on the number of replicas (see ``towers._stream_sources``:
+seeded shard order, shards interleaved round-robin, records shuffled in blocks). Global batch ``i``
+is examples ``[i*B, (i+1)*B)`` of that sequence and replica ``r`` keeps its contiguous share
+(``shard_bounds``), exactly as for map-style data: N replicas see in each global batch what one
+device sees. Every replica reads every record (cheap: ``Shards``' reader) and transforms only the
+records it keeps.
+
+The length of a stream is unknown until it ends, so the stream reads ahead: one global batch past
+the current one (to know which batch is the last) or to the end of the accumulation window (to
+know how many examples the update has). ``BatchInfo.num_batches`` is 0 while unknown and
+``index + 1`` on the epoch's last batch.
+
+The position (``state_dict``) is the epoch, the examples consumed in it and one cursor per virtual
+shard, all independent of the world size: a job stopped at N replicas resumes at M replicas (even
+with another global batch size) and trains exactly the rest of the epoch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch.utils.data import default_collate
+
+from towers._batch import BatchInfo, attach_batch_info, global_batch_sizes, map_tensors, shard_bounds, to_device
+from towers._logging import get_logger
+from towers._stream_sources import Shards, is_stream, make_source, sequence, shard_order
+from towers.errors import user_error
+
+__all__ = ["DistributedStream", "InputContext", "Shards", "is_stream"]
+
+log = get_logger(__name__)
+
+
+def _positive_int(name: str, value: Any, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise user_error(f"{name} must be a positive integer", value, hint)
+    return value
+
+
+class DistributedStream:
+    """This replica's share of every global batch of a stream, on its device; iterate once per epoch.
+
+    ``stream``: ``towers.data.Shards`` (V = its number of shards), a torch ``IterableDataset``
+    (one stream dealt round-robin into V = ``num_virtual_shards`` (64) virtual shards: every
+    replica iterates the whole stream, so its ``__iter__`` must give the same examples in the same
+    order every time, and should be cheap — each replica keeps only its share), or a Hugging Face
+    ``datasets.IterableDataset`` (its ``n_shards`` shards, read with ``shard(num_shards, index)``).
+    ``shuffle_block`` records of a shard are shuffled together (memory: about V x shuffle_block
+    records). Batches are collated with ``collate_fn`` (``default_collate``).
+    """
+
+    def __init__(self, stream: Any, global_batch_size: int, *, num_replicas: int = 1, replica_id: int = 0,
+                 device: torch.device | str = "cpu", shuffle: bool = True, seed: int = 0,
+                 drop_remainder: bool = False, pad_empty_batches: bool = False, accumulation_steps: int = 1,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, num_virtual_shards: int | None = None,
+                 shuffle_block: int = 1024):
+        _positive_int("global_batch_size", global_batch_size,
+                      "It is the number of examples per step summed over all replicas, e.g. 64 * num_replicas.")
+        if global_batch_size < num_replicas:
+            raise user_error(f"global_batch_size must be >= the number of replicas ({num_replicas}), so that every "
+                             "replica gets at least one example per full batch", global_batch_size,
+                             "Use a larger global batch or fewer replicas.")
+        if not 0 <= replica_id < num_replicas:
+            raise user_error(f"replica_id must be in [0, {num_replicas})", replica_id, "Pass this replica's id.")
+        if num_virtual_shards is not None:
+            _positive_int("num_virtual_shards", num_virtual_shards, "Use a fixed number such as 64, the same for "
+                          "every run that resumes this job.")
+        self._source = make_source(stream, num_virtual_shards)
+        self.global_batch_size = global_batch_size
+        self.num_replicas, self.replica_id = num_replicas, replica_id
+        self.device = torch.device(device)
+        self.shuffle, self.seed, self.drop_remainder = bool(shuffle), int(seed), bool(drop_remainder)
+        self.pad_empty_batches = bool(pad_empty_batches)
+        self.shuffle_block = _positive_int("shuffle_block", shuffle_block, "Use 1 for no shuffling within shards.")
+        self._k = max(1, int(accumulation_steps))
+        self._collate = collate_fn or default_collate
+        #: Set by passes handed out at run time (parameter servers); always None for a stream.
+        self.last_pass: dict[str, int] | None = None
+        self._epoch = 0
+        self._position = _Position.start(self.num_virtual_shards)
+        self._resume: _Position | None = None  # set by load_state_dict: where the next iteration starts
+
+    @property
+    def num_virtual_shards(self) -> int:
+        """V: the number of virtual shards (fixed for the job, whatever the number of replicas)."""
+        return self._source.num_shards
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next (or current) iteration covers."""
+        return self._epoch
+
+    @property
+    def batches_per_epoch(self) -> None:
+        """None: a stream's length is known only at its end."""
+        return None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration cover ``epoch`` from its first batch."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0. Received: {epoch}.")
+        self._epoch, self._resume = int(epoch), None
+        self._position = _Position.start(self.num_virtual_shards)
+
+    # --- position ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Return the position to resume from: epoch, batches and examples consumed, per-virtual-shard cursors, settings."""
+        p = self._position
+        return {"epoch": self._epoch, "batch": p.batch, "examples": p.examples, "cursors": list(p.cursors),
+                "seed": self.seed, "num_virtual_shards": self.num_virtual_shards, "shuffle": self.shuffle,
+                "shuffle_block": self.shuffle_block, "fingerprint": self._source.fingerprint}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``: the next iteration covers its epoch from the example after the last one consumed.
+
+        The number of replicas and the global batch size may differ from the run that saved it.
+
+        Raises:
+            ValueError: when the state was saved for another input, seed, V or shuffling, or is inconsistent.
+        """
+        mine = self.state_dict()
+        for key, what in (("fingerprint", "input"), ("seed", "seed"), ("num_virtual_shards", "number of virtual "
+                          "shards"), ("shuffle", "shuffle setting"), ("shuffle_block", "shuffle_block")):
+            if key in state and state[key] != mine[key]:
+                raise user_error(f"This checkpoint's stream position was saved for another {what} ({key}="
+                                 f"{state[key]!r}); this stream ({self._source.description}) has {key}={mine[key]!r}",
+                                 {k: state.get(k) for k in ("epoch", "examples", key)},
+                                 "Resume with the same input, seed, num_virtual_shards and shuffle settings, or call "
+                                 "set_epoch(epoch) instead of load_state_dict to start that epoch over.")
+        cursors = [int(c) for c in state.get("cursors", [0] * self.num_virtual_shards)]
+        examples = int(state.get("examples", 0))
+        if len(cursors) != self.num_virtual_shards or sum(cursors) != examples or min(cursors, default=0) < 0:
+            raise user_error("A stream position needs one cursor per virtual shard, summing to the examples consumed",
+                             {"examples": examples, "cursors": cursors[:8]},
+                             "Pass the dict state_dict() returned, unchanged.")
+        self._epoch = int(state.get("epoch", 0))
+        self._position = self._resume = _Position(int(state.get("batch", 0)), examples, cursors)
+
+    # --- iteration --------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        resume, self._resume = self._resume, None
+        return self._batches(resume or _Position.start(self.num_virtual_shards), skip=0)
+
+    def iter_from(self, batch: int) -> Iterator[Any]:
+        """Yield this replica's batches of the current epoch from global batch ``batch`` on.
+
+        From a restored position (``load_state_dict``) when ``batch`` is its batch; otherwise the
+        epoch's first ``batch`` global batches are read and skipped (not transformed).
+        """
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+            raise user_error("batch must be an integer >= 0", batch, "Pass the number of global batches already trained.")
+        resume, self._resume = self._resume, None
+        if resume is not None and resume.batch == batch:
+            return self._batches(resume, skip=0)
+        return self._batches(_Position.start(self.num_virtual_shards), skip=batch)
+
+    def _batches(self, start: _Position, skip: int) -> Iterator[Any]:
+        B = self.global_batch_size
+        order = shard_order(self.num_virtual_shards, seed=self.seed, epoch=self._epoch, shuffle=self.shuffle)
+        source = self._source.begin_pass()
+        records = sequence(source, order, start.cursors, shuffle_block=self.shuffle_block if self.shuffle else 1,
+                           key=f"towers-block:{self.seed}:{self._epoch}")
+        ahead: deque[tuple[int, int, Any]] = deque()
+        pos = self._position = start.copy()
+        exhausted = False
+
+        def read_ahead(count: int) -> None:
+            nonlocal exhausted
+            while len(ahead) < count and not exhausted:
+                record = next(records, None)
+                if record is None:
+                    exhausted = True
+                else:
+                    ahead.append(record)
+
+        read_ahead(skip * B)
+        if exhausted and skip > len(global_batch_sizes(len(ahead), B, drop_remainder=self.drop_remainder)):
+            raise user_error(f"batch is past the end of epoch {self._epoch}, which has {len(ahead)} example(s) in "
+                             f"global batches of {B}", skip, "Pass a batch index within the epoch (or call set_epoch).")
+        for _ in range(min(skip * B, len(ahead))):
+            pos.consume(ahead.popleft()[0])
+        pos.batch += skip
+        while True:
+            i = pos.batch
+            window_end = (i // self._k + 1) * self._k  # the accumulation window of batch i: [.., window_end)
+            read_ahead(max((window_end - i) * B, B + (B if self.drop_remainder else 1)))
+            self._check_epoch(pos.examples, len(ahead), exhausted)
+            sizes = (global_batch_sizes(len(ahead), B, drop_remainder=self.drop_remainder) if exhausted
+                     else [B] * (len(ahead) // B))
+            if not sizes:
+                break
+            last = exhausted and len(sizes) == 1
+            in_window = sizes[:window_end - i]
+            done_in_window = i - (i // self._k) * self._k  # earlier batches of the window: full ones
+            info = BatchInfo(i, i + 1 if last else 0, sizes[0], 0, 0, done_in_window * B + sum(in_window),
+                             done_in_window + len(in_window), len(in_window) == 1)
+            batch_records = [ahead.popleft() for _ in range(sizes[0])]
+            value, info = self._make_batch(source, batch_records, info)
+            for v, _, _ in batch_records:
+                pos.consume(v)
+            pos.batch += 1
+            yield value
+        self._epoch += 1
+        self._position = _Position.start(self.num_virtual_shards)
+
+    def _check_epoch(self, consumed: int, ahead: int, exhausted: bool) -> None:
+        if not exhausted:
+            return
+        total = consumed + ahead
+        if total == 0:
+            raise user_error(f"The stream yielded no example in epoch {self._epoch}", self._source.description,
+                             "Check the files or shards exist and are not empty; a torch IterableDataset must return "
+                             "a fresh iterator from each __iter__ call (not a one-shot generator).")
+        if total < self.num_replicas:
+            raise user_error(f"Epoch {self._epoch} of the stream has {total} example(s), fewer than the "
+                             f"{self.num_replicas} replicas: some replica would never get data",
+                             self._source.description, "Use more data or fewer replicas.")
+        if self.drop_remainder and consumed == 0 and total < self.global_batch_size:
+            raise user_error(f"Epoch {self._epoch} of the stream has {total} example(s), fewer than one global batch "
+                             f"of {self.global_batch_size} with drop_remainder=True, so the epoch would be empty",
+                             self._source.description, "Use a smaller global_batch_size or drop_remainder=False.")
+
+    def _make_batch(self, source: Any, records: list[tuple[int, int, Any]], info: BatchInfo) -> tuple[Any, BatchInfo]:
+        """Transform and collate this replica's share of a global batch's records; return it (with ``info``) on the device."""
+        lo, hi = shard_bounds(len(records), self.num_replicas, self.replica_id)
+        padding = 1 if hi == lo and self.pad_empty_batches else 0
+        info = BatchInfo(info.index, info.num_batches, info.global_batch_size, hi - lo, padding,
+                         info.examples_per_update, info.batches_per_update, info.last_in_update)
+        if hi > lo:
+            batch = self._collate([self._example(source, r) for r in records[lo:hi]])
+        else:  # an empty share: the batch's first example, padded (kept) or with 0 rows (the structure only)
+            template = self._collate([self._example(source, records[0])])
+            batch = template if padding else map_tensors(template, lambda t: t[:0])
+        return attach_batch_info(to_device(batch, self.device), info), info
+
+    def _example(self, source: Any, record: tuple[int, int, Any]) -> Any:
+        transform = self._source.transform
+        if transform is None:
+            return record[2]
+        try:
+            return transform(record[2])
+        except Exception as exc:
+            raise user_error(f"transform raised on {source.label(record[0], record[1])}",
+                             f"{type(exc).__name__}: {exc}", "Fix the record or the transform.",
+                             cls=RuntimeError) from exc
+
+    def __repr__(self) -> str:
+        return (f"DistributedStream({self._source.description}, global_batch_size={self.global_batch_size}, "
+                f"replica {self.replica_id}/{self.num_replicas}, epoch={self._epoch})")
+
+
+@dataclass
+class _Position:
+    """Where an epoch stands: global batches and examples consumed, and records consumed per virtual shard."""
+
+    batch: int
+    examples: int
+    cursors: list[int]
+
+    @classmethod
+    def start(cls, num_shards: int) -> _Position:
+        return cls(0, 0, [0] * num_shards)
+
+    def copy(self) -> _Position:
+        return _Position(self.batch, self.examples, list(self.cursors))
+
+    def consume(self, shard: int) -> None:
+        self.cursors[shard] += 1
+        self.examples += 1
+
+
+@dataclass(frozen=True)
+class InputContext:
+    """What ``distribute_datasets_from_function`` tells the input function: its pipeline among all (tf.distribute's)."""
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+    #: The replica's device (where its batches should end up).
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """Return ``global_batch_size // num_replicas_in_sync``.
+
+        Raises:
+            ValueError: when the global batch does not divide evenly over the replicas.
+        """
+        _positive_int("global_batch_size", global_batch_size, "Pass the examples per step over all replicas.")
+        if global_batch_size % self.num_replicas_in_sync:
+            raise user_error(f"The global batch size must be divisible by the number of replicas "
+                             f"({self.num_replicas_in_sync})", global_batch_size,
+                             f"Use a multiple of {self.num_replicas_in_sync}, or strategy.distribute_dataset, "
+                             "which splits any global batch exactly.")
+        return global_batch_size // self.num_replicas_in_sync

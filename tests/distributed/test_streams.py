@@ -1,0 +1,105 @@
+"""A stream of files trains the same model on 1 and 2 Mirrored replicas, and a job stopped at 2 resumes at 1.
+
+The input is three text files of different lengths read through ``towers.data.Shards`` (a reader
+that yields lines, a transform that parses them). Two epochs on 2 replicas give the one-device
+parameters; a 2-replica run stopped after 3 global batches writes a checkpoint (model, optimizer,
+stream position) and one device finishes the job from it with the uninterrupted job's parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import towers
+from towers.cluster.info import ProcessInfo
+from towers.data import Shards
+
+pytestmark = pytest.mark.timeout(120)
+
+ATOL = 1e-6
+GLOBAL_BATCH = 6
+EPOCHS = 2
+STOP_AFTER = 3  # global batches of epoch 0 trained before the 2-replica job stops
+
+
+def _write_files(folder: Path) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    paths = []
+    for i, n in enumerate((9, 4, 12)):  # 25 examples: a ragged last batch of 1
+        x = torch.randn(n, 3, generator=g)
+        y = (x.sum(1) > 0).long()
+        path = folder / f"part-{i}.csv"
+        path.write_text("".join(f"{a:.6f},{b:.6f},{c:.6f},{int(t)}\n" for (a, b, c), t in zip(x.tolist(), y)))
+        paths.append(str(path))
+    return paths
+
+
+def _read_lines(path: str) -> Any:
+    with open(path) as f:
+        yield from f
+
+
+def _parse(line: str) -> tuple[torch.Tensor, torch.Tensor]:
+    *x, y = line.strip().split(",")
+    return torch.tensor([float(v) for v in x]), torch.tensor(int(y))
+
+
+def _train(strategy: towers.Strategy, paths: list[str], *, stop_after: int | None = None,
+           checkpoint: dict[str, Any] | None = None) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Train EPOCHS epochs (or stop after ``stop_after`` batches); return the parameters and a checkpoint."""
+    with strategy.scope():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.3, momentum=0.9)
+    model, optimizer = strategy.prepare(net, optimizer)
+    batches = strategy.distribute_dataset(Shards(paths, _read_lines, transform=_parse), GLOBAL_BATCH, seed=7,
+                                          shuffle_block=4)
+    if checkpoint is not None:
+        strategy.unwrap(model).load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        batches.load_state_dict(checkpoint["stream"])
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        strategy.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    trained = 0
+    while batches.epoch < EPOCHS:
+        for x, y in batches:
+            strategy.run(step, args=(x, y))
+            trained += 1
+            if trained == stop_after:
+                state = {"model": strategy.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                         "stream": batches.state_dict()}
+                return [p.detach().clone() for p in strategy.unwrap(model).parameters()], state
+    return [p.detach().clone() for p in strategy.unwrap(model).parameters()], {}
+
+
+def _replica(paths: list[str]) -> dict[str, Any]:
+    full, _ = _train(towers.MirroredStrategy(timeout_s=60), paths)
+    _, checkpoint = _train(towers.MirroredStrategy(timeout_s=60), paths, stop_after=STOP_AFTER)
+    return {"full": full, "checkpoint": checkpoint}
+
+
+def test_a_file_stream_trains_the_one_device_model_and_resumes_from_2_replicas_on_1(tmp_path):
+    paths = _write_files(tmp_path)
+    per_rank = towers.spawn(_replica, 2, args=(paths,), timeout_s=90)
+    reference, _ = _train(towers.OneDeviceStrategy("cpu", info=ProcessInfo()), paths)
+    for rank, result in enumerate(per_rank):
+        for got, want in zip(result["full"], reference):
+            assert torch.allclose(got, want, atol=ATOL), (rank, (got - want).abs().max())
+    checkpoint = per_rank[0]["checkpoint"]
+    assert checkpoint["stream"] == per_rank[1]["checkpoint"]["stream"]
+    assert checkpoint["stream"]["examples"] == STOP_AFTER * GLOBAL_BATCH
+    resumed, _ = _train(towers.OneDeviceStrategy("cpu", info=ProcessInfo()), paths, checkpoint=checkpoint)
+    for got, want in zip(resumed, reference):
+        assert torch.allclose(got, want, atol=ATOL), (got - want).abs().max()
