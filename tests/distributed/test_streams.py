@@ -1,5 +1,7 @@
 """A stream of files trains the same model on 1 and 2 Mirrored replicas, and a job stopped at 2 resumes at 1.
 
+(The custom loop, and ``Trainer.fit``/``evaluate`` on the same stream.)
+
 The input is three text files of different lengths read through ``towers.data.Shards`` (a reader
 that yields lines, a transform that parses them). Two epochs on 2 replicas give the one-device
 parameters; a 2-replica run stopped after 3 global batches writes a checkpoint (model, optimizer,
@@ -84,10 +86,23 @@ def _train(strategy: towers.Strategy, paths: list[str], *, stop_after: int | Non
     return [p.detach().clone() for p in strategy.unwrap(model).parameters()], {}
 
 
+def _fit(strategy: towers.Strategy, paths: list[str]) -> dict[str, Any]:
+    """Trainer.fit on the stream, validated on it: parameters, History and evaluate's logs."""
+    with strategy.scope():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.3, momentum=0.9)
+    trainer = towers.Trainer(net, optimizer, F.cross_entropy, metrics=["accuracy"], strategy=strategy)
+    stream = Shards(paths, _read_lines, transform=_parse)
+    history = trainer.fit(stream, EPOCHS, GLOBAL_BATCH, validation_data=stream)
+    return {"params": [p.detach().clone() for p in trainer.unwrapped_model.parameters()],
+            "history": history.history, "evaluate": trainer.evaluate(stream, 4)}
+
+
 def _replica(paths: list[str]) -> dict[str, Any]:
     full, _ = _train(towers.MirroredStrategy(timeout_s=60), paths)
     _, checkpoint = _train(towers.MirroredStrategy(timeout_s=60), paths, stop_after=STOP_AFTER)
-    return {"full": full, "checkpoint": checkpoint}
+    return {"full": full, "checkpoint": checkpoint, "fit": _fit(towers.MirroredStrategy(timeout_s=60), paths)}
 
 
 def test_a_file_stream_trains_the_one_device_model_and_resumes_from_2_replicas_on_1(tmp_path):
@@ -103,3 +118,14 @@ def test_a_file_stream_trains_the_one_device_model_and_resumes_from_2_replicas_o
     resumed, _ = _train(towers.OneDeviceStrategy("cpu", info=ProcessInfo()), paths, checkpoint=checkpoint)
     for got, want in zip(resumed, reference):
         assert torch.allclose(got, want, atol=ATOL), (got - want).abs().max()
+    # Trainer.fit and evaluate on the same stream (its length unknown until its end): one device's History
+    fitted = _fit(towers.OneDeviceStrategy("cpu", info=ProcessInfo()), paths)
+    assert fitted["history"]["examples"] == [25.0, 25.0] and fitted["evaluate"]["examples"] == 25.0
+    assert fitted["history"]["loss"][1] < fitted["history"]["loss"][0]
+    for result in per_rank:
+        for got, want in zip(result["fit"]["params"], fitted["params"]):
+            assert torch.allclose(got, want, atol=ATOL), (got - want).abs().max()
+        for key, values in fitted["history"].items():
+            assert result["fit"]["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
+        assert result["fit"]["evaluate"] == pytest.approx(fitted["evaluate"], rel=1e-5)
+

@@ -324,3 +324,36 @@ def test_parameter_servers_refuse_streams_and_name_the_alternatives():
     strategy = object.__new__(towers.ParameterServerStrategy)  # no process group: refused before any is needed
     with pytest.raises(NotImplementedError, match="streaming input yet.*MirroredStrategy.*from_function"):
         strategy.distribute_dataset(_shards(), 4)
+
+
+def test_trainer_fits_an_iterable_dataset_whose_length_it_does_not_know():
+    import io
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Points(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            for _ in range(50):
+                x = torch.randn(2, generator=g)
+                yield x, (x.sum() > 0).long()
+
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+    trainer = towers.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), F.cross_entropy,
+                             metrics=["accuracy"], strategy=towers.OneDeviceStrategy("cpu"))
+    seen = []
+
+    class Steps(towers.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen.append(self.params["steps"])
+
+    out = io.StringIO()
+    history = trainer.fit(Points(), epochs=3, global_batch_size=16,
+                          callbacks=[Steps(), towers.callbacks.ProgressBar(stream=out)])
+    assert seen == [None]  # unknown until the stream ends
+    assert history.history["examples"] == [50.0, 50.0, 50.0]  # 3 batches of 16 and one of 2, every epoch
+    assert history.history["accuracy"][-1] > history.history["accuracy"][0]
+    with pytest.raises(TypeError, match="predict takes tensors or a map-style dataset, not a stream"):
+        trainer.predict(Points())

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from towers.data import TensorDictDataset
+from towers.data import TensorDictDataset, is_stream
 from towers.training.metrics import ExternalMetric, Mean, Metric
 
 __all__ = ["per_example_loss_fn", "as_dataset", "split_batch", "MetricSet"]
@@ -39,8 +39,10 @@ def as_dataset(data: Any, what: str) -> Dataset:
             raise ValueError(f"{what}: {exc}") from None
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
         return data
-    raise TypeError(f"{what} must be a map-style Dataset (e.g. TensorDataset), a tuple (x, y) of tensors or a dict of "
-                    "tensors. "
+    if is_stream(data):  # towers.data.Shards, a torch IterableDataset, a Hugging Face stream
+        return data
+    raise TypeError(f"{what} must be a map-style Dataset (e.g. TensorDataset), a tuple (x, y) of tensors, a dict of "
+                    "tensors, or a stream (towers.data.Shards, a torch IterableDataset). "
                     f"Received: {type(data).__name__}.")
 
 

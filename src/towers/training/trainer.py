@@ -21,7 +21,7 @@ from towers._logging import get_logger
 from towers.checkpoint import api as ckpt
 from towers.checkpoint import layout as ckpt_layout
 from towers.checkpoint.state import set_rng_state
-from towers.data import find_batch_info, global_batch_sizes
+from towers.data import DistributedBatches, find_batch_info, global_batch_sizes, is_stream
 from towers.errors import user_error
 from towers.strategies.base import Strategy, check_max_norm
 from towers.training._state import TrainingProgress, capture_state, restore_state
@@ -148,8 +148,11 @@ class Trainer:
         self.history = History()
         self.stop_training = False
         cbs = self._callbacks = CallbackList([self.history, *callbacks], trainer=self)
-        steps = math.ceil(len(cast(Sized, train_set)) / global_batch_size)
-        steps = min(steps, steps_per_epoch) if steps_per_epoch is not None else steps
+        steps: int | None = None  # a stream's length is known only at its end
+        if not is_stream(train_set):
+            steps = math.ceil(len(cast(Sized, train_set)) / global_batch_size)
+        steps = min(steps, steps_per_epoch) if steps is not None and steps_per_epoch is not None else (
+            steps if steps is not None else steps_per_epoch)
         cbs.set_params({"epochs": epochs, "steps": steps, "global_batch_size": global_batch_size,
                         "num_replicas": self.strategy.num_replicas_in_sync})
         self.progress = TrainingProgress(epoch=initial_epoch, global_batch_size=global_batch_size, seed=self.seed)
@@ -193,15 +196,13 @@ class Trainer:
                 set_rng_state(rng)
                 rng = None
         it = self._epoch_iterator(train_set, global_batch_size, shuffle, p.epoch, p.step)
-        if hasattr(self._train_batches, "last_pass"):
-            self._train_batches.last_pass = None  # set again when this epoch's pass completes
+        batches = self._train_batches
+        if isinstance(batches, DistributedBatches):
+            batches.last_pass = None  # set again when this epoch's pass completes (parameter servers)
         if rng is not None:
             # Saved mid-epoch, after the iterator was built (which may draw from the RNGs): restore
             # only once this run's iterator is built and positioned.
             set_rng_state(rng)
-        last = len(self._train_batches) if hasattr(self._train_batches, "__len__") else None  # the epoch's steps
-        if steps_per_epoch is not None:
-            last = steps_per_epoch if last is None else min(last, steps_per_epoch)
         for batch_index, batch in enumerate(it, start=p.step):
             if steps_per_epoch is not None and batch_index >= steps_per_epoch:
                 break
@@ -211,7 +212,8 @@ class Trainer:
             self._steps_since_sync += 1
             # Collectives only every log_every_n_steps steps and at an epoch's last step: in between,
             # the logs hold the values of the last synchronisation.
-            sync = (self._steps_since_sync >= self.log_every_n_steps or batch_index + 1 == last
+            sync = (self._steps_since_sync >= self.log_every_n_steps
+                    or _last_of_epoch(batch, batch_index, batches, steps_per_epoch)
                     or not self._last_train_logs  # the first logs of an epoch
                     or self.strategy.num_replicas_in_sync == 1)  # one replica: reducing is free
             logs = self._sync_train_metrics() if sync else dict(self._last_train_logs)
@@ -226,12 +228,15 @@ class Trainer:
 
     def _epoch_examples(self, train_set: Dataset, global_batch_size: int) -> int:
         """The examples this epoch trained on: as the parameter servers counted them, else its global batches'."""
-        counted = getattr(self._train_batches, "last_pass", None)
+        batches = self._train_batches
+        counted = batches.last_pass if isinstance(batches, DistributedBatches) else None
         if counted is not None:
             if counted["examples"] != counted["expected"]:
                 log.warning("epoch %d trained on %d of its %d examples", self.progress.epoch, counted["examples"],
                             counted["expected"])
             return int(counted["examples"])
+        if is_stream(train_set):
+            return self.progress.examples  # every global batch of a stream is counted as it is trained
         return sum(global_batch_sizes(len(cast(Sized, train_set)), global_batch_size)[:self.progress.step])
 
     def _epoch_iterator(self, train_set: Dataset, global_batch_size: int, shuffle: bool, epoch: int,
@@ -245,12 +250,11 @@ class Trainer:
         batches = self._train_batches
         if batches is None:
             batches = self._train_batches = distribute(self.seed)
-        if hasattr(batches, "set_epoch"):
+        if isinstance(batches, DistributedBatches):
             batches.set_epoch(epoch)  # order: seed + epoch
-        else:  # a dataset without epochs: a new one per epoch, seeded with seed + epoch
-            batches = self._train_batches = distribute(self.seed + epoch)
-        if hasattr(batches, "iter_from"):
             return iter(batches.iter_from(start))
+        # A strategy whose datasets know no epochs: a new one per epoch, seeded with seed + epoch
+        batches = self._train_batches = distribute(self.seed + epoch)
         it = iter(batches)
         for _ in range(start):
             next(it, None)
@@ -390,7 +394,7 @@ class Trainer:
         metrics.accumulate(reduced[:-1])
         logs = metrics.results()
         logs["examples"] = float(reduced[-1].item())
-        size = len(cast(Sized, dataset))
+        size = logs["examples"] if is_stream(dataset) else len(cast(Sized, dataset))  # a stream: all it yielded
         if logs["examples"] != size and self.strategy.is_chief:
             warnings.warn(f"evaluate covered {int(logs['examples'])} of the {size} examples: a "
                           "worker died after its share was handed out and before its results were combined. Evaluate "
@@ -409,6 +413,10 @@ class Trainer:
             raise ValueError(f"batch_size must be a positive integer. Received: {batch_size!r}.")
         if isinstance(x, Mapping):  # a dict of tensors: the model's keyword arguments (labels left out)
             return self._predict_dicts({k: v for k, v in x.items() if k != self.label_key}, batch_size, callbacks)
+        if is_stream(x):
+            raise user_error("Trainer.predict takes tensors or a map-style dataset, not a stream",
+                             type(x).__name__, "Predict on a tensor of inputs (e.g. torch.stack of the examples), "
+                             "or run the model in your own loop over the stream.", cls=TypeError)
         if not isinstance(x, torch.Tensor):
             dataset = as_dataset(x, "x")
             x = torch.stack([dataset[i][0] if isinstance(dataset[i], (tuple, list)) else dataset[i]
@@ -500,6 +508,19 @@ def _labels(parts: BatchParts, label_key: str) -> torch.Tensor:
                          "Give batches as (x, y) or dicts with the labels under label_key, or pass loss=None to train "
                          "on the loss the model returns.")
     return parts.labels
+
+
+def _last_of_epoch(batch: Any, index: int, batches: Any, steps_per_epoch: int | None) -> bool:
+    """True when step ``index`` (this batch) is the epoch's last: ``steps_per_epoch`` ends it here, it is the
+    last of the dataset's known number of batches, or (a stream, whose length is known only at its end) its
+    accounting says so. Every replica decides the same: the collectives it starts stay paired."""
+    if steps_per_epoch is not None and index + 1 >= steps_per_epoch:
+        return True
+    total = batches.batches_per_epoch if isinstance(batches, DistributedBatches) else None
+    if total is not None:
+        return index + 1 == total
+    info = find_batch_info((batch,))  # a stream's batches are split statically: the same index on every replica
+    return info is not None and info.num_batches == info.index + 1
 
 
 def _zero_loss(outputs: Any, loss: torch.Tensor) -> torch.Tensor:
