@@ -7,9 +7,10 @@
   accuracy metric on its ``logits``; ``predict`` on a dict of tensors returns the logits.
 - towers' own GPT in nanoGPT's convention: ``(x, y)`` batches, ``forward(idx, targets)`` returning
   ``(logits, loss)``, padding targets -1 (``ignore_index=-1``).
-- The custom loop on GPT-2 and towers' GPT: per-token losses normalised by
-  ``compute_average_loss(per_token, weights=...)``, clipped, with Keras-style metrics
-  (``update`` inside ``strategy.run``, ``result()`` over every replica).
+- The custom loop on the same three: per-token losses normalised by
+  ``compute_average_loss(per_token, weights=...)`` and clipped (GPT-2, towers' GPT), per-example
+  ones by ``compute_average_loss`` (BERT), with Keras-style metrics (``update`` inside
+  ``strategy.run``, ``result()`` over every replica).
 
 Each runs on 1 process, 1 process with gradient accumulation 2, 2 Mirrored and 2 sharded
 replicas: the same parameters, History and metrics.
@@ -75,7 +76,7 @@ def _fit_all(accumulation: int) -> dict:
                      "history": history.history}
         if kind == "bert":
             out[kind]["predict"] = trainer.predict({k: v for k, v in data.items()}, batch_size=5)
-    for kind in ("gpt2", "gpt"):
+    for kind in ("gpt2", "bert", "gpt"):
         out[f"loop {kind}"] = _custom_loop(kind, accumulation)
     return out
 
@@ -91,6 +92,15 @@ def _custom_loop(kind: str, accumulation: int) -> dict:
     dataset = strategy.distribute_dataset(data, 8 // accumulation, shuffle=False)
 
     def step(batch) -> torch.Tensor:
+        if kind == "bert":  # a sequence classifier: one loss per example, the global batch's mean
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            per_example = F.cross_entropy(logits, batch["labels"], reduction="none")
+            towers.compute_average_loss(per_example).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            train_loss.update(per_example)
+            train_accuracy.update(logits, batch["labels"])
+            return per_example
         if kind == "gpt2":
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
             labels, ignore = batch["labels"][:, 1:], -100
@@ -130,7 +140,7 @@ def test_hugging_face_and_nanogpt_models_train_with_one_devices_maths():
     runs = {"accumulation 2": accumulated,
             "mirrored 2": towers.spawn(_fit_all, 2, args=(1,), timeout_s=150, env={"TOWERS_STRATEGY": "mirrored"})[0],
             "sharded 2": towers.spawn(_fit_all, 2, args=(1,), timeout_s=150, env={"TOWERS_STRATEGY": "sharded"})[0]}
-    for kind in ("gpt2", "bert", "gpt", "loop gpt2", "loop gpt"):
+    for kind in ("gpt2", "bert", "gpt", "loop gpt2", "loop bert", "loop gpt"):
         assert one[kind]["history"]["loss"][1] < one[kind]["history"]["loss"][0]  # it learns
         for name, run in runs.items():
             for a, b in zip(run[kind]["params"], one[kind]["params"]):
