@@ -28,6 +28,7 @@ Both are ``DistributedBatches``, the protocol the Trainer relies on.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -44,7 +45,9 @@ from towers._batch import (
     shard_bounds,
     to_device,
 )
+from towers._loader import Loader, LoaderOptions
 from towers._logging import get_logger
+from towers.errors import user_error
 from towers.streams import DistributedStream, InputContext, Shards, is_stream
 
 __all__ = ["BatchInfo", "DistributedDataset", "Dispatch", "distribute_dataset", "shard_bounds", "global_batch_sizes",
@@ -67,7 +70,7 @@ class _TensorSource:
         self.tensors, self.single, self.size = tuple(tensors), single, sizes.pop()
         self.keys = tuple(keys) if keys is not None else None
 
-    def fetch(self, index: torch.Tensor | slice) -> Any:
+    def fetch(self, index: torch.Tensor | slice | list[int]) -> Any:
         rows = tuple(t[index] for t in self.tensors)
         if self.keys is not None:
             return dict(zip(self.keys, rows))
@@ -99,8 +102,11 @@ class _MapSource:
     def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any]):
         self.dataset, self.collate_fn, self.size = dataset, collate_fn, len(dataset)
 
-    def fetch(self, index: torch.Tensor | slice) -> Any:
-        idx = list(range(index.start, index.stop)) if isinstance(index, slice) else index.tolist()
+    def fetch(self, index: torch.Tensor | slice | list[int]) -> Any:
+        if isinstance(index, slice):
+            idx = list(range(index.start, index.stop))
+        else:
+            idx = index if isinstance(index, list) else index.tolist()
         getitems = getattr(self.dataset, "__getitems__", None)
         samples = getitems(idx) if getitems is not None else [self.dataset[i] for i in idx]
         return self.collate_fn(samples)
@@ -126,6 +132,15 @@ def _source(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> _Ten
     return _MapSource(dataset, collate_fn or default_collate)
 
 
+Fetch = tuple[Any, bool]  # (rows to fetch: a slice, an index tensor or list; True: keep 0 rows, the structure only)
+
+
+def _run_fetch(source: _TensorSource | _MapSource, fetch: Fetch) -> Any:
+    """Return the batch ``fetch`` describes, collated on the CPU (in the training process or a loader worker)."""
+    index, structure_only = fetch
+    batch = source.fetch(index)
+    return map_tensors(batch, lambda t: t[:0]) if structure_only else batch
+
 
 class DistributedDataset:
     """This replica's share of every global batch of ``dataset``, on its device; iterate once per epoch.
@@ -134,12 +149,22 @@ class DistributedDataset:
     complete iteration (``set_epoch`` sets it); ``state_dict()``/``load_state_dict()`` carry the
     epoch and the number of batches already consumed, so a resumed job continues at the next
     batch with the same order.
+
+    ``num_workers > 0`` fetches and collates on that many ``DataLoader`` worker processes
+    (``prefetch_factor``, ``persistent_workers``, ``pin_memory``: docs/streams.md, "Loader workers"); the
+    batches, their order and the resume position are the same as with ``num_workers=0``. Workers
+    end with the iteration (its last batch, or when the iterator is closed or dropped); persistent
+    ones live until ``close()``.
     """
 
     def __init__(self, dataset: Any, global_batch_size: int, *, num_replicas: int = 1, replica_id: int = 0,
                  device: torch.device | str = "cpu", shuffle: bool = True, seed: int = 0,
                  drop_remainder: bool = False, pad_empty_batches: bool = False, accumulation_steps: int = 1,
-                 collate_fn: Callable[[list[Any]], Any] | None = None, dispatch: Dispatch | None = None):
+                 collate_fn: Callable[[list[Any]], Any] | None = None, dispatch: Dispatch | None = None,
+                 num_workers: int = 0, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory: bool | None = None):
+        options = LoaderOptions(num_workers=num_workers, prefetch_factor=prefetch_factor,
+                                persistent_workers=persistent_workers, pin_memory=pin_memory)
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ValueError(
                 f"global_batch_size must be a positive integer. Received: {global_batch_size!r}. "
@@ -172,7 +197,12 @@ class DistributedDataset:
         if dispatch is not None and self._k != 1:
             raise ValueError("Batches handed out one at a time (parameter servers) cannot be accumulated. Received: "
                              f"accumulation_steps={accumulation_steps}. Use accumulation_steps=1.")
+        if dispatch is not None and options.num_workers:
+            raise user_error("Batches handed out one at a time by ps task 0 are fetched in the training process",
+                             f"num_workers={num_workers}", "Use num_workers=0 under ParameterServerStrategy, or "
+                             "MirroredStrategy / HybridStrategy (static shares) for loader workers.")
         self._dispatch = dispatch
+        self._loader = Loader(partial(_run_fetch, self._source), options, self.device, seed=self.seed)
         self._passes = 0  # iterations started (names a dispatched pass)
         #: ``{"examples": ..., "expected": ...}`` of the last complete dispatched pass (None: static split).
         self.last_pass: dict[str, int] | None = None
@@ -254,12 +284,18 @@ class DistributedDataset:
         if self._dispatch is not None:
             yield from self._dispatched(self._dispatch, order, batch)
         else:
-            for info in self._infos[batch:]:
-                value = attach_batch_info(self._fetch(order, info), info)
+            to_worker = self._loader.options.num_workers > 0
+            jobs = ((self._fetch(order, info, to_worker=to_worker), info) for info in self._infos[batch:])
+            for cpu_batch, info in self._loader.batches(jobs, salt=self._epoch):
+                value = attach_batch_info(to_device(cpu_batch, self.device), info)
                 self._position = info.index + 1
                 yield value
         self._epoch += 1
         self._position = 0
+
+    def close(self) -> None:
+        """Stop persistent loader workers now (otherwise they end with this object); a later epoch starts new ones."""
+        self._loader.close()
 
     def _dispatched(self, dispatch: Dispatch, order: torch.Tensor | None, start: int) -> Iterator[Any]:
         """Yield the batches the dispatcher hands this replica: its own shares first, a dead replica's after."""
@@ -288,12 +324,15 @@ class DistributedDataset:
                                           1 if self.pad_empty_batches else 0, last.global_batch_size, 1, True),
                                 self.replica_id))
             for info, r in batches:
-                value = attach_batch_info(self._fetch(order, info, r), info)
+                batch = _run_fetch(self._source, self._fetch(order, info, r))
+                value = attach_batch_info(to_device(batch, self.device), info)
                 step += 1
                 self._position = max(self._position, info.index + 1)
                 yield value
 
-    def _fetch(self, order: torch.Tensor | None, info: BatchInfo, replica_id: int | None = None) -> Any:
+    def _fetch(self, order: torch.Tensor | None, info: BatchInfo, replica_id: int | None = None, *,
+               to_worker: bool = False) -> Fetch:
+        """Return which rows make this replica's share of ``info``'s global batch (``to_worker``: as a list, cheap to send)."""
         first = info.index * self.global_batch_size
         if info.local_batch_size == 0:
             start = stop = 0
@@ -303,13 +342,12 @@ class DistributedDataset:
         lo, hi = first + start, first + stop
         if info.num_padding_examples:  # an empty share, padded with the batch's first example
             lo, hi = first, first + 1
-        if hi > lo or isinstance(self._source, _TensorSource):
-            index: torch.Tensor | slice = slice(lo, hi) if order is None else order[lo:hi]
-            batch = self._source.fetch(index)
-        else:  # an empty share of a generic dataset: collate one example for the structure, keep 0 rows
-            template = self._source.fetch(slice(first, first + 1) if order is None else order[first:first + 1])
-            batch = map_tensors(template, lambda t: t[:0])
-        return to_device(batch, self.device)
+        structure_only = not hi > lo and not isinstance(self._source, _TensorSource)
+        if structure_only:  # an empty share of a generic dataset: collate one example for the structure, keep 0 rows
+            lo, hi = first, first + 1
+        if order is None:
+            return slice(lo, hi), structure_only
+        return (order[lo:hi].tolist() if to_worker else order[lo:hi]), structure_only
 
     def __repr__(self) -> str:
         return (f"DistributedDataset({self.num_examples} examples, global_batch_size={self.global_batch_size}, "
@@ -335,7 +373,8 @@ class Dispatch:
 def distribute_dataset(dataset: Any, global_batch_size: int, **kwargs: Any) -> DistributedDataset | DistributedStream:
     """Return a ``DistributedStream`` for a stream (see ``is_stream``), else a ``DistributedDataset`` (see their parameters).
 
-    Strategies call this with their replica layout.
+    Strategies call this with their replica layout. ``num_workers``, ``prefetch_factor``,
+    ``persistent_workers`` and ``pin_memory`` (both classes) make batches on DataLoader workers.
     """
     if is_stream(dataset):
         return DistributedStream(dataset, global_batch_size, **kwargs)

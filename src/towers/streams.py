@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import default_collate
 
 from towers._batch import BatchInfo, attach_batch_info, global_batch_sizes, map_tensors, shard_bounds, to_device
+from towers._loader import Loader, LoaderOptions
 from towers._logging import get_logger
 from towers._stream_sources import Shards, is_stream, make_source, sequence, shard_order
 from towers.errors import user_error
@@ -53,13 +54,24 @@ class DistributedStream:
     ``datasets.IterableDataset`` (its ``n_shards`` shards, read with ``shard(num_shards, index)``).
     ``shuffle_block`` records of a shard are shuffled together (memory: about V x shuffle_block
     records). Batches are collated with ``collate_fn`` (``default_collate``).
+
+    ``num_workers > 0``: the training process still reads the records and decides which this
+    replica keeps (the sequence and the cursors live there), and ``DataLoader`` worker processes
+    apply ``transform`` and collate (``prefetch_factor``, ``persistent_workers``, ``pin_memory``
+    as for map-style data). The records a replica keeps are sent to a worker, so the reader should
+    yield compact raw records (bytes, lines), with the costly decoding in ``transform``. Batches,
+    their order and ``state_dict()`` are the same as with ``num_workers=0``; persistent workers
+    live until ``close()``.
     """
 
     def __init__(self, stream: Any, global_batch_size: int, *, num_replicas: int = 1, replica_id: int = 0,
                  device: torch.device | str = "cpu", shuffle: bool = True, seed: int = 0,
                  drop_remainder: bool = False, pad_empty_batches: bool = False, accumulation_steps: int = 1,
                  collate_fn: Callable[[list[Any]], Any] | None = None, num_virtual_shards: int | None = None,
-                 shuffle_block: int = 1024):
+                 shuffle_block: int = 1024, num_workers: int = 0, prefetch_factor: int | None = None,
+                 persistent_workers: bool = False, pin_memory: bool | None = None):
+        options = LoaderOptions(num_workers=num_workers, prefetch_factor=prefetch_factor,
+                                persistent_workers=persistent_workers, pin_memory=pin_memory)
         _positive_int("global_batch_size", global_batch_size,
                       "It is the number of examples per step summed over all replicas, e.g. 64 * num_replicas.")
         if global_batch_size < num_replicas:
@@ -80,6 +92,7 @@ class DistributedStream:
         self.shuffle_block = _positive_int("shuffle_block", shuffle_block, "Use 1 for no shuffling within shards.")
         self._k = max(1, int(accumulation_steps))
         self._collate = collate_fn or default_collate
+        self._loader = Loader(_Transform(self._source, self._collate), options, self.device, seed=self.seed)
         #: Set by passes handed out at run time (parameter servers); always None for a stream.
         self.last_pass: dict[str, int] | None = None
         self._epoch = 0
@@ -161,13 +174,32 @@ class DistributedStream:
         return self._batches(_Position.start(self.num_virtual_shards), skip=batch)
 
     def _batches(self, start: _Position, skip: int) -> Iterator[Any]:
+        self._position = start.copy()
+        for cpu_batch, (info, after) in self._loader.batches(self._jobs(start, skip), salt=self._epoch):
+            value = attach_batch_info(to_device(cpu_batch, self.device), info)
+            self._position = after  # moved when a batch is yielded (not when a worker was asked for it)
+            yield value
+        self._epoch += 1
+        self._position = _Position.start(self.num_virtual_shards)
+
+    def close(self) -> None:
+        """Stop persistent loader workers now (otherwise they end with this object); a later epoch starts new ones."""
+        self._loader.close()
+
+    def _jobs(self, start: _Position, skip: int) -> Iterator[tuple[_Work, tuple[BatchInfo, _Position]]]:
+        """Yield, per global batch from ``start`` (after skipping ``skip`` batches), what to transform and its meta.
+
+        The meta is the batch's ``BatchInfo`` and the position after it. Runs in the training
+        process (reading records is cheap; the sequence and cursors live here), ahead of the
+        batches yielded when loader workers prefetch.
+        """
         B = self.global_batch_size
         order = shard_order(self.num_virtual_shards, seed=self.seed, epoch=self._epoch, shuffle=self.shuffle)
         source = self._source.begin_pass()
         records = sequence(source, order, start.cursors, shuffle_block=self.shuffle_block if self.shuffle else 1,
                            key=f"towers-block:{self.seed}:{self._epoch}")
         ahead: deque[tuple[int, int, Any]] = deque()
-        pos = self._position = start.copy()
+        pos = start.copy()
         exhausted = False
 
         def read_ahead(count: int) -> None:
@@ -201,13 +233,11 @@ class DistributedStream:
             info = BatchInfo(i, i + 1 if last else 0, sizes[0], 0, 0, done_in_window * B + sum(in_window),
                              done_in_window + len(in_window), len(in_window) == 1)
             batch_records = [ahead.popleft() for _ in range(sizes[0])]
-            value, info = self._make_batch(source, batch_records, info)
+            work, info = self._share(batch_records, info)
             for v, _, _ in batch_records:
                 pos.consume(v)
             pos.batch += 1
-            yield value
-        self._epoch += 1
-        self._position = _Position.start(self.num_virtual_shards)
+            yield work, (info, pos.copy())
 
     def _check_epoch(self, consumed: int, ahead: int, exhausted: bool) -> None:
         if not exhausted:
@@ -226,33 +256,46 @@ class DistributedStream:
                              f"of {self.global_batch_size} with drop_remainder=True, so the epoch would be empty",
                              self._source.description, "Use a smaller global_batch_size or drop_remainder=False.")
 
-    def _make_batch(self, source: Any, records: list[tuple[int, int, Any]], info: BatchInfo) -> tuple[Any, BatchInfo]:
-        """Transform and collate this replica's share of a global batch's records; return it (with ``info``) on the device."""
+    def _share(self, records: list[tuple[int, int, Any]], info: BatchInfo) -> tuple[_Work, BatchInfo]:
+        """Return this replica's share of a global batch's records (what to transform) and the share's ``BatchInfo``."""
         lo, hi = shard_bounds(len(records), self.num_replicas, self.replica_id)
         padding = 1 if hi == lo and self.pad_empty_batches else 0
         info = BatchInfo(info.index, info.num_batches, info.global_batch_size, hi - lo, padding,
                          info.examples_per_update, info.batches_per_update, info.last_in_update)
         if hi > lo:
-            batch = self._collate([self._example(source, r) for r in records[lo:hi]])
-        else:  # an empty share: the batch's first example, padded (kept) or with 0 rows (the structure only)
-            template = self._collate([self._example(source, records[0])])
-            batch = template if padding else map_tensors(template, lambda t: t[:0])
-        return attach_batch_info(to_device(batch, self.device), info), info
+            return (records[lo:hi], False), info
+        # an empty share: the batch's first example, padded (kept) or with 0 rows (the structure only)
+        return ([records[0]], not padding), info
 
-    def _example(self, source: Any, record: tuple[int, int, Any]) -> Any:
-        transform = self._source.transform
+    def __repr__(self) -> str:
+        return (f"DistributedStream({self._source.description}, global_batch_size={self.global_batch_size}, "
+                f"replica {self.replica_id}/{self.num_replicas}, epoch={self._epoch})")
+
+
+_Work = tuple[list[tuple[int, int, Any]], bool]  # (records (virtual shard, offset, record), keep 0 rows only)
+
+
+class _Transform:
+    """Makes a share's batch from its records: ``transform`` each, collate (in the training process or a worker)."""
+
+    def __init__(self, source: Any, collate: Callable[[list[Any]], Any]):
+        self.source, self.collate = source, collate
+
+    def __call__(self, work: _Work) -> Any:
+        records, structure_only = work
+        batch = self.collate([self._example(r) for r in records])
+        return map_tensors(batch, lambda t: t[:0]) if structure_only else batch
+
+    def _example(self, record: tuple[int, int, Any]) -> Any:
+        transform = self.source.transform
         if transform is None:
             return record[2]
         try:
             return transform(record[2])
         except Exception as exc:
-            raise user_error(f"transform raised on {source.label(record[0], record[1])}",
+            raise user_error(f"transform raised on {self.source.label(record[0], record[1])}",
                              f"{type(exc).__name__}: {exc}", "Fix the record or the transform.",
                              cls=RuntimeError) from exc
-
-    def __repr__(self) -> str:
-        return (f"DistributedStream({self._source.description}, global_batch_size={self.global_batch_size}, "
-                f"replica {self.replica_id}/{self.num_replicas}, epoch={self._epoch})")
 
 
 @dataclass
