@@ -31,6 +31,9 @@ class ParameterClient:
         self.reply_timeout_s = timeout_s * 1.5 + 10.0
         self._gather_seq = 0
         self.closed = False
+        # A request sent whose replies are not read yet (``start``): read before anything else crosses a link.
+        self._pending: tuple[str, list[int], Sequence[torch.Tensor | None] | None,
+                             Callable[[list[Message]], None]] | None = None
 
     def _tag(self) -> str:
         return f"[rank {self.rank}/{self.world_size}]"
@@ -49,13 +52,38 @@ class ParameterClient:
             ValueError: a ps task refused the request as bad input (e.g. a model that does not match).
         """
         name = Op.NAMES.get(op, str(op))
+        self.finish()
         with track(f"ps {name}"):  # the stuck-job watchdog sees this worker wait on the ps tasks
-            return self._request(op, name, ps=ps, metas=metas, flats=flats, replies_into=replies_into, ints=ints,
-                                 flat_parts=flat_parts)
+            targets = self._send(op, name, ps=ps, metas=metas, flats=flats, ints=ints, flat_parts=flat_parts)
+            return self._replies(name, targets, replies_into)
 
-    def _request(self, op: int, name: str, *, ps: Sequence[int] | None, metas: Sequence[Any] | None,
-                 flats: Sequence[torch.Tensor | None] | None, replies_into: Sequence[torch.Tensor | None] | None,
-                 ints: tuple[int, ...], flat_parts: Sequence[list[torch.Tensor]] | None = None) -> list[Message]:
+    def start(self, op: int, *, on_replies: Callable[[list[Message]], None], ps: Sequence[int] | None = None,
+              metas: Sequence[Any] | None = None, replies_into: Sequence[torch.Tensor | None] | None = None,
+              ints: tuple[int, ...] = (), flat_parts: Sequence[list[torch.Tensor]] | None = None) -> None:
+        """Send ``op`` now and read its replies later: at ``finish()``, which the next request calls first.
+
+        ``on_replies(replies)`` runs when they are read. Meanwhile the caller computes (the ps tasks
+        work on the request at the same time).
+        """
+        name = Op.NAMES.get(op, str(op))
+        self.finish()
+        with track(f"ps {name}"):
+            targets = self._send(op, name, ps=ps, metas=metas, flats=None, ints=ints, flat_parts=flat_parts)
+        self._pending = (name, targets, replies_into, on_replies)
+
+    def finish(self) -> None:
+        """Read the replies of the request ``start`` sent, if any, and hand them to its ``on_replies``."""
+        if self._pending is None:
+            return
+        name, targets, replies_into, on_replies = self._pending
+        self._pending = None
+        with track(f"ps {name}"):
+            on_replies(self._replies(name, targets, replies_into))
+
+    def _send(self, op: int, name: str, *, ps: Sequence[int] | None, metas: Sequence[Any] | None,
+              flats: Sequence[torch.Tensor | None] | None, ints: tuple[int, ...],
+              flat_parts: Sequence[list[torch.Tensor]] | None = None) -> list[int]:
+        """Send the request to each target ps task; return the targets."""
         if self.closed:
             raise DistributedError(f"{self._tag()} {name} failed: this worker already shut its parameter-server "
                                    "links down (strategy.shutdown()). Create a new strategy to train again.")
@@ -68,6 +96,11 @@ class ParameterClient:
                                    flat_parts=None if flat_parts is None else flat_parts[i])
             except LinkError as exc:
                 raise self._lost(p, name, exc) from exc
+        return targets
+
+    def _replies(self, name: str, targets: list[int],
+                 replies_into: Sequence[torch.Tensor | None] | None) -> list[Message]:
+        """Read one reply from each target ps task, in order."""
         replies = []
         for i, p in enumerate(targets):
             into = None if replies_into is None else replies_into[i]
@@ -116,6 +149,10 @@ class ParameterClient:
         """Tell every ps task this worker is done (best effort: a gone ps is already done) and close the links."""
         if self.closed:
             return
+        try:
+            self.finish()
+        except (DistributedError, ValueError):
+            pass  # best effort, as below
         for link in self.links:
             try:
                 link.send(Op.BYE, timeout_s=self.timeout_s)

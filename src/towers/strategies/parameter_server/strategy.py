@@ -26,7 +26,7 @@ from torch import nn
 from towers._logging import get_logger, set_rank
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
-from towers.data import BatchInfo, Dispatch, DistributedDataset, is_stream
+from towers.data import BatchInfo, Dispatch, DistributedDataset, DistributedStream, is_stream
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import user_error
 from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
@@ -63,6 +63,9 @@ class ParameterServerStrategy(Strategy):
         exit_on_ps: on a ps task, ``sys.exit(0)`` after serving (default); False returns instead.
         precision: ``"32"`` or ``"bf16"`` (the workers' forward under autocast). ``"fp16"`` is refused:
             its loss scale must move in lockstep on every replica, which async updates do not have.
+        overlap: ``async`` only: a worker reads its push's reply (the updated parameters) during its next
+            step, so the ps tasks apply the update while the worker computes: faster, at the cost of one
+            more step of staleness (the next gradient is taken before this update is in). Default False.
 
     Raises:
         ValueError: unknown mode, bad staleness, ``num_ps`` that leaves no worker or contradicts the launcher,
@@ -76,7 +79,7 @@ class ParameterServerStrategy(Strategy):
 
     def __init__(self, num_ps: int | None = None, mode: str = "async", staleness: int | None = None, *,
                  info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
-                 precision: str | int | None = "32"):
+                 precision: str | int | None = "32", overlap: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}. Received: mode={mode!r}. Use 'async' to apply each "
                              "gradient on arrival or 'sync' for one summed update per round.")
@@ -87,6 +90,11 @@ class ParameterServerStrategy(Strategy):
                              f"staleness={staleness}. Drop staleness or use mode='async'.")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 seconds. Received: {timeout_s}. Use e.g. timeout_s=300.")
+        if not isinstance(overlap, bool) or (overlap and mode == "sync"):
+            raise user_error("overlap is a bool, for async mode only (a sync round needs every reply before the "
+                             "next step)", f"overlap={overlap!r} with mode={mode!r}",
+                             "Pass overlap=True with mode='async', or leave it out.")
+        self.overlap = overlap
         if info is None:
             from towers import cluster
 
@@ -230,6 +238,7 @@ class ParameterServerStrategy(Strategy):
         bound = None
         if sparse is None or any(True for _ in model.parameters()):
             bound = BoundModel(model, client, num_ps=self.num_ps, is_chief=self.is_chief, optimizer=optimizer,
+                               overlap=self.overlap,
                                on_dead=self._log_dead)
             bound.register()
             bound.install_hooks(refresh_on_state_dict=self.mode == "async")
@@ -316,28 +325,47 @@ class ParameterServerStrategy(Strategy):
 
     def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                            drop_remainder: bool = False, pad_empty_batches: bool = False,
-                           collate_fn: Callable[[list[Any]], Any] | None = None) -> DistributedDataset:
+                           collate_fn: Callable[[list[Any]], Any] | None = None, num_workers: int = 0,
+                           prefetch_factor: int | None = None, persistent_workers: bool = False,
+                           pin_memory: bool | None = None,
+                           **stream_options: Any) -> DistributedDataset | DistributedStream:
         """Return this worker's share of each global batch of ``dataset`` (workers are the replicas; see ``towers.data``).
 
         The batches come from ps task 0 one at a time: a worker's own share first, then the share of
-        a worker that died, so every example of a pass is used although a worker is gone.
+        a worker that died, so every example of a pass is used although a worker is gone. Those are
+        fetched in the training process: ``num_workers > 0`` is refused here; ``HybridStrategy``
+        (static shares) takes loader workers like ``MirroredStrategy``, and streams
+        (``towers.data.Shards``, an ``IterableDataset``): they give a ``DistributedStream`` split as
+        under ``MirroredStrategy``; ``stream_options`` (``num_virtual_shards``, ``shuffle_block``) go to it.
 
         Raises:
-            NotImplementedError: for a stream (``towers.data.Shards``, an ``IterableDataset``): not supported yet.
+            NotImplementedError: for a stream when ps task 0 hands out the batches (``ParameterServerStrategy``).
+            TypeError: a stream option for a map-style dataset.
         """
-        if is_stream(dataset):
+        if is_stream(dataset) and self._dispatch_batches:
             raise user_error(f"{type(self).__name__} does not take streaming input yet (its ps task 0 hands out "
                              "shares of a dataset whose length is known)", type(dataset).__name__,
-                             "Use a map-style dataset here, or stream under MirroredStrategy / "
+                             "Use a map-style dataset here, or stream under HybridStrategy / MirroredStrategy / "
                              "MultiWorkerMirroredStrategy, or build each worker's own input with "
                              "strategy.distribute_datasets_from_function(fn).", cls=NotImplementedError)
         client = self._require_worker("distribute_dataset")
+        if is_stream(dataset):
+            return DistributedStream(
+                dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
+                device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
+                pad_empty_batches=pad_empty_batches, collate_fn=collate_fn, num_workers=num_workers,
+                prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory=pin_memory,
+                **stream_options)
+        if stream_options:
+            raise user_error("num_virtual_shards and shuffle_block apply to streams only", sorted(stream_options),
+                             "Leave them out for a map-style dataset.", cls=TypeError)
         self._datasets += 1
         dispatch = Dispatch(f"d{self._datasets}", client.next_batches) if self._dispatch_batches else None
         return DistributedDataset(
             dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
             device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
-            pad_empty_batches=pad_empty_batches, collate_fn=collate_fn, dispatch=dispatch)
+            pad_empty_batches=pad_empty_batches, collate_fn=collate_fn, dispatch=dispatch, num_workers=num_workers,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory=pin_memory)
 
     # --- communication (met at ps task 0: see comm.py) ---------------------------------------------------
     def _comm_or_fail(self, what: str) -> PsComm:

@@ -31,8 +31,12 @@ class BoundModel:
     """The parameters of one worker's model, laid out per ps shard, with push/pull/state operations."""
 
     def __init__(self, model: nn.Module, client: ParameterClient, *, num_ps: int, is_chief: bool,
-                 optimizer: torch.optim.Optimizer | None, on_dead: Callable[[int], None]):
+                 optimizer: torch.optim.Optimizer | None, on_dead: Callable[[int], None], overlap: bool = False):
         self.model, self.client, self.is_chief, self.on_dead = model, client, is_chief, on_dead
+        #: Read a push's reply during the next step (async mode): the ps updates while this worker computes.
+        self.overlap = overlap
+        self._stage_bufs: list[torch.Tensor] | None = None  # where an overlapped reply lands
+        self._stage_views: list[list[torch.Tensor]] = []
         named = list(model.named_parameters())
         if not named:
             raise ValueError(f"{type(model).__name__} has no parameters, so there is nothing for the parameter "
@@ -99,6 +103,7 @@ class BoundModel:
         otherwise still move) but counts as the step, like everyone else's, in a sync round.
         ``units``: the dispatched batches whose gradients this push carries (told to ps task 0).
         """
+        self.client.finish()  # the previous push's reply (overlap): its parameters become the model's
         self._rebind()
         metas, pieces = [], []
         packed = pack_unit(units)
@@ -126,17 +131,50 @@ class BoundModel:
             if p == 0 and units and packed is None:
                 meta["units"] = units
             metas.append(meta or None)
+        # ps task 0 holds none of these parameters: it is told apart that the units were applied, once they were
+        told = list(units) if units and 0 not in self.active else None
+        if self.overlap:
+            if self._stage_bufs is None:
+                self._stage_bufs = [layout.new_buffer() for layout in self.layouts]
+                self._stage_views = [layout.views(b) for layout, b in zip(self.layouts, self._stage_bufs)]
+            self.client.start(Op.PUSH, ps=self.active, metas=metas, flat_parts=pieces, ints=packed or (),
+                              replies_into=[self._stage_bufs[p] for p in self.active],
+                              on_replies=lambda replies: self._staged(replies, told))
+            self.pushes += 1
+            return
         replies = self.client.request(Op.PUSH, ps=self.active, metas=metas, flat_parts=pieces,
                                       replies_into=[self.param_bufs[p] for p in self.active], ints=packed or ())
         self.pushes += 1
-        if units and 0 not in self.active:  # ps task 0 holds none of these parameters: tell it apart
-            self.client.batches_applied(units)
+        if told:
+            self.client.batches_applied(told)
+        self._replied(replies)
+        self._to_params()
+
+    def _replied(self, replies: list[Any]) -> None:
+        """Note the ps versions and dead workers a push's replies report."""
         for p, reply in zip(self.active, replies):
             self.versions[p] = reply.ints[0]
             if reply.ints[2] > self.dead_seen:
                 self.dead_seen = reply.ints[2]
                 self.on_dead(self.dead_seen)
-        self._to_params()
+
+    def _staged(self, replies: list[Any], told: list[Any] | None) -> None:
+        """An overlapped push's replies are in the stage buffers: they become the parameters (a swap, no copy)."""
+        if told:
+            self.client.batches_applied(told)
+        self._replied(replies)
+        assert self._stage_bufs is not None
+        for p in self.active:
+            self.param_bufs[p], self._stage_bufs[p] = self._stage_bufs[p], self.param_bufs[p]
+            self.param_views[p], self._stage_views[p] = self._stage_views[p], self.param_views[p]
+        with torch.no_grad():
+            for shard, views, old in zip(self.shards, self.param_views, self._stage_views):
+                for i, view, before in zip(shard, views, old):
+                    param = self.params[i]
+                    if param.data_ptr() == before.data_ptr():
+                        param.data = view  # a CPU parameter: now a view of the buffer the reply landed in
+                    else:
+                        param.copy_(view, non_blocking=False)
 
     def _hyper(self, p: int) -> list[dict[str, Any]] | None:
         """This shard's param-group hyperparameters when they changed since the last push, else None."""
@@ -151,6 +189,7 @@ class BoundModel:
 
     def pull(self) -> None:
         """Replace the local parameters with the ps tasks' current values."""
+        self.client.finish()
         replies = self.client.request(Op.PULL, ps=self.active, replies_into=[self.param_bufs[p] for p in self.active])
         for p, reply in zip(self.active, replies):
             self.versions[p] = reply.ints[0]
@@ -158,6 +197,7 @@ class BoundModel:
 
     def push_params(self) -> None:
         """Overwrite the ps tasks' parameters with this worker's (after ``model.load_state_dict``)."""
+        self.client.finish()
         self._rebind()
         with torch.no_grad():
             for shard, views in zip(self.shards, self.param_views):
