@@ -21,7 +21,7 @@ with another global batch size) and trains exactly the rest of the epoch.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -69,7 +69,7 @@ class DistributedStream:
                  drop_remainder: bool = False, pad_empty_batches: bool = False, accumulation_steps: int = 1,
                  collate_fn: Callable[[list[Any]], Any] | None = None, num_virtual_shards: int | None = None,
                  shuffle_block: int = 1024, num_workers: int = 0, prefetch_factor: int | None = None,
-                 persistent_workers: bool = False, pin_memory: bool | None = None):
+                 persistent_workers: bool = False, pin_memory: bool | None = None, dispatch: Any = None):
         options = LoaderOptions(num_workers=num_workers, prefetch_factor=prefetch_factor,
                                 persistent_workers=persistent_workers, pin_memory=pin_memory)
         _positive_int("global_batch_size", global_batch_size,
@@ -92,8 +92,17 @@ class DistributedStream:
         self.shuffle_block = _positive_int("shuffle_block", shuffle_block, "Use 1 for no shuffling within shards.")
         self._k = max(1, int(accumulation_steps))
         self._collate = collate_fn or default_collate
-        self._loader = Loader(_Transform(self._source, self._collate), options, self.device, seed=self.seed)
-        #: Set by passes handed out at run time (parameter servers); always None for a stream.
+        self._transform = _Transform(self._source, self._collate)
+        self._loader = Loader(self._transform, options, self.device, seed=self.seed)
+        if dispatch is not None and (self._k != 1 or num_workers):
+            raise user_error("A stream handed out by ps task 0 (parameter servers) is read in the training process, "
+                             "one global batch at a time", f"accumulation_steps={accumulation_steps}, "
+                             f"num_workers={num_workers}", "Use accumulation_steps=1 and num_workers=0 there.")
+        #: Hands out this replica's units at run time (parameter servers: ``towers.data.Dispatch``), or None.
+        self._dispatch = dispatch
+        self._passes = 0
+        self._num_examples: int | None = None  # counted once, for the dispatcher (the same every epoch)
+        #: ``{"examples", "expected"}`` of the last complete dispatched pass (None: a static split).
         self.last_pass: dict[str, int] | None = None
         self._epoch = 0
         self._position = _Position.start(self.num_virtual_shards)
@@ -110,9 +119,11 @@ class DistributedStream:
         return self._epoch
 
     @property
-    def batches_per_epoch(self) -> None:
-        """None: a stream's length is known only at its end."""
-        return None
+    def batches_per_epoch(self) -> int | None:
+        """None: a stream's length is known only at its end (handed out by ps task 0: once it was counted)."""
+        if self._dispatch is None or self._num_examples is None:
+            return None
+        return len(global_batch_sizes(self._num_examples, self.global_batch_size, drop_remainder=self.drop_remainder))
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration cover ``epoch`` from its first batch."""
@@ -175,6 +186,9 @@ class DistributedStream:
 
     def _batches(self, start: _Position, skip: int) -> Iterator[Any]:
         self._position = start.copy()
+        if self._dispatch is not None:
+            yield from self._dispatched(start.batch + skip)
+            return
         for cpu_batch, (info, after) in self._loader.batches(self._jobs(start, skip), salt=self._epoch):
             value = attach_batch_info(to_device(cpu_batch, self.device), info)
             self._position = after  # moved when a batch is yielded (not when a worker was asked for it)
@@ -239,6 +253,60 @@ class DistributedStream:
             pos.batch += 1
             yield work, (info, pos.copy())
 
+    # --- handed out at run time (parameter servers) ------------------------------------------------
+    def _dispatched(self, start: int) -> Iterator[Any]:
+        """Yield the units ps task 0 hands this replica (its own shares first, a dead replica's after).
+
+        The dispatcher needs the epoch's size: the stream is counted once (its records read, none
+        transformed). A unit's records are read forward; a unit of an earlier global batch (a dead
+        replica's) reads the epoch again from its start.
+        """
+        B = self.global_batch_size
+        if self._num_examples is None:
+            self._num_examples = sum(1 for _ in self._records())
+        n = self._num_examples
+        self._check_epoch(0, n, True)
+        sizes = global_batch_sizes(n, B, drop_remainder=self.drop_remainder)
+        spec = {"num_examples": n, "global_batch_size": B, "drop_remainder": self.drop_remainder, "start": start,
+                "epoch": self._epoch, "num_replicas": self.num_replicas}
+        self._passes += 1
+        key = f"{self._dispatch.name}.{self._passes}"  # this pass's name, the same on every replica
+        reader = _BatchReader(self._records, B)
+        step = 0
+        while True:
+            answer = self._dispatch(key, step, spec)
+            if answer["kind"] == "stop":  # counted from `start`: a resumed epoch trained the batches before it
+                before = sum(sizes[:start])
+                self.last_pass = {"examples": int(answer["examples"]) + before,
+                                  "expected": int(answer["expected"]) + before}
+                break
+            units = [(int(g), int(r)) for g, r in answer["units"]] if answer["kind"] == "unit" else [(len(sizes) - 1, -1)]
+            for g, r in units:
+                records = reader.batch(g, sizes[g]) if r >= 0 else [reader.first()]
+                info = BatchInfo(g, len(sizes), sizes[g], 0, 0, sizes[g], 1, True,
+                                 unit=(key, g, r) if r >= 0 else None)
+                if r < 0:  # an empty step: no example, the same step count as the replicas still working
+                    work: _Work = ([records[0]], not self.pad_empty_batches)
+                    info = replace(info, num_padding_examples=1 if self.pad_empty_batches else 0)
+                else:
+                    lo, hi = shard_bounds(sizes[g], self.num_replicas, r)
+                    padding = 1 if hi == lo and self.pad_empty_batches else 0
+                    info = replace(info, local_batch_size=hi - lo, num_padding_examples=padding)
+                    work = (records[lo:hi], False) if hi > lo else ([records[0]], not padding)
+                batch = self._transform(work)
+                step += 1
+                self._position.batch = max(self._position.batch, g + 1)
+                yield attach_batch_info(to_device(batch, self.device), info)
+        self._epoch += 1
+        self._position = _Position.start(self.num_virtual_shards)
+
+    def _records(self) -> Iterator[tuple[int, int, Any]]:
+        """The epoch's records, in its sequence, from its start."""
+        order = shard_order(self.num_virtual_shards, seed=self.seed, epoch=self._epoch, shuffle=self.shuffle)
+        return sequence(self._source.begin_pass(), order, [0] * self.num_virtual_shards,
+                        shuffle_block=self.shuffle_block if self.shuffle else 1,
+                        key=f"towers-block:{self.seed}:{self._epoch}")
+
     def _check_epoch(self, consumed: int, ahead: int, exhausted: bool) -> None:
         if not exhausted:
             return
@@ -273,6 +341,31 @@ class DistributedStream:
 
 
 _Work = tuple[list[tuple[int, int, Any]], bool]  # (records (virtual shard, offset, record), keep 0 rows only)
+
+
+class _BatchReader:
+    """The records of global batch ``g`` of an epoch, read forward (from the start again for an earlier batch)."""
+
+    def __init__(self, records: Callable[[], Iterator[tuple[int, int, Any]]], global_batch_size: int):
+        self._open, self._b = records, global_batch_size
+        self._records = records()
+        self._next = 0  # the global batch the reader is at
+        self._first: tuple[int, int, Any] | None = None
+
+    def first(self) -> tuple[int, int, Any]:
+        """The epoch's first record (the structure of an empty step's batch)."""
+        if self._first is None:
+            self._first = next(self._open())
+        return self._first
+
+    def batch(self, g: int, size: int) -> list[tuple[int, int, Any]]:
+        if g < self._next:
+            self._records, self._next = self._open(), 0
+        for _ in range((g - self._next) * self._b):
+            next(self._records)
+        out = [next(self._records) for _ in range(size)]
+        self._next = g + 1
+        return out
 
 
 class _Transform:

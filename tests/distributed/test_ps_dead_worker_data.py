@@ -5,6 +5,8 @@ with validation data and then evaluates. Non-chief workers SIGKILL themselves at
 per fixed job: mid-epoch, an epoch's first batch, a validation batch, the final ``evaluate``) or at
 a point drawn from a seeded RNG, which may be a timer at a random instant (it can land inside a push).
 
+One job streams its training examples (a torch ``IterableDataset``) instead.
+
 The check counts examples, not accuracy. The model is ``w . x`` on one-hot inputs with the
 prediction itself as the loss and plain SGD (lr = global batch size), so each use of example ``i``
 in an applied gradient lowers ``w[i]`` by exactly 1: ``-w`` after training is how many times each
@@ -35,6 +37,7 @@ SCRIPT = f"""
     import towers
 
     MODE, BIAS = sys.argv[1], sys.argv[2] == "bias"  # bias: a second parameter, on ps task 1 when there are two
+    STREAM = sys.argv[4:] == ["stream"]  # the training examples as a stream (an IterableDataset), not tensors
     # one kill per victim: "rank:where:epoch:batch:delay"
     KILLS = {{int(k.split(":")[0]): k.split(":")[1:] for k in sys.argv[3].split(",")}}
     N, NV, B, EPOCHS = {EXAMPLES}, {VAL_EXAMPLES}, {BATCH}, {EPOCHS}
@@ -47,6 +50,10 @@ SCRIPT = f"""
         nn.init.zeros_(model.bias)
     x = torch.eye(N)
     y = torch.zeros(N)
+
+    class Examples(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(zip(x, y))
 
     def prediction_as_loss(y_pred, y_true, reduction="none"):
         return y_pred.reshape(-1)
@@ -80,7 +87,7 @@ SCRIPT = f"""
     killer = Killer()
     trainer = towers.Trainer(model, torch.optim.SGD(model.parameters(), lr=float(B)), loss=prediction_as_loss,
                              strategy=strategy)
-    history = trainer.fit((x, y), epochs=EPOCHS, global_batch_size=B, validation_data=(x[:NV], y[:NV]),
+    history = trainer.fit(Examples() if STREAM else (x, y), epochs=EPOCHS, global_batch_size=B, validation_data=(x[:NV], y[:NV]),
                           callbacks=[killer], shuffle=True)
     killer.final = True
     killer.epoch = int(KILLS.get(rank, ("-", -1))[1])  # a kill in the final evaluate names its batch only
@@ -130,13 +137,19 @@ def test_with_two_ps_tasks_a_sync_job_trains_every_example_exactly_once_on_both(
     assert found["bias_uses"] == pytest.approx(EPOCHS * EXAMPLES, abs=1e-3), found  # the shard on ps task 1
 
 
-def _check(tmp_path: Path, mode: str, kills: tuple[tuple[int, str, int, int, float], ...], *, num_ps: int) -> dict:
+def test_a_streamed_epoch_loses_no_example_when_a_worker_dies(tmp_path: Path):
+    # The training data as a torch IterableDataset: ps task 0 hands out its shares too.
+    _check(tmp_path, "sync", ((1, "train", 1, 4, 0.0),), num_ps=1, stream=True)
+
+
+def _check(tmp_path: Path, mode: str, kills: tuple[tuple[int, str, int, int, float], ...], *, num_ps: int,
+           stream: bool = False) -> dict:
     """Run the job with the ``kills``; assert every example counted; return the chief's result."""
     script = tmp_path / "dead_worker_data.py"
     script.write_text(textwrap.dedent(SCRIPT))
     spec = ",".join(f"{v}:{where}:{e}:{b}:{delay}" for v, where, e, b, delay in kills)
     command = [*towers_command(), "launch", "--strategy", "ps", "--num-ps", str(num_ps), "--nproc-per-node",
-               str(3 + num_ps), "--monitor-interval", "0.2", str(script), mode, "bias" if num_ps > 1 else "-", spec]
+               str(3 + num_ps), "--monitor-interval", "0.2", str(script), mode, "bias" if num_ps > 1 else "-", spec, *(["stream"] if stream else [])]
     result = run(command, cwd=tmp_path, deadline_s=180, marker=str(script))
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"

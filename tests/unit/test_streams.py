@@ -320,10 +320,38 @@ def test_bad_settings_are_refused_at_construction(make, message):
         make()
 
 
-def test_parameter_servers_refuse_streams_and_name_the_alternatives():
-    strategy = object.__new__(towers.ParameterServerStrategy)  # no process group: refused before any is needed
-    with pytest.raises(NotImplementedError, match="streaming input yet.*MirroredStrategy.*from_function"):
-        strategy.distribute_dataset(_shards(), 4)
+def test_a_stream_handed_out_by_ps_task_0_gives_any_replicas_share_of_any_batch():
+    # Parameter servers hand out units (global batch g, replica r) at run time: a worker's own, then a dead
+    # worker's (earlier batches: the stream is read again from its start). Each is that share of one device's batch.
+    from towers.data import Dispatch, batch_info, shard_bounds
+    from towers.streams import DistributedStream
+
+    class Numbers(IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    one = [b.tolist() for b in distribute_dataset(Numbers(), 4, num_virtual_shards=3, seed=1)]
+    plan = [[[0, 0]], [[1, 0]], [[2, 0]], [[0, 1], [1, 1]], [[2, 1]], "empty", "stop"]
+    specs = []
+
+    def ask(key: str, step: int, spec: dict) -> dict:
+        specs.append(spec)
+        answer = plan[min(len(specs) - 1, len(plan) - 1)]
+        if answer == "stop":
+            return {"kind": "stop", "examples": 10, "expected": 10}
+        return {"kind": "empty"} if answer == "empty" else {"kind": "unit", "units": answer}
+
+    stream = DistributedStream(Numbers(), 4, num_replicas=2, replica_id=0, num_virtual_shards=3, seed=1,
+                               dispatch=Dispatch("d1", ask))
+    got = [(batch_info(b), b.tolist()) for b in stream]
+    assert specs[0]["num_examples"] == 10 and specs[0]["num_replicas"] == 2  # counted before the pass
+    units = [(info.unit[1], info.unit[2]) for info, _ in got if info.unit is not None]
+    assert units == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    for (info, values), (g, r) in zip(got, units):
+        lo, hi = shard_bounds(len(one[g]), 2, r)
+        assert values == one[g][lo:hi] and info.global_batch_size == len(one[g]), (g, r)
+    assert got[-1][1] == [] and got[-1][0].unit is None  # the empty step: no example, the same step count
+    assert stream.last_pass == {"examples": 10, "expected": 10} and stream.epoch == 1
 
 
 def test_trainer_fits_an_iterable_dataset_whose_length_it_does_not_know():

@@ -334,33 +334,27 @@ class ParameterServerStrategy(Strategy):
         The batches come from ps task 0 one at a time: a worker's own share first, then the share of
         a worker that died, so every example of a pass is used although a worker is gone. Those are
         fetched in the training process: ``num_workers > 0`` is refused here; ``HybridStrategy``
-        (static shares) takes loader workers like ``MirroredStrategy``, and streams
-        (``towers.data.Shards``, an ``IterableDataset``): they give a ``DistributedStream`` split as
-        under ``MirroredStrategy``; ``stream_options`` (``num_virtual_shards``, ``shuffle_block``) go to it.
+        (static shares) takes loader workers like ``MirroredStrategy``. Streams (``towers.data.Shards``,
+        an ``IterableDataset``) give a ``DistributedStream`` (``stream_options``: ``num_virtual_shards``,
+        ``shuffle_block``); handed out by ps task 0 too, after it is counted once (its records read,
+        none transformed): a dead worker's share of a stream is trained by the others as well.
 
         Raises:
-            NotImplementedError: for a stream when ps task 0 hands out the batches (``ParameterServerStrategy``).
             TypeError: a stream option for a map-style dataset.
         """
-        if is_stream(dataset) and self._dispatch_batches:
-            raise user_error(f"{type(self).__name__} does not take streaming input yet (its ps task 0 hands out "
-                             "shares of a dataset whose length is known)", type(dataset).__name__,
-                             "Use a map-style dataset here, or stream under HybridStrategy / MirroredStrategy / "
-                             "MultiWorkerMirroredStrategy, or build each worker's own input with "
-                             "strategy.distribute_datasets_from_function(fn).", cls=NotImplementedError)
         client = self._require_worker("distribute_dataset")
+        self._datasets += 1
+        dispatch = Dispatch(f"d{self._datasets}", client.next_batches) if self._dispatch_batches else None
         if is_stream(dataset):
             return DistributedStream(
                 dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
                 device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
                 pad_empty_batches=pad_empty_batches, collate_fn=collate_fn, num_workers=num_workers,
                 prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory=pin_memory,
-                **stream_options)
+                dispatch=dispatch, **stream_options)
         if stream_options:
             raise user_error("num_virtual_shards and shuffle_block apply to streams only", sorted(stream_options),
                              "Leave them out for a map-style dataset.", cls=TypeError)
-        self._datasets += 1
-        dispatch = Dispatch(f"d{self._datasets}", client.next_batches) if self._dispatch_batches else None
         return DistributedDataset(
             dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
             device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
