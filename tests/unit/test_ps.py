@@ -137,3 +137,26 @@ def test_optimizer_with_a_foreign_tensor_is_refused():
     opt = torch.optim.SGD([*net.parameters(), nn.Parameter(torch.zeros(3))], lr=0.1)
     with pytest.raises(ValueError, match=r"holds a tensor of shape \(3,\) that is not a parameter of the model"):
         _optimizer_layout(opt, list(net.parameters()), [[0, 1]])
+
+
+def test_the_ps_steps_with_fast_kernels_and_reports_the_users_choice():
+    from towers.strategies.parameter_server.requests import build_optimizer, report_kernels
+
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3))]
+    spec = {"cls": "Adam", "defaults": {"lr": 0.1, "foreach": None, "fused": None},
+            "groups": [({"lr": 0.1, "foreach": None, "fused": None}, [0]), ({"lr": 0.2, "foreach": False}, [1])]}
+    optimizer = build_optimizer(spec, params, 0)
+    assert optimizer.param_groups[0]["fused"] is True  # left to torch: one fused kernel
+    assert optimizer.param_groups[1]["foreach"] is False and not optimizer.param_groups[1].get("fused")  # the user's
+    reference = [p.detach().clone().requires_grad_() for p in params]
+    plain = torch.optim.Adam([{"params": [reference[0]], "lr": 0.1}, {"params": [reference[1]], "lr": 0.2}])
+    for _ in range(3):
+        for p, r in zip(params, reference):
+            p.grad = torch.ones_like(p)
+            r.grad = torch.ones_like(r)
+        optimizer.step()
+        plain.step()
+    assert all(torch.allclose(p, r, atol=1e-6) for p, r in zip(params, reference))  # the same maths
+    state = report_kernels(optimizer.state_dict())
+    assert state["param_groups"][0]["fused"] is None and "_towers_fast" not in state["param_groups"][0]
+    plain.load_state_dict(state)  # loads into the user's own optimizer as it was built

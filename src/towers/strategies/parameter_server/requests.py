@@ -57,12 +57,37 @@ def build_optimizer(spec: dict[str, Any] | None, params: Sequence[torch.nn.Param
     cls = getattr(torch.optim, name)
     try:
         groups = [{**hyper, "params": [params[i] for i in positions]} for hyper, positions in spec["groups"]]
-        return cls(groups, **spec["defaults"])
+        optimizer = cls(groups, **spec["defaults"])
     except Exception as exc:  # noqa: BLE001 - any constructor failure is the user's optimizer spec
         raise RequestError(
             f"ps task {ps_index} could not build {name}(**{spec['defaults']}): {exc}. "
             "The ps rebuilds the optimizer from its class and its `defaults`; use an optimizer whose "
             "constructor accepts its defaults as keyword arguments.", Status.BAD_INPUT) from exc
+    use_fast_kernels(optimizer)
+    return optimizer
+
+
+#: The optimizer settings that choose torch's kernels, not the maths: the ps tasks choose them.
+KERNEL_KEYS = ("fused", "foreach")
+#: Optimizers with a fused CPU kernel (one pass over all parameters); the others loop with foreach.
+_FUSED = ("SGD", "Adam", "AdamW", "Adagrad")
+
+
+def use_fast_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """Make the ps's optimizer step in one fused kernel (or torch's foreach loop) where its groups left the
+    choice to torch: the same maths as the worker's optimizer, several times faster on a CPU ps task."""
+    fast = {"fused": True} if type(optimizer).__name__ in _FUSED else {"foreach": True}
+    for group in optimizer.param_groups:
+        if all(group.get(k) is None for k in KERNEL_KEYS) or group.get("_towers_fast"):
+            group.update(fast, _towers_fast=True)
+
+
+def report_kernels(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (an optimizer state dict) with the kernel choices ``use_fast_kernels`` made undone, as the user set them."""
+    for group in state.get("param_groups", []):
+        if group.pop("_towers_fast", False):
+            group.update({k: None for k in KERNEL_KEYS})
+    return state
 
 
 def clone_state(state: Any) -> Any:

@@ -27,7 +27,14 @@ from towers._logging import get_logger
 from towers.diagnostics import set_role
 from towers.strategies.parameter_server.dispatch import Dispatcher, unpack_unit
 from towers.strategies.parameter_server.gather import GatherTable
-from towers.strategies.parameter_server.requests import RequestError, build_optimizer, clone_state
+from towers.strategies.parameter_server.requests import (
+    KERNEL_KEYS,
+    RequestError,
+    build_optimizer,
+    clone_state,
+    report_kernels,
+    use_fast_kernels,
+)
 from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, ParamSpec, signature_mismatch
 from towers.strategies.parameter_server.sparse_server import EmbeddingService
 from towers.strategies.parameter_server.transport import (
@@ -229,12 +236,13 @@ class ParameterServer:
                 self.params_buf.copy_(_flat(msg))
                 return {"ints": (self.version,)}
             if msg.op == Op.GET_STATE:
-                state = None if self.optimizer is None else clone_state(self.optimizer.state_dict())
+                state = None if self.optimizer is None else report_kernels(clone_state(self.optimizer.state_dict()))
                 return {"meta": state, "ints": (self.version,)}
             if msg.op == Op.SET_STATE:
                 if self.optimizer is not None:
                     try:
                         self.optimizer.load_state_dict(msg.meta)
+                        use_fast_kernels(self.optimizer)  # a loaded state sets the groups' kernel choices again
                     except (ValueError, KeyError, TypeError) as exc:
                         raise RequestError(f"ps task {self.ps_index} could not load the optimizer state: {exc}. "
                                            "Load a state saved from the same model and optimizer.",
@@ -363,7 +371,7 @@ class ParameterServer:
     def _set_hyper(self, hyper: list[dict[str, Any]] | None) -> None:
         if hyper and self.optimizer is not None:
             for group, values in zip(self.optimizer.param_groups, hyper):
-                group.update({k: v for k, v in values.items() if k != "params"})
+                group.update({k: v for k, v in values.items() if k != "params" and k not in KERNEL_KEYS})
 
 
 def _flat(msg: Message) -> torch.Tensor:
