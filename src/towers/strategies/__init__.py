@@ -11,10 +11,14 @@ from towers.strategies.base import (
     strategy_from_env,
     strategy_names,
 )
+from towers.strategies.fault_tolerant import FaultTolerantStrategy
 from towers.strategies.fully_sharded import FullyShardedStrategy
 from towers.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from towers.strategies.one_device import OneDeviceStrategy
 from towers.strategies.parameter_server import ParameterServerStrategy
+
+# Not a row of roles.STRATEGIES yet: towers launch does not start its lighthouse (docs/fault_tolerance.md).
+register_strategy("fault_tolerant", FaultTolerantStrategy, aliases=("ft", "torchft"))
 
 __all__ = [
     "REDUCE_OPS",
@@ -25,6 +29,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
     "FullyShardedStrategy",
+    "FaultTolerantStrategy",
     "current_replica_context",
     "current_strategy",
     "get_strategy",
