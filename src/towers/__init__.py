@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "MultiWorkerMirroredStrategy": "towers.strategies",
     "ParameterServerStrategy": "towers.strategies",
     "FullyShardedStrategy": "towers.strategies",
+    "FaultTolerantStrategy": "towers.strategies",
     "HybridStrategy": "towers.strategies.hybrid",
     "ShardedEmbedding": "towers.strategies.parameter_server.embeddings",
     "get_strategy": "towers.strategies",
