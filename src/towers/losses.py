@@ -95,9 +95,9 @@ def _weighted_loss(loss: torch.Tensor, weights: torch.Tensor, global_batch_size:
     padding = ctx.num_padding_examples if ctx is not None else 0
     if padding:  # padding examples weigh nothing
         loss, weights = loss[: loss.shape[0] - padding], weights[: weights.shape[0] - padding]
+    weight = float(weights.detach().to(torch.float64).sum().item())  # exact counts (a bf16 sum is not past 256)
     weights = weights.to(loss.dtype) if loss.is_floating_point() else weights.float()
     total = (loss * weights).sum()
-    weight = float(weights.detach().sum().item())
     shares = 1 if ctx is None else ctx.num_replicas_in_sync * ctx.accumulation_steps
     if shares == 1 and (ctx is not None or _replicas_outside_run() == 1):
         return total / weight if weight > 0 else total * 0.0  # one device, one micro-batch: divide now

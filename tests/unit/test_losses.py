@@ -196,3 +196,15 @@ def test_bad_weights_are_explained():
         compute_average_loss(losses, weights=[1, 2, 3])  # type: ignore[arg-type]
     assert compute_average_loss(losses * 2, weights=torch.ones(3)).item() == pytest.approx(2.0)  # broadcast
     assert compute_average_loss(losses, weights=torch.zeros(4, 3)).item() == 0.0  # nothing weighs: 0, not NaN
+
+
+def test_weights_are_counted_exactly_whatever_the_losss_dtype():
+    losses = torch.ones(1, 301, dtype=torch.bfloat16)  # a bf16 sum of 301 ones is not 301
+    value = compute_average_loss(losses, weights=torch.ones(1, 301, dtype=torch.bfloat16))
+    assert value.item() == pytest.approx(1.0, abs=1e-2)
+    strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=2)
+    strategy.prepare(torch.nn.Linear(1, 1))
+    batch = next(iter(strategy.distribute_dataset(torch.ones(4, 1), 2, shuffle=False)))
+    loss = torch.ones(1, 301, dtype=torch.bfloat16, requires_grad=True)
+    strategy.run(lambda _: compute_average_loss(loss, weights=torch.ones(1, 301, dtype=torch.bfloat16)), args=(batch,))
+    assert strategy._loss_weights.weight == 301.0
