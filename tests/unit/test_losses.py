@@ -147,9 +147,13 @@ def test_weights_normalise_by_the_updates_total_weight_across_micro_batches():
     assert torch.allclose(_weighted_update(2, clip=0.05), _weighted_update(1, clip=0.05), atol=1e-6)  # clipped after
 
 
+def _prepared(strategy, model):
+    return strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_the_value_of_a_weighted_loss_is_the_shares_mean_over_the_shares():
     strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=2)
-    strategy.prepare(torch.nn.Linear(1, 1))
+    _prepared(strategy, torch.nn.Linear(1, 1))
     per_token, weights = torch.tensor([[1.0, 3.0, 100.0]], requires_grad=True), torch.tensor([[1.0, 1.0, 0.0]])
     batches = list(strategy.distribute_dataset((per_token.detach().repeat(2, 1), weights.repeat(2, 1)), 1, shuffle=False))
     loss = strategy.run(lambda *_: compute_average_loss(per_token, weights=weights), args=batches[0])
@@ -160,7 +164,7 @@ def test_the_value_of_a_weighted_loss_is_the_shares_mean_over_the_shares():
 
 def test_a_weighted_and_an_example_normalised_loss_cannot_share_an_update():
     strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=2)
-    model, _ = strategy.prepare(torch.nn.Linear(2, 1))
+    model, _ = _prepared(strategy, torch.nn.Linear(2, 1))
     data = torch.ones(4, 2)
     batch = next(iter(strategy.distribute_dataset(data, 2, shuffle=False)))
 
@@ -175,7 +179,7 @@ def test_a_weighted_and_an_example_normalised_loss_cannot_share_an_update():
 
 def test_an_evaluation_pass_leaves_nothing_behind_for_the_next_update():
     strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=2)
-    model, _ = strategy.prepare(torch.nn.Linear(2, 1))
+    model, _ = _prepared(strategy, torch.nn.Linear(2, 1))
     batches = list(strategy.distribute_dataset(torch.ones(4, 2), 2, shuffle=False))
     with torch.no_grad():  # a validation loss under no_grad notes nothing
         strategy.run(lambda xb: compute_average_loss(model(xb).squeeze(-1), weights=torch.ones(len(xb))), args=(batches[0],))
@@ -203,8 +207,16 @@ def test_weights_are_counted_exactly_whatever_the_losss_dtype():
     value = compute_average_loss(losses, weights=torch.ones(1, 301, dtype=torch.bfloat16))
     assert value.item() == pytest.approx(1.0, abs=1e-2)
     strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=2)
-    strategy.prepare(torch.nn.Linear(1, 1))
+    _prepared(strategy, torch.nn.Linear(1, 1))
     batch = next(iter(strategy.distribute_dataset(torch.ones(4, 1), 2, shuffle=False)))
     loss = torch.ones(1, 301, dtype=torch.bfloat16, requires_grad=True)
     strategy.run(lambda _: compute_average_loss(loss, weights=torch.ones(1, 301, dtype=torch.bfloat16)), args=(batch,))
     assert strategy._loss_weights.weight == 301.0
+
+
+def test_a_weighted_loss_needs_the_prepared_optimizer_that_divides_it():
+    strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=2)
+    model, _ = strategy.prepare(torch.nn.Linear(2, 1))  # no optimizer: nothing would divide the gradient
+    batch = next(iter(strategy.distribute_dataset(torch.ones(4, 2), 2, shuffle=False)))
+    with pytest.raises(ValueError, match="prepared no optimizer.*model, optimizer = strategy.prepare"):
+        strategy.run(lambda xb: compute_average_loss(model(xb).squeeze(-1), weights=torch.ones(len(xb))), args=(batch,))

@@ -25,6 +25,7 @@ from towers.checkpoint.layout import CheckpointIO
 from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
 from towers.data import BatchInfo, InputContext, find_batch_info
+from towers.errors import user_error
 from towers.strategies._compile import compile_module, compile_options
 from towers.strategies._loss_weights import UpdateWeights
 from towers.strategies.precision import Precision
@@ -292,8 +293,19 @@ class Strategy(ABC):
         """This replica's loss weights in the update in progress (``compute_average_loss(weights=...)``)."""
         return self.__dict__.setdefault("_update_weights", UpdateWeights())
 
-    def _check_weighted_loss(self) -> None:  # noqa: B027 (a no-op by default: most strategies refuse nothing)
-        """Raise when this strategy cannot normalise a loss by the update's global weight (nothing to refuse here)."""
+    def _check_weighted_loss(self) -> None:
+        """Raise when this strategy cannot normalise a loss by the update's global weight.
+
+        The division happens in the prepared optimizer's ``step()`` (or ``clip_grad_norm_``): without a
+        prepared optimizer the gradient would silently stay the weighted sum.
+        """
+        if not self._prepared_optimizers():
+            raise user_error(
+                "compute_average_loss(..., weights=...) divides the gradient by the update's global weight when the "
+                "optimizer returned by strategy.prepare steps, and this strategy prepared no optimizer",
+                f"{type(self).__name__} with no prepared optimizer",
+                "Prepare the optimizer with the model: model, optimizer = strategy.prepare(model, optimizer), and call "
+                "that optimizer's step().")
 
     def _finish_loss_weights(self) -> None:
         """At an update step: divide the gradients by the update's global loss weight, when its losses were weighted.

@@ -383,6 +383,14 @@ class FaultTolerantStrategy(Strategy):
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._optimizers)
 
+    def _check_weighted_loss(self) -> None:
+        raise user_error(
+            "FaultTolerantStrategy does not normalise losses by weights yet (compute_average_loss(..., weights=...)): "
+            "the division needs one more collective after the commit, over a quorum that may have changed",
+            "compute_average_loss(..., weights=...)",
+            "Use one loss per example (e.g. each sequence's mean over its tokens) with compute_average_loss(per_example), "
+            "or MirroredStrategy for token-weighted losses.", cls=NotImplementedError)
+
     def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                            drop_remainder: bool = False, max_steps: int | None = None,
                            collate_fn: Callable[[list[Any]], Any] | None = None) -> "FaultTolerantBatches":

@@ -278,6 +278,7 @@ class ParameterServerStrategy(Strategy):
         return [self._optimizer] if self._optimizer is not None else []
 
     def _check_weighted_loss(self) -> None:
+        super()._check_weighted_loss()
         if self._sparse is not None:
             raise user_error(
                 "compute_average_loss(..., weights=...) cannot normalise the gradients of ShardedEmbedding rows (they "
