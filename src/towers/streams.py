@@ -208,10 +208,7 @@ class DistributedStream:
         batches yielded when loader workers prefetch.
         """
         B = self.global_batch_size
-        order = shard_order(self.num_virtual_shards, seed=self.seed, epoch=self._epoch, shuffle=self.shuffle)
-        source = self._source.begin_pass()
-        records = sequence(source, order, start.cursors, shuffle_block=self.shuffle_block if self.shuffle else 1,
-                           key=f"towers-block:{self.seed}:{self._epoch}")
+        records = self._records(start.cursors)
         ahead: deque[tuple[int, int, Any]] = deque()
         pos = start.copy()
         exhausted = False
@@ -289,10 +286,7 @@ class DistributedStream:
                     work: _Work = ([records[0]], not self.pad_empty_batches)
                     info = replace(info, num_padding_examples=1 if self.pad_empty_batches else 0)
                 else:
-                    lo, hi = shard_bounds(sizes[g], self.num_replicas, r)
-                    padding = 1 if hi == lo and self.pad_empty_batches else 0
-                    info = replace(info, local_batch_size=hi - lo, num_padding_examples=padding)
-                    work = (records[lo:hi], False) if hi > lo else ([records[0]], not padding)
+                    work, info = self._share(records, info, r)
                 batch = self._transform(work)
                 step += 1
                 self._position.batch = max(self._position.batch, g + 1)
@@ -300,10 +294,10 @@ class DistributedStream:
         self._epoch += 1
         self._position = _Position.start(self.num_virtual_shards)
 
-    def _records(self) -> Iterator[tuple[int, int, Any]]:
-        """The epoch's records, in its sequence, from its start."""
+    def _records(self, cursors: list[int] | None = None) -> Iterator[tuple[int, int, Any]]:
+        """The epoch's records, in its sequence, from ``cursors`` (records consumed per virtual shard; default: none)."""
         order = shard_order(self.num_virtual_shards, seed=self.seed, epoch=self._epoch, shuffle=self.shuffle)
-        return sequence(self._source.begin_pass(), order, [0] * self.num_virtual_shards,
+        return sequence(self._source.begin_pass(), order, cursors or [0] * self.num_virtual_shards,
                         shuffle_block=self.shuffle_block if self.shuffle else 1,
                         key=f"towers-block:{self.seed}:{self._epoch}")
 
@@ -324,12 +318,13 @@ class DistributedStream:
                              f"of {self.global_batch_size} with drop_remainder=True, so the epoch would be empty",
                              self._source.description, "Use a smaller global_batch_size or drop_remainder=False.")
 
-    def _share(self, records: list[tuple[int, int, Any]], info: BatchInfo) -> tuple[_Work, BatchInfo]:
-        """Return this replica's share of a global batch's records (what to transform) and the share's ``BatchInfo``."""
-        lo, hi = shard_bounds(len(records), self.num_replicas, self.replica_id)
+    def _share(self, records: list[tuple[int, int, Any]], info: BatchInfo,
+               replica_id: int | None = None) -> tuple[_Work, BatchInfo]:
+        """Return a replica's (default: this one's) share of a global batch's records (what to transform) and the
+        share's ``BatchInfo``."""
+        lo, hi = shard_bounds(len(records), self.num_replicas, self.replica_id if replica_id is None else replica_id)
         padding = 1 if hi == lo and self.pad_empty_batches else 0
-        info = BatchInfo(info.index, info.num_batches, info.global_batch_size, hi - lo, padding,
-                         info.examples_per_update, info.batches_per_update, info.last_in_update)
+        info = replace(info, local_batch_size=hi - lo, num_padding_examples=padding)
         if hi > lo:
             return (records[lo:hi], False), info
         # an empty share: the batch's first example, padded (kept) or with 0 rows (the structure only)
