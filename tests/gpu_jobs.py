@@ -7,8 +7,6 @@ spawn context find these functions in their children by reference. Each body ret
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import Any
 
@@ -177,28 +175,9 @@ def fsdp_one_gpu_cpu_offload(precision: str = "bf16", steps: int = STEPS) -> dic
 # --- the stuck-rank watchdog around a CUDA collective ------------------------------------------------
 def stuck_rank(env: dict[str, str], backend: str, device_type: str, out_path: str, err_path: str) -> None:
     """Entry point of one rank: stdout/stderr to files, the job's variables, then ``_stuck_job``; exits like a script."""
-    for fd, path in ((1, out_path), (2, err_path)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
-    os.environ.update(env)
-    import tempfile
+    from stuck_job import run_as_script
 
-    tempfile.tempdir = None  # TMPDIR (where the report goes) comes from env
-    try:
-        _stuck_job(backend, device_type)
-    except BaseException:  # noqa: BLE001 - as the interpreter does for a script's uncaught exception
-        sys.excepthook(*sys.exc_info())
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def _spin_forever() -> None:
-    n = 0
-    while True:  # a Python loop that never ends: the rank's watchdog still answers
-        n += 1
+    run_as_script(env, out_path, err_path, _stuck_job, backend, device_type)
 
 
 def _stuck_job(backend: str, device_type: str) -> None:
@@ -229,6 +208,8 @@ def _stuck_job(backend: str, device_type: str) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     if info.rank == 1:
+        from stuck_job import _spin_forever
+
         print(f"FAULT {time.time():.3f}", flush=True)
         _spin_forever()
     print(f"WAITING on {device}", flush=True)

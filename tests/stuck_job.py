@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any, Callable
 
 FAULT_STEP = 2  # rank 1's fault comes at this step (0-based) of 4: 2 epochs of 2 steps
 FAULTS = ("stop", "loop", "skip", "extra_step")
@@ -19,6 +20,12 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "
 
 def run_rank(env: dict, strategy_name: str, fault: str, out_path: str, err_path: str) -> None:
     """Entry point of one rank: route stdout/stderr to files, take the job's variables, run the job."""
+    run_as_script(env, out_path, err_path, _job, strategy_name, fault)
+
+
+def run_as_script(env: dict, out_path: str, err_path: str, job: Callable[..., None], *args: Any) -> None:
+    """Run ``job(*args)`` as one rank of a script: stdout/stderr to files, ``env`` set, one torch thread; exit
+    like the interpreter does (1 after printing an uncaught exception, else 0)."""
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
@@ -31,7 +38,7 @@ def run_rank(env: dict, strategy_name: str, fault: str, out_path: str, err_path:
 
     torch.set_num_threads(1)
     try:
-        _job(strategy_name, fault)
+        job(*args)
     except BaseException:  # noqa: BLE001 - as the interpreter does for a script's uncaught exception
         sys.excepthook(*sys.exc_info())
         sys.stderr.flush()
@@ -41,8 +48,9 @@ def run_rank(env: dict, strategy_name: str, fault: str, out_path: str, err_path:
 
 
 def _spin_forever() -> None:
+    """A Python loop that never ends: the rank's watchdog still answers."""
     n = 0
-    while True:  # a Python loop that never ends: the rank's watchdog still answers
+    while True:
         n += 1
 
 
