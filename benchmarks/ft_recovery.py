@@ -9,9 +9,11 @@ Two replica groups of one process each, a lighthouse in this process, all on loo
   survivor and is back in the quorum; includes starting Python and importing torch). The two
   groups must end with equal parameters.
 * ``steady``: in the same 2 processes, interleaved blocks of ``--steps`` steps under
-  MirroredStrategy (DDP over a torch.distributed Gloo group) and under FaultTolerantStrategy
-  (torchft's DDP over its per-quorum Gloo group, a quorum and a commit vote per step), same
-  model and batch; ms per step on group 0, medians over the blocks.
+  MirroredStrategy (DDP over a torch.distributed Gloo group), under FaultTolerantStrategy (one
+  flat all-reduce of the gradients at the end of backward over torchft's per-quorum Gloo group, a
+  quorum and a commit vote per step), and under FaultTolerantStrategy with torchft's own DDP
+  wrapper instead (``TOWERS_FT_GRADIENTS=ddp``, what it used before); same model and batch; ms
+  per step on group 0, medians over the blocks.
 
     python benchmarks/ft_recovery.py --repeats 3
 """
@@ -92,7 +94,8 @@ def _worker_steady(args: argparse.Namespace) -> None:
     mirrored = towers.get_strategy("mirrored", info=info)
     ft = _strategy(args)
     engines = {}
-    for name, strategy in (("mirrored", mirrored), ("ft", ft)):
+    for name, strategy in (("mirrored", mirrored), ("ft", ft), ("ft_torchft_ddp", ft)):
+        os.environ["TOWERS_FT_GRADIENTS"] = "ddp" if name == "ft_torchft_ddp" else "flat"
         net, data = _model_and_data(0)
         model, optimizer = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01))
         engines[name] = (strategy, model, optimizer)
@@ -242,10 +245,11 @@ def main() -> None:
     if not args.skip_steady:
         times = _steady(args, lighthouse.address)
         med = {k: statistics.median(v) for k, v in times.items()}
-        ratios = [f / m for f, m in zip(times["ft"], times["mirrored"])]
         print(f"steady ms/step (group 0, {args.repeats} blocks of {args.steps}): mirrored {med['mirrored']:.1f}, "
-              f"ft {med['ft']:.1f}; ft/mirrored median {statistics.median(ratios):.3f} "
-              f"[{min(ratios):.3f}-{max(ratios):.3f}]")
+              f"ft {med['ft']:.1f}, ft with torchft's DDP {med['ft_torchft_ddp']:.1f}")
+        for name in ("ft", "ft_torchft_ddp"):
+            ratios = [f / m for f, m in zip(times[name], times["mirrored"])]
+            print(f"  {name}/mirrored median {statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]")
     print(f"load after: {os.getloadavg()[0]:.2f}")
     lighthouse.shutdown()
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime
 import torch
 
 __all__ = ["BatchInfo", "shard_bounds", "global_batch_sizes", "batch_info", "find_batch_info", "attach_batch_info",
-           "map_tensors", "to_device", "DistributedBatches"]
+           "map_tensors", "to_device", "DistributedBatches", "FollowsJob"]
 
 
 def shard_bounds(batch_size: int, num_replicas: int, replica_id: int) -> tuple[int, int]:
@@ -160,3 +160,20 @@ class DistributedBatches(Protocol):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (refusing one saved for another input)."""
+
+
+@runtime_checkable
+class FollowsJob(Protocol):
+    """An input whose position is the job's, not this replica's own count (fault-tolerant replica groups).
+
+    A replica can join a job that is already running (a group started again heals to the live
+    groups' step), and a step can fail to commit (it is retried with the same global batch): the
+    Trainer then takes its epoch and step from ``job_position`` rather than counting its own steps.
+    """
+
+    def job_position(self) -> tuple[int, int]:
+        """Return ``(epoch, batch)`` of the job's next step: its epoch and the global batches of it already done.
+
+        A replica that has not joined the job yet joins it first (and catches up with it there), so
+        the answer is the same on every live replica.
+        """

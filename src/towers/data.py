@@ -37,6 +37,7 @@ from torch.utils.data import IterableDataset, TensorDataset, default_collate
 from towers._batch import (
     BatchInfo,
     DistributedBatches,
+    FollowsJob,
     attach_batch_info,
     batch_info,
     find_batch_info,
@@ -51,8 +52,8 @@ from towers.errors import user_error
 from towers.streams import DistributedStream, InputContext, Shards, is_stream
 
 __all__ = ["BatchInfo", "DistributedDataset", "Dispatch", "distribute_dataset", "shard_bounds", "global_batch_sizes",
-           "batch_info", "find_batch_info", "map_tensors", "DistributedBatches", "DistributedStream", "Shards",
-           "InputContext", "is_stream"]
+           "batch_info", "find_batch_info", "map_tensors", "DistributedBatches", "FollowsJob", "DistributedStream",
+           "Shards", "InputContext", "is_stream"]
 
 log = get_logger(__name__)
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from cli_support import OutputReader, clean_env, kill, processes_running, start
+from ft_job import one_device_reference
 from towers.cluster.info import ProcessInfo
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,24 +55,6 @@ def _lighthouse() -> tuple[subprocess.Popen, str]:
 def _step(line: str) -> tuple[int, int, float]:
     _, step, _, groups, _, t = line.split()
     return int(step), int(groups), float(t)
-
-
-def _one_device_reference(steps: int) -> dict[str, torch.Tensor]:
-    """What tests/ft_job.py computes on one device in ``steps`` steps (group 0's initial weights)."""
-    from torch import nn
-
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    x = torch.randn(512, 8, generator=torch.Generator().manual_seed(123))
-    y = (x[:, 0] > 0).long()
-    for s in range(steps):
-        epoch, index = divmod(s, 512 // 32)
-        idx = torch.randperm(512, generator=torch.Generator().manual_seed(7 + epoch))[index * 32:(index + 1) * 32]
-        (nn.functional.cross_entropy(net(x[idx]), y[idx], reduction="sum") / 32).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return net.state_dict()
 
 
 def test_survives_a_killed_group_and_heals_it(tmp_path: Path) -> None:
@@ -132,7 +115,7 @@ def test_survives_a_killed_group_and_heals_it(tmp_path: Path) -> None:
         for key in final[0]:
             assert torch.equal(final[0][key], final[1][key]), key
         # Same maths as one device: every committed step took its whole global batch, whoever was alive.
-        reference = _one_device_reference(back_step + 15)
+        reference = one_device_reference(back_step + 15)
         for key in final[0]:
             torch.testing.assert_close(final[0][key], reference[key], rtol=1e-4, atol=1e-5)
     finally:

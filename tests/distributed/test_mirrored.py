@@ -107,14 +107,14 @@ def _replica(name: str, case_names: list[str]) -> dict | None:
     for case_name in case_names:
         case = CASES[case_name]
         extra = {"exit_on_ps": False} if entry.has_ps else {}  # a ps task returns here instead of exiting
-        strategy = towers.get_strategy(name, timeout_s=60, **entry.same_maths_options, **case.get("options", {}),
-                                       **extra)
+        extra.update({"timeout_s": 60} if _accepts(entry, {"timeout_s": 60}) else {"peer_timeout_s": 10})
+        strategy = towers.get_strategy(name, **entry.same_maths_options, **case.get("options", {}), **extra)
         if getattr(strategy, "is_ps", False):
             continue
         results[case_name] = train(strategy, n=case["n"], gbs=case["gbs"], model=case["model"],
                                    pad=case.get("pad", False))
         results[case_name]["replicas"] = strategy.num_replicas_in_sync
-        if entry.has_ps:  # release the ps tasks for the next case (a process group is reused as it is)
+        if entry.has_ps or entry.restarts_lost_replica:  # release the ps tasks (or leave the quorum) for the next case
             strategy.shutdown()
     return results or None
 
@@ -133,7 +133,17 @@ def test_every_synchronous_strategy_matches_one_device(name, replicas):
     assert {"ragged_last_batch", "one_example_last_batch", "padded_empty_share"} <= set(names)
     env = {"TOWERS_STRATEGY": entry.name, "TOWERS_NUM_PS": "1"} if entry.has_ps else {}
     nprocs = replicas + (1 if entry.has_ps else 0)
-    per_rank = towers.spawn(_replica, nprocs, args=(name, names), timeout_s=SPAWN_TIMEOUT_S, env=env)[:replicas]
+    lighthouse = None
+    if entry.restarts_lost_replica:  # fault tolerant: a lighthouse, as towers launch runs one
+        from towers.strategies.fault_tolerant import start_lighthouse
+
+        lighthouse = start_lighthouse(peer_timeout_s=1)
+        env.update(TORCHFT_LIGHTHOUSE=lighthouse.address, RUST_LOG="warn")
+    try:
+        per_rank = towers.spawn(_replica, nprocs, args=(name, names), timeout_s=SPAWN_TIMEOUT_S, env=env)[:replicas]
+    finally:
+        if lighthouse is not None:
+            lighthouse.shutdown()
     for case_name in names:
         ref = _reference(case_name)
         micro = CASES[case_name].get("options", {}).get("gradient_accumulation_steps", 1)

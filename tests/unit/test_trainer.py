@@ -152,3 +152,156 @@ def test_a_micro_batch_without_labels_adds_nothing_not_nan():
         (one, one_logs), (two, two_logs) = train(1, kind), train(2, kind)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one, two)), kind
         assert two_logs["loss"] == pytest.approx(one_logs["loss"]) and math.isfinite(two_logs["loss"][0]), kind
+
+
+class _JobInput:
+    """A DistributedDataset whose position is a job's committed steps (``towers.data.FollowsJob``), as under
+    FaultTolerantStrategy: it yields global batch ``s mod len`` of epoch ``s // len`` while the job is at step ``s``."""
+
+    last_pass = None
+
+    def __init__(self, strategy: "_JobStrategy", inner: towers.data.DistributedDataset):
+        self.strategy, self.inner, self._epoch = strategy, inner, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.inner.batches_per_epoch
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def job_position(self) -> tuple[int, int]:
+        return divmod(self.strategy.job_step, self.batches_per_epoch)
+
+    def iter_from(self, batch: int):
+        while self.strategy.job_step // self.batches_per_epoch == self._epoch:
+            self.inner.set_epoch(self._epoch)
+            yield next(iter(self.inner.iter_from(self.strategy.job_step % self.batches_per_epoch)))
+
+    def __iter__(self):
+        return self.iter_from(0)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+class _VotingOptimizer:
+    """Steps the user's optimizer when the fake job commits the step (not at the steps in ``fail_at``, once each)."""
+
+    def __init__(self, strategy: "_JobStrategy", optimizer: torch.optim.Optimizer):
+        self.strategy, self.optimizer = strategy, optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        if self.strategy.job_step in self.strategy.fail_at:
+            self.strategy.fail_at.discard(self.strategy.job_step)  # dropped: the same batch comes again
+            return
+        self.optimizer.step()
+        self.strategy.job_step += 1
+
+
+class _JobStrategy(towers.OneDeviceStrategy):
+    """One device in a job that is at committed step ``start_step`` (a group that joined a running job)."""
+
+    def __init__(self, start_step: int = 0, fail_at=()):
+        super().__init__("cpu")
+        self.job_step, self.fail_at = start_step, set(fail_at)
+
+    def prepare(self, model, optimizer=None, **kwargs):
+        model, optimizer = super().prepare(model, optimizer, **kwargs)
+        return model, _VotingOptimizer(self, optimizer)
+
+    def distribute_dataset(self, dataset, global_batch_size, **kwargs):
+        return _JobInput(self, super().distribute_dataset(dataset, global_batch_size, **kwargs))
+
+
+def _trainer_on(strategy, **kwargs) -> Trainer:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, metrics=["accuracy"],
+                   strategy=strategy, **kwargs)
+
+
+def test_fit_follows_the_jobs_committed_steps():
+    """An input whose position is the job's: steps that did not commit count nowhere, a late joiner starts mid-job."""
+    x, y = _data()  # 50 examples, 16 per step: 4 steps per epoch, the last of 2
+    plain = _trainer_on(towers.OneDeviceStrategy("cpu"), log_every_n_steps=2)
+    expected = plain.fit((x, y), 3, 16).history
+    # Steps 1, 3 (the end of epoch 0) and 6 do not commit once each: retried, they change nothing.
+    job = _trainer_on(_JobStrategy(fail_at={1, 3, 6}), log_every_n_steps=2)
+    history = job.fit((x, y), 3, 16)
+    assert history.history.keys() == expected.keys()
+    for key, values in expected.items():
+        assert history[key] == pytest.approx(values), key
+    assert history["examples"] == [50.0] * 3 and job.progress.global_step == 12
+    for a, b in zip(job.unwrapped_model.parameters(), plain.unwrapped_model.parameters()):
+        assert torch.equal(a, b)
+
+    epochs_begun = []
+
+    class Epochs(towers.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            epochs_begun.append((epoch, self.trainer.progress.step))
+
+    joiner = _trainer_on(_JobStrategy(start_step=6))  # the job is in epoch 1, at its step 2
+    history = joiner.fit((x, y), 3, 16, callbacks=[Epochs()])
+    assert epochs_begun == [(1, 2), (2, 0)]  # the job's epoch and step, not epoch 0
+    assert history.epoch == [1, 2] and history["examples"] == [50.0, 50.0] and joiner.progress.global_step == 12
+    finished = _trainer_on(_JobStrategy(start_step=12))  # the job trained every epoch already
+    assert finished.fit((x, y), 3, 16).epoch == [] and finished.progress.global_step == 12
+    with pytest.raises(ValueError, match=r"steps_per_epoch must cover the whole dataset .* Received: steps_per_epoch=2"):
+        _trainer_on(_JobStrategy()).fit((x, y), 3, 16, steps_per_epoch=2)
+
+
+class _LosingStrategy(towers.OneDeviceStrategy):
+    """One device whose reductions raise PeerLostError after the global steps in ``fail_after``."""
+
+    def __init__(self, fail_after):
+        super().__init__("cpu")
+        self.fail_after, self.trainer = set(fail_after), None
+
+    def reduce(self, op, value, axis=None):
+        if self.trainer.progress.global_step in self.fail_after:
+            raise towers.strategies.PeerLostError("replica group 0: strategy.reduce failed: a peer was lost")
+        return super().reduce(op, value, axis)
+
+
+def test_a_peer_lost_during_a_reduction_keeps_training(caplog):
+    x, y = _data()
+    plain = _trainer_on(towers.OneDeviceStrategy("cpu"))
+    expected = plain.fit((x, y), 2, 16).history
+    strategy = _LosingStrategy(fail_after={2, 8})  # mid-epoch 0, and the last step of epoch 1
+    trainer = _trainer_on(strategy)
+    strategy.trainer = trainer
+    with caplog.at_level("WARNING", logger="towers"):
+        history = trainer.fit((x, y), 2, 16)
+    assert "training metrics not reduced at global step 2" in caplog.text
+    assert history["examples"] == [50.0, 50.0] and trainer.progress.global_step == 8
+    assert history["loss"][0] == pytest.approx(expected["loss"][0])  # step 2's sums joined step 3's reduction
+    assert history["loss"][1] != pytest.approx(expected["loss"][1])  # the epoch's last steps' sums never reduced
+    for a, b in zip(trainer.unwrapped_model.parameters(), plain.unwrapped_model.parameters()):
+        assert torch.equal(a, b)
+
+    class StopAtStep2(towers.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if logs["global_step"] == 2:
+                self.trainer.stop_training = True
+
+    strategy = _LosingStrategy(fail_after={2})
+    trainer = _trainer_on(strategy)
+    strategy.trainer = trainer
+    trainer.fit((x, y), 2, 16, callbacks=[StopAtStep2()])
+    assert trainer.progress.global_step == 3  # not decided at step 2 (no reduction): at the next one, everywhere

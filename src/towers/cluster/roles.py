@@ -48,6 +48,9 @@ class StrategyEntry:
     same_maths_options: Mapping[str, Any] | None = field(default_factory=dict)
     #: True when the job can go on after a non-chief worker dies (``towers launch`` then tolerates it by default).
     survives_dead_worker: bool = False
+    #: True when a lost replica (group) is restarted alone while the others train on (``towers launch`` then runs
+    #: a lighthouse on node 0 and restarts each lost process by itself).
+    restarts_lost_replica: bool = False
     summary: str = ""
 
     def __post_init__(self) -> None:
@@ -78,6 +81,9 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
                   summary="dense layers all-reduced among workers, sharded embedding rows on ps tasks"),
     StrategyEntry("sharded", "towers.strategies.fully_sharded:FullyShardedStrategy", ("fsdp", "fully_sharded"),
                   summary="parameters, gradients and optimizer state sharded over the replicas (FSDP2)"),
+    StrategyEntry("fault_tolerant", "towers.strategies.fault_tolerant:FaultTolerantStrategy", ("ft", "torchft"),
+                  restarts_lost_replica=True,
+                  summary="replicas that survive a lost one: a quorum per step, the lost one restarted alone (torchft)"),
 )
 
 

@@ -2,6 +2,7 @@
 
 from towers.strategies.base import (
     REDUCE_OPS,
+    PeerLostError,
     ReplicaContext,
     Strategy,
     current_replica_context,
@@ -17,11 +18,9 @@ from towers.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStra
 from towers.strategies.one_device import OneDeviceStrategy
 from towers.strategies.parameter_server import ParameterServerStrategy
 
-# Not a row of roles.STRATEGIES yet: towers launch does not start its lighthouse (docs/fault_tolerance.md).
-register_strategy("fault_tolerant", FaultTolerantStrategy, aliases=("ft", "torchft"))
-
 __all__ = [
     "REDUCE_OPS",
+    "PeerLostError",
     "ReplicaContext",
     "Strategy",
     "OneDeviceStrategy",

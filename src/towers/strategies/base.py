@@ -41,6 +41,7 @@ __all__ = [
     "get_strategy",
     "strategy_names",
     "strategy_from_env",
+    "PeerLostError",
 ]
 
 log = get_logger(__name__)
@@ -50,6 +51,14 @@ REDUCE_OPS = ("sum", "mean", "max", "min")
 
 _current_strategy: contextvars.ContextVar["Strategy | None"] = contextvars.ContextVar("towers_strategy", default=None)
 _current_replica: contextvars.ContextVar["ReplicaContext | None"] = contextvars.ContextVar("towers_replica", default=None)
+
+
+class PeerLostError(RuntimeError):
+    """A collective over the live replicas failed: one of them was lost since the current step began.
+
+    Raised only by strategies that survive a lost replica (``FaultTolerantStrategy``): the caller
+    may go on, since the next step's replicas leave the lost one out. Other strategies end the job.
+    """
 
 
 def check_max_norm(max_norm: Any) -> None:

@@ -28,19 +28,22 @@ for a silent group before forming a quorum without it. torchft is an optional ex
 from __future__ import annotations
 
 import contextlib
+import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from towers._batch import BatchInfo, attach_batch_info, find_batch_info, shard_bounds, to_device
-from towers._logging import get_logger
+from towers._batch import BatchInfo, attach_batch_info, find_batch_info, map_tensors, shard_bounds, to_device
+from towers._logging import configure_logging, configured_logging, get_logger, set_rank
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.errors import user_error
 from towers.strategies._collectives import _local_reduce, as_tensor, check_op
-from towers.strategies.base import ReplicaContext, Strategy
+from towers.strategies._ft_grads import GradientSync
+from towers.strategies.base import PeerLostError, ReplicaContext, Strategy
 from towers.strategies.precision import Precision, resolve_precision
 
 __all__ = ["FaultTolerantStrategy", "Lighthouse", "start_lighthouse", "DEFAULT_PEER_TIMEOUT_S"]
@@ -58,13 +61,22 @@ def _torchft() -> Any:
     """Return the ``torchft`` module, or raise an ImportError that names the fix."""
     try:
         import torchft
-        import torchft.checkpointing.pg_transport  # noqa: F401 (the transport healing uses)
+        import torchft.checkpointing.transport  # noqa: F401 (the transport healing uses)
         import torchft.coordination  # noqa: F401
         import torchft.ddp  # noqa: F401
     except ImportError as exc:
         raise ImportError(f"FaultTolerantStrategy runs on torchft, which could not be imported. Received: "
                           f"{type(exc).__name__}: {exc}. {_INSTALL_FIX}") from exc
     return torchft
+
+
+def _own_address(info: ProcessInfo) -> str:
+    """The address the other groups reach this one at: the rendezvous host on one host, else the address of the
+    interface that reaches the other hosts (which torchft's Gloo groups then bind too)."""
+    from towers.network import use_interface
+
+    choice = use_interface(info)  # None on one host (or when no interface is named or needed)
+    return (choice.interface.address if choice is not None else None) or info.master_addr
 
 
 def _check_timeout(name: str, value: float) -> float:
@@ -108,6 +120,76 @@ def start_lighthouse(address: str = "127.0.0.1", port: int = 0, *, min_replicas:
     log.info("torchft lighthouse on %s (min_replicas=%d, peer_timeout_s=%s)", lighthouse.address, min_replicas,
              peer_timeout_s)
     return lighthouse
+
+
+@dataclass(frozen=True)
+class _GroupLayout:
+    """Which replica group this process belongs to, its rank among the group's ``size`` processes, the store port."""
+
+    group: int
+    rank: int
+    size: int
+    port: int
+
+    @staticmethod
+    def resolve(info: ProcessInfo, group: int | None, size: int | None, rank: int | None,
+                port: int | None) -> "_GroupLayout":
+        """The arguments, else what ``towers launch`` set (``TOWERS_FT_GROUP*``), else one process per group."""
+        env = os.environ
+
+        def pick(value: int | None, key: str, default: int) -> int:
+            raw: Any = value if value is not None else env.get(key, "").strip() or default
+            try:
+                return int(raw)
+            except (TypeError, ValueError):
+                raise user_error(f"{key} must be an integer", repr(raw), "Unset it, or run under towers launch "
+                                 "--strategy fault_tolerant, which sets it.") from None
+
+        layout = _GroupLayout(group=pick(group, "TOWERS_FT_GROUP", info.rank), rank=pick(rank, "TOWERS_FT_GROUP_RANK", 0),
+                              size=pick(size, "TOWERS_FT_GROUP_SIZE", 1), port=pick(port, "TOWERS_FT_GROUP_PORT", 0))
+        if layout.size < 1 or not 0 <= layout.rank < layout.size or layout.group < 0:
+            raise user_error("a replica group needs size >= 1, 0 <= rank < size and a group id >= 0",
+                             f"group={layout.group}, group_rank={layout.rank}, group_size={layout.size}",
+                             "Number the processes of a group 0..group_size-1 (towers launch --group-size does).")
+        if layout.size > 1 and not 0 < layout.port < 65536:
+            raise user_error("a replica group of several processes needs the port where its process 0 serves the "
+                             "group's store", f"group_port={layout.port}",
+                             "Run under towers launch --strategy fault_tolerant --group-size N, or pass the same free "
+                             "group_port to every process of the group.")
+        return layout
+
+
+def _intra_group(store: Any, layout: _GroupLayout, timeout: timedelta) -> Any:
+    """The process group of this replica group's own processes (None for a group of one)."""
+    if layout.size == 1:
+        return None
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise user_error("FaultTolerantStrategy with groups of several processes makes the group's own process group "
+                         "the default one, but a default process group exists already", "torch.distributed initialized",
+                         "Build the strategy before any other strategy or init_process_group in this process.",
+                         cls=RuntimeError)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"towers/ft/group{layout.group}", store), rank=layout.rank,
+                            world_size=layout.size, timeout=timeout)
+    return dist.group.WORLD
+
+
+class _QuorumClient:
+    """torchft's manager client, noting the replica group ids of each quorum it returns (for the logs)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.members: list[int] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        with contextlib.suppress(Exception):  # the ids are "towers_ft_<group>[:...]"; anything else is not logged
+            self.members = sorted(int(str(r).split(":")[0].rsplit("_", 1)[1]) for r in quorum.replica_ids)
+        return quorum
 
 
 class _Steps:
@@ -203,6 +285,7 @@ class FaultTolerantStrategy(Strategy):
     def __init__(self, *, info: ProcessInfo | None = None, lighthouse: str | None = None,
                  replica_group_id: int | None = None, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
                  min_replicas: int = 1, quorum_timeout_s: float = 60.0, address: str | None = None,
+                 group_size: int | None = None, group_rank: int | None = None, group_port: int | None = None,
                  precision: "str | int | Precision | None" = "32"):
         from towers import cluster
 
@@ -213,6 +296,9 @@ class FaultTolerantStrategy(Strategy):
                              "Use 1 so that a single surviving group trains on.")
         info = info or cluster.from_env()
         self._info = info
+        set_rank(info.rank, info.world_size)
+        if info.log_level and not configured_logging():  # a worker of `towers launch`: its [rank r/w] output
+            configure_logging(info.log_level)
         self._device = torch.device("cpu")
         self._precision = resolve_precision(precision, self._device)
         if self._precision.enabled:
@@ -220,23 +306,27 @@ class FaultTolerantStrategy(Strategy):
                              "Use precision='32', or MirroredStrategy for mixed precision.")
         torchft = _torchft()
         from torch.distributed import TCPStore
-        from torchft.checkpointing.pg_transport import PGTransport
 
-        self.replica_group_id = int(info.rank if replica_group_id is None else replica_group_id)
+        from towers.strategies._ft_transport import WireTransport
+
+        layout = _GroupLayout.resolve(info, replica_group_id, group_size, group_rank, group_port)
+        self.replica_group_id, self.group_size, self.group_rank = layout.group, layout.size, layout.rank
         self.peer_timeout_s = peer_timeout_s
-        host = address or info.master_addr
+        host = address or _own_address(info)
         timeout = timedelta(seconds=peer_timeout_s)
-        # The group's own store (one process per group: this one is its master); torchft's managers and its
-        # per-quorum process groups meet there.
-        self._store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
+        # The group's own store, served by member 0: torchft's managers and per-quorum process groups meet there,
+        # and so do the members' own process group (groups of several processes).
+        self._store = TCPStore(host_name=host, port=layout.port, is_master=layout.rank == 0, wait_for_workers=False,
+                               timeout=timedelta(seconds=quorum_timeout_s))
+        self._intra = _intra_group(self._store, layout, timeout)
         self._pg = torchft.ProcessGroupGloo(timeout=timeout)
-        transport = PGTransport(self._pg, timeout=timeout, device=self._device)
+        transport = WireTransport(self._pg, timeout)  # the live state as JSON and tensor bytes, never a pickle
         try:
             self._manager = torchft.Manager(
                 pg=self._pg, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
                 use_async_quorum=False,  # heal before the forward pass, so a healed group computes on the live weights
                 timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
-                connect_timeout=timedelta(seconds=quorum_timeout_s), rank=0, world_size=1,
+                connect_timeout=timedelta(seconds=quorum_timeout_s), rank=layout.rank, world_size=layout.size,
                 store_addr=host, store_port=self._store.port, lighthouse_addr=lighthouse,
                 replica_id=f"towers_ft_{self.replica_group_id}", hostname=host, checkpoint_transport=transport)
         except KeyError as exc:  # torchft reads TORCHFT_LIGHTHOUSE when no address is given
@@ -244,14 +334,20 @@ class FaultTolerantStrategy(Strategy):
                              "and no TORCHFT_LIGHTHOUSE", "Start one (towers.strategies.fault_tolerant.start_lighthouse, "
                              "or torchft_lighthouse --min_replicas 1 --bind 127.0.0.1:29510) and pass "
                              "lighthouse='http://host:port' to the strategy.") from exc
+        self._quorum_client = _QuorumClient(self._manager._client)
+        self._manager._client = self._quorum_client  # the same client, noting each quorum's members
+        self._members: list[int] | None = None
         self._steps = _Steps()
-        self._lighthouse = lighthouse or "(TORCHFT_LIGHTHOUSE)"
+        self._group_synced = False
+        self._gradient_syncs: list[GradientSync] = []
+        self._lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "(TORCHFT_LIGHTHOUSE)")
         self._quorum_timeout_s = quorum_timeout_s
         self._user_modules: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._closed = False
-        log.info("FaultTolerantStrategy: replica group %d (lighthouse %s, peer_timeout_s=%s, min_replicas=%d)",
-                 self.replica_group_id, lighthouse or "from TORCHFT_LIGHTHOUSE", peer_timeout_s, min_replicas)
+        log.info("FaultTolerantStrategy: replica group %d, process %d of %d (lighthouse %s, peer_timeout_s=%s, "
+                 "min_replicas=%d)", self.replica_group_id, layout.rank, layout.size,
+                 lighthouse or "from TORCHFT_LIGHTHOUSE", peer_timeout_s, min_replicas)
 
     # --- who am I -------------------------------------------------------------------------------------
     @property
@@ -268,14 +364,16 @@ class FaultTolerantStrategy(Strategy):
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """The groups in the current step's quorum (1 before the first step)."""
-        return max(1, self._manager.num_participants())
+        """The processes of the groups in the current step's quorum (each process is a replica; ``group_size`` per
+        group before the first step)."""
+        return max(1, self._manager.num_participants()) * self.group_size
 
     @property
     def replica_id(self) -> int:
-        """This group's rank in the current step's quorum (0 before the first step)."""
+        """This process's place among them: its group's rank in the quorum times ``group_size``, plus its rank in the
+        group (``group_rank`` before the first step)."""
         rank = self._manager.participating_rank()
-        return 0 if rank is None else int(rank)
+        return (0 if rank is None else int(rank)) * self.group_size + self.group_rank
 
     @property
     def current_step(self) -> int:
@@ -305,12 +403,55 @@ class FaultTolerantStrategy(Strategy):
                 f"single point: without it every group stops at its last committed step ({self.current_step}). "
                 "Restart the lighthouse, then the groups (from the last checkpoint).") from exc
         self._steps.open = True
+        self._note_members()
+        if self._intra is not None and not self._group_synced:
+            self._sync_group()
+
+    def _sync_group(self) -> None:
+        """Make the group's processes hold process 0's parameters and buffers, once, after their first quorum.
+
+        torchft heals process r of a group from process r of a live group, and at the job's first step
+        (every group at step 0, each with its own initial weights) process 0 and process 1 of a group
+        may take them from different groups: without this, a group's processes would start apart.
+        """
+        import torch.distributed as dist
+
+        for module in self._user_modules:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=0, group=self._intra)
+        self._group_synced = True
+
+    def _note_members(self) -> None:
+        """Log the groups that left or joined the quorum since the last step (named by their group ids)."""
+        members = self._quorum_client.members
+        before, self._members = self._members, members
+        if before is None or members is None or members == before:
+            return
+        left, joined = sorted(set(before) - set(members)), sorted(set(members) - set(before))
+        if left:
+            log.warning("replica group %d: replica group(s) %s left the quorum at step %d (dead, stopped or unreachable "
+                        "for peer_timeout_s=%s); training on with %d group(s)", self.replica_group_id,
+                        ", ".join(map(str, left)), self.current_step, self.peer_timeout_s, len(members))
+        if joined:
+            log.info("replica group %d: replica group(s) %s joined the quorum at step %d (%d group(s))",
+                     self.replica_group_id, ", ".join(map(str, joined)), self.current_step, len(members))
+
+    def _join(self) -> None:
+        """Join the job if this group has taken part in no step yet: a group started again heals here (``_begin_step``)."""
+        if self._manager._quorum_future is None:
+            self._begin_step()
+
+    def _step_in_progress(self) -> bool:
+        """True between a step's quorum and its commit vote."""
+        return self._steps.open
 
     def _commit(self) -> bool:
         """The commit vote of the step in progress: True when every live group's all-reduce succeeded."""
         self._begin_step()
         committed = bool(self._manager.should_commit())
         self._steps.open = False
+        for sync in self._gradient_syncs:
+            sync.step_done()
         if not committed:
             self._steps.not_committed += 1
             log.warning("replica group %d: step %d did not commit (%s); its update is dropped and the same global "
@@ -357,7 +498,11 @@ class FaultTolerantStrategy(Strategy):
         class _SummingDDP(DistributedDataParallel):  # torchft's DDP averages; towers' losses are already / global batch
             _comm_hook = staticmethod(_sum_hook)
 
-        wrapped = _SummingDDP(manager, model)
+        if os.environ.get("TOWERS_FT_GRADIENTS", "flat") == "ddp":  # torchft's DDP, kept for the benchmark's comparison
+            wrapped: nn.Module = _SummingDDP(manager, model)
+        else:
+            self._gradient_syncs.append(GradientSync(manager, model, group=self.replica_group_id, intra=self._intra))
+            wrapped = model
         key = f"model_{len(self._user_modules)}"
         user_optimizer = optimizer
 
@@ -393,7 +538,8 @@ class FaultTolerantStrategy(Strategy):
 
     def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                            drop_remainder: bool = False, max_steps: int | None = None,
-                           collate_fn: Callable[[list[Any]], Any] | None = None) -> "FaultTolerantBatches":
+                           collate_fn: Callable[[list[Any]], Any] | None = None,
+                           pad_empty_batches: bool = False) -> "FaultTolerantBatches":
         """Return this group's share of each global batch of a map-style ``dataset``, split over each step's quorum.
 
         Iterating yields, for committed step ``s``, global batch ``s mod len(self)`` of epoch
@@ -401,23 +547,33 @@ class FaultTolerantStrategy(Strategy):
         of the epoch it began in, or when ``max_steps`` steps are committed. A step that did not
         commit is retried with the same global batch.
 
+        ``dataset`` is what ``towers.data.distribute_dataset`` takes for map-style data (a dataset, a
+        tensor, a tuple or a dict of tensors). A replica whose share of a small last batch is empty
+        gets 0 rows, or with ``pad_empty_batches`` one example of weight zero.
+
         Raises:
             ValueError: when ``global_batch_size`` is not a positive integer or the dataset is empty.
+            TypeError: when ``dataset`` is a stream (not supported by this strategy yet) or not a dataset.
         """
         return FaultTolerantBatches(self, dataset, global_batch_size, shuffle=shuffle, seed=seed,
-                                    drop_remainder=drop_remainder, max_steps=max_steps, collate_fn=collate_fn)
+                                    drop_remainder=drop_remainder, max_steps=max_steps, collate_fn=collate_fn,
+                                    pad_empty_batches=pad_empty_batches)
 
     # --- communication (over the live groups of the current quorum) -----------------------------------
     def _all_reduce(self, tensor: torch.Tensor, op: str, what: str) -> torch.Tensor:
         from torch.distributed import ReduceOp
 
+        reduce_op = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}[op]
+        if self._intra is not None:  # this group's processes first (a lost one fails this at once), then the groups
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, op=reduce_op, group=self._intra)
         if self._manager._quorum_future is None:  # before the first step: this group alone
             return tensor
-        work = self._manager.allreduce(tensor, reduce_op={"sum": ReduceOp.SUM, "max": ReduceOp.MAX,
-                                                          "min": ReduceOp.MIN}[op])
+        work = self._manager.allreduce(tensor, reduce_op=reduce_op)
         work.wait()
         if self._manager.errored():
-            raise RuntimeError(f"replica group {self.replica_group_id}: {what} failed over the live replica groups: "
+            raise PeerLostError(f"replica group {self.replica_group_id}: {what} failed over the live replica groups: "
                                f"{self._manager.errored()}. A group was lost since this step's quorum; the next step's "
                                "quorum leaves it out. Call it again after the next step.")
         return tensor
@@ -503,32 +659,91 @@ class FaultTolerantStrategy(Strategy):
             self._manager.shutdown(wait=False)
         with contextlib.suppress(Exception):
             self._pg.shutdown()
+        if self._intra is not None:
+            import torch.distributed as dist
+
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
 
 class FaultTolerantBatches:
-    """This group's share of each global batch, for the step the job is at (see ``FaultTolerantStrategy.distribute_dataset``)."""
+    """This group's share of each global batch, for the step the job is at (see ``FaultTolerantStrategy.distribute_dataset``).
+
+    The Trainer's input (``DistributedBatches``) whose position is the job's (``FollowsJob``):
+    committed step ``s`` is global batch ``s mod len(self)`` of epoch ``s // len(self)``, whichever
+    group asks, so a group started again mid-job continues in the live groups' epoch at their step.
+    """
 
     def __init__(self, strategy: FaultTolerantStrategy, dataset: Any, global_batch_size: int, *, shuffle: bool,
                  seed: int, drop_remainder: bool, max_steps: int | None,
-                 collate_fn: Callable[[list[Any]], Any] | None) -> None:
-        from torch.utils.data import default_collate
+                 collate_fn: Callable[[list[Any]], Any] | None, pad_empty_batches: bool = False) -> None:
+        from towers.data import _source
 
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise user_error("global_batch_size must be a positive integer", repr(global_batch_size),
                              "It is the number of examples per step summed over all replica groups.")
-        size = len(dataset)
+        self._source = _source(dataset, collate_fn)  # a dataset, a tensor, a tuple or a dict of tensors
+        size = self._source.size
         full, rest = divmod(size, global_batch_size)
         self.num_batches = full + (1 if rest and not drop_remainder else 0)
         if self.num_batches == 0:
             raise user_error("The dataset has no complete global batch", f"{size} example(s), global_batch_size="
                              f"{global_batch_size}, drop_remainder={drop_remainder}",
                              "Use a smaller global_batch_size or drop_remainder=False.")
-        self._strategy, self._dataset, self.global_batch_size = strategy, dataset, global_batch_size
+        self._strategy, self.global_batch_size = strategy, global_batch_size
         self._size, self._shuffle, self._seed, self._max_steps = size, bool(shuffle), int(seed), max_steps
-        self._collate = collate_fn or default_collate
+        self._pad = bool(pad_empty_batches)
+        #: Always None: every committed step trains its whole global batch (the Trainer counts committed steps).
+        self.last_pass: dict[str, int] | None = None
+        self._epoch = 0  # the epoch the next iter_from covers (set_epoch)
 
     def __len__(self) -> int:
         return self.num_batches
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Global batches per epoch (``len(self)``)."""
+        return self.num_batches
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter_from`` covers (``set_epoch``; an iteration leaves it at the job's epoch)."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter_from`` cover the job's steps of ``epoch``."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise user_error("epoch must be an integer >= 0", repr(epoch), "Pass the epoch to iterate, e.g. 0.")
+        self._epoch = epoch
+
+    def job_position(self) -> tuple[int, int]:
+        """Return ``(epoch, batch)`` of the job's next step: ``divmod(strategy.current_step, len(self))``.
+
+        A group that has taken part in no step yet joins the next quorum first: a group started again
+        heals there to the live groups' step (and state), so every live group gets the same answer.
+        Later calls only read the committed steps (no quorum is joined between steps).
+        """
+        self._strategy._join()
+        epoch, batch = divmod(self._strategy.current_step, self.num_batches)
+        return int(epoch), int(batch)
+
+    def state_dict(self) -> dict[str, int]:
+        """Return the job's position and the settings it depends on (for a checkpoint)."""
+        epoch, batch = divmod(self._strategy.current_step, self.num_batches)
+        return {"epoch": int(epoch), "batch": int(batch), "seed": self._seed, "global_batch_size": self.global_batch_size,
+                "num_examples": self._size}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Check that ``state`` was saved for this input; the position stays the job's (its committed steps).
+
+        Raises:
+            ValueError: when the state belongs to a different dataset, batch size or seed.
+        """
+        for key, mine in (("seed", self._seed), ("global_batch_size", self.global_batch_size),
+                          ("num_examples", self._size)):
+            if key in state and int(state[key]) != mine:
+                raise user_error(f"This data position was saved with another {key}", f"{key}={state[key]} (this "
+                                 f"input: {mine})", "Resume with the same dataset, global_batch_size and seed.")
 
     def _order(self, epoch: int) -> torch.Tensor:
         if not self._shuffle:
@@ -536,21 +751,59 @@ class FaultTolerantBatches:
         return torch.randperm(self._size, generator=torch.Generator().manual_seed(self._seed + epoch))
 
     def __iter__(self) -> Iterator[Any]:
-        strategy, first_epoch = self._strategy, None
+        """Yield this group's share of the job's steps until the job leaves the epoch it is in now."""
+        self._epoch = self.job_position()[0]
+        return self.iter_from(0)
+
+    def iter_from(self, batch: int) -> Iterator[Any]:
+        """Yield this group's share of the job's steps while the job is in epoch ``self.epoch``.
+
+        The job's committed steps decide which global batch comes next (a step that did not commit
+        is retried with its batch; a group that healed continues at the live step), not ``batch``,
+        which is only where the caller expects to start. Each batch must end with the prepared
+        optimizer's ``step()`` (the commit vote) before the next one is taken.
+
+        Raises:
+            RuntimeError: when a batch is taken while the previous one's step has not voted.
+        """
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 0 <= batch <= self.num_batches:
+            raise user_error(f"batch must be an integer in [0, {self.num_batches}]", repr(batch),
+                             "Pass the index of a global batch of the epoch.")
+        return self._steps(self._epoch)
+
+    def _steps(self, epoch: int) -> Iterator[Any]:
+        strategy, yielded = self._strategy, None
         while self._max_steps is None or strategy.current_step < self._max_steps:
+            # The epoch's end is seen before joining the next quorum: the collectives the caller runs between
+            # epochs (metrics, stop decision) stay in the last step's quorum, with the groups that took it.
+            if strategy.current_step // self.num_batches != epoch:
+                break
+            if yielded is not None and strategy._step_in_progress():
+                raise user_error(
+                    "FaultTolerantStrategy's batches are the job's steps: each one must end with the prepared "
+                    "optimizer's step() (the commit vote) before the next one is taken",
+                    f"a batch after the one of step {yielded}, whose step has not voted yet",
+                    "Call optimizer.step() once per batch. An evaluation pass (Trainer.evaluate, fit(validation_data="
+                    "...)) is not supported under FaultTolerantStrategy yet: evaluate under another strategy.",
+                    cls=RuntimeError)
             strategy._begin_step()  # the quorum (and healing) first: it decides the split and the step
             step = strategy.current_step
-            epoch, index = divmod(step, self.num_batches)
-            first_epoch = epoch if first_epoch is None else first_epoch
-            if epoch != first_epoch:
-                return  # the quorum stays open for the next iteration's first step
+            step_epoch, index = divmod(step, self.num_batches)
+            if step_epoch != epoch:
+                break  # healed past the epoch: the quorum stays open for the next iteration's first step
             indices = self._order(epoch)[index * self.global_batch_size:(index + 1) * self.global_batch_size]
             n, me = strategy.num_replicas_in_sync, strategy.replica_id
             lo, hi = shard_bounds(len(indices), n, me)
-            if hi == lo:
-                raise user_error(f"Global batch {index} has fewer examples than the {n} live replica groups",
-                                 f"{len(indices)} example(s)", "Use a larger global_batch_size or drop_remainder=True.")
-            batch = to_device(self._collate([self._dataset[int(i)] for i in indices[lo:hi]]), strategy.device)
-            yield attach_batch_info(batch, BatchInfo(
+            padding = 1 if hi == lo and self._pad else 0
+            # An empty share (fewer examples than replicas): the batch's first example, either as a zero-weight
+            # padding example (pad_empty_batches) or for the batch's structure only (0 rows), as distribute_dataset does.
+            rows = indices[:1] if hi == lo else indices[lo:hi]
+            batch = self._source.fetch(rows)
+            if hi == lo and not padding:
+                batch = map_tensors(batch, lambda t: t[:0])
+            yielded = step
+            yield attach_batch_info(to_device(batch, strategy.device), BatchInfo(
                 index=index, num_batches=self.num_batches, global_batch_size=len(indices), local_batch_size=hi - lo,
-                num_padding_examples=0, examples_per_update=len(indices), batches_per_update=1, last_in_update=True))
+                num_padding_examples=padding, examples_per_update=len(indices), batches_per_update=1,
+                last_in_update=True))
+        self._epoch = max(epoch, strategy.current_step // self.num_batches)

@@ -9,6 +9,7 @@ depends on which strategy runs it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 from typing import Any, Iterable, Iterator, Mapping, Sequence, Sized, cast
@@ -21,9 +22,9 @@ from towers._logging import get_logger
 from towers.checkpoint import api as ckpt
 from towers.checkpoint import layout as ckpt_layout
 from towers.checkpoint.state import set_rng_state
-from towers.data import DistributedBatches, find_batch_info, global_batch_sizes, is_stream
+from towers.data import DistributedBatches, FollowsJob, find_batch_info, global_batch_sizes, is_stream
 from towers.errors import user_error
-from towers.strategies.base import Strategy, check_max_norm
+from towers.strategies.base import PeerLostError, Strategy, check_max_norm
 from towers.training._state import TrainingProgress, capture_state, restore_state
 from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn
 from towers.training.batches import BatchParts, call_model, label_count, model_loss, predictions
@@ -47,8 +48,8 @@ class Trainer:
     ``compile=True`` (or a dict of ``torch.compile`` options) has the strategy compile the model.
 
     ``log_every_n_steps``: training metrics are summed on each replica and reduced across replicas
-    every that many steps and at the first and last step of each epoch (one collective, plus one for the
-    stop decision). In between, ``on_train_batch_end`` logs hold the values of the last reduction,
+    at every that-many-th step of each epoch (its first included) and at its last step (one collective,
+    plus one for the stop decision). In between, ``on_train_batch_end`` logs hold the values of the last reduction,
     and a ``stop_training`` set by a callback takes effect at the next reduction — on every replica
     at the same step. Epoch logs and the History are exact whatever the value; 1 reduces every step,
     as does a single replica (nothing to communicate).
@@ -109,7 +110,7 @@ class Trainer:
         self._train_batches: Any = None
         self.log_every_n_steps = log_every_n_steps
         self._unsynced: torch.Tensor | None = None  # metric sums of steps not yet reduced across replicas
-        self._steps_since_sync = 0
+        self._stop_pending = False  # a stop whose reduction failed (a lost peer): decided at the next one
         self._last_train_logs: dict[str, float] = {}
         self._nonfinite_warning = "unseen"  # -> "due" when a reduced loss is not finite -> "said"
 
@@ -146,7 +147,7 @@ class Trainer:
         self._last_global_batch_size = global_batch_size
         self._train_batches = None
         self.history = History()
-        self.stop_training = False
+        self.stop_training = self._stop_pending = False
         cbs = self._callbacks = CallbackList([self.history, *callbacks], trainer=self)
         steps: int | None = None  # a stream's length is known only at its end
         if not is_stream(train_set):
@@ -167,6 +168,9 @@ class Trainer:
                     cb.load_state_dict(state)
         epoch_logs: dict[str, float] = {}
         while self.progress.epoch < epochs and not self.stop_training:
+            self._follow_job(train_set, global_batch_size, shuffle, steps_per_epoch)
+            if self.progress.epoch >= epochs:
+                break  # the job trained these epochs already (a replica that joined it at its end)
             epoch = self.progress.epoch
             cbs.call("on_epoch_begin", epoch, {})
             self._train_epoch(train_set, global_batch_size, steps_per_epoch, shuffle,
@@ -188,7 +192,7 @@ class Trainer:
     def _train_epoch(self, train_set: Dataset, global_batch_size: int, steps_per_epoch: int | None,
                      shuffle: bool, rng: Any) -> None:
         p = self.progress
-        self._unsynced, self._steps_since_sync = None, 0
+        self._unsynced = None
         if p.step == 0:  # a fresh epoch (a mid-epoch resume keeps the restored running sums)
             self._train_metrics.reset()
             self._last_train_logs = {}
@@ -199,22 +203,35 @@ class Trainer:
         batches = self._train_batches
         if isinstance(batches, DistributedBatches):
             batches.last_pass = None  # set again when this epoch's pass completes (parameter servers)
+        job = batches if isinstance(batches, FollowsJob) else None
         if rng is not None:
             # Saved mid-epoch, after the iterator was built (which may draw from the RNGs): restore
             # only once this run's iterator is built and positioned.
             set_rng_state(rng)
         for batch_index, batch in enumerate(it, start=p.step):
+            if job is not None:  # the job's step: a step retried after one that did not commit has its index
+                self.progress = p = self._job_progress(train_set, global_batch_size, *job.job_position())
+                batch_index = p.step
             if steps_per_epoch is not None and batch_index >= steps_per_epoch:
                 break
             self._callbacks.call("on_train_batch_begin", batch_index, {})
-            size = self._train_step(batch)
-            self.progress = p = p.after_step(size)
-            self._steps_since_sync += 1
-            # Collectives only every log_every_n_steps steps and at an epoch's last step: in between,
-            # the logs hold the values of the last synchronisation.
-            sync = (self._steps_since_sync >= self.log_every_n_steps
+            size, sums = self._train_step(batch)
+            if job is None:
+                self.progress = p = p.after_step(size)
+            else:
+                after = self._job_progress(train_set, global_batch_size, *job.job_position(), within=p.epoch)
+                if after == p:
+                    # Not committed (a group was lost mid-step): its update was dropped on every live group, which
+                    # all retry the same global batch next. It counts nowhere: no examples, metric sums or logs.
+                    continue
+                self.progress = p = after
+            self._unsynced = sums if self._unsynced is None else self._unsynced + sums
+            # Collectives only at every log_every_n_steps-th step of the epoch (its first included) and at its
+            # last step: in between, the logs hold the values of the last synchronisation. The step's place in
+            # the epoch decides, so a replica that joined a running job (FollowsJob) reduces at the same steps.
+            sync = (batch_index % self.log_every_n_steps == 0
                     or _last_of_epoch(batch, batch_index, batches, steps_per_epoch)
-                    or not self._last_train_logs  # the first logs of an epoch
+                    or (not self._last_train_logs and job is None)  # a resumed epoch's first logs
                     or self.strategy.num_replicas_in_sync == 1)  # one replica: reducing is free
             logs = self._sync_train_metrics() if sync else dict(self._last_train_logs)
             logs.update({"size": float(size), "examples": p.examples, "global_step": p.global_step})
@@ -239,29 +256,67 @@ class Trainer:
             return self.progress.examples  # every global batch of a stream is counted as it is trained
         return sum(global_batch_sizes(len(cast(Sized, train_set)), global_batch_size)[:self.progress.step])
 
+    def _train_input(self, train_set: Dataset, global_batch_size: int, shuffle: bool) -> Any:
+        """The strategy's distributed training input of this fit (made on first use)."""
+        if self._train_batches is None:
+            self._train_batches = self.strategy.distribute_dataset(train_set, global_batch_size, shuffle=shuffle,
+                                                                   seed=self.seed, drop_remainder=False)
+        return self._train_batches
+
+    def _follow_job(self, train_set: Dataset, global_batch_size: int, shuffle: bool,
+                    steps_per_epoch: int | None) -> None:
+        """At an epoch's start, take the epoch and step from an input whose position is the job's (``FollowsJob``).
+
+        A replica group that joined a running job (started again after a failure, fault tolerance)
+        so continues in the job's epoch at the job's step, as the live groups do; ``initial_epoch``
+        and a restored position give way to the job's.
+
+        Raises:
+            ValueError: ``steps_per_epoch`` shorter than the input's epoch (the job's epochs are whole passes).
+        """
+        batches = self._train_input(train_set, global_batch_size, shuffle)
+        if not isinstance(batches, FollowsJob):
+            return
+        per_epoch = math.ceil(len(cast(Sized, train_set)) / global_batch_size)
+        if steps_per_epoch is not None and steps_per_epoch < per_epoch:
+            raise user_error(f"steps_per_epoch must cover the whole dataset under {type(self.strategy).__name__}, "
+                             f"whose epochs are the job's passes over it ({per_epoch} steps)",
+                             f"steps_per_epoch={steps_per_epoch}",
+                             "Leave steps_per_epoch=None, or pass a smaller dataset (e.g. a torch.utils.data.Subset).")
+        p = self.progress
+        self.progress = self._job_progress(train_set, global_batch_size, *batches.job_position())
+        if (self.progress.epoch, self.progress.step) != (p.epoch, p.step):
+            log.info("following the job: epoch %d, step %d (this replica was at epoch %d, step %d)",
+                     self.progress.epoch, self.progress.step, p.epoch, p.step)
+
+    def _job_progress(self, train_set: Dataset, global_batch_size: int, epoch: int, step: int, *,
+                      within: int | None = None) -> TrainingProgress:
+        """The progress at the job's ``(epoch, step)``; ``within``: clamped to the end of that epoch."""
+        size = len(cast(Sized, train_set))
+        per_epoch = math.ceil(size / global_batch_size)  # the Trainer keeps the last, partial global batch
+        if within is not None and epoch > within:  # the step committed was the epoch's last
+            epoch, step = within, per_epoch
+        return dataclasses.replace(self.progress, epoch=epoch, step=step, examples=min(step * global_batch_size, size),
+                                   global_step=epoch * per_epoch + step)
+
     def _epoch_iterator(self, train_set: Dataset, global_batch_size: int, shuffle: bool, epoch: int,
                         start: int) -> Iterator[Any]:
         # An epoch's order is fixed by (seed, epoch), independent of the replica count, so a resumed
         # run starts at batch `start` of the same order.
-        def distribute(seed: int) -> Any:
-            return self.strategy.distribute_dataset(train_set, global_batch_size, shuffle=shuffle, seed=seed,
-                                                    drop_remainder=False)
-
-        batches = self._train_batches
-        if batches is None:
-            batches = self._train_batches = distribute(self.seed)
+        batches = self._train_input(train_set, global_batch_size, shuffle)
         if isinstance(batches, DistributedBatches):
             batches.set_epoch(epoch)  # order: seed + epoch
             return iter(batches.iter_from(start))
         # A strategy whose datasets know no epochs: a new one per epoch, seeded with seed + epoch
-        batches = self._train_batches = distribute(self.seed + epoch)
+        batches = self._train_batches = self.strategy.distribute_dataset(
+            train_set, global_batch_size, shuffle=shuffle, seed=self.seed + epoch, drop_remainder=False)
         it = iter(batches)
         for _ in range(start):
             next(it, None)
         return it
 
-    def _train_step(self, batch: Any) -> int:
-        """Run one step; keep its metric sums on this replica; return the step's global batch size."""
+    def _train_step(self, batch: Any) -> tuple[int, torch.Tensor]:
+        """Run one step; return the step's global batch size and this replica's metric sums of it."""
         parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
         y = parts.labels
         from towers.losses import compute_average_loss
@@ -293,9 +348,9 @@ class Trainer:
         losses = per_example(losses, len(losses))
         nonfinite = (~torch.isfinite(losses)).any().to(torch.float64).reshape(1)
         local = torch.cat([self._train_metrics.local_state(losses, y_pred, y), nonfinite])
-        self._unsynced = local if self._unsynced is None else self._unsynced + local
         info = find_batch_info((batch,))
-        return info.global_batch_size if info is not None else parts.size() * self.strategy.num_replicas_in_sync
+        size = info.global_batch_size if info is not None else parts.size() * self.strategy.num_replicas_in_sync
+        return size, local
 
     def _update(self) -> None:
         if self.clip_grad_norm is not None:  # once per update, on the complete gradient
@@ -335,21 +390,43 @@ class Trainer:
                 "data.", RuntimeWarning, stacklevel=3)
 
     def _sync_train_metrics(self) -> dict[str, float]:
-        """Reduce the metric sums kept since the last call (one collective); return the logs through this step."""
+        """Reduce the metric sums kept since the last call (one collective); return the logs through this step.
+
+        When a peer was lost since the step began (``PeerLostError``, fault-tolerant strategies), the logs
+        stay those of the last synchronisation and this replica keeps its sums for the next one of the
+        epoch (at the epoch's end there is none: its logs then cover the steps up to the last one).
+        """
         if self._unsynced is not None:
-            reduced = self.strategy.reduce("sum", self._unsynced).detach().to("cpu", torch.float64)
+            try:
+                reduced = self.strategy.reduce("sum", self._unsynced).detach().to("cpu", torch.float64)
+            except PeerLostError as exc:
+                log.warning("training metrics not reduced at global step %d (%s); the logs keep the values of the "
+                            "last reduction, and this replica's sums since are added at the next one of this epoch",
+                            self.progress.global_step, str(exc).splitlines()[0])
+                return dict(self._last_train_logs)
             self._unsynced = None
             self._train_metrics.accumulate(reduced)
             self._last_train_logs = {**self._train_metrics.results(external=False),
                                      "nonfinite_replicas": float(reduced[-1].item())}
             if reduced[-1].item() > 0 and self._nonfinite_warning == "unseen":
                 self._nonfinite_warning = "due"  # said after the callbacks, unless one of them stops training
-        self._steps_since_sync = 0
         return dict(self._last_train_logs)
 
     def _any_replica(self, flag: bool) -> bool:
-        # A callback may decide on one replica only; stopping must still be a global decision.
-        return bool(self.strategy.reduce("max", torch.tensor([float(flag)], device=self.strategy.device)).item() > 0)
+        """True when ``flag`` is set on any replica: a callback may decide on one replica only, and stopping must
+        still be a global decision. When a peer was lost since the step began (``PeerLostError``), nobody
+        decides now: False, and this replica's flag joins the next reduction."""
+        flag = flag or self._stop_pending
+        try:
+            decided = self.strategy.reduce("max", torch.tensor([float(flag)], device=self.strategy.device))
+        except PeerLostError as exc:
+            if flag:
+                log.warning("stop_training not decided at global step %d (%s): it is at the next reduction",
+                            self.progress.global_step, str(exc).splitlines()[0])
+            self._stop_pending = flag
+            return False
+        self._stop_pending = False
+        return bool(decided.item() > 0)
 
     # --- evaluate and predict ----------------------------------------------------------------------
     def evaluate(self, data: Any, global_batch_size: int | None = None, *,

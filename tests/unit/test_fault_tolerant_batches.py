@@ -1,0 +1,70 @@
+"""FaultTolerantBatches, the Trainer's input under FaultTolerantStrategy, on a stand-in for the strategy (no torchft)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from towers.data import DistributedBatches, FollowsJob, batch_info
+from towers.strategies.fault_tolerant import FaultTolerantBatches
+
+
+class _Job:
+    """What FaultTolerantBatches asks of its strategy: the committed steps, the quorum of the step, its vote."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, step: int, num_replicas: int = 2, replica_id: int = 0):
+        self.current_step, self.num_replicas_in_sync, self.replica_id = step, num_replicas, replica_id
+        self.open, self.quorums, self.joined = False, 0, False
+
+    def _join(self) -> None:
+        if not self.joined:
+            self._begin_step()
+
+    def _begin_step(self) -> None:
+        if not self.open:
+            self.open, self.joined = True, True
+            self.quorums += 1
+
+    def _step_in_progress(self) -> bool:
+        return self.open
+
+    def vote(self, committed: bool) -> None:
+        self.open = False
+        self.current_step += int(committed)
+
+
+def _batches(job: _Job) -> FaultTolerantBatches:
+    data = torch.utils.data.TensorDataset(torch.arange(10.0).reshape(10, 1), torch.arange(10))
+    return FaultTolerantBatches(job, data, 4, shuffle=False, seed=0, drop_remainder=False,  # type: ignore[arg-type]
+                                max_steps=None, collate_fn=None)  # 3 global batches per epoch: 4, 4, 2
+
+
+def test_batches_are_the_jobs_steps():
+    job = _Job(step=5)  # epoch 1, global batch 2
+    batches = _batches(job)
+    assert isinstance(batches, DistributedBatches) and isinstance(batches, FollowsJob)
+    assert batches.job_position() == (1, 2) and job.quorums == 1  # joined (a restarted group heals there)
+    assert batches.job_position() == (1, 2) and job.quorums == 1  # later: read, no quorum joined
+    batches.set_epoch(1)
+    steps = batches.iter_from(2)
+    x, y = next(steps)
+    assert y.tolist() == [8] and batch_info(x).index == 2 and batch_info(x).global_batch_size == 2  # group 0's half
+    job.vote(committed=False)
+    _, y = next(steps)  # not committed: the same global batch again, in a new quorum
+    assert y.tolist() == [8] and job.quorums == 2
+    job.vote(committed=True)
+    assert next(steps, None) is None  # the job left epoch 1 ...
+    assert job.quorums == 2 and batches.epoch == 2  # ... seen before joining the next step's quorum
+    assert batches.state_dict()["epoch"] == 2 and batches.state_dict()["batch"] == 0
+
+
+def test_a_batch_taken_before_the_previous_step_voted_is_refused():
+    job = _Job(step=0, num_replicas=1)
+    batches = _batches(job)
+    steps = iter(batches)
+    next(steps)
+    with pytest.raises(RuntimeError, match=r"must end with the prepared optimizer's step\(\).*Received: a batch after "
+                                           r"the one of step 0"):
+        next(steps)  # an evaluation loop, or a step that forgot optimizer.step(): never the same batch forever
