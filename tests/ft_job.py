@@ -1,17 +1,25 @@
 """One replica group of a FaultTolerantStrategy job, for the fault-tolerance test and benchmark.
 
     ft_job.py LIGHTHOUSE GROUP_ID STOP_FILE OUT_DIR [--peer-timeout-s S] [--seed N]
+    towers launch --strategy ft ... ft_job.py env - STOP_FILE OUT_DIR [--fail-group G --fail-at S --fail-how HOW]
 
 A custom loop over ``strategy.distribute_dataset``. After each committed step it prints
 ``step N groups G t T`` (T: time.time()). It stops after the step named in STOP_FILE (an integer
 the test writes, atomically, once it has seen what it waits for: every group reads it well before
 that step, so all stop after the same step) and writes its parameters to OUT_DIR/group<ID>.pt.
+
+With LIGHTHOUSE ``env`` the strategy comes from ``towers launch`` (``towers.strategy_from_env()``),
+and ``--fail-how kill|raise|stop`` makes process ``--fail-member`` of group ``--fail-group`` SIGKILL
+itself, raise, or SIGSTOP itself before step ``--fail-at``, once (not after the launcher restarted
+it: ``TOWERS_GROUP_RESTART``). A group of several processes (``--group-size``) writes
+OUT_DIR/group<ID>.<PROCESS>.pt, one file per process.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,19 +31,49 @@ import towers
 from towers.cluster.info import ProcessInfo
 
 
+def one_device_reference(steps: int) -> dict[str, torch.Tensor]:
+    """What this job computes on one device in ``steps`` steps (group 0's initial weights)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(512, 8, generator=torch.Generator().manual_seed(123))
+    y = (x[:, 0] > 0).long()
+    for s in range(steps):
+        epoch, index = divmod(s, 512 // 32)
+        idx = torch.randperm(512, generator=torch.Generator().manual_seed(7 + epoch))[index * 32:(index + 1) * 32]
+        (nn.functional.cross_entropy(net(x[idx]), y[idx], reduction="sum") / 32).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return net.state_dict()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("lighthouse")
-    parser.add_argument("group", type=int)
+    parser.add_argument("group", help="the replica group id (- under towers launch)")
     parser.add_argument("stop_file")
     parser.add_argument("out")
     parser.add_argument("--peer-timeout-s", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fail-group", type=int, default=None)
+    parser.add_argument("--fail-at", type=int, default=None)
+    parser.add_argument("--fail-member", type=int, default=0)
+    parser.add_argument("--fail-how", choices=("kill", "raise", "stop"), default="kill")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    info = ProcessInfo(rank=args.group, world_size=2)  # one process per group; the group id is its rank
-    strategy = towers.get_strategy("ft", info=info, lighthouse=args.lighthouse, peer_timeout_s=args.peer_timeout_s)
+    if args.lighthouse == "env":  # under towers launch --strategy ft: the group id is the rank
+        strategy = towers.strategy_from_env()
+        args.group = strategy.replica_group_id
+        args.seed = args.group + 10 * int(os.environ.get("TOWERS_GROUP_RESTART", "0"))
+    else:
+        args.group = int(args.group)
+        info = ProcessInfo(rank=args.group, world_size=2)  # one process per group; the group id is its rank
+        strategy = towers.get_strategy("ft", info=info, lighthouse=args.lighthouse,
+                                       peer_timeout_s=args.peer_timeout_s)
+    member, size = getattr(strategy, "group_rank", 0), getattr(strategy, "group_size", 1)
+    fail = (args.fail_group == args.group and args.fail_member == member
+            and os.environ.get("TOWERS_GROUP_RESTART", "0") == "0")
     torch.manual_seed(args.seed)  # a restarted group starts from other weights: healing must replace them
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     model, optimizer = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
@@ -55,8 +93,14 @@ def main() -> None:
     stop_at = None
     while stop_at is None or strategy.current_step < stop_at:
         for features, labels in batches:
+            if fail and strategy.current_step == args.fail_at:
+                print(f"failing ({args.fail_how}) before step {args.fail_at}", flush=True)
+                if args.fail_how == "raise":
+                    raise RuntimeError(f"injected failure of replica group {args.group}")
+                os.kill(os.getpid(), signal.SIGKILL if args.fail_how == "kill" else signal.SIGSTOP)
             strategy.run(step, args=(features, labels))
-            print(f"step {strategy.current_step} groups {strategy.num_replicas_in_sync} t {time.time():.4f}", flush=True)
+            groups = strategy.num_replicas_in_sync // size
+            print(f"step {strategy.current_step} groups {groups} t {time.time():.4f}", flush=True)
             if stop_at is None and os.path.exists(args.stop_file):
                 stop_at = int(Path(args.stop_file).read_text())
             if stop_at is not None and strategy.current_step >= stop_at:
@@ -66,7 +110,7 @@ def main() -> None:
     total = float(strategy.reduce("sum", 1.0))
     gathered = strategy.gather(torch.tensor([args.group] * (args.group + 1))).tolist()
     print(f"collectives groups={groups} sum={total} gathered={gathered}", flush=True)
-    torch.save({k: v.detach().clone() for k, v in net.state_dict().items()}, Path(args.out) / f"group{args.group}.pt")
+    torch.save({k: v.detach().clone() for k, v in net.state_dict().items()}, Path(args.out) / f"group{args.group}{f'.{member}' if size > 1 else ''}.pt")
     print(f"done {strategy.current_step} not_committed {strategy.steps_not_committed}", flush=True)
     strategy.shutdown()
     sys.stdout.flush()

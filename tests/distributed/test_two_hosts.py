@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
 from cli_support import clean_env, finish, start, towers_command
 from netns_support import Host, host_pair_factory
 
@@ -149,3 +151,48 @@ def test_parameter_servers_across_hosts(two_hosts, tmp_path, mode):
                              (hostb, argv, _tf_config(cluster, "ps", 0))], cwd=tmp_path, marker=str(script))
     _check_agreement(_results(done), {0: hosta, 1: hostb})
     print(f"parameter servers ({mode}) across hosts: {seconds:.1f} s")
+
+
+def test_fault_tolerant_over_towers_launch_nnodes_2(two_hosts, tmp_path):
+    """A replica group on each host; the one on host b is SIGKILLed, restarted there alone, and heals across hosts."""
+    pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
+    from cli_support import OutputReader, kill, processes_running
+    from ft_job import one_device_reference
+
+    JOB = Path(__file__).resolve().parents[1] / "ft_job.py"
+
+    hosta, hostb = two_hosts()
+    stop_file = tmp_path / "stop"
+
+    def node(rank: int, *extra: str) -> list[str]:
+        return [*towers_command(), "launch", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                "--master-addr", hosta.name, "--master-port", str(PORT), "--strategy", "ft",
+                "--strategy-option", "peer_timeout_s=1", "--monitor-interval", "0.2", *extra, str(JOB), "env", "-",
+                str(stop_file), str(tmp_path), "--fail-group", "1", "--fail-at", "4", "--fail-how", "kill"]
+
+    env = clean_env({"OMP_NUM_THREADS": "1", "RUST_LOG": "warn"})
+    nodes = [OutputReader(start(host.command(argv), cwd=tmp_path, env=env))
+             for host, argv in ((hosta, node(0)), (hostb, node(1, "--interface", hostb.interface)))]
+    try:
+        assert nodes[1].wait_for_lines(1, "[rank 1]: failing", deadline_s=DEADLINE_S), "".join(nodes[1]._err[-30:])
+        back = nodes[1].wait_for_lines(1, "[rank 1]: step", deadline_s=DEADLINE_S)
+        assert back and " groups 2 " in back[0], f"{back} {''.join(nodes[1]._err[-30:])}"
+        stop_at = int(back[0].split()[3]) + 60
+        (tmp_path / "stop.tmp").write_text(str(stop_at))
+        (tmp_path / "stop.tmp").replace(stop_file)
+        results = [reader.collect(timeout_s=DEADLINE_S) for reader in nodes]
+    finally:
+        for reader in nodes:
+            if reader.proc.poll() is None:
+                kill([reader.proc.pid])
+        leftovers = processes_running(str(JOB))
+        kill(leftovers)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    for reader, (out, err) in zip(nodes, results):
+        assert reader.proc.returncode == 0, f"exit {reader.proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    assert "replica group 1 was restarted alone 1 time(s)" in results[1][1]
+    final = [torch.load(tmp_path / f"group{g}.pt") for g in (0, 1)]
+    reference = one_device_reference(stop_at)
+    for key in final[0]:
+        assert torch.equal(final[0][key], final[1][key]), key  # bit for bit, across hosts
+        torch.testing.assert_close(final[0][key], reference[key], rtol=1e-4, atol=1e-5)

@@ -147,3 +147,4 @@ def test_main_without_a_command_says_how_to_use_it():
     proc = subprocess.run([sys.executable, "-m", "towers.launch.supervise"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "needs a command after `--`" in proc.stderr
+

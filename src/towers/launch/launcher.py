@@ -18,6 +18,13 @@ variables). This module adds what ``towers launch`` promises on top:
   ``towers.launch.supervise``, which hides a non-chief worker's failure from the agent (exit 0), so
   an async job finishes with the other workers; the launcher then names each such worker and its
   exit code at the end (and in the error, when the job fails later for another reason);
+- under ``--strategy fault_tolerant`` (``spec.restarts_lost_replica``), node 0 runs the job's torchft
+  lighthouse in this process (``start_job_lighthouse``; none when ``TORCHFT_LIGHTHOUSE`` or
+  ``--strategy-option lighthouse=`` names one) and every worker gets its address in
+  ``TORCHFT_LIGHTHOUSE``; the agent starts one ``towers.launch.replica_group`` per replica group
+  (``--group-size`` processes each), which starts the group's processes and restarts them together,
+  alone, when one dies (``--group-restarts``), while the other groups train on; the launcher lists
+  the restarts at the end;
 - each worker's output reaches the terminal in whole lines prefixed ``[rank N]: `` (``towers.launch.output``;
   torchrun's ``--tee``, ``--redirects``, ``--local-ranks-filter`` and ``--log-dir`` choose what is shown);
 - no process outlives the launcher (``towers.launch.parent_death``): every worker dies with it
@@ -29,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import ipaddress
 import os
 import shutil
 import signal
@@ -43,12 +51,16 @@ from towers.launch.exits import describe_exit
 from towers.launch.spawn import free_port
 from towers.launch.spec import LaunchSpec
 
-__all__ = ["LaunchError", "launch", "resolve_ports", "preflight", "DEFAULT_MULTI_NODE_PORT"]
+__all__ = ["LaunchError", "launch", "resolve_ports", "preflight", "job_lighthouse", "DEFAULT_MULTI_NODE_PORT",
+           "DEFAULT_LIGHTHOUSE_PORT"]
 
 log = get_logger(__name__)
 
 #: torchrun's rendezvous port across nodes when none is given.
 DEFAULT_MULTI_NODE_PORT = 29500
+#: Port of the fault-tolerant job's lighthouse on node 0 across nodes (``TOWERS_LIGHTHOUSE_PORT`` changes it);
+#: on one node it is a free port.
+DEFAULT_LIGHTHOUSE_PORT = 29510
 
 
 class LaunchError(RuntimeError):
@@ -128,7 +140,8 @@ def _torchrun_namespace(spec: LaunchSpec) -> Any:
     args.module, args.no_python = spec.module, spec.no_python
     if hasattr(args, "run_path"):
         args.run_path = spec.run_path
-    args.nproc_per_node = str(spec.nproc_per_node)
+    # Under --strategy fault_tolerant the agent starts one supervisor per replica group, which starts its processes.
+    args.nproc_per_node = str(spec.nproc_per_node // spec.group_size)
     args.nnodes = f"{spec.min_nodes}:{spec.max_nodes}"
     args.node_rank = spec.node_rank
     args.master_addr, args.master_port = spec.master_addr, spec.master_port
@@ -192,6 +205,19 @@ def _start_error(exc: BaseException, rendezvous: str, spec: LaunchSpec, join_tim
         f"rendezvous {rendezvous} and that --nnodes/--node-rank agree across nodes.{detail}")
 
 
+def _restarted_text(report_dir: str | None) -> list[str]:
+    """Return one phrase per replica group that its supervisor restarted alone."""
+    if report_dir is None:
+        return []
+    from towers.launch.replica_group import read_restarts
+
+    by_rank: dict[Any, list[str]] = {}
+    for report in read_restarts(report_dir):
+        by_rank.setdefault(report.get("rank"), []).append(str(report.get("description")))
+    return [f"replica group {rank} was restarted alone {len(why)} time(s) (it {'; then '.join(why)})"
+            for rank, why in by_rank.items()]
+
+
 def _tolerated_text(report_dir: str | None) -> list[str]:
     """Return one phrase per non-chief worker whose failure the supervisors hid from the agent."""
     if report_dir is None:
@@ -201,6 +227,74 @@ def _tolerated_text(report_dir: str | None) -> list[str]:
 
     return [f"worker rank {r.get('rank')} (local rank {r.get('local_rank')}) {r.get('description')}"
             for r in read_reports(report_dir)]
+
+
+def _peer_timeout_s(spec: LaunchSpec) -> float:
+    from towers.strategies.fault_tolerant import DEFAULT_PEER_TIMEOUT_S
+
+    value = spec.strategy_options.get("peer_timeout_s", DEFAULT_PEER_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise LaunchError(f"--strategy-option peer_timeout_s must be a positive number of seconds. Received: {value!r}. "
+                          "Example: --strategy-option peer_timeout_s=5.", exit_code=2)
+    return float(value)
+
+
+@contextlib.contextmanager
+def job_lighthouse(spec: LaunchSpec, environ: Mapping[str, str]) -> Any:
+    """Yield the lighthouse address a fault-tolerant job's workers use, running the lighthouse here on node 0.
+
+    None is yielded when the job names its own (``TORCHFT_LIGHTHOUSE``, ``--strategy-option lighthouse=``).
+    On one node the lighthouse gets a free port of ``--master-addr``; across nodes it listens on node 0's
+    ``--master-addr`` at ``TOWERS_LIGHTHOUSE_PORT`` (default 29510), where the other nodes look for it.
+
+    Raises:
+        LaunchError: when torchft is missing, the port is not a number, or the lighthouse cannot start.
+    """
+    if spec.strategy_options.get("lighthouse") or environ.get("TORCHFT_LIGHTHOUSE", "").strip():
+        yield None
+        return
+    text = environ.get("TOWERS_LIGHTHOUSE_PORT", "").strip()
+    if spec.is_single_node and not text:
+        port = free_port(spec.master_addr)
+    else:
+        try:
+            port = int(text or DEFAULT_LIGHTHOUSE_PORT)
+            if not 0 < port < 65536:
+                raise ValueError
+        except ValueError:
+            raise LaunchError(f"TOWERS_LIGHTHOUSE_PORT must be a port number in 1..65535. Received: {text!r}. "
+                              f"Unset it for {DEFAULT_LIGHTHOUSE_PORT}.", exit_code=2) from None
+    host = spec.master_addr.strip("[]")
+    url_host = f"[{host}]" if ":" in host else host
+    if spec.node_rank != 0:  # node 0 runs it
+        yield f"http://{url_host}:{port}"
+        return
+    from towers.network import NetworkError, resolve_ipv4
+    from towers.strategies.fault_tolerant import start_lighthouse
+
+    peer_timeout_s = _peer_timeout_s(spec)
+    try:
+        bind = host if ":" in host else resolve_ipv4(host)
+        if spec.interface:
+            from towers.network import find_interface
+
+            bind = find_interface(spec.interface).address or bind
+        elif not spec.is_single_node and ipaddress.ip_address(bind).is_loopback:
+            bind = "0.0.0.0"  # this host maps its own name to loopback (Debian's 127.0.1.1): listen where others reach
+        lighthouse = start_lighthouse(bind, port, peer_timeout_s=peer_timeout_s)
+    except ImportError as exc:
+        raise LaunchError(str(exc), exit_code=2) from None
+    except NetworkError as exc:
+        raise LaunchError(f"--master-addr {spec.master_addr}: {exc}", exit_code=2) from None
+    except Exception as exc:  # torchft's bind error (a RuntimeError from its Rust side)
+        raise LaunchError(f"The job's torchft lighthouse could not start on {host}:{port}: {type(exc).__name__}: "
+                          f"{exc}. Pick another port (TOWERS_LIGHTHOUSE_PORT) or start one yourself and pass "
+                          "--strategy-option lighthouse=http://HOST:PORT.", exit_code=2) from None
+    log.info("fault-tolerant job: lighthouse on %s:%d (peer_timeout_s=%s)", host, port, peer_timeout_s)
+    try:
+        yield f"http://{url_host}:{port}"
+    finally:
+        lighthouse.shutdown()
 
 
 def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> None:
@@ -240,7 +334,8 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
              spec.num_ps, updates.get("OMP_NUM_THREADS", environ.get("OMP_NUM_THREADS")),
              ", a failed non-chief worker does not stop the job" if spec.tolerate_worker_failures else "",
              " ".join(spec.command()))
-    report_dir = tempfile.mkdtemp(prefix="towers-launch-") if spec.tolerate_worker_failures else None
+    supervised = spec.tolerate_worker_failures or spec.restarts_lost_replica
+    report_dir = tempfile.mkdtemp(prefix="towers-launch-") if supervised else None
     # The agent's workers inherit this process's environment, so the additions go there for the call.
     with environ_overrides({**environ, **updates}), contextlib.ExitStack() as stack:
         try:
@@ -250,10 +345,20 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
             raise LaunchError(f"node {spec.node_rank}: {exc}") from None
         except ValueError as exc:
             raise LaunchError(str(exc), exit_code=2) from None
+        if spec.restarts_lost_replica:
+            address = stack.enter_context(job_lighthouse(spec, environ))
+            if address is not None:
+                stack.enter_context(environ_overrides({"TORCHFT_LIGHTHOUSE": address}))  # the workers inherit it
         try:
             config, cmd, cmd_args = config_from_args(_torchrun_namespace(spec))
             config.rdzv_configs.update(rendezvous_timeouts(spec, join_timeout_s))
-            if report_dir is not None:  # the supervisor wraps the command; torchrun's variables reach it unchanged
+            if spec.restarts_lost_replica:  # one supervisor per replica group starts (and restarts) its processes
+                from towers.launch.replica_group import group_command
+
+                cmd, cmd_args = group_command(cmd, cmd_args, group_size=spec.group_size,
+                                              restarts=spec.group_restarts or 0, report_dir=report_dir,
+                                              stopped_kill_s=max(2.0, 5 * _peer_timeout_s(spec)))
+            elif report_dir is not None:  # the supervisor wraps the command; torchrun's variables reach it unchanged
                 from towers.launch.supervise import supervised_command
 
                 cmd, cmd_args = supervised_command(cmd, cmd_args, report_dir=report_dir)
@@ -280,8 +385,11 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
             raise _start_error(exc, rendezvous, spec, join_timeout_s) from None
         finally:
             tolerated = _tolerated_text(report_dir)
+            restarted = _restarted_text(report_dir)
             if report_dir is not None:
                 shutil.rmtree(report_dir, ignore_errors=True)
+    for line in restarted:
+        log.warning("%s, and the others trained on", line)
     for line in tolerated:
         log.warning("%s during the job; the parameter-server job finished without it "
                     "(--tolerate-worker-failures; --no-tolerate-worker-failures stops the job instead)", line)

@@ -23,6 +23,7 @@ __all__ = [
     "STRATEGY_NAMES",
     "STRATEGY_ALIASES",
     "DEFAULT_MONITOR_INTERVAL_S",
+    "DEFAULT_GROUP_RESTARTS",
     "LaunchSpec",
     "canonical_strategy",
     "resolve_nproc_per_node",
@@ -39,13 +40,16 @@ STRATEGY_NAMES = tuple(_roles.strategy_names())
 STRATEGY_ALIASES = {alias: entry.name for entry in _roles.STRATEGIES for alias in entry.aliases}
 #: How often the launcher checks its workers (seconds); a failed worker is noticed this fast.
 DEFAULT_MONITOR_INTERVAL_S = 0.5
+#: Under a strategy that restarts a lost replica alone (``--strategy ft``): restarts per process when
+#: ``--group-restarts`` is not given.
+DEFAULT_GROUP_RESTARTS = 3
 
 # torchrun options that LaunchSpec holds as fields; every other torchrun option is passed through.
 _SPEC_OPTIONS = frozenset({
     "training_script", "training_script_args", "module", "no_python", "run_path", "nproc_per_node", "nnodes",
     "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "standalone",
     "max_restarts", "monitor_interval", "strategy", "num_ps", "tolerate_worker_failures", "interface",
-    "join_timeout", "strategy_option",
+    "join_timeout", "strategy_option", "group_restarts", "group_size",
 })
 
 
@@ -119,8 +123,10 @@ class LaunchSpec:
     across nodes. ``num_ps=None`` means "not given": 1 under ``strategy="ps"``, else 0; a positive
     ``num_ps`` without a strategy implies ``"ps"``. ``tolerate_worker_failures=None`` means "not
     given": True under ``strategy="ps"`` (a non-chief worker that fails does not stop the job; see
-    ``towers.launch.supervise``), else False. ``torchrun_options`` carries every other torchrun flag
-    unchanged (``log_dir``, ``redirects``, ``start_method``, ...).
+    ``towers.launch.supervise``), else False. ``group_restarts=None`` means "not given":
+    ``DEFAULT_GROUP_RESTARTS`` under a strategy that restarts a lost replica alone (``"fault_tolerant"``),
+    else 0. ``torchrun_options`` carries every other torchrun flag unchanged (``log_dir``,
+    ``redirects``, ``start_method``, ...).
     """
 
     script: str
@@ -142,6 +148,8 @@ class LaunchSpec:
     strategy: str | None = None
     num_ps: int | None = None
     tolerate_worker_failures: bool | None = None
+    group_restarts: int | None = None
+    group_size: int = 1
     interface: str | None = None
     join_timeout_s: float | None = None
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
@@ -224,9 +232,36 @@ class LaunchSpec:
         if self.strategy_options and strategy is None:
             raise ValueError(f"--strategy-option needs --strategy: the options belong to one strategy. Received: "
                              f"{dict(self.strategy_options)} without --strategy. Add e.g. --strategy ps.")
+        restarts = self.group_restarts
+        alone = bool(entry is not None and entry.restarts_lost_replica)
+        if restarts is not None and (isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0):
+            raise ValueError(f"--group-restarts must be an integer >= 0. Received: {restarts!r}. "
+                             f"Example: --group-restarts {DEFAULT_GROUP_RESTARTS}.")
+        if restarts and not alone:  # 0 is what every other strategy resolves to (dataclasses.replace passes it on)
+            raise ValueError(
+                f"--group-restarts only applies to --strategy fault_tolerant (a lost replica group is restarted alone "
+                f"while the others train on; every other strategy needs all of its processes). Received: --strategy "
+                f"{strategy} --group-restarts {restarts}. Drop the flag, or use --max-restarts to restart the whole "
+                "job.")
         set_("strategy", strategy)
         set_("num_ps", num_ps)
         set_("tolerate_worker_failures", survives if tolerate is None else tolerate)
+        set_("group_restarts", (DEFAULT_GROUP_RESTARTS if restarts is None else restarts) if alone else 0)
+        size = self.group_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"--group-size must be an integer >= 1. Received: {size!r}. Example: --group-size 2.")
+        if size > 1 and not alone:
+            raise ValueError(f"--group-size only applies to --strategy fault_tolerant (processes per replica group). "
+                             f"Received: --strategy {strategy} --group-size {size}. Drop the flag or use --strategy ft.")
+        if self.nproc_per_node % size:
+            raise ValueError(f"--nproc-per-node must be a multiple of --group-size: a replica group's processes run on "
+                             f"one node. Received: --nproc-per-node {self.nproc_per_node} --group-size {size}. Use e.g. "
+                             f"--nproc-per-node {size * max(1, self.nproc_per_node // size)}.")
+
+    @property
+    def restarts_lost_replica(self) -> bool:
+        """True under a strategy whose lost replica group is restarted alone (a lighthouse on node 0, a supervisor each)."""
+        return self.strategy is not None and _roles.strategy_entry(self.strategy).restarts_lost_replica
 
     @property
     def min_world_size(self) -> int:
@@ -256,7 +291,7 @@ class LaunchSpec:
 
         ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` when a strategy was asked for; ``GLOO_SOCKET_IFNAME``,
         ``NCCL_SOCKET_IFNAME`` and ``TOWERS_INTERFACE`` under ``--interface``; ``TOWERS_JOIN_TIMEOUT_S``
-        under ``--join-timeout``; ``OMP_NUM_THREADS`` =
+        under ``--join-timeout``; ``RUST_LOG=warn`` under ``--strategy fault_tolerant`` unless set; ``OMP_NUM_THREADS`` =
         max(1, cores // nproc_per_node) unless ``environ`` already sets it.
         """
         updates: dict[str, str] = {}
@@ -277,6 +312,8 @@ class LaunchSpec:
             updates["TOWERS_NUM_PS"] = str(self.num_ps)
         if self.strategy_options:
             updates[STRATEGY_OPTIONS_ENV] = encode_strategy_options(self.strategy_options)
+        if self.restarts_lost_replica and not environ.get("RUST_LOG", "").strip():
+            updates["RUST_LOG"] = "warn"  # torchft's Rust side logs every quorum (every step) at INFO
         if not environ.get("TOWERS_LOG_LEVEL", "").strip():  # towers' own lines, [rank r/w]-prefixed, in the workers
             updates["TOWERS_LOG_LEVEL"] = "INFO"
         if not environ.get("OMP_NUM_THREADS", "").strip():
@@ -321,6 +358,14 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
                             "task failing always stops it. Such a worker "
                             "death never triggers --max-restarts; --no-tolerate-worker-failures makes it stop (or "
                             "restart) the whole job, as torchrun does")
+    group.add_argument("--group-restarts", type=int, default=None, metavar="N",
+                       help="--strategy fault_tolerant only: how many times each process (one replica group) is "
+                            f"restarted alone when it dies, while the others train on (default {DEFAULT_GROUP_RESTARTS}); "
+                            "towers launch also runs the job's torchft lighthouse on node 0 unless "
+                            "TORCHFT_LIGHTHOUSE or --strategy-option lighthouse=http://HOST:PORT names one")
+    group.add_argument("--group-size", type=int, default=1, metavar="N",
+                       help="--strategy fault_tolerant only: processes per replica group (default 1), on one node; "
+                            "--nproc-per-node must be a multiple. A group's processes are lost and restarted together")
     group.add_argument("--interface", default=None, metavar="NAME",
                        help="network interface for every link of the job (Gloo/NCCL collectives, parameter "
                             "servers), e.g. eth0; sets GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME and TOWERS_INTERFACE. "
@@ -376,6 +421,8 @@ def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
         num_ps=args.num_ps,
         strategy_options=parse_strategy_options(getattr(args, "strategy_option", None) or []),
         tolerate_worker_failures=getattr(args, "tolerate_worker_failures", None),
+        group_restarts=getattr(args, "group_restarts", None),
+        group_size=getattr(args, "group_size", 1),
         interface=getattr(args, "interface", None),
         join_timeout_s=getattr(args, "join_timeout", None),
         torchrun_options=passthrough,

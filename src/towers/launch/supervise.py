@@ -99,15 +99,16 @@ def supervised_command(cmd: str | Callable[..., Any], cmd_args: Sequence[str], *
     return python, [*head, "--", *(str(part) for part in child)]
 
 
-def read_reports(report_dir: str) -> list[dict[str, Any]]:
-    """Return the tolerated failures the supervisors wrote to ``report_dir``, by rank (unreadable files are skipped)."""
+def read_reports(report_dir: str, *, prefix: str = "rank") -> list[dict[str, Any]]:
+    """Return the reports whose file names start with ``prefix`` in ``report_dir``, by rank (unreadable ones skipped):
+    by default the tolerated failures the supervisors wrote."""
     reports = []
     try:
         names = sorted(os.listdir(report_dir))
     except OSError:
         return []
     for name in names:
-        if not name.endswith(".json"):
+        if not name.endswith(".json") or not name.startswith(prefix):
             continue
         try:
             with open(os.path.join(report_dir, name), encoding="utf-8") as fh:

@@ -1,0 +1,92 @@
+"""`towers launch --strategy ft`: a lighthouse on node 0, and a lost replica group restarted alone.
+
+Two replica groups (``tests/ft_job.py`` under ``towers launch --nproc-per-node 2 --strategy ft``).
+A failure is injected into a random group before a random step, in each of the three ways a
+process is lost: SIGKILL, an exception, and SIGSTOP (the supervisor names the stopped group and
+kills it after ``5 * peer_timeout_s``). The other group trains on; the launcher restarts the lost
+one alone, it heals and rejoins. The test then tells both to stop a fixed number of steps later:
+the launcher exits 0, both groups end with the same parameters as one device, the launcher names
+the restart, and no process is left behind. ``TOWERS_TEST_SEED`` replays a draw.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_support import OutputReader, clean_env, kill, processes_running, start, towers_command
+from ft_job import one_device_reference
+
+pytestmark = pytest.mark.timeout(150)
+
+JOB = Path(__file__).resolve().parents[1] / "ft_job.py"
+
+
+@pytest.mark.parametrize("how,size", [("kill", 1), ("raise", 1), ("stop", 1), ("kill", 2)],
+                         ids=["kill", "raise", "stop", "kill-2x2"])
+def test_launch_restarts_a_lost_group_alone(tmp_path: Path, how: str, size: int) -> None:
+    pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
+    seed = int(os.environ.get("TOWERS_TEST_SEED", time.time_ns() % 10**6))
+    rng = random.Random(seed)
+    group, member, fail_at = rng.randrange(2), rng.randrange(size), rng.randrange(3, 12)
+    draw = f"(TOWERS_TEST_SEED={seed}: group {group} process {member} fails ({how}) before step {fail_at})"
+    stop_file = tmp_path / "stop"
+    argv = [*towers_command(), "launch", "--nproc-per-node", str(2 * size), "--group-size", str(size), "--strategy",
+            "ft", "--strategy-option", "peer_timeout_s=1", str(JOB), "env", "-", str(stop_file), str(tmp_path),
+            "--fail-group", str(group), "--fail-member", str(member), "--fail-at", str(fail_at), "--fail-how", how]
+    prefix = f"[rank {group}]: "  # towers launch prefixes a line with its group (torchrun's agent starts the groups)
+    env = clean_env()
+    env.pop("RUST_LOG", None)  # the launcher quiets torchft's per-step INFO lines by itself
+    launcher = OutputReader(start(argv, cwd=tmp_path, env=env))
+    try:
+        assert launcher.wait_for_lines(1, f"{prefix}failing", deadline_s=60), f"no failure {draw}"
+        back = launcher.wait_for_lines(1, f"{prefix}step", deadline_s=60)
+        assert back, f"the restarted group took no step {draw}:\n{''.join(launcher._err[-40:])}"
+        step = int(back[0].split()[3])
+        assert step > fail_at and " groups 2 " in back[0], f"{back[0]} {draw}"  # healed to the live step, with both
+        stop_at = step + 60
+        (tmp_path / "stop.tmp").write_text(str(stop_at))
+        (tmp_path / "stop.tmp").replace(stop_file)
+        out, err = launcher.collect(timeout_s=60)
+        assert launcher.proc.returncode == 0, f"launcher exited {launcher.proc.returncode} {draw}\n{out[-3000:]}\n{err[-3000:]}"
+    finally:
+        if launcher.proc.poll() is None:
+            kill([launcher.proc.pid])
+        leftovers = processes_running(str(tmp_path))
+        kill(leftovers)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    who = f"replica group {group}" + (f" process {member}" if size > 1 else "")
+    restarting = "restarting it alone" if size == 1 else "restarting its 2 processes alone"
+    assert f"{who} (pid" in err and f"{restarting} (restart 1 of 3)" in err, err[-3000:]
+    assert f"replica group {group} was restarted alone 1 time(s)" in err, err[-3000:]
+    assert "Quorum!" not in err, "torchft's INFO lines reached the terminal"
+    if how == "stop":
+        assert "is stopped (SIGSTOP)" in err and "stayed stopped for 5 s" in err, err[-3000:]
+    if how == "raise":
+        assert f"injected failure of replica group {group}" in err and "exited with code 1" in err, err[-3000:]
+    assert out.count(f": done {stop_at} ") == 2 * size, f"not every process stopped at {stop_at} {draw}\n{out[-2000:]}"
+    names = [f"group{g}" + (f".{m}" if size > 1 else "") for g in (0, 1) for m in range(size)]
+    final = [torch.load(tmp_path / f"{name}.pt") for name in names]
+    reference = one_device_reference(stop_at)
+    for key in final[0]:
+        for name, state in zip(names[1:], final[1:]):
+            assert torch.equal(final[0][key], state[key]), f"{key} differs between {names[0]} and {name} {draw}"
+        torch.testing.assert_close(final[0][key], reference[key], rtol=1e-4, atol=1e-5)
+
+
+def test_group_restarts_only_with_a_fault_tolerant_strategy() -> None:
+    from towers.launch import spec as launch_spec
+
+    with pytest.raises(ValueError, match="--group-restarts only applies to --strategy fault_tolerant"):
+        launch_spec.parse_launch_args(["--nproc-per-node", "2", "--strategy", "mirrored", "--group-restarts", "2",
+                                       "train.py"])
+    with pytest.raises(ValueError, match="--group-restarts must be an integer >= 0"):
+        launch_spec.parse_launch_args(["--strategy", "ft", "--group-restarts", "-1", "train.py"])
+    spec = launch_spec.parse_launch_args(["--nproc-per-node", "2", "--strategy", "torchft", "train.py"])
+    assert spec.strategy == "fault_tolerant" and spec.restarts_lost_replica and spec.group_restarts == 3
+    assert not spec.tolerate_worker_failures
