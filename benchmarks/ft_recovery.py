@@ -211,6 +211,7 @@ def _steady(args: argparse.Namespace, lighthouse: str) -> dict:
 
 
 def main() -> None:
+    os.environ.setdefault("RUST_LOG", "warn")  # before torchft is imported: its lighthouse logs every quorum at INFO
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed block (steady)")
