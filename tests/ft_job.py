@@ -4,9 +4,10 @@
     towers launch --strategy ft ... ft_job.py env - STOP_FILE OUT_DIR [--fail-group G --fail-at S --fail-how HOW]
 
 A custom loop over ``strategy.distribute_dataset``. After each committed step it prints
-``step N groups G t T`` (T: time.time()). It stops after the step named in STOP_FILE (an integer
-the test writes, atomically, once it has seen what it waits for: every group reads it well before
-that step, so all stop after the same step) and writes its parameters to OUT_DIR/group<ID>.pt.
+``step N groups G t T`` (T: time.time()). Every 10 steps the processes agree (a ``reduce``) on
+whether STOP_FILE exists (the test creates it once it has seen what it waits for); 10 steps after
+they first agree it does, every one of them stops, at the same step, prints ``done N``, and writes
+its parameters to OUT_DIR/group<ID>.pt.
 
 With LIGHTHOUSE ``env`` the strategy comes from ``towers launch`` (``towers.strategy_from_env()``),
 and ``--fail-how kill|raise|stop`` makes process ``--fail-member`` of group ``--fail-group`` SIGKILL
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 import towers
+from towers.strategies import PeerLostError
 from towers.cluster.info import ProcessInfo
 
 
@@ -45,6 +47,13 @@ def one_device_reference(steps: int) -> dict[str, torch.Tensor]:
         optimizer.step()
         optimizer.zero_grad()
     return net.state_dict()
+
+
+def done_step(output: str, processes: int) -> int:
+    """The step every one of ``processes`` processes stopped after (their ``done N`` lines in ``output`` agree)."""
+    steps = [int(line.split("done ", 1)[1].split()[0]) for line in output.splitlines() if "done " in line]
+    assert len(steps) == processes and len(set(steps)) == 1, f"done lines {steps}, expected {processes} equal ones"
+    return steps[0]
 
 
 def main() -> None:
@@ -65,7 +74,11 @@ def main() -> None:
     if args.lighthouse == "env":  # under towers launch --strategy ft: the group id is the rank
         strategy = towers.strategy_from_env()
         args.group = strategy.replica_group_id
-        args.seed = args.group + 10 * int(os.environ.get("TOWERS_GROUP_RESTART", "0"))
+        # Other initial weights per group, and after a restart, so that healing must replace them. A sharded group
+        # heals process r from process r of a live group, and at step 0 those may be different groups: starting
+        # from different weights, the job would start from a mix of them (valid, but not the reference's).
+        first = 0 if getattr(strategy, "shard", False) else args.group
+        args.seed = first + 10 * int(os.environ.get("TOWERS_GROUP_RESTART", "0"))
     else:
         args.group = int(args.group)
         info = ProcessInfo(rank=args.group, world_size=2)  # one process per group; the group id is its rank
@@ -101,8 +114,12 @@ def main() -> None:
             strategy.run(step, args=(features, labels))
             groups = strategy.num_replicas_in_sync // size
             print(f"step {strategy.current_step} groups {groups} t {time.time():.4f}", flush=True)
-            if stop_at is None and os.path.exists(args.stop_file):
-                stop_at = int(Path(args.stop_file).read_text())
+            if stop_at is None and strategy.current_step % 10 == 0:  # every live process is at this step now
+                try:  # the processes agree on whether the test asked them to stop, then stop 10 steps later
+                    seen = float(strategy.reduce("max", 1.0 if os.path.exists(args.stop_file) else 0.0))
+                except PeerLostError:  # a group lost since this step's quorum: ask again 10 steps later
+                    seen = 0.0
+                stop_at = strategy.current_step + 10 if seen else None
             if stop_at is not None and strategy.current_step >= stop_at:
                 break
     # Collectives over the live groups, after the last step (every group reaches them).
@@ -110,7 +127,9 @@ def main() -> None:
     total = float(strategy.reduce("sum", 1.0))
     gathered = strategy.gather(torch.tensor([args.group] * (args.group + 1))).tolist()
     print(f"collectives groups={groups} sum={total} gathered={gathered}", flush=True)
-    torch.save({k: v.detach().clone() for k, v in net.state_dict().items()}, Path(args.out) / f"group{args.group}{f'.{member}' if size > 1 else ''}.pt")
+    # A group that shards its model (shard=True) gathers the whole tensors: every process of the group takes part.
+    torch.save({k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                for k, v in net.state_dict().items()}, Path(args.out) / f"group{args.group}{f'.{member}' if size > 1 else ''}.pt")
     print(f"done {strategy.current_step} not_committed {strategy.steps_not_committed}", flush=True)
     strategy.shutdown()
     sys.stdout.flush()

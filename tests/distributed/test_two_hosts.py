@@ -157,7 +157,7 @@ def test_fault_tolerant_over_towers_launch_nnodes_2(two_hosts, tmp_path):
     """A replica group on each host; the one on host b is SIGKILLed, restarted there alone, and heals across hosts."""
     pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
     from cli_support import OutputReader, kill, processes_running
-    from ft_job import one_device_reference
+    from ft_job import done_step, one_device_reference
 
     JOB = Path(__file__).resolve().parents[1] / "ft_job.py"
 
@@ -177,9 +177,7 @@ def test_fault_tolerant_over_towers_launch_nnodes_2(two_hosts, tmp_path):
         assert nodes[1].wait_for_lines(1, "[rank 1]: failing", deadline_s=DEADLINE_S), "".join(nodes[1]._err[-30:])
         back = nodes[1].wait_for_lines(1, "[rank 1]: step", deadline_s=DEADLINE_S)
         assert back and " groups 2 " in back[0], f"{back} {''.join(nodes[1]._err[-30:])}"
-        stop_at = int(back[0].split()[3]) + 60
-        (tmp_path / "stop.tmp").write_text(str(stop_at))
-        (tmp_path / "stop.tmp").replace(stop_file)
+        stop_file.touch()
         results = [reader.collect(timeout_s=DEADLINE_S) for reader in nodes]
     finally:
         for reader in nodes:
@@ -191,6 +189,7 @@ def test_fault_tolerant_over_towers_launch_nnodes_2(two_hosts, tmp_path):
     for reader, (out, err) in zip(nodes, results):
         assert reader.proc.returncode == 0, f"exit {reader.proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
     assert "replica group 1 was restarted alone 1 time(s)" in results[1][1]
+    stop_at = done_step(results[0][0] + results[1][0], 2)
     final = [torch.load(tmp_path / f"group{g}.pt") for g in (0, 1)]
     reference = one_device_reference(stop_at)
     for key in final[0]:

@@ -1,14 +1,15 @@
 """FaultTolerantStrategy: replicated data parallelism over replica groups that survives a lost group (torchft).
 
-Each process is one *replica group* (a group of one process). The groups agree on a quorum
+Processes form *replica groups* (by default one process each). The groups agree on a quorum
 before every step through torchft's lighthouse; a group that dies drops out of the next quorum
 and the others go on without a restart; a restarted group joins a later quorum, fetches the
 model and optimizer state from a live peer ("heals") and trains on. torchft does the quorum,
 the reconfigurable Gloo process group, the per-step commit vote and the state transfer; this
 module puts the towers API on top:
 
-* ``prepare`` wraps the model in torchft's DDP (gradients SUMMED over the live groups: every
-  group's loss is already divided by the global batch, ``compute_average_loss``) and the
+* ``prepare`` sums the gradients over the live groups at the end of each backward pass, in one
+  all-reduce (``_ft_grads``; SUMMED: every replica's loss is already divided by the global batch,
+  ``compute_average_loss``), and wraps the
   optimizer in a wrapper that steps only when torchft's ``should_commit`` says the step's
   all-reduce succeeded everywhere.
 * ``distribute_dataset`` hands out global batch ``s`` of the data for committed step ``s``,
@@ -18,6 +19,9 @@ module puts the towers API on top:
   logged), so no example is lost. A healed group continues at the live peers' step.
 * ``reduce``/``gather``/``barrier``/object exchange run over the live groups (torchft's
   process group of the current quorum).
+
+A group is one process, or several on one node (``group_size``): replicating the model (gradients
+summed inside the group, then across groups) or sharding it with FSDP2 (``shard=True``).
 
 The knob is ``peer_timeout_s`` (default 3 s): how long a collective waits for a peer before the
 step is given up, and (``start_lighthouse(peer_timeout_s=...)``) how long the lighthouse waits
@@ -43,6 +47,7 @@ from towers.cluster.info import ProcessInfo
 from towers.errors import user_error
 from towers.strategies._collectives import _local_reduce, as_tensor, check_op
 from towers.strategies._ft_grads import GradientSync
+from towers.strategies._ft_shards import load_local_model, load_local_optimizer, local_state
 from towers.strategies.base import PeerLostError, ReplicaContext, Strategy
 from towers.strategies.precision import Precision, resolve_precision
 
@@ -273,11 +278,15 @@ class FaultTolerantStrategy(Strategy):
     """Synchronous data parallelism over replica groups that survives a lost group, on torchft.
 
     Options: ``lighthouse`` (the lighthouse's address, ``"http://host:port"``; None: torchft's
-    ``TORCHFT_LIGHTHOUSE``), ``replica_group_id`` (None: this process's rank), ``peer_timeout_s``
-    (default 3: how long a collective waits for a peer before the step is given up),
-    ``min_replicas`` (groups needed to commit a step, default 1), ``quorum_timeout_s`` (how long a
-    step waits for a quorum, e.g. for the lighthouse) and ``address`` (where this group's store and
-    servers are reached; None: ``info.master_addr``). One process per group; ``precision="32"``.
+    ``TORCHFT_LIGHTHOUSE``), ``peer_timeout_s`` (default 3: how long a collective waits for a peer
+    before the step is given up), ``min_replicas`` (groups needed to commit a step, default 1),
+    ``quorum_timeout_s`` (how long a step waits for a quorum, e.g. for the lighthouse), ``address``
+    (where this group's store and servers are reached; None: ``info.master_addr`` on one host, the
+    address of the interface that reaches the other hosts across hosts), ``shard``/``shard_units``
+    (FSDP2 inside groups of several processes). Which group this process belongs to:
+    ``replica_group_id``, ``group_size``, ``group_rank`` and ``group_port`` (where process 0 of
+    the group serves its store), by default from ``TOWERS_FT_GROUP*`` (``towers launch``), else
+    one process per group whose id is the rank. ``precision="32"``.
     """
 
     name = "fault_tolerant"
@@ -286,7 +295,7 @@ class FaultTolerantStrategy(Strategy):
                  replica_group_id: int | None = None, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
                  min_replicas: int = 1, quorum_timeout_s: float = 60.0, address: str | None = None,
                  group_size: int | None = None, group_rank: int | None = None, group_port: int | None = None,
-                 precision: "str | int | Precision | None" = "32"):
+                 shard: bool = False, shard_units: Any = "auto", precision: "str | int | Precision | None" = "32"):
         from towers import cluster
 
         peer_timeout_s = _check_timeout("peer_timeout_s", peer_timeout_s)
@@ -312,6 +321,14 @@ class FaultTolerantStrategy(Strategy):
         layout = _GroupLayout.resolve(info, replica_group_id, group_size, group_rank, group_port)
         self.replica_group_id, self.group_size, self.group_rank = layout.group, layout.size, layout.rank
         self.peer_timeout_s = peer_timeout_s
+        if not isinstance(shard, bool):
+            raise user_error("shard must be True or False", f"shard={shard!r}", "Use shard=True to shard the model "
+                             "inside each replica group (FSDP2), False to replicate it.")
+        if shard and layout.size == 1:
+            raise user_error("shard=True shards the model over the processes of a replica group, and this group has "
+                             "one", "group_size=1", "Run groups of several processes (towers launch --group-size N "
+                             "--strategy fault_tolerant --strategy-option shard=true), or drop shard=True.")
+        self.shard, self._shard_units = shard, shard_units
         host = address or _own_address(info)
         timeout = timedelta(seconds=peer_timeout_s)
         # The group's own store, served by member 0: torchft's managers and per-quorum process groups meet there,
@@ -404,7 +421,7 @@ class FaultTolerantStrategy(Strategy):
                 "Restart the lighthouse, then the groups (from the last checkpoint).") from exc
         self._steps.open = True
         self._note_members()
-        if self._intra is not None and not self._group_synced:
+        if self._intra is not None and not self._group_synced and not self.shard:
             self._sync_group()
 
     def _sync_group(self) -> None:
@@ -498,22 +515,41 @@ class FaultTolerantStrategy(Strategy):
         class _SummingDDP(DistributedDataParallel):  # torchft's DDP averages; towers' losses are already / global batch
             _comm_hook = staticmethod(_sum_hook)
 
-        if os.environ.get("TOWERS_FT_GRADIENTS", "flat") == "ddp":  # torchft's DDP, kept for the benchmark's comparison
-            wrapped: nn.Module = _SummingDDP(manager, model)
+        if self.shard:  # FSDP2 inside the group; each unit's reduce-scattered gradient shard summed across groups
+            from towers.strategies._fsdp import build_mesh, fsdp_modules, shard_model
+
+            if optimizer is not None and optimizer.state:
+                raise user_error("FaultTolerantStrategy(shard=True).prepare needs an optimizer that has not stepped yet",
+                                 "an optimizer with state", "Build the optimizer, call prepare, then train.")
+            names = {id(p): n for n, p in model.named_parameters()}
+            wrapped: nn.Module = shard_model(model, build_mesh(self.group_size, "cpu"), shard_units=self._shard_units)
+            for unit in fsdp_modules(model):
+                unit.set_all_reduce_hook(self._sum_over_groups)
+            sharded = dict(model.named_parameters())  # fully_shard swapped them in: the optimizer must step those
+            for group in optimizer.param_groups if optimizer is not None else ():
+                group["params"] = [sharded[names[id(p)]] if id(p) in names else p for p in group["params"]]
+        elif os.environ.get("TOWERS_FT_GRADIENTS", "flat") == "ddp":  # torchft's DDP, for the benchmark's comparison
+            wrapped = _SummingDDP(manager, model)
         else:
             self._gradient_syncs.append(GradientSync(manager, model, group=self.replica_group_id, intra=self._intra))
             wrapped = model
         key = f"model_{len(self._user_modules)}"
         user_optimizer = optimizer
 
-        def state_dict() -> dict[str, Any]:
-            return {"model": model.state_dict(),
-                    "optimizer": user_optimizer.state_dict() if user_optimizer is not None else None}
+        def state_dict() -> dict[str, Any]:  # a sharded model's DTensors travel as this process's local shards
+            return local_state({"model": model.state_dict(),
+                                "optimizer": user_optimizer.state_dict() if user_optimizer is not None else None})
 
         def load_state_dict(state: dict[str, Any]) -> None:
-            model.load_state_dict(state["model"])
+            if self.shard:
+                load_local_model(model, state["model"])
+            else:
+                model.load_state_dict(state["model"])
             if user_optimizer is not None and state["optimizer"] is not None:
-                user_optimizer.load_state_dict(state["optimizer"])
+                if self.shard:
+                    load_local_optimizer(user_optimizer, state["optimizer"])
+                else:
+                    user_optimizer.load_state_dict(state["optimizer"])
             log.info("replica group %d healed %s from a live peer (step %d)", self.replica_group_id, key,
                      self.current_step)
 
@@ -524,6 +560,12 @@ class FaultTolerantStrategy(Strategy):
             return compiled, None
         self._optimizers.append(optimizer)
         return compiled, _FaultTolerantOptimizer(self, optimizer)
+
+    def _sum_over_groups(self, gradient: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: sum a unit's gradient shard with the same shard of the other live groups."""
+        from torch.distributed import ReduceOp
+
+        self._manager.allreduce(gradient, reduce_op=ReduceOp.SUM).wait()  # an error: this step does not commit
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._optimizers)
@@ -647,7 +689,16 @@ class FaultTolerantStrategy(Strategy):
         return self.all_gather_object(obj if self.replica_id == src else None)[src]
 
     def checkpoint_io(self) -> CheckpointIO:
-        """Every group holds the whole state: the chief writes checkpoints alone (no collective over a changing quorum)."""
+        """Every group holds the whole state: the chief writes checkpoints alone (no collective over a changing quorum).
+
+        Raises:
+            NotImplementedError: with ``shard=True``, where no process holds the whole state.
+        """
+        if self.shard:
+            raise user_error("Checkpoints of a FaultTolerantStrategy with shard=True are not supported yet: no single "
+                             "process holds the whole state", "shard=True",
+                             "Replicate inside the groups (shard=False) to write checkpoints, or use "
+                             "FullyShardedStrategy for a sharded job that checkpoints.", cls=NotImplementedError)
         return self.__dict__.setdefault("_checkpoint_io", CheckpointIO(collective=False))
 
     def shutdown(self) -> None:
@@ -678,7 +729,12 @@ class FaultTolerantBatches:
                  seed: int, drop_remainder: bool, max_steps: int | None,
                  collate_fn: Callable[[list[Any]], Any] | None, pad_empty_batches: bool = False) -> None:
         from towers.data import _source
+        from towers.streams import is_stream
 
+        if is_stream(dataset):
+            raise user_error("FaultTolerantStrategy does not take streams yet", type(dataset).__name__,
+                             "Give it a map-style dataset (a Dataset, a tensor, a tuple or a dict of tensors), or train "
+                             "the stream under MirroredStrategy.", cls=NotImplementedError)
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise user_error("global_batch_size must be a positive integer", repr(global_batch_size),
                              "It is the number of examples per step summed over all replica groups.")
