@@ -91,3 +91,24 @@ def test_group_restarts_only_with_a_fault_tolerant_strategy() -> None:
     spec = launch_spec.parse_launch_args(["--nproc-per-node", "2", "--strategy", "torchft", "train.py"])
     assert spec.strategy == "fault_tolerant" and spec.restarts_lost_replica and spec.group_restarts == 3
     assert not spec.tolerate_worker_failures
+
+
+def test_the_example_survives_a_lost_group(tmp_path: Path) -> None:
+    """examples/fault_tolerant.py as its docstring runs it: group 1 kills itself once, both groups end equal."""
+    pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
+    example = Path(__file__).resolve().parents[2] / "examples" / "fault_tolerant.py"
+    argv = [*towers_command(), "launch", "--nproc-per-node", "2", "--strategy", "ft", str(example), "--kill-at", "30",
+            "--epochs", "2"]
+    launcher = OutputReader(start(argv, cwd=tmp_path, env=clean_env()))
+    try:
+        out, err = launcher.collect(timeout_s=120)
+    finally:
+        if launcher.proc.poll() is None:
+            kill([launcher.proc.pid])
+    assert launcher.proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    assert "group 1: killing myself after step 30" in out and "replica group 1 was restarted alone 1 time(s)" in err
+    summaries = {line.split("group ", 1)[1][0]: line for line in out.splitlines() if "test accuracy" in line}
+    assert set(summaries) == {"0", "1"}, out[-2000:]
+    accuracy = {g: line.split("test accuracy ")[1].split(",")[0] for g, line in summaries.items()}
+    assert accuracy["0"] == accuracy["1"] and float(accuracy["0"]) > 0.8, summaries  # the same, trained model
+    assert "epochs [0, 1], examples per epoch [1438.0, 1438.0]" in summaries["0"], summaries["0"]  # every example
