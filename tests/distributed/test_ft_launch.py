@@ -39,7 +39,8 @@ def test_launch_restarts_a_lost_group_alone(tmp_path: Path, how: str, size: int,
     draw = f"(TOWERS_TEST_SEED={seed}: group {group} process {member} fails ({how}) before step {fail_at})"
     stop_file = tmp_path / "stop"
     argv = [*towers_command(), "launch", "--nproc-per-node", str(2 * size), "--group-size", str(size), "--strategy",
-            "ft", "--strategy-option", "peer_timeout_s=1", *(["--strategy-option", "shard=true"] if shard else []), str(JOB), "env", "-", str(stop_file), str(tmp_path),
+            "ft", "--strategy-option", "peer_timeout_s=1", *(["--strategy-option", "shard=true"] if shard else []),
+            str(JOB), "env", "-", str(stop_file), str(tmp_path),
             "--fail-group", str(group), "--fail-member", str(member), "--fail-at", str(fail_at), "--fail-how", how]
     prefix = f"[rank {group}]: "  # towers launch prefixes a line with its group (torchrun's agent starts the groups)
     env = clean_env()
