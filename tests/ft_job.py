@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 import towers
+from ft_support import end_job
 from towers.strategies import PeerLostError
 from towers.cluster.info import ProcessInfo
 
@@ -131,9 +131,7 @@ def main() -> None:
     torch.save({k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
                 for k, v in net.state_dict().items()}, Path(args.out) / f"group{args.group}{f'.{member}' if size > 1 else ''}.pt")
     print(f"done {strategy.current_step} not_committed {strategy.steps_not_committed}", flush=True)
-    strategy.shutdown()
-    sys.stdout.flush()
-    os._exit(0)  # torchft's server threads need no goodbye
+    end_job(strategy)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 import towers
+from ft_support import end_job
 from towers.cluster.info import ProcessInfo
 
 NUM_EXAMPLES = 500  # 16 global batches of 32 per epoch, the last one of 20
@@ -94,9 +94,7 @@ def main() -> None:
                "job_step": strategy.current_step, "not_committed": strategy.steps_not_committed}
     (out / f"group{args.group}.json").write_text(json.dumps(summary))
     print(f"done {json.dumps(summary)}", flush=True)
-    strategy.shutdown()
-    sys.stdout.flush()
-    os._exit(0)  # torchft's server threads need no goodbye
+    end_job(strategy)
 
 
 if __name__ == "__main__":

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from cli_support import OutputReader, clean_env, kill, processes_running, start
+from cli_support import OutputReader, clean_env, start
 from ft_job import done_step, one_device_reference
+from ft_support import lighthouse_process, stop_all
 from towers.cluster.info import ProcessInfo
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,24 +33,6 @@ PEER_TIMEOUT_S = 2.0
 BOUND_S = 10.0
 
 
-def _lighthouse() -> tuple[subprocess.Popen, str]:
-    """torchft's lighthouse binary on a free loopback port, as its own process (so that killing it is real)."""
-    from towers.launch import free_port
-
-    port = free_port()
-    timeout_ms = str(int(PEER_TIMEOUT_S * 1000))
-    argv = [str(Path(sys.executable).with_name("torchft_lighthouse")), "--min_replicas", "1", "--bind",
-            f"127.0.0.1:{port}", "--heartbeat_timeout_ms", timeout_ms, "--join_timeout_ms", timeout_ms,
-            "--quorum_tick_ms", "20"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    for line in proc.stderr:  # ready once it says so (it logs every quorum after: drained, not read)
-        if "listening on" in line.lower():
-            break
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-    assert proc.poll() is None, f"the lighthouse exited with {proc.returncode}"
-    return proc, f"http://127.0.0.1:{port}"
-
-
 def _step(line: str) -> tuple[int, int, float]:
     _, step, _, groups, _, t = line.split()
     return int(step), int(groups), float(t)
@@ -59,7 +40,7 @@ def _step(line: str) -> tuple[int, int, float]:
 
 def test_survives_a_killed_group_and_heals_it(tmp_path: Path) -> None:
     pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
-    lighthouse, address = _lighthouse()
+    lighthouse, address = lighthouse_process(PEER_TIMEOUT_S)
     stop_file = tmp_path / "stop"
     env = clean_env({"RUST_LOG": "warn"})
 
@@ -118,15 +99,7 @@ def test_survives_a_killed_group_and_heals_it(tmp_path: Path) -> None:
         for key in final[0]:
             torch.testing.assert_close(final[0][key], reference[key], rtol=1e-4, atol=1e-5)
     finally:
-        for reader in readers:
-            if reader.proc.poll() is None:
-                kill([reader.proc.pid])
-                reader.proc.wait(timeout=10)
-        lighthouse.kill()
-        lighthouse.wait(timeout=10)
-        leftovers = processes_running(str(tmp_path))
-        kill(leftovers)
-        assert not leftovers, f"processes left behind: {leftovers}"
+        stop_all(readers, lighthouse, str(tmp_path))
 
 
 def test_missing_torchft_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,7 +131,7 @@ def test_a_dead_lighthouse_stops_the_step_with_a_clear_error(tmp_path: Path) -> 
     pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
     from towers.strategies.fault_tolerant import FaultTolerantStrategy
 
-    lighthouse, address = _lighthouse()
+    lighthouse, address = lighthouse_process(PEER_TIMEOUT_S)
     try:
         strategy = FaultTolerantStrategy(info=ProcessInfo(), lighthouse=address, peer_timeout_s=PEER_TIMEOUT_S,
                                          quorum_timeout_s=2.0)

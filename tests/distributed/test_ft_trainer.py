@@ -14,15 +14,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from cli_support import OutputReader, clean_env, kill, processes_running, start
+from cli_support import OutputReader, clean_env, start
+from ft_support import lighthouse_process, stop_all
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,25 +29,6 @@ JOB = Path(__file__).resolve().parents[1] / "ft_trainer_job.py"
 PEER_TIMEOUT_S = 2.0
 EPOCHS, STEPS_PER_EPOCH = 3, 16
 HOLD_AT = 20  # epoch 1, batch 4: the restarted group must join mid-epoch
-
-
-def _lighthouse() -> tuple[subprocess.Popen, str]:
-    """torchft's lighthouse binary on a free loopback port, as its own process."""
-    from towers.launch import free_port
-
-    port = free_port()
-    timeout_ms = str(int(PEER_TIMEOUT_S * 1000))
-    argv = [str(Path(sys.executable).with_name("torchft_lighthouse")), "--min_replicas", "1", "--bind",
-            f"127.0.0.1:{port}", "--heartbeat_timeout_ms", timeout_ms, "--join_timeout_ms", timeout_ms,
-            "--quorum_tick_ms", "20"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stderr is not None
-    for line in proc.stderr:  # ready once it says so (it logs every quorum after: drained, not read)
-        if "listening on" in line.lower():
-            break
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-    assert proc.poll() is None, f"the lighthouse exited with {proc.returncode}"
-    return proc, f"http://127.0.0.1:{port}"
 
 
 def _steps(out: str) -> list[tuple[int, int, int]]:
@@ -78,7 +58,7 @@ def test_fit_goes_on_and_a_restarted_group_continues_in_the_jobs_epoch(tmp_path:
     pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
     from ft_trainer_job import NUM_EXAMPLES
 
-    lighthouse, address = _lighthouse()
+    lighthouse, address = lighthouse_process(PEER_TIMEOUT_S)
     gate = tmp_path / "gate"
     env = clean_env({"RUST_LOG": "warn"})
 
@@ -143,12 +123,4 @@ def test_fit_goes_on_and_a_restarted_group_continues_in_the_jobs_epoch(tmp_path:
         for key in final[0]:  # the same maths as one device: every committed step took its whole global batch
             torch.testing.assert_close(final[0][key], reference[key], rtol=1e-4, atol=1e-5)
     finally:
-        for reader in readers:
-            if reader.proc.poll() is None:
-                kill([reader.proc.pid])
-                reader.proc.wait(timeout=10)
-        lighthouse.kill()
-        lighthouse.wait(timeout=10)
-        leftovers = processes_running(str(tmp_path))
-        kill(leftovers)
-        assert not leftovers, f"processes left behind: {leftovers}"
+        stop_all(readers, lighthouse, str(tmp_path))

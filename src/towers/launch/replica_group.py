@@ -29,7 +29,6 @@ groups (group g's member r is rank g * N + r). Members die with this process (``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -38,7 +37,8 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from towers.launch.exits import describe_exit
-from towers.launch.supervise import FORWARDED_SIGNALS, _child_setup, _send, read_reports
+from towers.launch.spawn import free_port
+from towers.launch.supervise import FORWARDED_SIGNALS, _child_setup, _send, read_reports, write_report
 
 __all__ = ["group_command", "member_environment", "read_restarts", "main"]
 
@@ -78,27 +78,11 @@ def read_restarts(report_dir: str) -> list[dict[str, Any]]:
     return read_reports(report_dir, prefix="restart")
 
 
-def _write_restart(report_dir: str, group: int, restart: int, description: str) -> None:
-    path = os.path.join(report_dir, f"restart-group{group}-{restart}.json")
-    try:
-        with open(path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump({"rank": group, "restart": restart, "description": description}, fh)
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass  # the stderr line has already said it
-
-
-def _free_port() -> int:
-    from towers.launch.spawn import free_port
-
-    return free_port("127.0.0.1")
-
-
 class _Group:
     """The members of one start of the group, and how they are doing."""
 
     def __init__(self, command: list[str], size: int, restart: int, *, linux: bool) -> None:
-        port = _free_port()
+        port = free_port("127.0.0.1")
         self.linux = linux
         self.members = [subprocess.Popen(command, env=member_environment(os.environ, group_size=size, member=m,
                                                                           port=port, restart=restart),
@@ -222,7 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{size} alone (restart {restart} of {args.restarts}): the other groups train on and it heals from "
               "them", file=sys.stderr, flush=True)
         if args.report_dir:
-            _write_restart(args.report_dir, int(os.environ.get("RANK", "0")), restart, describe_exit(code))
+            group_id = int(os.environ.get("RANK", "0"))
+            write_report(args.report_dir, f"restart-group{group_id}-{restart}",
+                         {"rank": group_id, "restart": restart, "description": describe_exit(code)})
     if code < 0:
         sys.stdout.flush()
         sys.stderr.flush()

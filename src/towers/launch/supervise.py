@@ -118,18 +118,22 @@ def read_reports(report_dir: str, *, prefix: str = "rank") -> list[dict[str, Any
     return sorted(reports, key=lambda r: (r.get("rank", 0), r.get("pid", 0)))
 
 
-def _write_report(report_dir: str, info: ProcessInfo, returncode: int) -> None:
-    # Written under a temporary name and renamed, so the launcher never reads half a report; the pid
-    # keeps the reports of a rank apart across restarts.
-    record = {"rank": info.rank, "local_rank": info.local_rank, "returncode": returncode,
-              "description": describe_exit(returncode), "pid": os.getpid()}
-    path = os.path.join(report_dir, f"rank{info.rank}-pid{os.getpid()}.json")
+def write_report(report_dir: str, name: str, record: dict[str, Any]) -> None:
+    """Write ``record`` as ``report_dir/name.json`` for the launcher, atomically (it never reads half a report)."""
+    path = os.path.join(report_dir, f"{name}.json")
     try:
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
             json.dump(record, fh)
         os.replace(path + ".tmp", path)
     except OSError:
         pass  # the stderr line has already said it; the launcher's summary is a convenience
+
+
+def _write_report(report_dir: str, info: ProcessInfo, returncode: int) -> None:
+    # The pid keeps the reports of a rank apart across restarts.
+    write_report(report_dir, f"rank{info.rank}-pid{os.getpid()}",
+                 {"rank": info.rank, "local_rank": info.local_rank, "returncode": returncode,
+                  "description": describe_exit(returncode), "pid": os.getpid()})
 
 
 def _child_setup(parent_pid: int) -> Callable[[], None]:
