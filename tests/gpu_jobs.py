@@ -15,12 +15,20 @@ STEPS = 4
 
 
 def tiny_mlp() -> Any:
-    """Return the same small MLP every time (linear layers only: no TF32 convolution on the GPU)."""
+    """Return the same small MLP every time, on whatever device it is created (linear layers only: no TF32 convolution).
+
+    Created inside a strategy's scope on a GPU, a module draws its initial weights from the GPU's random generator,
+    which gives other numbers than the CPU's for the same seed; so the weights are drawn on the CPU and copied in.
+    """
     import torch
     from torch import nn
 
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, device="cpu") * 0.3)
+    return net
 
 
 def tiny_data(n: int = GLOBAL_BATCH * STEPS) -> tuple[Any, Any]:
@@ -28,7 +36,7 @@ def tiny_data(n: int = GLOBAL_BATCH * STEPS) -> tuple[Any, Any]:
     import torch
 
     g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+    return torch.randn(n, 8, generator=g, device="cpu"), torch.randint(0, 3, (n,), generator=g, device="cpu")
 
 
 def train(strategy: Any) -> dict[str, Any]:
@@ -199,7 +207,11 @@ def _stuck_job(backend: str, device_type: str) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 2).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):  # a few steps, so the bound is the watchdog's minimum rather than its start-up allowance
+    # Past the watchdog's window of recent steps, so that neither its start-up allowance nor the first step (CUDA's
+    # start-up, seconds) sets the bound: it is the minimum, BOUND_S.
+    from towers.diagnostics.progress import RECENT_STEPS
+
+    for _ in range(RECENT_STEPS + 2):
         model(torch.randn(8, 4, device=device)).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()

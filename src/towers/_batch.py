@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime
 import torch
 
 __all__ = ["BatchInfo", "shard_bounds", "global_batch_sizes", "batch_info", "find_batch_info", "attach_batch_info",
-           "map_tensors", "to_device", "DistributedBatches", "FollowsJob"]
+           "host_copy", "map_tensors", "to_device", "DistributedBatches", "FollowsJob"]
 
 
 def shard_bounds(batch_size: int, num_replicas: int, replica_id: int) -> tuple[int, int]:
@@ -117,14 +117,33 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
+_HOST_ATTR = "_towers_host"
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The host tensor ``to_device`` copied ``tensor`` from (None when it made none): facts such as a label count
+    read from it need no wait for the device."""
+    host = getattr(tensor, _HOST_ATTR, None)
+    return host if isinstance(host, torch.Tensor) else None
+
+
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.device.type != "cpu":
+        return tensor.to(device, non_blocking=True)
+    # Page-locked host memory lets a CUDA copy overlap with compute.
+    moved = (tensor.pin_memory() if device.type == "cuda" else tensor).to(device, non_blocking=True)
+    setattr(moved, _HOST_ATTR, tensor)
+    return moved
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Return ``batch`` with every tensor on ``device`` (through page-locked memory for CUDA, non-blocking)."""
+    """Return ``batch`` with every tensor on ``device`` (through page-locked memory for CUDA, non-blocking).
+
+    Each tensor copied from the host keeps its host tensor (``host_copy``).
+    """
     if device.type == "cpu":
         return batch
-    if device.type == "cuda":  # page-locked host memory lets the copy overlap with compute
-        return map_tensors(batch, lambda t: (t.pin_memory() if t.device.type == "cpu" else t)
-                           .to(device, non_blocking=True))
-    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+    return map_tensors(batch, lambda t: _moved(t, device))
 
 
 @runtime_checkable

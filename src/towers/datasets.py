@@ -145,7 +145,8 @@ def load_mnist_idx(root: str | Path) -> tuple[TensorDataset, TensorDataset]:
 def synthetic_images(n: int, *, size: int = 28, num_classes: int = 10, seed: int = 0) -> TensorDataset:
     """Return ``n`` random ``[1, size, size]`` images with random labels (for speed measurements only)."""
     g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.rand(n, 1, size, size, generator=g), torch.randint(0, num_classes, (n,), generator=g))
+    return TensorDataset(torch.rand(n, 1, size, size, generator=g, device="cpu"),
+                         torch.randint(0, num_classes, (n,), generator=g, device="cpu"))
 
 
 def load_data_spec(spec: str) -> tuple[TensorDataset, TensorDataset]:

@@ -81,7 +81,7 @@ def _weighted_loss(loss: torch.Tensor, weights: torch.Tensor, global_batch_size:
                          "Pass the unreduced loss (reduction='none') and a weight tensor of the same shape, e.g. "
                          "(labels != -100).float().")
     try:
-        weights = torch.broadcast_to(weights.to(loss.device), loss.shape) if loss.dim() else weights
+        weights = torch.broadcast_to(weights, loss.shape) if loss.dim() else weights
     except RuntimeError:
         raise user_error("weights must have the loss's shape (or broadcast to it)",
                          f"loss {tuple(loss.shape)}, weights {tuple(weights.shape)}",
@@ -95,7 +95,9 @@ def _weighted_loss(loss: torch.Tensor, weights: torch.Tensor, global_batch_size:
     padding = ctx.num_padding_examples if ctx is not None else 0
     if padding:  # padding examples weigh nothing
         loss, weights = loss[: loss.shape[0] - padding], weights[: weights.shape[0] - padding]
-    weight = float(weights.detach().to(torch.float64).sum().item())  # exact counts (a bf16 sum is not past 256)
+    # Exact counts (a bf16 sum is not past 256). Weights on the host are summed there: no wait for the device.
+    weight = float(weights.detach().to(torch.float64).sum().item())
+    weights = weights.to(loss.device, non_blocking=True)
     weights = weights.to(loss.dtype) if loss.is_floating_point() else weights.float()
     total = (loss * weights).sum()
     shares = 1 if ctx is None else ctx.num_replicas_in_sync * ctx.accumulation_steps

@@ -146,7 +146,7 @@ def random_tokens(num_sequences: int, config: GPTConfig, *, seed: int = 0) -> tu
     """
     g = torch.Generator().manual_seed(seed)
     # A skewed token distribution (Zipf-like), so there is something to learn.
-    weights = 1.0 / torch.arange(1, config.vocab_size + 1, dtype=torch.float64)
+    weights = 1.0 / torch.arange(1, config.vocab_size + 1, dtype=torch.float64, device="cpu")  # any scope's device
     tokens = torch.multinomial(weights, num_sequences * (config.block_size + 1), replacement=True, generator=g)
     tokens = tokens.view(num_sequences, config.block_size + 1)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -305,3 +305,21 @@ def test_a_peer_lost_during_a_reduction_keeps_training(caplog):
     strategy.trainer = trainer
     trainer.fit((x, y), 2, 16, callbacks=[StopAtStep2()])
     assert trainer.progress.global_step == 3  # not decided at step 2 (no reduction): at the next one, everywhere
+
+
+def test_the_label_count_of_a_moved_batch_is_read_from_its_host_copy():
+    # A batch moved to a device keeps its host tensors, so counting labels does not wait for the device's queue
+    # (on a GPU that wait stalled every step of a token-loss model). A meta tensor holds no values: counting it
+    # would fail, so the count below can only come from the host copy.
+    from towers._batch import host_copy, to_device
+    from towers.training.batches import label_count, split
+
+    idx = torch.randint(0, 10, (4, 6))
+    targets = idx.clone()
+    targets[0, :4] = -1
+    for batch in ((idx, targets), {"input_ids": idx, "labels": targets}):
+        moved = to_device(batch, torch.device("meta"))
+        parts = split(moved, with_labels_in_inputs=True)
+        assert parts.labels.device.type == "meta" and host_copy(parts.labels) is targets
+        assert label_count(parts, -1) == 20
+    assert label_count(split((idx, targets)), -1) == 20 and host_copy(targets) is None  # not moved: counted in place

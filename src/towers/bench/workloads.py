@@ -114,13 +114,13 @@ class WorkloadSpec:
             reps = -(-n // len(xs))
             return torch.utils.data.TensorDataset(xs.repeat(reps, *[1] * (xs.dim() - 1))[:n],
                                                   ys.repeat(reps, *[1] * (ys.dim() - 1))[:n])
-        x = torch.rand(n, *self.input_shape, generator=g)
+        x = torch.rand(n, *self.input_shape, generator=g, device="cpu")
         if self.loss == "cross_entropy":
-            y = torch.randint(0, self.num_classes, (n,), generator=g)
+            y = torch.randint(0, self.num_classes, (n,), generator=g, device="cpu")
         else:
             with torch.no_grad():
                 out_shape = self.make_model()(x[:1]).shape[1:]
-            y = torch.randn(n, *out_shape, generator=g)
+            y = torch.randn(n, *out_shape, generator=g, device="cpu")
         return torch.utils.data.TensorDataset(x, y)
 
     def loss_value(self, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from towers._batch import host_copy
 from towers.errors import user_error
 
 __all__ = ["BatchParts", "split", "call_model", "predictions", "model_loss", "label_count"]
@@ -117,7 +118,12 @@ def model_loss(outputs: Any) -> torch.Tensor:
 
 
 def label_count(parts: BatchParts, ignore_index: int) -> int:
-    """The number of labels the model's mean loss averages over: label entries other than ``ignore_index``."""
-    if parts.labels is None or not isinstance(parts.labels, torch.Tensor):
+    """The number of labels the model's mean loss averages over: label entries other than ``ignore_index``.
+
+    Counted on the labels' host copy where the batch was moved to a device (a GPU's work queue is not waited for).
+    """
+    labels = parts.labels
+    if labels is None or not isinstance(labels, torch.Tensor):
         return parts.size()
-    return int(parts.labels.ne(ignore_index).sum())
+    host = host_copy(labels)
+    return int((labels if host is None else host).ne(ignore_index).sum())

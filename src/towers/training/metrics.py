@@ -117,7 +117,9 @@ class Mean(Metric):
     def local_state(self, y_pred: torch.Tensor, y_true: torch.Tensor | None = None) -> torch.Tensor:
         """Return ``[sum, count]`` of the values in ``y_pred`` (one value per example)."""
         values = torch.as_tensor(y_pred).detach().to(torch.float64).reshape(-1)
-        return torch.stack([values.sum(), torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device)])
+        # torch.full fills on the device; torch.tensor(..., device=) would copy from the host and wait for the GPU
+        return torch.stack([values.sum(), torch.full((), float(values.numel()), dtype=torch.float64,
+                                                      device=values.device)])
 
 
 class MeanMetricWrapper(Mean):

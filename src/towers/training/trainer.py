@@ -232,7 +232,7 @@ class Trainer:
             sync = (batch_index % self.log_every_n_steps == 0
                     or _last_of_epoch(batch, batch_index, batches, steps_per_epoch)
                     or (not self._last_train_logs and job is None)  # a resumed epoch's first logs
-                    or self.strategy.num_replicas_in_sync == 1)  # one replica: reducing is free
+                    or self._syncing_is_free)
             logs = self._sync_train_metrics() if sync else dict(self._last_train_logs)
             logs.update({"size": float(size), "examples": p.examples, "global_step": p.global_step})
             self._callbacks.call("on_train_batch_end", batch_index, logs)
@@ -242,6 +242,12 @@ class Trainer:
                 if self.stop_training:
                     break
         self._sync_train_metrics()  # the epoch's sums are complete before its logs are read
+
+    @property
+    def _syncing_is_free(self) -> bool:
+        """One replica on the CPU: reducing is free, so every step's logs are exact. On a GPU, reading the sums
+        every step would make the host wait for the device's queue at each step."""
+        return self.strategy.num_replicas_in_sync == 1 and self.strategy.device.type == "cpu"
 
     def _epoch_examples(self, train_set: Dataset, global_batch_size: int) -> int:
         """The examples this epoch trained on: as the parameter servers counted them, else its global batches'."""
@@ -372,7 +378,9 @@ class Trainer:
         if count == 0:  # no label here (an empty share): a zero gradient, not the NaN of a mean over nothing
             mean = _zero_loss(outputs, mean)
         # The strategy divides the update's gradient by the label count over every replica and micro-batch.
-        self.strategy.backward(compute_average_loss(mean.reshape(1), weights=torch.full((1,), float(count))))
+        # The count lives on the host (compute_average_loss reads it there, without waiting for the device).
+        weights = torch.full((1,), float(count), device="cpu")
+        self.strategy.backward(compute_average_loss(mean.reshape(1), weights=weights))
         self._update()
         shown = mean.detach().float()  # one loss per label (none without labels: the loss metric is token-weighted)
         return shown.expand(count).clone(), _predictions_or(outputs, self.prediction_key, shown)
@@ -465,7 +473,7 @@ class Trainer:
                 losses, y_pred = self.strategy.run(step, args=(batch,))
                 y = parts.labels if parts.labels is not None else torch.zeros(len(y_pred), device=y_pred.device)
                 sums = metrics.local_state(per_example(losses, len(losses)), y_pred, y)  # reduced once, at the end
-                local += torch.cat([sums, torch.tensor([float(parts.size())], dtype=torch.float64, device=sums.device)])
+                local += torch.cat([sums, torch.full((1,), float(parts.size()), dtype=torch.float64, device=sums.device)])
                 cbs.call("on_test_batch_end", batch_index, {})
         reduced = self.strategy.reduce("sum", local)
         metrics.accumulate(reduced[:-1])
