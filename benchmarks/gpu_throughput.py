@@ -1,0 +1,256 @@
+"""Examples/s on one GPU: raw torch, towers' custom loop and ``Trainer.fit``, in fp32, bf16 and compiled.
+
+Two models: the seed CNN (synthetic [B, 1, 28, 28] images, batch 256, Adam) and the 69.5M-parameter
+GPT (``GPTConfig.small()``: context 256, batch 16 sequences, AdamW, the model's own token loss).
+Each engine reads the same CPU tensors as a user's job would (page-locked, copied without
+blocking):
+
+- ``raw``: a hand-written torch loop (batches sliced from a shuffled order, page-locked, ``torch.autocast``
+  for bf16, ``torch.compile`` for compiled);
+- ``loop``: ``OneDeviceStrategy("/gpu:0", precision=...)``, ``strategy.prepare`` and ``strategy.run``;
+- ``trainer``: ``Trainer.fit`` on the same strategy (not in the compiled mode: one compilation per
+  engine is the cost that decides how long this takes);
+- ``trainer_waits`` (``--waits-variant``): the Trainer as it was, waiting for the GPU at every step.
+
+A block is S steps of one engine, timed with the device synchronised at both ends, so the
+iterator's start is in. Every repeat runs each engine's block once, in a rotating order; reported
+are examples/s (median and range over the repeats) and each engine over raw torch.
+
+    python benchmarks/gpu_throughput.py                                   # both models, ~4 min on an H100
+    python benchmarks/gpu_throughput.py --models gpt --modes bf16 --repeats 3 --json-out gpu.json
+    python benchmarks/gpu_throughput.py --device cpu --tiny-gpt --steps 3 --repeats 1  # a smoke run, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import towers
+from towers.datasets import synthetic_images
+from towers.models import SeedCNN
+from towers.models_gpt import GPT, GPTConfig, random_tokens
+
+MODES = ("fp32", "bf16", "compiled")  # compiled: bf16 and torch.compile (inductor)
+BATCH = {"cnn": 256, "gpt": 16}
+_GPT_CONFIG = [GPTConfig.small()]
+WAITS_VARIANT = [False]  # --waits-variant  # --tiny-gpt: GPTConfig.tiny(), for a smoke run
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build(model_name: str) -> tuple[torch.nn.Module, Callable[[Any], torch.optim.Optimizer]]:
+    torch.manual_seed(0)
+    if model_name == "cnn":
+        return SeedCNN(), lambda params: torch.optim.Adam(params, lr=1e-3)
+    return GPT(_GPT_CONFIG[0]), lambda params: torch.optim.AdamW(params, lr=3e-4)
+
+
+def _data(model_name: str, examples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if model_name == "cnn":
+        return synthetic_images(examples, seed=0).tensors
+    return random_tokens(examples, _GPT_CONFIG[0], seed=0)
+
+
+def _loss(model_name: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+          reduction: str = "mean") -> torch.Tensor:
+    if model_name == "cnn":
+        return F.cross_entropy(model(x), y, reduction=reduction)
+    return model(x, y)[1]
+
+
+def _raw_engine(model_name: str, mode: str, device: torch.device, data, batch: int, steps: int) -> Callable[[], int]:
+    net, make_opt = _build(model_name)
+    net = net.to(device)
+    opt = make_opt(net.parameters())
+    model = torch.compile(net) if mode == "compiled" else net
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if mode != "fp32" else nullcontext
+    pin = (lambda t: t.pin_memory()) if device.type == "cuda" else (lambda t: t)
+    xs, ys = data
+
+    def block() -> int:
+        # Batches sliced from a shuffled order, page-locked and copied without blocking: the fast way by hand (a
+        # DataLoader over a TensorDataset collates example by example, and was 2x slower than towers on the CNN).
+        order = torch.randperm(len(xs))
+        for i in range(steps):
+            rows = order[i * batch:(i + 1) * batch]
+            x, y = pin(xs[rows]).to(device, non_blocking=True), pin(ys[rows]).to(device, non_blocking=True)
+            with autocast():
+                loss = _loss(model_name, model, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return steps
+    return block
+
+
+def _strategy(mode: str, device: torch.device) -> towers.OneDeviceStrategy:
+    return towers.OneDeviceStrategy(str(device), precision="32" if mode == "fp32" else "bf16")
+
+
+def _loop_engine(model_name: str, mode: str, device: torch.device, data, batch: int, steps: int) -> Callable[[], int]:
+    strategy = _strategy(mode, device)
+    with strategy.scope():
+        net, make_opt = _build(model_name)
+        opt = make_opt(net.parameters())
+    model, opt = strategy.prepare(net, opt, compile=mode == "compiled")
+
+    def step(x, y):
+        if model_name == "cnn":
+            loss = towers.compute_average_loss(_loss(model_name, model, x, y, "none"))
+        else:
+            loss = _loss(model_name, model, x, y)  # the model's token mean: one replica, nothing to rescale
+        strategy.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    def block() -> int:
+        done = 0
+        for x, y in strategy.distribute_dataset(data, batch, seed=done):
+            strategy.run(step, args=(x, y))
+            done += 1
+            if done == steps:
+                break
+        return done
+    return block
+
+
+def _trainer_engine(model_name: str, mode: str, device: torch.device, data, batch: int, steps: int,
+                    log_every_n_steps: int = 10) -> Callable[[], int]:
+    strategy = _strategy(mode, device)
+    with strategy.scope():
+        net, make_opt = _build(model_name)
+        opt = make_opt(net.parameters())
+    loss = F.cross_entropy if model_name == "cnn" else None
+    trainer = towers.Trainer(net, opt, loss, strategy=strategy, ignore_index=-1, log_every_n_steps=log_every_n_steps)
+
+    def block() -> int:
+        history = trainer.fit(data, epochs=1, global_batch_size=batch, steps_per_epoch=steps)
+        return len(history.history["loss"]) and steps
+    return block
+
+
+def _trainer_waits_engine(model_name: str, mode: str, device: torch.device, data, batch: int,
+                          steps: int) -> Callable[[], int]:
+    """``trainer`` as it was before it stopped waiting for the GPU inside a step (--waits-variant): metrics
+    reduced at every step (``log_every_n_steps=1``, what one replica did) and labels counted on the device."""
+    import towers.training.trainer as trainer_module
+
+    inner = _trainer_engine(model_name, mode, device, data, batch, steps, log_every_n_steps=1)
+
+    def on_device(parts, ignore_index):
+        return int(parts.labels.ne(ignore_index).sum()) if isinstance(parts.labels, torch.Tensor) else parts.size()
+
+    def block() -> int:
+        kept = trainer_module.label_count
+        trainer_module.label_count = on_device
+        try:
+            return inner()
+        finally:
+            trainer_module.label_count = kept
+    return block
+
+
+ENGINES = {"raw": _raw_engine, "loop": _loop_engine, "trainer": _trainer_engine, "trainer_waits": _trainer_waits_engine}
+
+
+def measure(model_name: str, mode: str, device: torch.device, steps: int, repeats: int) -> dict:
+    """Time every engine of ``model_name`` in ``mode``; return examples/s per engine and repeat."""
+    batch = BATCH[model_name]
+    data = _data(model_name, batch * (steps + 1))
+    engines = {name: make(model_name, mode, device, data, batch, steps) for name, make in ENGINES.items()
+               if not (name.startswith("trainer") and mode == "compiled")
+               and (name != "trainer_waits" or WAITS_VARIANT[0])}
+    started = time.perf_counter()
+    for block in engines.values():  # warm-up: allocator, cuDNN/cuBLAS choices, compilation
+        block()
+    _sync(device)
+    warmup_s = time.perf_counter() - started
+    names = list(engines)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            _sync(device)
+            t0 = time.perf_counter()
+            done = engines[name]()
+            _sync(device)
+            rates[name].append(done * batch / (time.perf_counter() - t0))
+    del engines
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"model": model_name, "mode": mode, "batch": batch, "steps": steps, "warmup_s": warmup_s, "rates": rates}
+
+
+def summarise(result: dict) -> list[dict]:
+    """One row per engine: median and range of examples/s, and the median ratio to raw torch."""
+    raw = result["rates"]["raw"]
+    rows = []
+    for name, values in result["rates"].items():
+        ratios = [v / r for v, r in zip(values, raw)]
+        rows.append({"model": result["model"], "mode": result["mode"], "engine": name,
+                     "examples_s": statistics.median(values), "range": [min(values), max(values)],
+                     "vs_raw": statistics.median(ratios), "warmup_s": result["warmup_s"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
+    p.add_argument("--models", default="cnn,gpt", help="comma-separated, of cnn, gpt (default: both)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per block (default: 30)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats (default: 5)")
+    p.add_argument("--tiny-gpt", action="store_true", help="the tests' tiny GPT instead (a smoke run)")
+    p.add_argument("--waits-variant", action="store_true",
+                   help="also time the Trainer as it was: waiting for the GPU at every step (trainer_waits)")
+    p.add_argument("--json-out", default=None, help="also write the rows here")
+    args = p.parse_args(argv)
+    models, modes = args.models.split(","), args.modes.split(",")
+    bad = [m for m in models if m not in BATCH] + [m for m in modes if m not in MODES]
+    if bad or args.steps < 1 or args.repeats < 1:
+        p.error(f"unknown model or mode {bad}, or steps/repeats < 1. Received: models={args.models}, "
+                f"modes={args.modes}, steps={args.steps}, repeats={args.repeats}.")
+    device = torch.device(args.device)
+    WAITS_VARIANT[0] = args.waits_variant
+    if args.tiny_gpt:
+        _GPT_CONFIG[0] = GPTConfig.tiny()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no GPU here. Run it on a GPU machine, or pass --device cpu.")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32
+        print(f"device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}, CUDA {torch.version.cuda}",
+              flush=True)
+    rows = []
+    for model_name in models:
+        for mode in modes:
+            try:
+                result = measure(model_name, mode, device, args.steps, args.repeats)
+            except Exception as exc:  # one failing mode must not lose the others' numbers
+                print(f"{model_name} {mode}: failed: {type(exc).__name__}: {exc}", flush=True)
+                rows.append({"model": model_name, "mode": mode, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            for row in summarise(result):
+                rows.append(row)
+                print(f"{row['model']:4} {row['mode']:9} {row['engine']:13} {row['examples_s']:10.1f} ex/s "
+                      f"({row['range'][0]:.1f}-{row['range'][1]:.1f})  {row['vs_raw']:.3f}x raw  "
+                      f"warm-up {row['warmup_s']:.1f} s", flush=True)
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump({"device": str(device), "torch": torch.__version__, "args": vars(args), "rows": rows}, f,
+                      indent=1)
+    return 1 if any("error" in row for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
