@@ -14,7 +14,10 @@ import time
 
 from towers.launch.replica_group import group_command, member_environment, read_restarts
 
-SHOW = "import os; print('run', os.environ['TOWERS_GROUP_RESTART'], 'member', os.environ['TOWERS_FT_GROUP_RANK'], flush=True)\n"
+# One write per line: a member killed right after it (its group restarting) cannot leave half a line that the next
+# run's line then joins (print writes the text and the newline separately when Python runs unbuffered).
+SHOW = ("import os; os.write(1, f\"run {os.environ['TOWERS_GROUP_RESTART']} member "
+        "{os.environ['TOWERS_FT_GROUP_RANK']}\\n\".encode())\n")
 
 
 def run_group(child_code: str, tmp_path, *, restarts: int, size: int = 1, stopped_kill_s: float = 15.0):
