@@ -4,16 +4,16 @@
     towers launch --strategy ft ... ft_job.py env - STOP_FILE OUT_DIR [--fail-group G --fail-at S --fail-how HOW]
 
 A custom loop over ``strategy.distribute_dataset``. After each committed step it prints
-``step N groups G t T`` (T: time.time()). Every 10 steps the processes agree (a ``reduce``) on
-whether STOP_FILE exists (the test creates it once it has seen what it waits for); 10 steps after
-they first agree it does, every one of them stops, at the same step, prints ``done N``, and writes
-its parameters to OUT_DIR/group<ID>.pt.
+``step N groups G t T`` (T: time.time()), and a group alone then pauses (``ALONE_PAUSE_S``).
+Every 10 steps the processes agree (a ``reduce``) on whether STOP_FILE exists (the test creates
+it once it has seen what it waits for); 10 steps after they first agree it does, every one of
+them stops, at the same step, prints ``done N``, and writes its parameters to OUT_DIR/group<ID>.pt.
 
 With LIGHTHOUSE ``env`` the strategy comes from ``towers launch`` (``towers.strategy_from_env()``),
 and ``--fail-how kill|raise|stop`` makes process ``--fail-member`` of group ``--fail-group`` SIGKILL
 itself, raise, or SIGSTOP itself before step ``--fail-at``, once (not after the launcher restarted
-it: ``TOWERS_GROUP_RESTART``). A group of several processes (``--group-size``) writes
-OUT_DIR/group<ID>.<PROCESS>.pt, one file per process.
+it: ``TOWERS_GROUP_RESTART``), right after printing ``failing (HOW) before step S t T``. A group of
+several processes (``--group-size``) writes OUT_DIR/group<ID>.<PROCESS>.pt, one file per process.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,18 @@ import towers
 from ft_support import end_job
 from towers.strategies import PeerLostError
 from towers.cluster.info import ProcessInfo
+
+#: A group that trains alone (the other one lost) pauses this long after each step. Hundreds of steps alone
+#: prove nothing that the first few do not, and on a machine of 2 cores a survivor stepping flat out takes the
+#: CPU from the group being started again (a group of 2 processes: back after about 12 s instead of 4.5 s).
+ALONE_PAUSE_S = 0.05
+
+
+def _say(line: str) -> None:
+    """Print ``line`` in one write: the processes of a group share their stdout, and under ``python -u`` a
+    ``print`` writes its text and its newline apart, so two processes' lines could merge into one."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def one_device_reference(steps: int) -> dict[str, torch.Tensor]:
@@ -107,13 +120,15 @@ def main() -> None:
     while stop_at is None or strategy.current_step < stop_at:
         for features, labels in batches:
             if fail and strategy.current_step == args.fail_at:
-                print(f"failing ({args.fail_how}) before step {args.fail_at}", flush=True)
+                _say(f"failing ({args.fail_how}) before step {args.fail_at} t {time.time():.4f}")
                 if args.fail_how == "raise":
                     raise RuntimeError(f"injected failure of replica group {args.group}")
                 os.kill(os.getpid(), signal.SIGKILL if args.fail_how == "kill" else signal.SIGSTOP)
             strategy.run(step, args=(features, labels))
             groups = strategy.num_replicas_in_sync // size
-            print(f"step {strategy.current_step} groups {groups} t {time.time():.4f}", flush=True)
+            _say(f"step {strategy.current_step} groups {groups} t {time.time():.4f}")
+            if groups < 2:  # alone: yield the CPU to the group being restarted (see the docstring)
+                time.sleep(ALONE_PAUSE_S)
             if stop_at is None and strategy.current_step % 10 == 0:  # every live process is at this step now
                 try:  # the processes agree on whether the test asked them to stop, then stop 10 steps later
                     seen = float(strategy.reduce("max", 1.0 if os.path.exists(args.stop_file) else 0.0))
@@ -126,11 +141,11 @@ def main() -> None:
     groups = strategy.all_gather_object(args.group)
     total = float(strategy.reduce("sum", 1.0))
     gathered = strategy.gather(torch.tensor([args.group] * (args.group + 1))).tolist()
-    print(f"collectives groups={groups} sum={total} gathered={gathered}", flush=True)
+    _say(f"collectives groups={groups} sum={total} gathered={gathered}")
     # A group that shards its model (shard=True) gathers the whole tensors: every process of the group takes part.
     torch.save({k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
                 for k, v in net.state_dict().items()}, Path(args.out) / f"group{args.group}{f'.{member}' if size > 1 else ''}.pt")
-    print(f"done {strategy.current_step} not_committed {strategy.steps_not_committed}", flush=True)
+    _say(f"done {strategy.current_step} not_committed {strategy.steps_not_committed}")
     end_job(strategy)
 
 

@@ -12,10 +12,15 @@ module without towers. Readers: one_device (1), mirrored (2), sharded (3), ps sy
 ps tasks (2 workers + 2 ps). A model with parameter-server embedding rows goes from ps (1 ps task)
 and hybrid to ps with 2 ps tasks (rows and their Adagrad slots), and is refused, naming both
 strategies, under a strategy without ps tasks.
+
+Each start of a process costs more than all it does here, so the matrix runs in as few processes as
+its order allows (readers after every writer): one_device in this process, and a job's processes
+serve several writers or readers in turn, each under a strategy of its own (see ``matrix``).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -72,7 +77,8 @@ def _strategy(kind: str) -> towers.Strategy:
         return towers.FullyShardedStrategy(timeout_s=60, shard_units=nn.Linear)
     if kind == "hsdp":
         return towers.FullyShardedStrategy(timeout_s=60, shard_units=nn.Linear, shard_group_size=2)
-    return towers.strategy_from_env(mode="sync", timeout_s=60, exit_on_ps=False)  # ps / hybrid: from TOWERS_*
+    os.environ["TOWERS_STRATEGY"] = kind  # ps / hybrid, with TOWERS_NUM_PS from the job
+    return towers.strategy_from_env(mode="sync", timeout_s=60, exit_on_ps=False)
 
 
 def _build(strategy: towers.Strategy, rows: bool) -> tuple[nn.Module, torch.optim.Optimizer, object]:
@@ -118,10 +124,8 @@ def _final(strategy, model, optimizer) -> dict:
     return out
 
 
-def _writer(out_dir: str, kind: str, rows: bool) -> dict | None:
-    strategy = _strategy(kind)
-    if getattr(strategy, "is_ps", False):
-        return None
+def _write(strategy, out_dir: str, kind: str, rows: bool) -> dict:
+    """Take SAVE_AT steps, save, go on to the end of the epoch; return the uninterrupted run's end."""
     model, optimizer, batches = _build(strategy, rows)
     epoch = iter(batches)
     _train(strategy, model, optimizer, epoch, SAVE_AT, [])
@@ -132,17 +136,14 @@ def _writer(out_dir: str, kind: str, rows: bool) -> dict | None:
     result = {**_final(strategy, model, optimizer), "later": later}
     if not rows:  # export for inference: the plain module's full weights, loaded below without towers
         strategy.export_model(model, Path(out_dir) / f"{kind}.safetensors")
-    strategy.shutdown()
     return result
 
 
-def _reader(out_dir: str, kind: str, sources: list[str], rows: bool) -> dict | None:
-    strategy = _strategy(kind)
-    if getattr(strategy, "is_ps", False):
-        return None
+def _read(strategy, out_dir: str, sources: list[str]) -> dict:
+    """Restore each source into a fresh model and optimizer and train to the end of the epoch."""
     results = {}
     for source in sources:
-        model, optimizer, batches = _build(strategy, rows)
+        model, optimizer, batches = _build(strategy, source.endswith("-rows"))
         try:
             state = restore_checkpoint(Path(out_dir) / source, {"model": model, "optimizer": optimizer,
                                                                 "data": batches}, strategy=strategy)
@@ -152,7 +153,31 @@ def _reader(out_dir: str, kind: str, sources: list[str], rows: bool) -> dict | N
         later: list[int] = []
         _train(strategy, model, optimizer, batches, None, later)
         results[source] = {**_final(strategy, model, optimizer), "later": later, "step": state["step"]}
-    strategy.shutdown()
+    return results
+
+
+#: A part of a job: under a new strategy of this kind, write a checkpoint of each model (True: the one
+#: with ps rows), then restore each source into a fresh model.
+Part = tuple[str, tuple[bool, ...], tuple[str, ...]]
+
+
+def _job(out_dir: str, parts: list[Part]) -> list[dict | None]:
+    """One job whose processes run each part in turn, each part under a strategy of its own.
+
+    A part after the first finds the job's process group still there (ps and hybrid keep it at
+    shutdown) and makes its own strategy on it, a ps strategy with its own links to its ps tasks,
+    which serve a part until its workers are done. A ps strategy takes one model, so the dense and
+    the rows model are two parts. Returns each part's results (None on a ps task).
+    """
+    results: list[dict | None] = []
+    for kind, write, read in parts:
+        strategy = _strategy(kind)
+        if getattr(strategy, "is_ps", False):
+            results.append(None)  # the ps task served this part until the workers were done
+            continue
+        results.append({"written": {rows: _write(strategy, out_dir, kind, rows) for rows in write},
+                        "read": _read(strategy, out_dir, list(read))})
+        strategy.shutdown()
     return results
 
 
@@ -173,50 +198,83 @@ def _close(got: dict, want: dict, what: str) -> None:
             assert torch.allclose(got[part][key], value, atol=ATOL), (what, part, key)
 
 
-WRITERS = [("one_device", 1, {}), ("mirrored", 2, {}), ("sharded", 2, {}), ("hsdp", 4, {}),
-           ("ps", 3, {"TOWERS_STRATEGY": "ps", "TOWERS_NUM_PS": "1"}),
-           ("hybrid", 3, {"TOWERS_STRATEGY": "hybrid", "TOWERS_NUM_PS": "1"})]
-READERS = [("one_device", 1, {}), ("mirrored", 2, {}), ("sharded", 3, {}),
-           ("ps", 4, {"TOWERS_STRATEGY": "ps", "TOWERS_NUM_PS": "2"})]
+WRITERS = ["one_device", "mirrored", "sharded", "hsdp", "ps", "hybrid"]  # processes: 1, 2, 2, 4, 3, 3 (see matrix)
+READERS = {"one_device": 1, "mirrored": 2, "sharded": 3, "ps": 2}  # replicas or workers (ps: + 2 ps tasks)
+DENSE = [f"{kind}-dense" for kind in WRITERS]
+ROWS = ["ps-rows", "hybrid-rows"]
 
 
-def test_dense_state_carries_across_strategies_and_sizes(tmp_path):
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> dict:
+    """Every writer's and reader's results, from as few processes as the order of the matrix allows.
+
+    Readers come after every writer. one_device writes and reads in this process; ps and hybrid
+    write both models in one job of 3; mirrored writes last and then reads every checkpoint in the
+    same job; the readers of 3 (sharded) and 4 (ps, dense then rows) come last, and the one_device
+    reader is refused the rows. (Strategies that leave the process group at shutdown, Mirrored and
+    FullySharded, each get a job of their own: a second one joining a group again in the same
+    processes can hang.)
+    """
+    out = str(tmp_path_factory.mktemp("checkpoints"))
     reference = _one_device_reference()
-    for kind, n, env in WRITERS:
-        written = towers.spawn(_writer, n, args=(str(tmp_path), kind, False), timeout_s=120, env=env)
-        _close(written[0], reference, f"{kind} uninterrupted")
+    written: dict[str, dict[bool, dict]] = {}
+    read: dict[str, list[dict]] = {}
+
+    def job(n: int, parts: list[Part], env: dict | None = None) -> None:
+        ranks = ([_job(out, parts)] if n == 1 else  # no job to launch: this process
+                 towers.spawn(_job, n, args=(out, parts), timeout_s=150, env=env))
+        for i, (kind, write, sources) in enumerate(parts):
+            workers = [r[i] for r in ranks if r[i] is not None]  # ps tasks left out
+            for rows in write:
+                written.setdefault(kind, {})[rows] = workers[0]["written"][rows]
+            if sources:  # one result per worker/replica
+                for mine, worker in zip(read.setdefault(kind, [{} for _ in workers]), workers, strict=True):
+                    mine.update(worker["read"])
+
+    job(1, [("one_device", (False,), ())])
+    job(4, [("hsdp", (False,), ())])
+    job(3, [(kind, (rows,), ()) for kind in ("ps", "hybrid") for rows in (False, True)], {"TOWERS_NUM_PS": "1"})
+    job(2, [("sharded", (False,), ())])
+    job(2, [("mirrored", (False,), tuple(DENSE))])  # the last writer, and the mirrored reader
+    job(1, [("one_device", (), tuple(DENSE + ROWS))])
+    job(3, [("sharded", (), tuple(DENSE))])
+    job(4, [("ps", (), tuple(DENSE)), ("ps", (), tuple(ROWS))], {"TOWERS_NUM_PS": "2"})
+    assert set(written) == set(WRITERS) and set(read) == set(READERS)
+    return {"out": Path(out), "reference": reference, "written": written, "read": read}
+
+
+def test_dense_state_carries_across_strategies_and_sizes(matrix):
+    reference, out = matrix["reference"], matrix["out"]
+    for kind in WRITERS:
+        _close(matrix["written"][kind][False], reference, f"{kind} uninterrupted")
         plain = Dense()  # the user's own module, no towers
-        plain.load_state_dict(load_file(str(tmp_path / f"{kind}.safetensors")))
+        plain.load_state_dict(load_file(str(out / f"{kind}.safetensors")))
         for key, value in plain.state_dict().items():
             assert torch.allclose(value, reference["params"][key], atol=ATOL), (kind, "export", key)
-    sources = [f"{kind}-dense" for kind, _, _ in WRITERS]
-    for kind, n, env in READERS:
-        results = towers.spawn(_reader, n, args=(str(tmp_path), kind, sources, False), timeout_s=150, env=env)
-        for rank in range(n if kind != "ps" else 2):  # every worker/replica ends where one device does
-            for source in sources:
-                got = results[rank][source]
+    for kind, n in READERS.items():
+        results = matrix["read"][kind]
+        assert len(results) == n  # every worker/replica ends where one device does
+        for rank, result in enumerate(results):
+            for source in DENSE:
+                got = result[source]
                 assert "error" not in got, (kind, source, got)
                 assert got["step"] == SAVE_AT
                 _close(got, reference, f"{source} -> {kind} rank {rank}")
-        assert results[0][sources[0]]["later"]  # the data went on
+        assert results[0][DENSE[0]]["later"]  # the data went on
         if kind == "one_device":  # the data continued at the next example: the same batches as uninterrupted
-            assert all(results[0][s]["later"] == reference["later"] for s in sources)
+            assert all(results[0][s]["later"] == reference["later"] for s in DENSE)
 
 
-def test_embedding_rows_carry_to_another_number_of_ps_tasks_and_are_refused_without_ps(tmp_path):
-    written = {}
-    for kind, n, env in WRITERS[4:]:
-        written[kind] = towers.spawn(_writer, n, args=(str(tmp_path), kind, True), timeout_s=120, env=env)[0]
-    sources = ["ps-rows", "hybrid-rows"]
-    results = towers.spawn(_reader, 4, args=(str(tmp_path), "ps", sources, True), timeout_s=150, env=READERS[3][2])
-    for rank in (0, 1):
-        for source, kind in zip(sources, ("ps", "hybrid")):
-            got = results[rank][source]
+def test_embedding_rows_carry_to_another_number_of_ps_tasks_and_are_refused_without_ps(matrix):
+    assert len(matrix["read"]["ps"]) == READERS["ps"]
+    for rank, result in enumerate(matrix["read"]["ps"]):
+        for source, kind in zip(ROWS, ("ps", "hybrid")):
+            got = result[source]
             assert "error" not in got, got
             assert any(k.startswith("table.rows.slot") for k in got["params"])  # the rows' Adagrad state came along
-            _close(got, written[kind], f"{source} -> ps with 2 ps tasks, rank {rank}")
-    refused = towers.spawn(_reader, 1, args=(str(tmp_path), "one_device", sources, True), timeout_s=60)[0]
-    for source, kind in zip(sources, ("ps", "hybrid")):
+            _close(got, matrix["written"][kind][True], f"{source} -> ps with 2 ps tasks, rank {rank}")
+    refused = matrix["read"]["one_device"][0]
+    for source, kind in zip(ROWS, ("ps", "hybrid")):
         text = refused[source]["error"]
         assert f"written under strategy {kind!r}" in text and "this job runs 'one_device'" in text
         assert "table.rows" in text and "restore it under a strategy with ps tasks" in text

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing
 import os
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 import towers
 from doc_blocks import ROOT, markdown_files, python_blocks
@@ -27,12 +31,32 @@ def _run_block(name: str, code: str, work_dir: str) -> str:
     return out.getvalue()
 
 
+def _run_block_here(name: str, code: str, work_dir: str) -> str:
+    """``_run_block`` on one replica in this process (no process to start): one CPU thread, as a spawned replica
+    has, and this process's working directory and random state as they were."""
+    cwd, threads, rng = os.getcwd(), torch.get_num_threads(), torch.random.get_rng_state()
+    torch.set_num_threads(1)
+    try:
+        return _run_block(name, code, work_dir)
+    finally:
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng)
+
+
 @pytest.mark.parametrize("block", SAME_MATHS, ids=lambda b: b.name)
 def test_block_prints_the_same_numbers_on_one_and_two_replicas(block, tmp_path):
-    one = towers.spawn(_run_block, 1, args=(block.name, block.code, str(tmp_path)), timeout_s=120,
-                       threads_per_process=1)[0]
-    two = towers.spawn(_run_block, 2, args=(block.name, block.code, str(tmp_path)), timeout_s=150,
-                       env={"TOWERS_STRATEGY": "mirrored"}, threads_per_process=1)
+    assert towers.cluster.from_env().world_size == 1  # so the block's strategy_from_env() is one_device here
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    with ThreadPoolExecutor(1) as pool:  # the 2 replicas start while one replica trains here: 3 processes' work on 2 cores
+        job = pool.submit(towers.spawn, _run_block, 2, args=(block.name, block.code, str(tmp_path / "two")),
+                          timeout_s=150, env={"TOWERS_STRATEGY": "mirrored"}, threads_per_process=1)
+        started = time.monotonic() + 30
+        while len(multiprocessing.active_children()) < 2 and not job.done() and time.monotonic() < started:
+            time.sleep(0.01)  # a replica starts in this process's working directory: change it only after they started
+        one = _run_block_here(block.name, block.code, str(tmp_path / "one"))
+        two = job.result()
     assert two[1] == ""  # only the chief prints
     numbers_one, numbers_two = [float(v) for v in _NUMBER.findall(one)], [float(v) for v in _NUMBER.findall(two[0])]
     assert numbers_one and len(numbers_one) == len(numbers_two), (one, two[0])

@@ -1,4 +1,7 @@
-"""examples/huggingface.py runs as its docstring says: one process and 2 sharded replicas print the same losses."""
+"""examples/huggingface.py runs as its docstring says: one process and 2 sharded replicas print the same losses.
+
+The two runs go side by side: each spends most of its time importing transformers, on one core.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_support import run, towers_command
+from cli_support import finish, start, towers_command
 
 pytest.importorskip("transformers", reason="the example needs transformers (the test extra installs it)")
 pytestmark = pytest.mark.timeout(200)
@@ -24,9 +27,9 @@ def _losses(done) -> tuple[str, list[float]]:
 
 
 def test_the_example_gives_the_same_losses_on_one_process_and_two_sharded(tmp_path):
-    one = run([sys.executable, str(EXAMPLE), "--epochs", "2"], cwd=tmp_path, deadline_s=120)
-    two = run([*towers_command(), "launch", "--nproc-per-node", "2", "--strategy", "sharded", str(EXAMPLE),
-               "--epochs", "2"], cwd=tmp_path, deadline_s=150, marker=str(EXAMPLE))
+    one, two = finish([start([sys.executable, str(EXAMPLE), "--epochs", "2"], cwd=tmp_path),
+                       start([*towers_command(), "launch", "--nproc-per-node", "2", "--strategy", "sharded",
+                              str(EXAMPLE), "--epochs", "2"], cwd=tmp_path)], deadline_s=150, marker=str(EXAMPLE))
     (name_one, losses_one), (name_two, losses_two) = _losses(one), _losses(two)
     assert (name_one, name_two) == ("one_device", "sharded")
     assert losses_one[1] < losses_one[0]  # it learns

@@ -1,18 +1,14 @@
-"""FaultTolerantStrategy (torchft): a replica group killed mid-training; the survivor goes on; the restarted one heals.
+"""FaultTolerantStrategy (torchft): its options and name, what a job without torchft or a lighthouse is told, a dead lighthouse.
 
-Two replica groups of one process each (``tests/ft_job.py``, a custom loop) and a lighthouse in
-its own process, all on loopback. Group 1 is SIGKILLed after a few steps: group 0's next
-committed step comes within the bound (about ``peer_timeout_s``). Group 1 is then started again
-(this test plays the launcher) from other initial weights: it heals from group 0 at group 0's
-step and both train together again. They stop after the same
-step (the number the test writes once group 1 is back), end with equal parameters, exit 0, and
-leave no process behind.
+A replica group SIGKILLed mid-training is tested where the same job (``tests/ft_job.py``) already
+runs: tests/distributed/test_ft_launch.py (``towers launch --strategy ft`` restarts the lost group:
+the survivor's next step within the bound, the restarted group healing, the collectives over both
+groups after it, the same parameters as one device) and, with groups started by hand as in
+docs/fault_tolerance.md's script, tests/distributed/test_ft_trainer.py.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -20,86 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_support import OutputReader, clean_env, start
-from ft_job import done_step, one_device_reference
-from ft_support import lighthouse_process, stop_all
+from ft_support import lighthouse_process
 from towers.cluster.info import ProcessInfo
 
 pytestmark = pytest.mark.timeout(120)
 
-JOB = Path(__file__).resolve().parents[1] / "ft_job.py"
 PEER_TIMEOUT_S = 2.0
-#: What the issue allows at most between a kill and the survivor's next step (the knob's default bound).
-BOUND_S = 10.0
-
-
-def _step(line: str) -> tuple[int, int, float]:
-    _, step, _, groups, _, t = line.split()
-    return int(step), int(groups), float(t)
-
-
-def test_survives_a_killed_group_and_heals_it(tmp_path: Path) -> None:
-    pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
-    lighthouse, address = lighthouse_process(PEER_TIMEOUT_S)
-    stop_file = tmp_path / "stop"
-    env = clean_env({"RUST_LOG": "warn"})
-
-    def group(gid: int, seed: int) -> OutputReader:
-        argv = [sys.executable, str(JOB), address, str(gid), str(stop_file), str(tmp_path),
-                "--peer-timeout-s", str(PEER_TIMEOUT_S), "--seed", str(seed)]
-        return OutputReader(start(argv, cwd=tmp_path, env=env))
-
-    readers: list[OutputReader] = []
-    try:
-        survivor, victim = group(0, seed=0), group(1, seed=1)
-        readers += [survivor, victim]
-        assert victim.wait_for_lines(5, "step", deadline_s=60), "group 1 took no 5 steps"
-        os.kill(victim.proc.pid, signal.SIGKILL)
-        killed_at = time.time()
-        victim_out, _ = victim.collect(timeout_s=10)
-        victim_last = max(int(line.split()[1]) for line in victim_out.splitlines() if line.startswith("step"))
-
-        # The survivor's next step that the killed group cannot have been part of (the one in flight may
-        # still have completed with both): alone, or beyond the victim's last step + 1.
-        survivor_next = None
-        while survivor_next is None:
-            lines = survivor.wait_for_lines(1, "step", deadline_s=BOUND_S + 5)
-            assert lines, f"no step of the survivor within {BOUND_S + 5} s of the kill:\n{''.join(survivor._err[-30:])}"
-            step, groups, t = _step(lines[0])
-            if t > killed_at and (groups == 1 or step >= victim_last + 2):
-                survivor_next = (step, t)
-        assert survivor_next[1] - killed_at <= BOUND_S, f"next step {survivor_next[1] - killed_at:.1f} s after the kill"
-
-        # Started again only now: a group that is starting (heartbeating, not yet asking for a quorum)
-        # counts as live for the lighthouse, and with 2 groups its rule "a quorum needs more than half of
-        # the live groups" makes the survivor wait for it (docs/fault_tolerance.md).
-        restarted = group(1, seed=2)
-        readers.append(restarted)
-        back = restarted.wait_for_lines(1, "step", deadline_s=60)
-        assert back, "the restarted group took no step"
-        back_step, back_groups, _ = _step(back[0])
-        assert back_step > victim_last + 1 and back_groups == 2, back[0]  # healed to the live step, in a quorum of two
-        stop_file.touch()
-
-        outs = {}
-        for name, reader in (("survivor", survivor), ("restarted", restarted)):
-            out, err = reader.collect(timeout_s=60)
-            assert reader.proc.returncode == 0, f"{name} exited {reader.proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
-            outs[name] = out
-        stop_at = done_step("".join(outs.values()), 2)
-        assert stop_at > back_step
-        for out in outs.values():
-            assert "collectives groups=[0, 1] sum=2.0 gathered=[0, 1, 1]" in out, out[-2000:]
-        final = [torch.load(tmp_path / f"group{g}.pt") for g in (0, 1)]
-        assert final[0].keys() == final[1].keys()
-        for key in final[0]:
-            assert torch.equal(final[0][key], final[1][key]), key
-        # Same maths as one device: every committed step took its whole global batch, whoever was alive.
-        reference = one_device_reference(stop_at)
-        for key in final[0]:
-            torch.testing.assert_close(final[0][key], reference[key], rtol=1e-4, atol=1e-5)
-    finally:
-        stop_all(readers, lighthouse, str(tmp_path))
 
 
 def test_missing_torchft_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

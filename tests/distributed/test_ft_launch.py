@@ -8,6 +8,10 @@ one alone, it heals and rejoins. The test then tells them to stop (they agree on
 the launcher exits 0, both groups end with the same parameters as one device, the launcher names
 the restart, and no process is left behind. Also 2 groups of 2 processes, replicated and sharded
 (FSDP2 inside each group), with a random process of a random group killed. ``TOWERS_TEST_SEED`` replays a draw.
+
+A SIGKILLed group of one process is also the timing claim: the survivor's next step that the lost
+group cannot have been part of comes within ``BOUND_S`` of the kill. After the last step, the
+collectives (``all_gather_object``, ``reduce``, ``gather`` of unequal sizes) run over both groups.
 """
 
 from __future__ import annotations
@@ -26,6 +30,25 @@ from ft_job import done_step, one_device_reference
 pytestmark = pytest.mark.timeout(150)
 
 JOB = Path(__file__).resolve().parents[1] / "ft_job.py"
+#: What the issue allows at most between a kill and the survivor's next step (the knob's default bound).
+BOUND_S = 10.0
+
+
+def _next_step_after_the_kill(out: str, group: int) -> tuple[float, str]:
+    """Seconds from group ``group``'s SIGKILL to the other group's next step that the lost group cannot have
+    been part of (the one in flight may still have committed with both): alone, or beyond the lost group's
+    last step + 1. Read from the job's lines (``failing ... t T``, ``step N groups G t T``), wherever they came."""
+    lines = out.splitlines()
+    (killed,) = [line for line in lines if line.startswith(f"[rank {group}]: failing")]
+    killed_at = float(killed.split()[-1])
+    steps = [(line, line.split()[2:]) for line in lines if line.startswith(("[rank 0]: step", "[rank 1]: step"))]
+    steps = [(line, int(w[1]), int(w[3]), float(w[5])) for line, w in steps]
+    lost_last = max(s for line, s, _, t in steps if line.startswith(f"[rank {group}]") and t < killed_at)
+    after = [(t, line) for line, s, g, t in steps if not line.startswith(f"[rank {group}]") and t > killed_at
+             and (g == 1 or s >= lost_last + 2)]
+    assert after, f"the survivor took no step without group {group} after the kill:\n{out[-3000:]}"
+    t, line = min(after)
+    return t - killed_at, line
 
 
 @pytest.mark.parametrize("how,size,shard", [("kill", 1, False), ("raise", 1, False), ("stop", 1, False),
@@ -70,6 +93,11 @@ def test_launch_restarts_a_lost_group_alone(tmp_path: Path, how: str, size: int,
         assert "is stopped (SIGSTOP)" in err and "stayed stopped for 5 s" in err, err[-3000:]
     if how == "raise":
         assert f"injected failure of replica group {group}" in err and "exited with code 1" in err, err[-3000:]
+    if how == "kill" and size == 1:
+        seconds, line = _next_step_after_the_kill(out, group)
+        assert seconds <= BOUND_S, f"the survivor's next step {seconds:.1f} s after the kill: {line} {draw}"
+        # Over the live groups after the last step, on both: the restarted group is one of them again.
+        assert out.count("collectives groups=[0, 1] sum=2.0 gathered=[0, 1, 1]") == 2, f"{out[-3000:]} {draw}"
     stop_at = done_step(out, 2 * size)  # every process stopped after the same step
     assert stop_at > step, draw
     names = [f"group{g}" + (f".{m}" if size > 1 else "") for g in (0, 1) for m in range(size)]
