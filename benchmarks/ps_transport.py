@@ -9,6 +9,7 @@ same bytes between the workers (no ps) is timed too, and the shipped towers tran
 
     python benchmarks/ps_transport.py --repeats 7
     python benchmarks/ps_transport.py --interleaved --sizes 10M --repeats 15   # step vs all-reduce, one job
+    python benchmarks/ps_transport.py --interleaved --sizes 10M --transports shared,wire --passes 2
     python benchmarks/ps_transport.py --raw-chunks 1,4,10 --sizes 10M --repeats 7  # the wire alone, pipelined
 
 Results go in BENCHMARKS.md.
@@ -165,7 +166,7 @@ def _allreduce(numel: int, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _flat_ps_model(numel: int, mode: str, rank: int, world: int) -> tuple[Any, Any]:
+def _flat_ps_model(numel: int, mode: str, rank: int, world: int, shared: bool = True) -> tuple[Any, Any]:
     """This rank's ParameterServerStrategy (1 ps task) and the prepared optimizer of a ``numel``-parameter linear
     model with random gradients; ``(None, None)`` on the ps task, once it has served."""
     import torch
@@ -176,7 +177,7 @@ def _flat_ps_model(numel: int, mode: str, rank: int, world: int) -> tuple[Any, A
     info = ProcessInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world,
                        master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),
                        strategy="ps", num_ps=1)
-    strategy = towers.ParameterServerStrategy(num_ps=1, mode=mode, info=info, exit_on_ps=False)
+    strategy = towers.ParameterServerStrategy(num_ps=1, mode=mode, info=info, exit_on_ps=False, shared_memory=shared)
     if strategy.is_ps:
         return None, None
     model = torch.nn.Linear(numel // 1000, 1000, bias=False)
@@ -203,7 +204,7 @@ def _towers(numel: int, repeats: int, warmup: int, mode: str) -> float | None:
     return statistics.median(times)
 
 
-def _interleaved(numel: int, repeats: int, warmup: int, mode: str) -> dict | None:
+def _interleaved(numel: int, repeats: int, warmup: int, mode: str, shared: bool = True) -> dict | None:
     """In one job of W workers + 1 ps: alternate blocks of 5 ``optimizer.step()`` (push+pull of ``numel``
     parameters) and blocks of 5 Gloo all-reduces of the same bytes among the workers; return the medians of the
     block medians and the median of the per-round ratios."""
@@ -213,7 +214,7 @@ def _interleaved(numel: int, repeats: int, warmup: int, mode: str) -> dict | Non
     rank, world = _env_rank()
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     workers = dist.new_group(list(range(world - 1)))  # every rank joins, the ps task too
-    strategy, optimizer = _flat_ps_model(numel, mode, rank, world)
+    strategy, optimizer = _flat_ps_model(numel, mode, rank, world, shared)
     if strategy is None:
         return None
     result = _alternate(optimizer.step, torch.randn(numel), workers, repeats, warmup)
@@ -287,6 +288,10 @@ def main() -> None:
     parser.add_argument("--interleaved", action="store_true",
                         help="only: async optimizer.step() vs all-reduce of the same bytes, alternated in blocks of 5 "
                              "in one job of 2 workers + 1 ps (the ratio that noise from other processes affects least)")
+    parser.add_argument("--transports", default="shared", metavar="T1,T2",
+                        help="with --interleaved: 'shared' (the default: shared memory on one host) and/or 'wire' "
+                             "(shared_memory=False), each its own job, alternated --passes times")
+    parser.add_argument("--passes", type=int, default=1, help="with --interleaved: times each transport runs")
     parser.add_argument("--raw-chunks", default=None, metavar="C1,C2",
                         help="only: the wire alone (raw Gloo send/recv, ps add_ per chunk), pipelined in C chunks, "
                              "alternated with all-reduces as --interleaved does")
@@ -305,11 +310,14 @@ def main() -> None:
     if args.interleaved:
         print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}", flush=True)
         for label in args.sizes.split(","):
-            res = towers.spawn(_interleaved, 3, args=(SIZES[label], args.repeats, args.warmup, "async"),
-                               timeout_s=600, threads_per_process=1)
-            for w, r in enumerate(res[:2]):
-                print(f"{label} worker {w}: async step {r['step_ms']:.1f} ms, all-reduce {r['allreduce_ms']:.1f} ms, "
-                      f"median ratio {r['ratio_median']:.2f}x", flush=True)
+            for _ in range(args.passes):
+                for transport in args.transports.split(","):
+                    res = towers.spawn(_interleaved, 3, args=(SIZES[label], args.repeats, args.warmup, "async",
+                                                              transport == "shared"),
+                                       timeout_s=600, threads_per_process=1)
+                    for w, r in enumerate(res[:2]):
+                        print(f"{label} {transport} worker {w}: async step {r['step_ms']:.1f} ms, all-reduce "
+                              f"{r['allreduce_ms']:.1f} ms, median ratio {r['ratio_median']:.2f}x", flush=True)
         print(f"load average (1 min) at end: {os.getloadavg()[0]:.2f}", flush=True)
         return
     print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}", flush=True)

@@ -7,7 +7,9 @@ under ``towers launch``:
 - ``ps_async``: ``--nproc-per-node 3 --strategy ps --num-ps 1`` (2 workers + 1 ps task), async;
 - ``ps_async_overlap``: the same with ``--strategy-option overlap=true`` (a push's reply is read
   during the next step: one more step of staleness);
-- ``ps_sync``: the same with ``--strategy-option mode=sync``.
+- ``ps_sync``: the same with ``--strategy-option mode=sync``;
+- ``ps_async_wire``, ``ps_sync_wire``: ``ps_async`` and ``ps_sync`` with
+  ``--strategy-option shared_memory=false`` (the dense bytes on the wire, as between hosts).
 
 The script: the seed CNN on synthetic [64, 1, 28, 28] batches per worker, the custom loop
 (``strategy.run``, ``compute_average_loss``), ``--optimizer adam|sgd``; the chief times the steps
@@ -37,7 +39,13 @@ SETUPS = {
     "ps_async_overlap": ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1",
                          "--strategy-option", "overlap=true"],
     "ps_sync": ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1", "--strategy-option", "mode=sync"],
+    "ps_async_wire": ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1",
+                      "--strategy-option", "shared_memory=false"],
+    "ps_sync_wire": ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1", "--strategy-option", "mode=sync",
+                     "--strategy-option", "shared_memory=false"],
 }
+#: what runs unless --setups says otherwise
+DEFAULT_SETUPS = ("mirrored", "ps_async", "ps_async_wire", "ps_sync")
 
 
 def _job(steps: int, batch_size: int, optimizer_name: str, out: str) -> None:
@@ -94,7 +102,7 @@ def _launch(setup: str, args: argparse.Namespace, out: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Interleave the setups for ``--rounds`` rounds; print each round and the median ratios to Mirrored."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
+    p.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
     p.add_argument("--steps", type=int, default=80, help="steps per job (default: 80)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: 5)")
     p.add_argument("--batch-size", type=int, default=64, help="per-worker batch (default: 64)")

@@ -10,6 +10,10 @@ shard state sits behind one condition variable:
   updates beyond the slowest other live worker.
 * ``sync``: pushes of one round are summed; the last arrival applies one step for all.
 
+A worker on the same host offers shared memory at registration (``shared.py``); once mapped, its
+pushes carry only a header (the gradients are read where the worker wrote them) and the
+parameters of a reply are copied into the worker's file instead of sent.
+
 Workers that said goodbye or died stop counting for rounds, staleness and gathers. A dead
 worker is logged and the others go on, in both modes: a sync round applies the pushes of the
 live workers, and ps task 0 hands the dead worker's batches to them (``dispatch.py``).
@@ -36,6 +40,7 @@ from towers.strategies.parameter_server.requests import (
     use_fast_kernels,
 )
 from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, ParamSpec, signature_mismatch
+from towers.strategies.parameter_server.shared import SharedBuffer, attach
 from towers.strategies.parameter_server.sparse_server import EmbeddingService
 from towers.strategies.parameter_server.transport import (
     LISTEN_TIMEOUT_S,
@@ -56,7 +61,7 @@ class ParameterServer:
     """Serve one shard to every worker until all of them said goodbye or died."""
 
     def __init__(self, links: Sequence[Link], *, ps_index: int, rank: int, worker_ranks: Sequence[int], mode: str,
-                 staleness: int | None, timeout_s: float, num_ps: int = 1):
+                 staleness: int | None, timeout_s: float, num_ps: int = 1, shared_memory: bool = True):
         self.links, self.ps_index, self.rank = list(links), ps_index, rank
         set_role("ps")  # the stuck-job watchdog: a ps serves, so it is never the one that waits
         self.worker_ranks, self.mode, self.staleness, self.timeout_s = list(worker_ranks), mode, staleness, timeout_s
@@ -78,6 +83,9 @@ class ParameterServer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.grad_bufs: dict[int, torch.Tensor] = {}
         self.reply_bufs: dict[int, torch.Tensor] = {}
+        self.shared_memory = shared_memory
+        #: per worker on this host: its (gradient, parameter) files, mapped at registration
+        self.shared: dict[int, tuple[SharedBuffer, SharedBuffer]] = {}
         # sync rounds
         self.round = 0
         self.arrivals: set[int] = set()
@@ -167,6 +175,9 @@ class ParameterServer:
                                         f"{Op.NAMES.get(msg.op)}: {type(exc).__name__}: {exc}"):
                     return
                 continue
+            if w in self.shared and msg.op in (Op.REGISTER, Op.PUSH, Op.PULL) and reply.get("flat") is not None:
+                # outside the lock, like the send it replaces (async: it may mix in a concurrent update)
+                self.shared[w][1].tensor.copy_(reply.pop("flat"))
             if not self._reply(w, Op.REPLY, **reply):
                 return
 
@@ -275,7 +286,23 @@ class ParameterServer:
             if w not in self.grad_bufs:
                 self.grad_bufs[w] = self._shard().new_buffer()
                 self.reply_bufs[w] = self._shard().new_buffer()
-            return {"ints": (self.version,), "flat": self._snapshot(w)}
+            shared = self._attach(w, meta.get("shared"))
+            return {"ints": (self.version,), "flat": self._snapshot(w), "meta": {"shared": shared}}
+
+    def _attach(self, w: int, offer: Any) -> bool:
+        """Map the files worker ``w`` offered (lock held); False keeps its shard on the wire."""
+        self.shared.pop(w, None)
+        if not self.shared_memory or not isinstance(offer, dict):
+            return False
+        nbytes = self._shard().nbytes
+        grads = attach(offer.get("grads"), nbytes, offer.get("token"))
+        params = attach(offer.get("params"), nbytes) if grads is not None else None
+        if grads is None or params is None:
+            log.debug("ps task %d: %s's shared memory is not on this host; its shard travels on the wire",
+                      self.ps_index, self._who(w))
+            return False
+        self.shared[w] = (grads, params)
+        return True
 
     def _initialise(self, meta: dict[str, Any], flat: torch.Tensor | None) -> None:
         specs = [meta["signature"][i] for i in meta["shard"]]
@@ -310,6 +337,8 @@ class ParameterServer:
     def _push(self, w: int, msg: Message) -> dict[str, Any]:
         mask, hyper = (msg.meta or {}).get("mask"), (msg.meta or {}).get("hyper")
         units = (msg.meta or {}).get("units") or unpack_unit(msg.ints)
+        if msg.flat is None and w in self.shared:
+            msg.flat = self.shared[w][0].tensor  # the worker wrote its gradients there before sending the push
         grads = self._shard().views(_flat(msg))
         with self.cond:
             if self.mode == "async":

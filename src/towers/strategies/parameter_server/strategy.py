@@ -66,6 +66,9 @@ class ParameterServerStrategy(Strategy):
         overlap: ``async`` only: a worker reads its push's reply (the updated parameters) during its next
             step, so the ps tasks apply the update while the worker computes: faster, at the cost of one
             more step of staleness (the next gradient is taken before this update is in). Default False.
+        shared_memory: a worker and a ps task on the same host exchange the dense gradients and parameters
+            through shared memory (``/dev/shm``), and their link carries only the message headers. Hosts
+            apart, or a ps task that refuses, keep the wire. Not used with ``overlap=True``. Default True.
 
     Raises:
         ValueError: unknown mode, bad staleness, ``num_ps`` that leaves no worker or contradicts the launcher,
@@ -79,7 +82,7 @@ class ParameterServerStrategy(Strategy):
 
     def __init__(self, num_ps: int | None = None, mode: str = "async", staleness: int | None = None, *,
                  info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
-                 precision: str | int | None = "32", overlap: bool = False):
+                 precision: str | int | None = "32", overlap: bool = False, shared_memory: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}. Received: mode={mode!r}. Use 'async' to apply each "
                              "gradient on arrival or 'sync' for one summed update per round.")
@@ -95,6 +98,10 @@ class ParameterServerStrategy(Strategy):
                              "next step)", f"overlap={overlap!r} with mode={mode!r}",
                              "Pass overlap=True with mode='async', or leave it out.")
         self.overlap = overlap
+        if not isinstance(shared_memory, bool):
+            raise user_error("shared_memory is a bool", f"shared_memory={shared_memory!r}",
+                             "Pass shared_memory=False to keep every byte on the wire, or leave it out.")
+        self.shared_memory = shared_memory
         if info is None:
             from towers import cluster
 
@@ -161,7 +168,8 @@ class ParameterServerStrategy(Strategy):
     def _serve(self, links: list[transport.Link], exit_on_ps: bool) -> None:
         server = ParameterServer(links, ps_index=self.roles.index, rank=self._info.rank,
                                  worker_ranks=list(range(self.roles.num_workers)), mode=self.mode,
-                                 staleness=self.staleness, timeout_s=self.timeout_s, num_ps=self.num_ps)
+                                 staleness=self.staleness, timeout_s=self.timeout_s, num_ps=self.num_ps,
+                                 shared_memory=self.shared_memory)
         log.info("ps task %d (rank %d) serving %d worker(s), mode %s", self.roles.index, self._info.rank,
                  self.roles.num_workers, self.mode)
         try:
@@ -238,7 +246,7 @@ class ParameterServerStrategy(Strategy):
         bound = None
         if sparse is None or any(True for _ in model.parameters()):
             bound = BoundModel(model, client, num_ps=self.num_ps, is_chief=self.is_chief, optimizer=optimizer,
-                               overlap=self.overlap,
+                               overlap=self.overlap, shared_memory=self.shared_memory,
                                on_dead=self._log_dead)
             bound.register()
             bound.install_hooks(refresh_on_state_dict=self.mode == "async")
@@ -415,14 +423,16 @@ class ParameterServerStrategy(Strategy):
 
         ``bytes_sent``/``bytes_received``: everything on its ps links, headers included;
         ``rows_pulled``/``rows_pushed``: embedding rows moved, and ``row_bytes``: their values' bytes
-        (the touched-rows ideal a step cannot go below). Zeros on a ps task.
+        (the touched-rows ideal a step cannot go below); ``shared_memory_bytes``: dense gradients and
+        parameters a ps task on this host read and wrote in place instead. Zeros on a ps task.
         """
         links = self._client.links if self._client is not None else []
         sparse = self._sparse
         return {"bytes_sent": sum(link.bytes_sent for link in links),
                 "bytes_received": sum(link.bytes_received for link in links),
                 "rows_pulled": sparse.rows_pulled if sparse else 0, "rows_pushed": sparse.rows_pushed if sparse else 0,
-                "row_bytes": sparse.row_bytes if sparse else 0}
+                "row_bytes": sparse.row_bytes if sparse else 0,
+                "shared_memory_bytes": self._bound.shared_bytes if self._bound is not None else 0}
 
     def shutdown(self) -> None:
         """Tell the ps tasks this worker is done (idempotent; also runs at exit)."""

@@ -2,7 +2,9 @@
 
 On a CPU worker every parameter becomes a view of its shard's flat buffer, so a pull lands
 directly in the model (no copy); gradients are copied into a flat gradient buffer per shard
-and sent in one message per ps task. The optimizer the user built is never stepped locally:
+and sent in one message per ps task. When the ps task runs on the same host, both buffers are
+shared memory (``shared.py``): the ps reads the gradients and writes the parameters in place,
+and the message carries only its header. The optimizer the user built is never stepped locally:
 the ps tasks rebuild it from its class, ``defaults`` and param-group hyperparameters, and
 hyperparameter changes (an LR scheduler's ``lr``) travel with the next push.
 """
@@ -19,6 +21,7 @@ from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.dispatch import pack_unit
 from towers.strategies.parameter_server.requests import optimizer_name
 from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, assign_shards, model_signature
+from towers.strategies.parameter_server.shared import TOKEN_BYTES, SharedBuffer, create, new_token
 from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.wire import encode
 
@@ -31,7 +34,8 @@ class BoundModel:
     """The parameters of one worker's model, laid out per ps shard, with push/pull/state operations."""
 
     def __init__(self, model: nn.Module, client: ParameterClient, *, num_ps: int, is_chief: bool,
-                 optimizer: torch.optim.Optimizer | None, on_dead: Callable[[int], None], overlap: bool = False):
+                 optimizer: torch.optim.Optimizer | None, on_dead: Callable[[int], None], overlap: bool = False,
+                 shared_memory: bool = False):
         self.model, self.client, self.is_chief, self.on_dead = model, client, is_chief, on_dead
         #: Read a push's reply during the next step (async mode): the ps updates while this worker computes.
         self.overlap = overlap
@@ -45,11 +49,20 @@ class BoundModel:
         self.signature = model_signature(named)
         self.shards = assign_shards(self.signature, num_ps)
         self.layouts = [FlatLayout([self.signature[i] for i in shard]) for shard in self.shards]
+        self.active = [i for i, layout in enumerate(self.layouts) if layout.nbytes]
         self.param_bufs = [layout.new_buffer() for layout in self.layouts]
         self.grad_bufs = [layout.new_buffer() for layout in self.layouts]
+        #: per ps task: (gradient file, parameter file, token) offered at registration (an overlapped reply
+        #: lands in a second buffer while the model computes, so overlap keeps to the wire)
+        self._offered = self._shared_buffers() if shared_memory and not overlap else {}
+        for p, (grads, params, _) in self._offered.items():
+            self.grad_bufs[p], self.param_bufs[p] = grads.tensor, params.tensor
+        #: the ps tasks that mapped this worker's files: their pushes and replies carry only headers
+        self.shared: set[int] = set()
+        #: bytes moved through shared memory instead of the wire (gradients out, parameters in)
+        self.shared_bytes = 0
         self.param_views = [layout.views(b) for layout, b in zip(self.layouts, self.param_bufs)]
         self.grad_views = [layout.views(b) for layout, b in zip(self.layouts, self.grad_bufs)]
-        self.active = [i for i, layout in enumerate(self.layouts) if layout.nbytes]
         self.segments = [layout.segments(SEGMENT_MIN_BYTES) for layout in self.layouts]
         self.optimizer = optimizer
         self.opt_groups, self.local_to_global, self.group_ids = _optimizer_layout(optimizer, self.params, self.shards)
@@ -61,6 +74,28 @@ class BoundModel:
             for i, view in zip(shard, views):
                 view.copy_(self.params[i].detach())
         self._rebind()
+
+    def _shared_buffers(self) -> dict[int, tuple[SharedBuffer, SharedBuffer, str]]:
+        """A gradient and a parameter file per active shard, or none when this host cannot make them."""
+        made: dict[int, tuple[SharedBuffer, SharedBuffer, str]] = {}
+        try:
+            for p in self.active:
+                nbytes = self.layouts[p].nbytes
+                grads, params, token = create(nbytes), None, new_token()
+                try:
+                    params = create(nbytes)
+                finally:
+                    if params is None:
+                        grads.unlink()
+                grads.tensor[:TOKEN_BYTES] = torch.frombuffer(bytearray.fromhex(token), dtype=torch.uint8)
+                made[p] = (grads, params, token)
+        except OSError as exc:
+            for grads, params, _ in made.values():
+                grads.unlink()
+                params.unlink()
+            log.info("no shared memory for the ps links (%s): gradients and parameters travel on the wire", exc)
+            return {}
+        return made
 
     def _rebind(self) -> None:
         """Make every CPU parameter a view of its shard buffer again (after ``.to()`` or ``assign=True`` loads)."""
@@ -85,8 +120,21 @@ class BoundModel:
         signature = [[s.name, list(s.shape), s.dtype] for s in self.signature]
         metas = [{"worker": self.client.worker, "chief": self.is_chief, "signature": signature,
                   "shard": shard, "optimizer": self._spec(p)} for p, shard in enumerate(self.shards)]
-        replies = self.client.request(Op.REGISTER, metas=metas,
-                                      flats=self.param_bufs if self.is_chief else None, replies_into=self.param_bufs)
+        for p, (grads, params, token) in self._offered.items():
+            metas[p]["shared"] = {"grads": grads.path, "params": params.path, "token": token}
+        try:
+            replies = self.client.request(Op.REGISTER, metas=metas, flats=self.param_bufs if self.is_chief else None,
+                                          replies_into=self.param_bufs)
+        finally:
+            for grads, params, _ in self._offered.values():  # mapped by the ps or refused: no name is needed now
+                grads.unlink()
+                params.unlink()
+        self.shared = {p for p, r in enumerate(replies) if p in self._offered and isinstance(r.meta, dict)
+                       and r.meta.get("shared") is True}
+        for p in self._offered:
+            self.grad_bufs[p][:TOKEN_BYTES].zero_()
+        if self._offered:
+            log.debug("ps tasks sharing memory with this worker: %s of %s", sorted(self.shared), sorted(self._offered))
         self.versions = [r.ints[0] for r in replies]
         self._to_params()
 
@@ -105,11 +153,13 @@ class BoundModel:
         """
         self.client.finish()  # the previous push's reply (overlap): its parameters become the model's
         self._rebind()
-        metas, pieces = [], []
+        metas: list[Any] = []
+        pieces: list[list[torch.Tensor]] = []
         packed = pack_unit(units)
         for p in self.active:
             mask, direct = [], {}
-            big = {i for _, _, i in self.segments[p] if i is not None}
+            # a large gradient goes out as it is, unless the ps reads this shard from shared memory
+            big = {i for _, _, i in self.segments[p] if i is not None} if p not in self.shared else set()
             for pos, (i, view) in enumerate(zip(self.shards[p], self.grad_views[p])):
                 grad = self.params[i].grad
                 mask.append(grad is not None and not empty)
@@ -121,7 +171,11 @@ class BoundModel:
                 else:
                     view.copy_(grad)
             buf = self.grad_bufs[p]
-            pieces.append([direct[i] if i in direct else buf[a:b] for a, b, i in self.segments[p]])
+            if p in self.shared:
+                pieces.append([])  # the ps reads this shard's gradients in place and writes the parameters back
+                self.shared_bytes += 2 * buf.numel()
+            else:
+                pieces.append([direct[i] if i in direct else buf[a:b] for a, b, i in self.segments[p]])
             meta: dict[str, Any] = {}
             if not all(mask):
                 meta["mask"] = mask
@@ -193,6 +247,8 @@ class BoundModel:
         replies = self.client.request(Op.PULL, ps=self.active, replies_into=[self.param_bufs[p] for p in self.active])
         for p, reply in zip(self.active, replies):
             self.versions[p] = reply.ints[0]
+            if p in self.shared:
+                self.shared_bytes += self.param_bufs[p].numel()
         self._to_params()
 
     def push_params(self) -> None:
