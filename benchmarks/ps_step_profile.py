@@ -8,7 +8,7 @@ rest of ``push_pull`` is flattening gradients and building headers. On the ps ta
 push, the optimizer's update, and sending the reply. Each phase is reported as wall and CPU
 (thread) milliseconds per step, median over the timed steps, beside the worker's forward+backward.
 
-    python benchmarks/ps_step_profile.py                          # seed CNN, Adam, overlap off and on
+    python benchmarks/ps_step_profile.py                          # seed CNN, Adam: shared memory, wire, overlap
     python benchmarks/ps_step_profile.py --params 10000000 --optimizer sgd
 """
 
@@ -59,7 +59,7 @@ class Phases:
                 for p in self.wall}
 
 
-def _job(params: int, optimizer_name: str, overlap: bool) -> dict:
+def _job(params: int, optimizer_name: str, overlap: bool, shared: bool = True) -> dict:
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -75,6 +75,7 @@ def _job(params: int, optimizer_name: str, overlap: bool) -> dict:
     # constructor) Link.recv/send are its receiving of pushes and sending of replies.
     for owner, name, phase in ((Link, "send", "send"), (Link, "recv", "receive (incl. waiting)"),
                                (server.ParameterServer, "_step", "ps: optimizer update"),
+                               (server.ParameterServer, "_to_shared", "ps: reply into shared memory"),
                                (worker.BoundModel, "push_pull", "push_pull (all)"),
                                (worker.BoundModel, "_to_params", "copy into parameters"),
                                (worker.BoundModel, "_staged", "copy into parameters")):
@@ -89,7 +90,7 @@ def _job(params: int, optimizer_name: str, overlap: bool) -> dict:
 
     server.ParameterServer._push = push_then_count  # type: ignore[method-assign]
     strategy = towers.ParameterServerStrategy(num_ps=1, mode="async", overlap=overlap, timeout_s=120,
-                                              exit_on_ps=False)
+                                              exit_on_ps=False, shared_memory=shared)
     if strategy.is_ps:  # served until the workers were done
         return {"role": "ps", "phases": phases.summary()}
     phases.current.clear()
@@ -121,7 +122,8 @@ def _job(params: int, optimizer_name: str, overlap: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Profile the async step with overlap off and on; print a table per setting (and JSON with --json-out)."""
+    """Profile the async step through shared memory, on the wire, and on the wire with overlap; print a table per
+    setting (and JSON with --json-out)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=int, default=0, help="0: the seed CNN; else a linear layer of about N parameters")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -130,12 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     import towers
 
     out = {}
-    for overlap in (False, True):
-        per_rank = towers.spawn(_job, 3, args=(args.params, args.optimizer, overlap), timeout_s=600,
+    for label, overlap, shared in (("shared memory", False, True), ("wire", False, False),
+                                   ("wire, overlap", True, False)):
+        per_rank = towers.spawn(_job, 3, args=(args.params, args.optimizer, overlap, shared), timeout_s=600,
                                 threads_per_process=1, env={"TOWERS_NUM_PS": "1", "TOWERS_STRATEGY": "ps"})
         worker0, ps = per_rank[0], next(r for r in per_rank if r["role"] == "ps")
-        out[f"overlap={overlap}"] = {"worker 0": worker0["phases"], "ps": ps["phases"]}
-        print(f"\nasync, overlap={overlap}, {'seed CNN' if not args.params else f'{args.params:,} params'}, "
+        out[label] = {"worker 0": worker0["phases"], "ps": ps["phases"]}
+        print(f"\nasync, {label}, {'seed CNN' if not args.params else f'{args.params:,} params'}, "
               f"{args.optimizer}: ms per step on worker 0 and per push on the ps task (medians)")
         for who, table in (("worker 0", worker0["phases"]), ("ps task", ps["phases"])):
             for phase, v in sorted(table.items(), key=lambda kv: -kv[1]["wall_ms"]):

@@ -115,3 +115,17 @@ def test_a_worker_without_room_keeps_to_the_wire(monkeypatch, caplog):
     assert not [n for n in os.listdir(shared.SHARED_DIR) if n.startswith(f"towers-ps-{pid}-")]
     off = _bound(False)
     assert off._offered == {}
+
+
+def test_a_worker_leaves_most_of_dev_shm_to_others(monkeypatch, caplog):
+    monkeypatch.setattr(worker, "room", lambda directory=shared.SHARED_DIR: 1000)  # a nearly full /dev/shm
+    with caplog.at_level("INFO", logger="towers"):
+        bound = _bound(True)
+    assert bound._offered == {}
+    assert "--shm-size" in caplog.text and "free in /dev/shm" in caplog.text
+
+
+def test_no_posix_fallocate_means_no_shared_memory(monkeypatch, tmp_path):
+    monkeypatch.delattr(os, "posix_fallocate")
+    with pytest.raises(OSError, match="posix_fallocate"):
+        create(64, directory=str(tmp_path))

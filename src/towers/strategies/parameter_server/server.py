@@ -176,10 +176,18 @@ class ParameterServer:
                     return
                 continue
             if w in self.shared and msg.op in (Op.REGISTER, Op.PUSH, Op.PULL) and reply.get("flat") is not None:
-                # outside the lock, like the send it replaces (async: it may mix in a concurrent update)
-                self.shared[w][1].tensor.copy_(reply.pop("flat"))
+                self._to_shared(w, reply.pop("flat"))
             if not self._reply(w, Op.REPLY, **reply):
                 return
+
+    def _to_shared(self, w: int, flat: torch.Tensor) -> None:
+        """Put a reply's parameters in worker ``w``'s shared file instead of on the wire.
+
+        Outside the lock, like the send it replaces: in async mode it may mix in a concurrent update.
+        """
+        target = self.shared[w][1].tensor
+        if flat.data_ptr() != target.data_ptr():  # a pull's snapshot was taken straight into it
+            target.copy_(flat)
 
     def _reply(self, w: int, op: int, **kwargs: Any) -> bool:
         try:
@@ -283,10 +291,10 @@ class ParameterServer:
                     f"{self._who(w)}'s model does not match the model the chief registered on ps task "
                     f"{self.ps_index}: {diff}. Build the same model (same parameter names, shapes and dtypes) on "
                     "every worker before strategy.prepare().", Status.BAD_INPUT)
-            if w not in self.grad_bufs:
+            shared = self._attach(w, meta.get("shared"))
+            if not shared and w not in self.grad_bufs:  # a worker sharing memory needs neither
                 self.grad_bufs[w] = self._shard().new_buffer()
                 self.reply_bufs[w] = self._shard().new_buffer()
-            shared = self._attach(w, meta.get("shared"))
             return {"ints": (self.version,), "flat": self._snapshot(w), "meta": {"shared": shared}}
 
     def _attach(self, w: int, offer: Any) -> bool:
@@ -323,7 +331,7 @@ class ParameterServer:
 
     def _snapshot(self, w: int) -> torch.Tensor:
         """A copy of the parameters to send to ``w`` once the lock is released (lock held)."""
-        buf = self.reply_bufs[w]
+        buf = self.shared[w][1].tensor if w in self.shared else self.reply_bufs[w]
         buf.copy_(self.params_buf)
         return buf
 

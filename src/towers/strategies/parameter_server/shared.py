@@ -17,6 +17,7 @@ touches the memory only while the other waits for its message.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -29,7 +30,7 @@ import torch
 
 from towers._logging import get_logger
 
-__all__ = ["SHARED_DIR", "TOKEN_BYTES", "SharedBuffer", "create", "attach", "new_token"]
+__all__ = ["SHARED_DIR", "TOKEN_BYTES", "ROOM_SHARE", "SharedBuffer", "create", "attach", "new_token", "room"]
 
 log = get_logger(__name__)
 
@@ -37,6 +38,9 @@ log = get_logger(__name__)
 SHARED_DIR = "/dev/shm"
 #: Bytes at the start of the gradient file that prove the ps mapped the worker's file.
 TOKEN_BYTES = 16
+#: A worker takes at most this share of the free space: DataLoader workers pass their batches through
+#: the same file system (a container's /dev/shm is 64 MB by default).
+ROOM_SHARE = 1 / 8
 _NAME = re.compile(r"^towers-ps-[0-9]+-[0-9a-f]{32}$")
 
 
@@ -64,6 +68,8 @@ def create(nbytes: int, directory: str = SHARED_DIR) -> SharedBuffer:
     """
     if nbytes <= 0:
         raise ValueError(f"a shared buffer needs > 0 bytes. Received: nbytes={nbytes}.")
+    if not hasattr(os, "posix_fallocate"):
+        raise OSError(errno.ENOTSUP, "this platform cannot reserve shared memory up front (no posix_fallocate)")
     path = os.path.join(directory, f"towers-ps-{os.getpid()}-{secrets.token_hex(16)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     try:
@@ -75,6 +81,15 @@ def create(nbytes: int, directory: str = SHARED_DIR) -> SharedBuffer:
     finally:
         os.close(fd)
     return SharedBuffer(path, torch.frombuffer(mapped, dtype=torch.uint8), mapped)
+
+
+def room(directory: str = SHARED_DIR) -> int:
+    """Free bytes in ``directory``'s file system (0 when there is no such directory)."""
+    try:
+        info = os.statvfs(directory)
+    except OSError:
+        return 0
+    return info.f_bavail * info.f_frsize
 
 
 def attach(path: Any, nbytes: int, token: Any = None, directory: str = SHARED_DIR) -> SharedBuffer | None:

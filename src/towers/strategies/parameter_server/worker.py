@@ -21,7 +21,15 @@ from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.dispatch import pack_unit
 from towers.strategies.parameter_server.requests import optimizer_name
 from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, assign_shards, model_signature
-from towers.strategies.parameter_server.shared import TOKEN_BYTES, SharedBuffer, create, new_token
+from towers.strategies.parameter_server.shared import (
+    ROOM_SHARE,
+    SHARED_DIR,
+    TOKEN_BYTES,
+    SharedBuffer,
+    create,
+    new_token,
+    room,
+)
 from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.wire import encode
 
@@ -78,6 +86,12 @@ class BoundModel:
     def _shared_buffers(self) -> dict[int, tuple[SharedBuffer, SharedBuffer, str]]:
         """A gradient and a parameter file per active shard, or none when this host cannot make them."""
         made: dict[int, tuple[SharedBuffer, SharedBuffer, str]] = {}
+        needed, free = 2 * sum(self.layouts[p].nbytes for p in self.active), room()
+        if needed > free * ROOM_SHARE:
+            log.info("no shared memory for the ps links: they need %.1f MB, more than %.0f%% of the %.1f MB free in "
+                     "%s; gradients and parameters travel on the wire (give the host or container more shared "
+                     "memory, e.g. docker run --shm-size)", needed / 1e6, 100 * ROOM_SHARE, free / 1e6, SHARED_DIR)
+            return made
         try:
             for p in self.active:
                 nbytes = self.layouts[p].nbytes
