@@ -32,12 +32,14 @@ class Host:
     interface: str
     address: str
     hosts_file: Path
+    shm_dir: Path
 
     def command(self, argv: list[str]) -> list[str]:
-        """Return ``argv`` run on this host: in its namespace, with its host name and /etc/hosts."""
-        shell = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
+        """Return ``argv`` run on this host: in its namespace, with its host name, /etc/hosts and /dev/shm."""
+        shell = ('hostname "$1" && mount --bind "$2" /etc/hosts && mount --bind "$3" /dev/shm && shift 3 '
+                 '&& exec "$@"')
         return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount", "sh", "-c", shell, "sh",
-                self.name, str(self.hosts_file), *argv]
+                self.name, str(self.hosts_file), str(self.shm_dir), *argv]
 
 
 def _ip(*args: str) -> None:
@@ -96,7 +98,9 @@ def host_pair_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Callabl
                 lines += [f"{addresses[j]} {names[j]}" for j in range(2)]
             hosts_file = tmp_path / f"hosts.{names[i]}.{tag}"
             hosts_file.write_text("\n".join(lines) + "\n")
-            hosts.append(Host(names[i], netns[i], veth[i], addresses[i], hosts_file))
+            shm_dir = tmp_path / f"shm.{names[i]}.{tag}"  # each host its own shared memory, as apart hosts have
+            shm_dir.mkdir(mode=0o1777)
+            hosts.append(Host(names[i], netns[i], veth[i], addresses[i], hosts_file, shm_dir))
         return hosts[0], hosts[1]
 
     return make

@@ -6,7 +6,8 @@ names an interface except node 1 of the launch job (``--interface``): every othe
 
 Scenarios: MirroredStrategy over ``towers launch --nnodes 2``; a TF_CONFIG chief + worker job
 (MultiWorkerMirrored), also with plain names; a TF_CONFIG parameter-server job of 1 ps + 2 workers,
-sync and async, with the chief on one host and the worker and ps task on the other. Each checks
+sync and async, with the chief on one host and the worker and ps task on the other (each host its
+own /dev/shm: the worker beside the ps shares memory with it, the chief's pair keeps the wire). Each checks
 that the final parameters agree bit for bit across hosts, that the collectives used the veth
 interface, and that no process is left behind. Skipped (with the reason) without root or ``ip netns``.
 """
@@ -63,6 +64,7 @@ SCRIPT = """
     print("RESULT " + json.dumps({
         "rank": strategy.process_info.rank, "host": socket.gethostname(),
         "interface": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "shared": strategy.wire_stats()["shared_memory_bytes"] if hasattr(strategy, "wire_stats") else None,
         "params": {k: [float(v).hex() for v in t.flatten().tolist()] for k, t in state.items()}}), flush=True)
     strategy.shutdown()
 """
@@ -149,7 +151,10 @@ def test_parameter_servers_across_hosts(two_hosts, tmp_path, mode):
     done, seconds = _run_on([(hosta, argv, _tf_config(cluster, "chief", 0)),
                              (hostb, argv, _tf_config(cluster, "worker", 0)),
                              (hostb, argv, _tf_config(cluster, "ps", 0))], cwd=tmp_path, marker=str(script))
-    _check_agreement(_results(done), {0: hosta, 1: hostb})
+    results = _results(done)
+    _check_agreement(results, {0: hosta, 1: hostb})
+    # each host has its own /dev/shm: the chief's pair crosses hosts on the wire, the worker beside the ps shares
+    assert results[0]["shared"] == 0 and results[1]["shared"] > 0, results
     print(f"parameter servers ({mode}) across hosts: {seconds:.1f} s")
 
 
