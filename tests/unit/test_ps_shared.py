@@ -129,3 +129,39 @@ def test_no_posix_fallocate_means_no_shared_memory(monkeypatch, tmp_path):
     monkeypatch.delattr(os, "posix_fallocate")
     with pytest.raises(OSError, match="posix_fallocate"):
         create(64, directory=str(tmp_path))
+
+
+def test_files_of_dead_processes_are_swept_and_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead_pid = int(gone.stdout)  # exited and reaped: no such process now
+    stale = tmp_path / f"towers-ps-{dead_pid}-{'a' * 32}"
+    stale.write_bytes(b"x" * 64)
+    mine = create(64, directory=str(tmp_path))  # this process: alive
+    other = tmp_path / "towers-ps-notapid"
+    other.write_bytes(b"y")
+    assert shared.sweep(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and os.path.exists(mine.path) and other.exists()
+    assert shared.sweep(str(tmp_path / "missing")) == []
+
+
+def test_a_refused_registration_leaves_no_file():
+    class Refusing:
+        worker = 0
+
+        def request(self, *args, **kwargs):
+            raise ValueError("the chief's model differs")
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    bound = worker.BoundModel(model, client=Refusing(), num_ps=1, is_chief=False,  # type: ignore[arg-type]
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1), on_dead=lambda n: None,
+                              shared_memory=True)
+    paths = [b.path for grads, params, _ in bound._offered.values() for b in (grads, params)]
+    assert len(paths) == 2 and all(os.path.exists(p) for p in paths)
+    with pytest.raises(ValueError, match="differs"):
+        bound.register()
+    assert not any(os.path.exists(p) for p in paths)

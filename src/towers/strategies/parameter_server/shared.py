@@ -4,7 +4,9 @@ A worker makes two files in ``SHARED_DIR`` per ps shard, each the shard's flat s
 gradients are written into, one the ps writes the shard's parameters into (the worker's
 parameters are views of it). The files are created with mode 0600, their pages reserved at once
 (``posix_fallocate``: a full ``/dev/shm`` fails here, never later as a SIGBUS), and unlinked as
-soon as the ps answered the registration, so nothing is left behind, however the job ends.
+soon as the ps answered the registration. A process killed while it waits for that answer leaves
+its files behind; the next worker on the host removes the files of towers processes that are gone
+(``sweep``).
 
 The ps maps them only when the path names a towers file in its own ``SHARED_DIR``, owned by its
 user, of the expected size, holding the random token the registration carries: on another host
@@ -30,7 +32,7 @@ import torch
 
 from towers._logging import get_logger
 
-__all__ = ["SHARED_DIR", "TOKEN_BYTES", "ROOM_SHARE", "SharedBuffer", "create", "attach", "new_token", "room"]
+__all__ = ["SHARED_DIR", "TOKEN_BYTES", "ROOM_SHARE", "SharedBuffer", "create", "attach", "new_token", "room", "sweep"]
 
 log = get_logger(__name__)
 
@@ -81,6 +83,41 @@ def create(nbytes: int, directory: str = SHARED_DIR) -> SharedBuffer:
     finally:
         os.close(fd)
     return SharedBuffer(path, torch.frombuffer(mapped, dtype=torch.uint8), mapped)
+
+
+def sweep(directory: str = SHARED_DIR) -> list[str]:
+    """Remove this user's towers files in ``directory`` whose process is gone; return their paths."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not _NAME.match(name):
+            continue
+        pid = int(name.split("-")[2])
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or _alive(pid):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
+        removed.append(path)
+    if removed:
+        log.info("removed %d shared-memory file(s) left in %s by towers processes that are gone", len(removed),
+                 directory)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def room(directory: str = SHARED_DIR) -> int:

@@ -29,6 +29,7 @@ from towers.strategies.parameter_server.shared import (
     create,
     new_token,
     room,
+    sweep,
 )
 from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.wire import encode
@@ -58,6 +59,8 @@ class BoundModel:
         self.shards = assign_shards(self.signature, num_ps)
         self.layouts = [FlatLayout([self.signature[i] for i in shard]) for shard in self.shards]
         self.active = [i for i, layout in enumerate(self.layouts) if layout.nbytes]
+        self.optimizer = optimizer
+        self.opt_groups, self.local_to_global, self.group_ids = _optimizer_layout(optimizer, self.params, self.shards)
         self.param_bufs = [layout.new_buffer() for layout in self.layouts]
         self.grad_bufs = [layout.new_buffer() for layout in self.layouts]
         #: per ps task: (gradient file, parameter file, token) offered at registration (an overlapped reply
@@ -72,8 +75,6 @@ class BoundModel:
         self.param_views = [layout.views(b) for layout, b in zip(self.layouts, self.param_bufs)]
         self.grad_views = [layout.views(b) for layout, b in zip(self.layouts, self.grad_bufs)]
         self.segments = [layout.segments(SEGMENT_MIN_BYTES) for layout in self.layouts]
-        self.optimizer = optimizer
-        self.opt_groups, self.local_to_global, self.group_ids = _optimizer_layout(optimizer, self.params, self.shards)
         self._sent_hyper: list[bytes | None] = [_hyper_key([h for h, _ in groups]) for groups in self.opt_groups]
         self.versions: list[int] = [0] * num_ps
         self.dead_seen = 0
@@ -86,6 +87,7 @@ class BoundModel:
     def _shared_buffers(self) -> dict[int, tuple[SharedBuffer, SharedBuffer, str]]:
         """A gradient and a parameter file per active shard, or none when this host cannot make them."""
         made: dict[int, tuple[SharedBuffer, SharedBuffer, str]] = {}
+        sweep()  # files of towers processes that died before their ps answered
         needed, free = 2 * sum(self.layouts[p].nbytes for p in self.active), room()
         if needed > free * ROOM_SHARE:
             log.info("no shared memory for the ps links: they need %.1f MB, more than %.0f%% of the %.1f MB free in "
@@ -131,12 +133,12 @@ class BoundModel:
 
     def register(self) -> None:
         """Register the model (and optimizer spec) with every ps task; the chief's values become the start values."""
-        signature = [[s.name, list(s.shape), s.dtype] for s in self.signature]
-        metas = [{"worker": self.client.worker, "chief": self.is_chief, "signature": signature,
-                  "shard": shard, "optimizer": self._spec(p)} for p, shard in enumerate(self.shards)]
-        for p, (grads, params, token) in self._offered.items():
-            metas[p]["shared"] = {"grads": grads.path, "params": params.path, "token": token}
         try:
+            signature = [[s.name, list(s.shape), s.dtype] for s in self.signature]
+            metas = [{"worker": self.client.worker, "chief": self.is_chief, "signature": signature,
+                      "shard": shard, "optimizer": self._spec(p)} for p, shard in enumerate(self.shards)]
+            for p, (grads, params, token) in self._offered.items():
+                metas[p]["shared"] = {"grads": grads.path, "params": params.path, "token": token}
             replies = self.client.request(Op.REGISTER, metas=metas, flats=self.param_bufs if self.is_chief else None,
                                           replies_into=self.param_bufs)
         finally:
