@@ -4,7 +4,7 @@ Two replica groups of one process each run ``tests/ft_trainer_job.py`` (an uncha
 ``Trainer.fit`` script, 3 epochs of 16 steps) with torchft's lighthouse in its own process. Group 1
 is SIGKILLed in epoch 0; group 0 trains on alone up to global step 20 (epoch 1) and holds there
 until group 1, started again from other weights, is built. Group 1 then heals to the job's step and
-its Trainer continues in epoch 1 at that step (not at epoch 0): both finish the same 48 steps with
+its Trainer continues in epoch 1 at the step it joins (not at epoch 0): both finish the same 48 steps with
 equal parameters, those of one device running the same steps, and the survivor's History counts
 every example of each epoch once.
 """
@@ -99,18 +99,21 @@ def test_fit_goes_on_and_a_restarted_group_continues_in_the_jobs_epoch(tmp_path:
 
         last = EPOCHS * STEPS_PER_EPOCH
         survivor_steps = _steps(outs["survivor"])
-        alone = [s for s, _, groups in survivor_steps if groups == 1 and s > victim_last + 1]
-        assert alone and max(alone) <= HOLD_AT, survivor_steps  # it trained on alone after the kill
         assert [s for s, _, _ in survivor_steps] == list(range(1, last + 1))  # each committed step once, in order
-
+        # The restarted group joins at the first quorum it asks for: the step after the hold, or (when the
+        # survivor's request reaches the lighthouse first, under load) one of the next few.
         first_step, first_epoch, groups = _steps(outs["restarted"])[0]
-        assert first_step == HOLD_AT + 1 and first_epoch == HOLD_AT // STEPS_PER_EPOCH and groups == 2, outs["restarted"]
+        assert HOLD_AT < first_step <= HOLD_AT + 3 and groups == 2, outs["restarted"]
+        assert first_epoch == (first_step - 1) // STEPS_PER_EPOCH == HOLD_AT // STEPS_PER_EPOCH, outs["restarted"]
+        alone = [s for s, _, groups in survivor_steps if groups == 1 and s > victim_last + 1]
+        assert alone and max(alone) < first_step, survivor_steps  # it trained on alone after the kill, until the join
+        assert all(groups == 2 for s, _, groups in survivor_steps if s >= first_step), survivor_steps
 
         # History: the survivor's has every epoch, each counting every example once (retried steps included);
         # the restarted group's starts at the epoch it joined, which the job completed.
         assert summaries[0]["epochs"] == list(range(EPOCHS))
         assert summaries[0]["history"]["examples"] == [float(NUM_EXAMPLES)] * EPOCHS
-        assert summaries[1]["epochs"] == list(range(HOLD_AT // STEPS_PER_EPOCH, EPOCHS))
+        assert summaries[1]["epochs"] == list(range(first_epoch, EPOCHS))
         assert summaries[1]["history"]["examples"] == [float(NUM_EXAMPLES)] * len(summaries[1]["epochs"])
         for summary in summaries.values():
             assert summary["global_step"] == summary["job_step"] == last, summary

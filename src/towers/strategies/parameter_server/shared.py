@@ -6,7 +6,8 @@ parameters are views of it). The files are created with mode 0600, their pages r
 (``posix_fallocate``: a full ``/dev/shm`` fails here, never later as a SIGBUS), and unlinked as
 soon as the ps answered the registration. A process killed while it waits for that answer leaves
 its files behind; the next worker on the host removes the files of towers processes that are gone
-(``sweep``).
+(``sweep``; a file of a live process in another PID namespace that shares this /dev/shm may be
+taken for a dead one: its pair then keeps the wire, nothing else changes).
 
 The ps maps them only when the path names a towers file in its own ``SHARED_DIR``, owned by its
 user, of the expected size, holding the random token the registration carries: on another host
