@@ -165,3 +165,10 @@ def test_a_refused_registration_leaves_no_file():
     with pytest.raises(ValueError, match="differs"):
         bound.register()
     assert not any(os.path.exists(p) for p in paths)
+
+
+def test_a_host_without_dev_shm_keeps_to_the_wire_quietly(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(worker, "SHARED_DIR", str(tmp_path / "no-such-dir"))
+    with caplog.at_level("INFO", logger="towers"):
+        bound = _bound(True)
+    assert bound._offered == {} and caplog.text == ""

@@ -11,6 +11,7 @@ hyperparameter changes (an LR scheduler's ``lr``) travel with the next push.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -87,6 +88,9 @@ class BoundModel:
     def _shared_buffers(self) -> dict[int, tuple[SharedBuffer, SharedBuffer, str]]:
         """A gradient and a parameter file per active shard, or none when this host cannot make them."""
         made: dict[int, tuple[SharedBuffer, SharedBuffer, str]] = {}
+        if not os.path.isdir(SHARED_DIR):  # not Linux: nothing to tell, the wire is the only way
+            log.debug("no %s on this host: gradients and parameters travel on the wire", SHARED_DIR)
+            return made
         sweep()  # files of towers processes that died before their ps answered
         needed, free = 2 * sum(self.layouts[p].nbytes for p in self.active), room()
         if needed > free * ROOM_SHARE:
