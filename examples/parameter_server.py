@@ -3,11 +3,16 @@
     towers launch --strategy ps --num-ps 1 --nproc-per-node 3 examples/parameter_server.py
     towers launch --strategy ps --num-ps 1 --nproc-per-node 3 examples/parameter_server.py --mode sync
     towers launch --strategy ps --num-ps 1 --nproc-per-node 4 examples/parameter_server.py --kill-worker-at 30
+    towers launch --strategy ps --num-ps 1 --nproc-per-node 3 examples/parameter_server.py --no-shared-memory
 
 The last ``--num-ps`` processes are ps tasks: constructing the strategy there serves the
 parameters until the workers are done and then exits, so everything below that line runs on
 the workers only. The workers split each global batch between them (they are the replicas);
 worker 0 is the chief and the only one that prints and writes files.
+
+On one host the workers and the ps task exchange the dense gradients and parameters through
+shared memory (``/dev/shm``); ``--no-shared-memory`` puts every byte on the wire, as between hosts.
+The chief prints where the bytes went.
 
 ``--kill-worker-at STEP`` makes worker 1 kill itself (SIGKILL) at that training step: the job goes
 on, the other workers take over its batches, and the History's ``examples`` / ``val_examples``
@@ -37,10 +42,13 @@ def main() -> None:
     parser.add_argument("--out-dir", default="towers-out/parameter_server")
     parser.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
                         help="worker 1 kills itself at this global training step (the others take over its batches)")
+    parser.add_argument("--no-shared-memory", action="store_true",
+                        help="every byte on the wire, also between processes of one host")
     args = parser.parse_args()
 
     # On a ps task this line serves until the workers finish, then exits the process.
-    strategy = towers.ParameterServerStrategy(mode=args.mode, staleness=args.staleness)
+    strategy = towers.ParameterServerStrategy(mode=args.mode, staleness=args.staleness,
+                                              shared_memory=not args.no_shared_memory)
     train_set, test_set = load_digits()
     torch.manual_seed(0)  # the chief's initial weights become the ps tasks' starting values
     with strategy.scope():
@@ -66,6 +74,9 @@ def main() -> None:
         print(f"examples per epoch {history.history['examples']} of {len(train_set)}, validation "
               f"{history.history['val_examples']} of {len(test_set)}, evaluate {test['examples']:.0f}; "
               f"dead workers {sorted(stats[0]['dead'])}")
+        wire = strategy.wire_stats()
+        print(f"this worker's traffic with the ps tasks: {wire['shared_memory_bytes'] / 1e6:.1f} MB through shared "
+              f"memory, {(wire['bytes_sent'] + wire['bytes_received']) / 1e6:.1f} MB on the wire")
     strategy.shutdown()  # tell the ps tasks this worker is done (also done at exit)
 
 
