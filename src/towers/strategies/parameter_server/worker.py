@@ -62,13 +62,13 @@ class BoundModel:
         self.active = [i for i, layout in enumerate(self.layouts) if layout.nbytes]
         self.optimizer = optimizer
         self.opt_groups, self.local_to_global, self.group_ids = _optimizer_layout(optimizer, self.params, self.shards)
-        self.param_bufs = [layout.new_buffer() for layout in self.layouts]
-        self.grad_bufs = [layout.new_buffer() for layout in self.layouts]
         #: per ps task: (gradient file, parameter file, token) offered at registration (an overlapped reply
         #: lands in a second buffer while the model computes, so overlap keeps to the wire)
         self._offered = self._shared_buffers() if shared_memory and not overlap else {}
-        for p, (grads, params, _) in self._offered.items():
-            self.grad_bufs[p], self.param_bufs[p] = grads.tensor, params.tensor
+        self.param_bufs = [self._offered[p][1].tensor if p in self._offered else layout.new_buffer()
+                           for p, layout in enumerate(self.layouts)]
+        self.grad_bufs = [self._offered[p][0].tensor if p in self._offered else layout.new_buffer()
+                          for p, layout in enumerate(self.layouts)]
         #: the ps tasks that mapped this worker's files: their pushes and replies carry only headers
         self.shared: set[int] = set()
         #: bytes moved through shared memory instead of the wire (gradients out, parameters in)
@@ -98,21 +98,16 @@ class BoundModel:
                      "%s; gradients and parameters travel on the wire (give the host or container more shared "
                      "memory, e.g. docker run --shm-size)", needed / 1e6, 100 * ROOM_SHARE, free / 1e6, SHARED_DIR)
             return made
+        created: list[SharedBuffer] = []
         try:
             for p in self.active:
-                nbytes = self.layouts[p].nbytes
-                grads, params, token = create(nbytes), None, new_token()
-                try:
-                    params = create(nbytes)
-                finally:
-                    if params is None:
-                        grads.unlink()
+                for _ in range(2):  # one at a time: a file made before a failure is removed with the others
+                    created.append(create(self.layouts[p].nbytes))
+                grads, params, token = created[-2], created[-1], new_token()
                 grads.tensor[:TOKEN_BYTES] = torch.frombuffer(bytearray.fromhex(token), dtype=torch.uint8)
                 made[p] = (grads, params, token)
         except OSError as exc:
-            for grads, params, _ in made.values():
-                grads.unlink()
-                params.unlink()
+            _unlink(created)
             log.info("no shared memory for the ps links (%s): gradients and parameters travel on the wire", exc)
             return {}
         return made
@@ -145,10 +140,8 @@ class BoundModel:
                 metas[p]["shared"] = {"grads": grads.path, "params": params.path, "token": token}
             replies = self.client.request(Op.REGISTER, metas=metas, flats=self.param_bufs if self.is_chief else None,
                                           replies_into=self.param_bufs)
-        finally:
-            for grads, params, _ in self._offered.values():  # mapped by the ps or refused: no name is needed now
-                grads.unlink()
-                params.unlink()
+        finally:  # mapped by the ps or refused: no name is needed now
+            _unlink([buf for grads, params, _ in self._offered.values() for buf in (grads, params)])
         self.shared = {p for p, r in enumerate(replies) if p in self._offered and isinstance(r.meta, dict)
                        and r.meta.get("shared") is True}
         for p in self._offered:
@@ -287,6 +280,12 @@ class BoundModel:
         if refresh_on_state_dict:
             self.model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.pull())
         self.model.register_load_state_dict_post_hook(lambda module, incompatible: self.push_params())
+
+
+def _unlink(buffers: list[SharedBuffer]) -> None:
+    """Remove the files' names (the memory stays mapped where it is)."""
+    for buf in buffers:
+        buf.unlink()
 
 
 def _hyper_key(hyper: list[dict[str, Any]]) -> bytes:
