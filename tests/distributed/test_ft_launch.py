@@ -70,7 +70,8 @@ def test_launch_restarts_a_lost_group_alone(tmp_path: Path, how: str, size: int,
     env.pop("RUST_LOG", None)  # the launcher quiets torchft's per-step INFO lines by itself
     launcher = OutputReader(start(argv, cwd=tmp_path, env=env))
     try:
-        assert launcher.wait_for_lines(1, f"{prefix}failing", deadline_s=60), f"no failure {draw}"
+        assert launcher.wait_for_lines(1, f"{prefix}failing", deadline_s=60), \
+            f"no failure {draw}:\n{''.join(launcher._out[-20:])}\n{''.join(launcher._err[-40:])}"
         back = launcher.wait_for_lines(1, f"{prefix}step", deadline_s=60)
         assert back, f"the restarted group took no step {draw}:\n{''.join(launcher._err[-40:])}"
         step = int(back[0].split()[3])
