@@ -4,12 +4,16 @@ Phase 1 (4 processes, ``async_save=True``): 3 Adam steps, save; every rank write
 shard file. Phase 2 (2 processes): a fresh model and optimizer load the checkpoint (parameters
 AND Adam's moments, resharded from 4 to 2), take 2 more steps and export the full model in one
 call. One device taking the same 5 steps must end at the same parameters, and the export must
-hold them.
+hold them. Phase 2 first meets a damaged copy (a shard file changed) that only rank 1 finds damaged
+(rank 0's check is switched off): both ranks raise the same error and none is left waiting; then
+``CheckpointManager`` falls back from that copy to the intact one.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import shutil
 import time
 from pathlib import Path
 
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import towers
+from towers.checkpoint import integrity
 from towers.cluster.info import ProcessInfo
 from towers.launch import SpawnError
 
@@ -72,9 +77,22 @@ def _phase1(path: str) -> dict:
     return {"files": files, "blocking_s": blocking_s}
 
 
-def _phase2(path: str, export: str) -> dict:
+def _phase2(path: str, export: str, managed: str) -> dict:
     strategy = towers.FullyShardedStrategy(timeout_s=60, shard_units=nn.Linear)
     net, opt = _prepared(strategy)
+    check = integrity.verify_file
+    if strategy.process_info.rank == 0:  # rank 0 is blind to the damage: only rank 1 finds it
+        integrity.verify_file = lambda *args: None
+    try:
+        strategy.load_checkpoint(os.path.join(managed, "ckpt-2"))
+        damaged_error = None
+    except towers.checkpoint.CorruptCheckpointError as exc:
+        damaged_error = str(exc)
+    finally:
+        integrity.verify_file = check
+    manager = towers.checkpoint.CheckpointManager(managed, strategy=strategy, preemption=False)
+    fell_back = manager.restore({"model": net, "optimizer": opt}) is not None  # ckpt-2 is damaged: ckpt-1
+    manager.close()
     state = strategy.load_checkpoint(path)
     strategy.load_state_dict(state, net, opt)
     _steps(strategy, net, opt, _data(3, 5))
@@ -82,7 +100,21 @@ def _phase2(path: str, export: str) -> dict:
     full = {k: v.full_tensor().clone() for k, v in net.state_dict().items()}
     strategy.shutdown()
     return {"global_step": state["global_step"], "num_replicas": towers.checkpoint.checkpoint_info(path)["num_replicas"],
-            "state": full}
+            "state": full, "damaged_error": damaged_error, "fell_back": fell_back}
+
+
+def _damaged_copies(path: str, managed: Path) -> None:
+    """``managed/ckpt-1``: a copy of ``path``; ``ckpt-2``: another, 16 bytes of its last shard file changed."""
+    managed.mkdir()
+    for number in (1, 2):
+        shutil.copytree(Path(path).resolve(), managed / f".ckpt-{number}.data")
+        os.symlink(f".ckpt-{number}.data", managed / f"ckpt-{number}")
+    shard = managed / "ckpt-2" / "__3_0.distcp"
+    data, rng = bytearray(shard.read_bytes()), random.Random(0)
+    start = rng.randrange(0, len(data) - 16)
+    for i in range(start, start + 16):
+        data[i] ^= rng.randrange(1, 256)
+    shard.write_bytes(bytes(data))
 
 
 def test_save_at_4_resume_at_2_matches_one_device(tmp_path):
@@ -93,8 +125,14 @@ def test_save_at_4_resume_at_2_matches_one_device(tmp_path):
     assert ".metadata" in files and Path(path).is_symlink()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.") and p.resolve() != Path(path).resolve()]
 
-    resumed = towers.spawn(_phase2, 2, args=(path, export), timeout_s=120)
+    managed = tmp_path / "managed"
+    _damaged_copies(path, managed)
+    resumed = towers.spawn(_phase2, 2, args=(path, export, str(managed)), timeout_s=120)
     assert resumed[0]["global_step"] == 3 and resumed[0]["num_replicas"] == 4
+    for rank in (0, 1):  # rank 0 did not check: it learns of the damage through DCP's gathered errors
+        assert (resumed[rank]["damaged_error"] or "").startswith(
+            f"Checkpoint {managed / 'ckpt-2'} is damaged: its file __3_0.distcp "), rank
+        assert resumed[rank]["fell_back"], rank
 
     reference = towers.OneDeviceStrategy("cpu", info=ProcessInfo())
     net, opt = _prepared(reference)

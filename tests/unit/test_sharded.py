@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import towers
-from towers.cluster.info import ProcessInfo
-from towers.models_gpt import GPT, Block, GPTConfig, random_tokens
 from towers.checkpoint import CheckpointError, checkpoint_info, layout, load_exported
-from towers.strategies._fsdp import build_mesh, select_units
+from towers.cluster.info import ProcessInfo
+from towers.models import SeedCNN
+from towers.models_gpt import GPT, Block, GPTConfig, random_tokens
+from towers.strategies._fsdp import DEFAULT_MIN_NUM_PARAMS, build_mesh, select_units
 from towers.strategies.fully_sharded import FullyShardedStrategy
 
 
@@ -33,6 +34,112 @@ def test_auto_policy_shards_each_repeated_block_and_falls_back_to_size():
     assert select_units(mlp, 1000) == [mlp[0]]  # 1,500 parameters; the last layer (602) stays in the root
     nested = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4))
     assert select_units(nested, nn.Linear) == [nested[0][0], nested[0][1], nested[1]]  # children first
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(F.scaled_dot_product_attention(self.wq(x), self.wk(x), self.wv(x), is_causal=True))
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False), (
+            nn.Linear(dim, 2 * dim, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """torchtitan's Llama 3 block, in small."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.attention_norm, self.attention = nn.RMSNorm(dim), _Attention(dim)
+        self.ffn_norm, self.feed_forward = nn.RMSNorm(dim), _FeedForward(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class _TitanLlama(nn.Module):
+    """torchtitan's Llama 3 layout: ``self.layers = nn.ModuleDict()`` of blocks keyed "0", "1", ..."""
+
+    def __init__(self, vocab_size: int = 32, dim: int = 16, n_layers: int = 4):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleDict()
+        for layer_id in range(n_layers):
+            self.layers[str(layer_id)] = TransformerBlock(dim)
+        self.norm, self.output = nn.RMSNorm(dim), nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def _hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=3, n_head=2))
+
+
+def _sequential_of_blocks() -> nn.Sequential:  # the embedding and the norm stay in the root
+    return nn.Sequential(nn.Embedding(32, 16), TransformerBlock(16), TransformerBlock(16), nn.LayerNorm(16))
+
+
+@pytest.mark.parametrize("make, blocks, logged", [
+    (_TitanLlama, lambda m: list(m.layers.values()), "sharding 4 TransformerBlock units + the root"),
+    (lambda: GPT(GPTConfig.tiny()), lambda m: list(m.blocks), "sharding 2 Block units + the root"),
+    (_sequential_of_blocks, lambda m: [m[1], m[2]], "sharding 2 TransformerBlock units + the root"),
+    (_hf_gpt2, lambda m: list(m.transformer.h), "sharding 3 GPT2Block units + the root"),
+], ids=["torchtitan_module_dict", "module_list", "sequential", "hugging_face_gpt2"])
+def test_auto_shards_the_repeated_blocks_wherever_the_model_keeps_them_and_says_so(make, blocks, logged, caplog):
+    model = make()
+    with caplog.at_level("INFO", logger="towers"):
+        units = select_units(model)
+    assert units == blocks(model)
+    assert [r.getMessage() for r in caplog.records] == [f"shard_units='auto': {logged}"]
+
+
+@pytest.mark.parametrize("make, level, chosen", [
+    (lambda: _TwoNamedBlocks(), "WARNING", "1 Linear unit of >= 1,000,000 parameters + the root"),
+    # a Sequential of layers is a CNN, not a stack of blocks; below 1M parameters one unit is all any policy gives
+    (lambda: SeedCNN(), "INFO", "the whole model as one unit"),
+], ids=["blocks_as_attributes", "small_cnn"])
+def test_auto_without_repeated_blocks_says_so_with_the_fix(make, level, chosen, caplog):
+    with torch.device("meta"):
+        model = make()
+    with caplog.at_level("INFO", logger="towers"):
+        units = select_units(model)
+    assert units == select_units(model, DEFAULT_MIN_NUM_PARAMS)
+    [record] = caplog.records
+    size = sum(p.numel() for p in model.parameters())
+    assert record.levelname == level and record.getMessage() == (
+        f"shard_units='auto' found no repeated blocks in {type(model).__name__} (children of one class repeated in an "
+        f"nn.ModuleList, nn.ModuleDict or nn.Sequential), so it shards its {size:,} parameters by size: {chosen}. "
+        "Pass your block class (shard_units=MyBlock) or a parameter count (shard_units=10_000_000).")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="towers"):
+        select_units(model, nn.Linear)
+    assert not caplog.records  # the user's own choice is not second-guessed
+
+
+class _TwoNamedBlocks(nn.Module):
+    """Blocks kept as attributes, not in a container: "auto" cannot tell them apart from the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.block1, self.block2 = TransformerBlock(8), TransformerBlock(8)
+        self.head = nn.Linear(1000, 1000)
 
 
 @pytest.mark.parametrize("bad", ["blocks", 0, -5, [int], (nn.Linear, "x")])
@@ -151,7 +258,7 @@ def test_metadata_cannot_run_code_and_foreign_paths_are_refused(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     (path / ".metadata").write_bytes(pickle.dumps(Exploit()))
-    with pytest.raises(Exception, match="refusing to load"):
+    with pytest.raises(Exception, match="is damaged|refusing to load"):  # the checksum sees it before any unpickling
         strategy.load_checkpoint(path)
     assert not marker.exists()
 

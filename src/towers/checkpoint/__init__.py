@@ -3,6 +3,7 @@
 Layers, each file using only those above it:
 
 - ``state.py``: the pieces as plain values (RNG streams, optimizer state by parameter name, paths);
+- ``integrity.py``: each file's SHA-256, computed while it is written, checked wherever it is read;
 - ``layout.py``: the format on disk (DCP tensor files + the chief's ``state.pt``, published atomically);
 - ``api.py``: ``save_checkpoint`` / ``load_checkpoint`` / ``restore_checkpoint`` through a strategy;
 - ``manager.py``: ``CheckpointManager`` (numbered, keep N, latest, preemption);
@@ -25,10 +26,11 @@ from towers.checkpoint.export import export_model, load_exported
 from towers.checkpoint.layout import CheckpointIO
 from towers.checkpoint.manager import CheckpointManager
 from towers.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHandler
-from towers.checkpoint.state import CheckpointError, rng_state, set_rng_state
+from towers.checkpoint.state import CheckpointError, CorruptCheckpointError, rng_state, set_rng_state
 
 __all__ = [
-    "CheckpointError", "CheckpointIO", "CheckpointManager", "PREEMPTED_EXIT_CODE", "Preempted", "PreemptionHandler",
+    "CheckpointError", "CheckpointIO", "CorruptCheckpointError", "CheckpointManager", "PREEMPTED_EXIT_CODE", "Preempted",
+    "PreemptionHandler",
     "checkpoint_exists", "checkpoint_info", "delete_checkpoint", "export_model", "load_checkpoint", "load_exported",
     "restore_checkpoint", "rng_state", "save_checkpoint", "set_rng_state",
 ]

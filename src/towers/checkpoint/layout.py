@@ -6,7 +6,9 @@ Layout: the checkpoint path ``P`` is a symbolic link to a sibling directory ``.P
 rank each, shards by their owners; nothing is gathered on one rank — and ``.metadata``, every
 tensor's global shape and where its pieces lie) plus ``state.pt``, which the chief writes: the
 manifest (format, version, strategy, replica count) and every other value of the state (epoch,
-step, data position, RNG streams, your own values).
+step, data position, RNG streams, your own values); and ``checksums.json``, every other file's size
+and SHA-256, computed while the file was written and checked wherever it is read (``integrity.py``):
+a changed, truncated or missing file is one ``CorruptCheckpointError`` naming it.
 
 Atomicity: every rank writes into a fresh ``.P.<id>`` that nothing points to yet; once every rank
 has written, the chief replaces the link ``P`` in one ``os.replace``. A process killed at any
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import io
 import os
 import pickle
@@ -40,7 +43,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from towers._logging import get_logger
-from towers.checkpoint.state import CheckpointError
+from towers.checkpoint import integrity
+from towers.checkpoint.state import CheckpointError, CorruptCheckpointError
 
 __all__ = ["CheckpointIO", "FORMAT", "FORMAT_VERSION", "is_checkpoint", "write", "read_manifest", "tensor_metadata",
            "read_tensors", "delete"]
@@ -94,7 +98,17 @@ class _MetadataUnpickler(pickle.Unpickler):
             "types are allowed)")
 
 
-def _reader(path: Path) -> Any:
+def _load_metadata(checkpoint: Path, name: str, table: integrity.Table | None, directory: Path | None = None) -> Any:
+    """DCP's metadata file ``name``, checked against ``table`` and unpickled safely; one named error otherwise."""
+    data = integrity.read_verified(checkpoint, name, table, directory)
+    try:
+        return _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:
+        raise integrity.damaged(checkpoint, name, f"cannot be parsed ({_one_line(exc)})") from None
+
+
+def _reader(checkpoint: Path, table: integrity.Table | None) -> Any:
+    """DCP's reader for ``checkpoint``: safe unpickling, and every file it reads checked against ``table`` first."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeReader(FileSystemReader):
@@ -103,14 +117,31 @@ def _reader(path: Path) -> Any:
 
             rank = kwargs.get("rank")
             name = ".metadata" if rank is None else f"__{rank}.metadata"
-            with open(Path(self.path) / name, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+            metadata = _load_metadata(checkpoint, name, table, Path(self.path))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-    return SafeReader(path)
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            # Raised here, a failure reaches every process: DCP gathers the read step's errors.
+            per_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for name in per_file:
+                integrity.verify_file(checkpoint, Path(self.path), name, table)
+            for name, items in per_file.items():
+                try:
+                    super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                except CorruptCheckpointError:
+                    raise
+                except Exception as exc:  # an unverified (older) checkpoint: still one line naming the file
+                    raise integrity.damaged(checkpoint, name, f"cannot be read ({_one_line(exc)})") from None
+            done: Any = torch.futures.Future()
+            done.set_result(None)
+            return done
+
+    return SafeReader(checkpoint.resolve())
 
 
 def _planner() -> Any:
@@ -141,10 +172,10 @@ def _quiet_single_process() -> Any:
 class _Pending:
     """An asynchronous save in flight: published (on the chief) as soon as its write is done, from DCP's thread."""
 
-    def __init__(self, future: Any, publish: Callable[[], None], path: Path):
+    def __init__(self, future: Any, publish: Callable[[], None], path: Path, nbytes: int):
         import threading
 
-        self.future, self.path = future, path
+        self.future, self.path, self.nbytes = future, path, nbytes
         self.started_s = time.perf_counter()
         self._published = threading.Event()
         self._error: BaseException | None = None
@@ -163,6 +194,8 @@ class _Pending:
     def wait(self) -> None:
         """Block until the checkpoint is written and visible at its path; re-raise what went wrong."""
         self._published.wait()
+        if self._error is not None and integrity.is_disk_full(self._error):
+            raise integrity.disk_full_error(self.path, self.nbytes) from None
         if self._error is not None:
             raise OSError(f"Asynchronous checkpoint {self.path} failed: {type(self._error).__name__}: "
                           f"{self._error}. The previous checkpoint at that path is intact.") from self._error
@@ -226,29 +259,50 @@ def _publish(path: Path, data_dir: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def _chief_error(is_chief: bool, broadcast_object: Callable[[Any, int], Any], action: Callable[[], None]) -> None:
-    """Run ``action`` on the chief; every process raises if it failed (so none waits for the chief in a collective)."""
-    error = None
+def _chief_error(is_chief: bool, broadcast_object: Callable[[Any, int], Any], action: Callable[[], Any]) -> Any:
+    """Run ``action`` on the chief and return its value on every process; every process raises if it failed.
+
+    (So that none waits for the chief in a collective.)
+    """
+    error, value = None, None
     if is_chief:
         try:
-            action()
+            value = action()
         except Exception as exc:  # reported to every process below
-            error = (type(exc).__name__, str(exc))
-    error = broadcast_object(error, 0)
+            error = (type(exc).__name__, str(exc), getattr(exc, "errno", None))
+    error, value = broadcast_object((error, value), 0)
     if error is None:
-        return
-    kind, text = error
+        return value
+    kind, text, code = error
     if kind == CheckpointError.__name__:
         raise CheckpointError(text)
+    if code == errno.ENOSPC and text.startswith("No space left on device:"):
+        no_space = OSError(text)
+        no_space.errno = errno.ENOSPC
+        raise no_space
     raise OSError(f"The chief could not write the checkpoint: {kind}: {text}. Check the directory (it must be "
                   "writable, with free space); the previous checkpoint at that path is intact.")
 
 
-def _save_file(value: Mapping[str, Any], path: Path) -> None:
+def _save_file(value: Mapping[str, Any], path: Path) -> tuple[int, str]:
+    """Write ``value`` with ``torch.save`` (synced); return its size and digest, hashed as it was written."""
     with open(path, "wb") as f:
-        torch.save(dict(value), f)
+        hashing = integrity.HashingFile(f)
+        torch.save(dict(value), hashing)  # type: ignore[arg-type]  # a writable binary file, as torch needs
         f.flush()
         os.fsync(f.fileno())
+    return hashing.digest()
+
+
+def _nbytes(value: Any) -> int:
+    """About how many bytes the tensors in ``value`` take on disk (what a full disk is told it needs)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
 
 
 def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], state: Mapping[str, Any], *,
@@ -259,27 +313,44 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], sta
     (it loads with ``weights_only=True``); the manifest is added to it. With ``io.async_save`` the
     call returns once the tensors are copied to memory (see ``CheckpointIO``).
 
+    Each file is hashed as it is written; ``checksums.json`` (``integrity.py``) holds the digests.
+
     Raises:
         CheckpointError: on every process, when something towers did not write is at ``path``.
-        OSError: on every process, when the checkpoint cannot be written (the previous one is intact).
+        OSError: on every process, when the checkpoint cannot be written (the previous one is intact); on a
+            full disk, "No space left on device: <path> needs about N MB" (errno ``ENOSPC``).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
 
     io.wait(is_chief=is_chief, broadcast_object=broadcast_object)
     # The chief's path is the checkpoint's (a script may format it with its rank: the others write there too).
     chosen, uid = broadcast_object((str(path), uuid.uuid4().hex[:12]) if is_chief else None, 0)
     path = Path(chosen)
     data_dir = _data_dir(path, uid)
+    nbytes = _nbytes(dict(tensors)) + _nbytes(dict(state))
 
-    def start() -> None:
+    def failed(exc: BaseException) -> OSError:
+        if integrity.is_disk_full(exc):
+            return integrity.disk_full_error(path, nbytes)
+        return OSError(f"Could not write checkpoint {path}: {_root_cause(exc)}. Check the directory (writable, "
+                       "free space); the previous checkpoint at that path is intact.")
+
+    def unless_full(exc: BaseException) -> BaseException:  # on the chief: _chief_error reports the others
+        return integrity.disk_full_error(path, nbytes) if integrity.is_disk_full(exc) else exc
+
+    def start() -> dict[str, tuple[int, str]]:
         problem = _foreign(path)
         if problem:
             raise CheckpointError(problem)
         data_dir.mkdir(parents=True, exist_ok=False)
-        _save_file({"format": FORMAT, "version": FORMAT_VERSION, **dict(state)}, data_dir / _STATE)
+        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "checksums": integrity.ALGORITHM, **dict(state)}
+        try:
+            return {_STATE: _save_file(manifest, data_dir / _STATE)}
+        except (OSError, RuntimeError) as exc:
+            raise unless_full(exc) from None
 
-    _chief_error(is_chief, broadcast_object, start)  # also: the directory exists before any process writes into it
+    # also: the directory exists before any process writes into it; every process learns state.pt's digest
+    known = _chief_error(is_chief, broadcast_object, start)
 
     def publish() -> None:
         if is_chief:
@@ -287,33 +358,44 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], sta
 
     def save(no_dist: bool) -> None:
         with _quiet_single_process():
-            dcp.save(dict(tensors), storage_writer=FileSystemWriter(data_dir, sync_files=True),
+            dcp.save(dict(tensors), storage_writer=integrity.digest_writer(data_dir, known),
                      process_group=io.process_group, no_dist=no_dist)
 
     if not tensors:
-        _chief_error(is_chief, broadcast_object, publish)
+        def table_and_publish() -> None:
+            try:
+                integrity.write_table(data_dir, known)
+            except OSError as exc:
+                raise unless_full(exc) from None
+            publish()
+
+        _chief_error(is_chief, broadcast_object, table_and_publish)
     elif not io.collective:  # the chief holds every tensor
         def save_and_publish() -> None:
-            save(True)
+            try:
+                save(True)
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise failed(exc) from None
             publish()
 
         _chief_error(is_chief, broadcast_object, save_and_publish)
     elif io.async_save:
         no_dist = not torch.distributed.is_initialized()
         with _quiet_single_process():
-            future = dcp.async_save(dict(tensors), storage_writer=FileSystemWriter(data_dir, sync_files=True),
+            future = dcp.async_save(dict(tensors), storage_writer=integrity.digest_writer(data_dir, known),
                                     process_group=io.process_group, no_dist=no_dist)
-        # DCP's coordinator writes .metadata only after every process's pieces are written, so when the
-        # chief's future is done the directory is complete and is published at once.
-        io.pending = _Pending(future, publish, path)
+        # DCP's coordinator writes .metadata (and checksums.json) only after every process's pieces are written,
+        # so when the chief's future is done the directory is complete and is published at once.
+        io.pending = _Pending(future, publish, path, nbytes)
     else:
         try:
             save(not torch.distributed.is_initialized())
         except BaseException as exc:  # DCP raises the same CheckpointException (a BaseException) on every process
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise OSError(f"Could not write checkpoint {path}: {_root_cause(exc)}. Check the directory (writable, "
-                          "free space); the previous checkpoint at that path is intact.") from None
+            raise failed(exc) from None
         _chief_error(is_chief, broadcast_object, publish)  # every process returns after the checkpoint is visible
 
 
@@ -324,6 +406,8 @@ def _check(path: Path) -> None:
             raise FileNotFoundError(f"Checkpoint {path} points to a directory that is gone ({os.readlink(path)}). "
                                     "Restore an older checkpoint, or delete the link to start over.")
         raise FileNotFoundError(f"No checkpoint at {path}. Check the path (or that a save finished).")
+    if path.is_dir() and not (path / _STATE).is_file() and (path / integrity.DIGESTS).is_file():
+        raise integrity.damaged(path, _STATE, "is missing")
     if path.is_dir() and not (path / _STATE).is_file():
         hint = (" It looks like a checkpoint of an older towers (extra.pt); load it with that version."
                 if (path / "extra.pt").is_file() else "")
@@ -333,19 +417,31 @@ def _check(path: Path) -> None:
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Return the plain values the chief wrote with the checkpoint (``weights_only=True``), manifest included.
 
+    ``state.pt`` is checked against the checkpoint's ``checksums.json`` before it is parsed; a
+    checkpoint of an older towers, without one, loads unchecked (said once, at INFO).
+
     Raises:
         FileNotFoundError: when there is nothing at ``path``.
+        CorruptCheckpointError: when ``state.pt`` or ``checksums.json`` is missing, unreadable or changed.
         CheckpointError: when ``path`` is not a towers checkpoint, or one this version cannot read.
     """
     path = Path(path)
     _check(path)
     if path.is_file():
         return _legacy_file(path)
+    table = integrity.read_table(path)
+    data = integrity.read_verified(path, _STATE, table)
+    if not data:
+        raise integrity.damaged(path, _STATE, "is empty (0 bytes)")
     try:
-        state = torch.load(path / _STATE, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"Checkpoint {path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0]}): "
-                              f"its {_STATE} is corrupt. Restore an older checkpoint.") from None
+        raise integrity.damaged(path, _STATE, f"cannot be parsed ({_one_line(exc)})") from None
+    if isinstance(state, dict) and state.get("checksums") is not None and table is None:
+        raise integrity.damaged(path, integrity.DIGESTS, "is missing (this checkpoint was written with checksums)")
+    if table is None and isinstance(state, dict) and state.get("format") == FORMAT:
+        log.info("checkpoint %s was written without checksums (by an older towers): its files cannot be verified",
+                 path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path / _STATE} was not written by towers; the checkpoint is foreign.")
     version = state.get("version")
@@ -370,12 +466,16 @@ def _legacy_file(path: Path) -> dict[str, Any]:
 
 
 def tensor_metadata(path: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Return ``{flat name: (global shape, dtype)}`` of the tensors in the checkpoint at ``path``."""
+    """Return ``{flat name: (global shape, dtype)}`` of the tensors in the checkpoint at ``path``.
+
+    Raises:
+        CorruptCheckpointError: when ``.metadata`` is unreadable, changed, or missing but listed in the checksums.
+    """
     path = Path(path)
-    if not (path / ".metadata").is_file():
+    table = integrity.read_table(path)
+    if not (path / ".metadata").is_file() and (table is None or ".metadata" not in table):
         return {}
-    with open(path / ".metadata", "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
+    metadata = _load_metadata(path, ".metadata", table)
     out = {}
     for key, item in metadata.state_dict_metadata.items():
         if hasattr(item, "size") and hasattr(item, "properties"):
@@ -386,9 +486,12 @@ def tensor_metadata(path: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, 
 def read_tensors(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], *, io: CheckpointIO) -> None:
     """Fill ``tensors`` (flat names -> tensors or DTensors laid out for this job) from the checkpoint at ``path``.
 
-    Every process of a ``collective`` strategy calls it; otherwise each reads alone.
+    Every process of a ``collective`` strategy calls it; otherwise each reads alone. Each process
+    checks every file it reads against the checkpoint's checksums first; DCP gathers a failure on
+    any process to all of them, so every process raises the same error.
 
     Raises:
+        CorruptCheckpointError: when a file it reads is missing, unreadable or changed since it was written.
         CheckpointError: when the files do not hold those tensors (torn or foreign).
     """
     import torch.distributed.checkpoint as dcp
@@ -397,12 +500,16 @@ def read_tensors(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor],
     path = Path(path)
     if not tensors:
         return
+    table = integrity.read_table(path)
     no_dist = not torch.distributed.is_initialized() or not io.collective
     try:
         with _quiet_single_process():
-            dcp.load(tensors, storage_reader=_reader(path.resolve()), planner=_planner(),
+            dcp.load(tensors, storage_reader=_reader(path, table), planner=_planner(),
                      process_group=io.process_group if not no_dist else None, no_dist=no_dist)
     except (CheckpointException, RuntimeError, ValueError, KeyError, OSError) as exc:
+        corrupt = _corruption(exc)
+        if corrupt is not None:
+            raise CorruptCheckpointError(corrupt) from None
         raise CheckpointError(f"Checkpoint {path} cannot be read: {_root_cause(exc)}. Its files are torn or were "
                               "changed after it was written; restore an older checkpoint.") from None
 
@@ -419,12 +526,26 @@ def delete(path: str | os.PathLike[str]) -> None:
         shutil.rmtree(target, ignore_errors=True)
 
 
-def _root_cause(exc: BaseException) -> str:
+def _failures(exc: BaseException) -> list[BaseException]:
+    """The exceptions of each process inside DCP's ``CheckpointException`` (``(exception, traceback)`` pairs), or ``[exc]``."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    if isinstance(exc, CheckpointException):
-        failures = [f for f in exc.failures.values()]
-        if failures:
-            return "; ".join(f"{type(f).__name__}: {str(f).splitlines()[-1] if str(f) else ''}" for f in failures[:2])
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}"
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+    return [exc]
+
+
+def _corruption(exc: BaseException) -> str | None:
+    """The message of a ``CorruptCheckpointError`` raised by any process inside DCP, or None."""
+    found = [f for f in _failures(exc) if isinstance(f, CorruptCheckpointError)]
+    return str(found[0]) if found else None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = [line for line in str(exc).strip().splitlines() if line.strip()]
+    fallback = "the data ends early" if isinstance(exc, EOFError) else "(no message)"
+    return f"{type(exc).__name__}: {text[-1].strip() if text else fallback}"
+
+
+def _root_cause(exc: BaseException) -> str:
+    return "; ".join(_one_line(f) for f in _failures(exc)[:2])
