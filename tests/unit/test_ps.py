@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -160,3 +162,95 @@ def test_the_ps_steps_with_fast_kernels_and_reports_the_users_choice():
     state = report_kernels(optimizer.state_dict())
     assert state["param_groups"][0]["fused"] is None and "_towers_fast" not in state["param_groups"][0]
     plain.load_state_dict(state)  # loads into the user's own optimizer as it was built
+
+
+# --- every torch optimizer rebuilt on a ps task ---------------------------------------------------
+def _torch_optimizers() -> list[str]:
+    """Every optimizer class the installed torch exports (the list comes from torch, not from towers)."""
+    return [name for name in torch.optim.__all__
+            if isinstance(getattr(torch.optim, name), type) and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
+            and getattr(torch.optim, name) is not torch.optim.Optimizer]
+
+
+def _through_the_wire(value):
+    """``value`` as a ps task receives it: encoded as JSON + tensor bytes, decoded without unpickling."""
+    from towers.strategies.parameter_server.wire import decode, encode
+
+    raw, tensors = encode(value)
+    return decode(raw, torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors else None)
+
+
+def test_the_list_of_torch_optimizers_is_torchs_own():
+    from towers.strategies.parameter_server.requests import OPTIMIZERS, REFUSED_OPTIMIZERS
+
+    assert {"SGD", "Adam", "AdamW"} <= set(_torch_optimizers())
+    assert sorted(OPTIMIZERS) == sorted(set(_torch_optimizers()) - set(REFUSED_OPTIMIZERS))
+
+
+@pytest.mark.parametrize("name", _torch_optimizers())
+def test_every_torch_optimizer_steps_on_a_ps_task_like_plain_torch(name):
+    """The worker's spec crosses the wire, the ps task builds the optimizer over its shard and steps the pushed
+    gradients; the user's own optimizer stepping the same gradients in this process is the reference."""
+    from towers.strategies.parameter_server.requests import (
+        REFUSED_OPTIMIZERS,
+        build_optimizer,
+        optimizer_spec,
+        report_kernels,
+    )
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3, bias=False), nn.Linear(3, 2, bias=False))  # 2-D only: Muon's domain
+    params = list(net.parameters())
+    cls = getattr(torch.optim, name)
+    shards = [[0, 1]]
+    if name in REFUSED_OPTIMIZERS:  # refused at prepare, with the reason and what to use
+        with pytest.raises(ValueError, match=rf"cannot run torch.optim.{name} on its ps tasks.*Use "):
+            _optimizer_layout(cls(params, lr=0.01), params, shards)
+        return
+    # two groups with their own lr: per-group values must reach the ps
+    user = cls([{"params": [params[0]]}, {"params": [params[1]], "lr": 0.03}], lr=0.01)
+    groups, _, _ = _optimizer_layout(user, params, shards)
+    spec = _through_the_wire(optimizer_spec(user, groups[0]))
+    ps_params = [nn.Parameter(p.detach().clone()) for p in params]
+    ps_optimizer = build_optimizer(spec, ps_params, 0)
+    assert type(ps_optimizer) is cls and [g["lr"] for g in ps_optimizer.param_groups] == [0.01, 0.03]
+    for _ in range(2):  # the second step reads the state the first one made
+        grads = [torch.randn_like(p) for p in params]
+        for p, q, g in zip(params, ps_params, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        user.step()
+        ps_optimizer.step()
+    for p, q in zip(params, ps_params):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-5, atol=1e-6)
+    # the ps's state comes back (GET_STATE) and loads into the user's plain optimizer
+    user.load_state_dict(_through_the_wire(report_kernels(ps_optimizer.state_dict())))
+
+
+def test_a_tensor_learning_rate_travels_as_its_number():
+    from towers.strategies.parameter_server.requests import build_optimizer, optimizer_spec
+
+    params = [nn.Parameter(torch.randn(5))]
+    user = torch.optim.Adam(params, lr=torch.tensor(0.01), betas=(torch.tensor(0.8), torch.tensor(0.9)))
+    groups, _, _ = _optimizer_layout(user, params, [[0]])
+    spec = _through_the_wire(optimizer_spec(user, groups[0]))
+    assert spec["defaults"]["lr"] == pytest.approx(0.01) and spec["groups"][0][0]["betas"] == pytest.approx((0.8, 0.9))
+    ps_params = [nn.Parameter(params[0].detach().clone())]
+    ps_optimizer = build_optimizer(spec, ps_params, 0)
+    for _ in range(2):
+        grad = torch.randn(5)
+        params[0].grad, ps_params[0].grad = grad.clone(), grad.clone()
+        user.step()
+        ps_optimizer.step()
+    torch.testing.assert_close(ps_params[0].detach(), params[0].detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("value,shown", [
+    (lambda step: 0.1, "function"),
+    (torch.ones(3), "a tensor of shape (3,)"),
+])
+def test_a_hyperparameter_that_cannot_travel_is_refused_at_prepare_naming_it(value, shown):
+    params = [nn.Parameter(torch.randn(2))]
+    user = torch.optim.SGD([{"params": params, "schedule": value}], lr=0.1)
+    with pytest.raises(ValueError, match=rf"param group 0 holds 'schedule'.*Received: .*{re.escape(shown)}.*"
+                                         r"Set 'schedule' to a number"):
+        _optimizer_layout(user, params, [[0]])

@@ -7,17 +7,21 @@ call it in the same order.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import zlib
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from towers.diagnostics import track
-from towers.process_group import collective
+from towers.process_group import collective, first_line
 from towers.strategies.base import REDUCE_OPS
 
-__all__ = ["LocalComm", "ProcessGroupComm", "StepCounts", "MismatchedStepsError", "check_op", "as_tensor"]
+__all__ = ["LocalComm", "ProcessGroupComm", "StepCounts", "MismatchedStepsError", "PartialCollectiveError",
+           "named_collective", "check_op", "as_tensor"]
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -69,7 +73,31 @@ class MismatchedStepsError(RuntimeError):
     """Replicas ran different numbers of steps before a collective; the message names the ranks and their counts."""
 
 
-_RUN, _COLLECTIVE = 0, 1
+class PartialCollectiveError(RuntimeError):
+    """A named collective (``named_collective``) that not every replica called: the message names it and the fix."""
+
+
+_RUN, _COLLECTIVE, _NAMED = 0, 1, 2
+#: The collective the current block belongs to (``named_collective``), None outside one.
+_OPERATION: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("towers_named_collective",
+                                                                                     default=None)
+
+
+@contextlib.contextmanager
+def named_collective(operation: str, fix: str) -> Iterator[None]:
+    """Mark the strategy collectives of this block as ``operation``, which every replica must call.
+
+    A collective that users tend to call on one replica only (``Metric.result()`` inside ``if
+    strategy.is_chief:``) would otherwise pair with another replica's next collective (a gradient
+    all-reduce: Gloo aborts the process on the size mismatch). Inside this block ``ProcessGroupComm``
+    first checks, on a side group and within its ``timeout_s``, that every replica is in the same
+    ``operation``; if not it raises ``PartialCollectiveError`` naming ``operation`` and ``fix``.
+    """
+    token = _OPERATION.set((operation, fix))
+    try:
+        yield
+    finally:
+        _OPERATION.reset(token)
 _IN_FLIGHT = 64
 
 
@@ -84,24 +112,32 @@ class StepCounts:
     *step*, and the marker says so, with both counts, instead of the ``reduce`` pairing with that
     step's DDP all-reduce (a silent wrong result, or a "Connection closed by peer" blamed on the peer).
     Batches from ``distribute_dataset`` are aligned by construction and are not counted.
+
+    A named collective (``named_collective``) sends ``[_NAMED, tag]`` on the same group
+    (``agree``), so it also pairs with another replica's step or collective marker, and is named.
     """
 
-    def __init__(self, *, rank: int, num_replicas: int):
+    def __init__(self, *, rank: int, num_replicas: int, timeout_s: float | None = None):
         self.rank, self.num_replicas = rank, num_replicas
+        self.timeout_s = timeout_s
         self.steps = 0
+        self._counting = False  # a counted step ran: collectives check the counts from then on
         self._group: Any = None
         self._pending: list[tuple[Any, list[torch.Tensor]]] = []
 
-    def _send(self, kind: int) -> tuple[Any, list[torch.Tensor]]:
+    def _send(self, kind: int, value: int | None = None,
+              timeout: timedelta | None = None) -> tuple[Any, list[torch.Tensor]]:
+        """Send ``[kind, value or the step count]`` (``timeout``: the bound of the group's creation)."""
         if self._group is None:  # every replica's first counted step: they all create it in the same order
-            self._group = dist.new_group(backend="gloo")
-        mine = torch.tensor([kind, self.steps], dtype=torch.long)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        mine = torch.tensor([kind, self.steps if value is None else value], dtype=torch.long)
         parts = [torch.zeros_like(mine) for _ in range(self.num_replicas)]
         return dist.all_gather(parts, mine, group=self._group, async_op=True), parts
 
     def run(self) -> None:
         """Count one step and send the count (not waited for; a loop without collectives keeps 64 in flight)."""
         self.steps += 1
+        self._counting = True
         self._pending.append(self._send(_RUN))
         if len(self._pending) > _IN_FLIGHT:  # long done by now: DDP's all-reduces keep the replicas in step
             work, _ = self._pending.pop(0)
@@ -115,7 +151,7 @@ class StepCounts:
             MismatchedStepsError: naming this rank, its step count, and the ranks that were still
                 running steps (or already waiting in a collective) with theirs.
         """
-        if self._group is None:
+        if not self._counting:
             return
         work, parts = self._send(_COLLECTIVE)
         pending, self._pending = self._pending, []
@@ -124,6 +160,12 @@ class StepCounts:
                 earlier.wait()
             work.wait()
         running = [(rank, int(p[1])) for rank, p in enumerate(parts) if int(p[0]) == _RUN]
+        named = [rank for rank, p in enumerate(parts) if int(p[0]) == _NAMED]
+        if named and not running:
+            raise PartialCollectiveError(
+                f"[rank {self.rank}/{self.num_replicas}] {operation} paired with a collective that every replica "
+                f"must call (such as Metric.result()), which rank(s) {named} called and this rank did not. Call it "
+                "on every replica at the same point of the loop (not inside `if strategy.is_chief:`).")
         if not running:
             return
         others = ", ".join(f"rank {rank} was starting step {count}" for rank, count in running)
@@ -134,6 +176,44 @@ class StepCounts:
             "of steps. Use strategy.distribute_dataset(dataset, global_batch_size=...), which gives every replica "
             "the same number of batches (a short last batch is split, or padded), or make your loader's length the "
             "same on every replica (e.g. drop the remainder).")
+
+    def agree(self, operation: str, fix: str) -> None:
+        """Return when every replica is in the named collective ``operation`` (within half of ``timeout_s``).
+
+        Half: a replica that went on to its next step waits there up to ``timeout_s`` for this one, so
+        this error, which names the cause, comes first.
+
+        Raises:
+            PartialCollectiveError: a replica is elsewhere (a step, another collective, another named
+                one), or not every replica arrived in time; the message names ``operation`` and ``fix``.
+        """
+        where = f"[rank {self.rank}/{self.num_replicas}] {operation}"
+        tag = zlib.crc32(operation.encode("utf-8"))
+        bound_s = None if self.timeout_s is None else self.timeout_s / 2
+        timeout = None if bound_s is None else timedelta(seconds=bound_s)
+        try:
+            work, parts = self._send(_NAMED, tag, timeout)
+            pending, self._pending = self._pending, []
+            for earlier, _ in pending:
+                earlier.wait()
+            work.wait(timeout) if timeout is not None else work.wait()
+        except RuntimeError as exc:
+            raise PartialCollectiveError(
+                f"{where} waited{'' if bound_s is None else f' {bound_s:g} s'} for the other replicas and not all of "
+                f"them called it "
+                f"({first_line(exc)}). It is a collective: every replica must call it. {fix}") from exc
+        elsewhere = []
+        for rank, (kind, value) in enumerate(p.tolist() for p in parts):
+            if kind == _RUN:
+                elsewhere.append(f"rank {rank} was starting step {value} (strategy.run)")
+            elif kind == _COLLECTIVE:
+                elsewhere.append(f"rank {rank} was in another collective (strategy.reduce, gather or barrier)")
+            elif value != tag:
+                elsewhere.append(f"rank {rank} was in another named collective")
+        if elsewhere:
+            raise PartialCollectiveError(
+                f"{where} was called on rank {self.rank} while {', '.join(elsewhere)}: not every replica called it. "
+                f"It is a collective: every replica must call it, at the same point of the loop. {fix}")
 
 
 class LocalComm:
@@ -173,7 +253,7 @@ class ProcessGroupComm:
 
     def __init__(self, *, rank: int, num_replicas: int, backend: str, timeout_s: float):
         self.rank, self.num_replicas, self.backend, self.timeout_s = rank, num_replicas, backend, timeout_s
-        self._steps = StepCounts(rank=rank, num_replicas=num_replicas)
+        self._steps = StepCounts(rank=rank, num_replicas=num_replicas, timeout_s=timeout_s)
 
     def note_run(self, batch: Any) -> None:
         """Count a ``strategy.run`` (only for batches without ``BatchInfo``: ``distribute_dataset``'s are aligned)."""
@@ -181,7 +261,12 @@ class ProcessGroupComm:
             self._steps.run()
 
     def reduce(self, op: str, value: torch.Tensor, axis: int | None) -> torch.Tensor:
-        self._steps.check(f"strategy.reduce({op!r})")
+        named = _OPERATION.get()
+        if named is not None:  # every replica must be in it: checked on the side group, never a Gloo abort
+            with track(named[0]):
+                self._steps.agree(*named)
+        else:
+            self._steps.check(f"strategy.reduce({op!r})")
         with collective(f"strategy.reduce({op!r})"), track(f"strategy.reduce({op!r})"):
             if axis is None:
                 out = (_float_for_mean(value) if op == "mean" else value).clone()

@@ -77,12 +77,28 @@ class Metric(ABC):
     def result(self) -> float:
         """Return the metric over everything accumulated since ``reset`` (NaN before any example).
 
-        After ``update`` under a strategy of several replicas it is a collective: every replica
-        calls it, and each gets the metric over all replicas' examples.
+        After ``update`` under a strategy of several replicas it is a collective, as in TensorFlow's
+        multi-worker training: every replica calls it, and each gets the metric over all replicas'
+        examples. To print it once, call it everywhere and print on the chief::
+
+            accuracy = train_accuracy.result()   # every replica
+            if strategy.is_chief:
+                print(f"accuracy {accuracy:.3f}")
+
+        Raises:
+            PartialCollectiveError: (a ``RuntimeError``) only some replicas called it, e.g. inside
+                ``if strategy.is_chief:``; raised within the strategy's ``timeout_s`` (at once where
+                the other replicas reach another towers collective), never a Gloo abort.
         """
         if self._strategy is not None and self._strategy.num_replicas_in_sync > 1:
+            from towers.strategies._collectives import named_collective
+
             local = self._pending if self._pending is not None else torch.zeros(self.num_states, dtype=torch.float64)
-            self.accumulate(self._strategy.reduce("sum", local))
+            with named_collective(
+                    f"Metric.result() of {self.name!r}",
+                    "Call result() on every replica and print on the chief: `value = metric.result()` before "
+                    "`if strategy.is_chief: print(value)`."):
+                self.accumulate(self._strategy.reduce("sum", local))
         elif self._pending is not None:
             self.accumulate(self._pending)
         self._pending = None

@@ -20,7 +20,7 @@ from torch import nn
 from towers._logging import get_logger
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.dispatch import pack_unit
-from towers.strategies.parameter_server.requests import optimizer_name
+from towers.strategies.parameter_server.requests import hyperparameters, optimizer_name, optimizer_spec
 from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, assign_shards, model_signature
 from towers.strategies.parameter_server.shared import (
     ROOM_SHARE,
@@ -154,8 +154,7 @@ class BoundModel:
     def _spec(self, p: int) -> dict[str, Any] | None:
         if self.optimizer is None:
             return None
-        return {"cls": optimizer_name(self.optimizer), "defaults": dict(self.optimizer.defaults),
-                "groups": self.opt_groups[p]}
+        return optimizer_spec(self.optimizer, self.opt_groups[p])
 
     def push_pull(self, empty: bool = False, units: list[Any] | None = None) -> None:
         """Send every shard's gradients (and changed hyperparameters); receive the updated parameters in place.
@@ -247,7 +246,7 @@ class BoundModel:
         """This shard's param-group hyperparameters when they changed since the last push, else None."""
         if self.optimizer is None:
             return None
-        hyper = [{k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"} for g in self.group_ids[p]]
+        hyper = [hyperparameters(self.optimizer.param_groups[g], f"param group {g}") for g in self.group_ids[p]]
         blob = _hyper_key(hyper)
         if blob == self._sent_hyper[p]:
             return None
@@ -301,12 +300,18 @@ def _optimizer_layout(optimizer: torch.optim.Optimizer | None, params: list[nn.P
     and which of the user's groups those are.
 
     The global index is torch's numbering in ``optimizer.state_dict()`` (params in group order).
+
+    Raises:
+        ValueError: a ps task cannot rebuild the optimizer (its class, a hyperparameter), or a group holds a
+            tensor that is not one of ``params``.
     """
     groups_per_ps: list[list[tuple[dict[str, Any], list[int]]]] = [[] for _ in shards]
     local_to_global: list[list[int]] = [[] for _ in shards]
     group_ids: list[list[int]] = [[] for _ in shards]
     if optimizer is None:
         return groups_per_ps, local_to_global, group_ids
+    optimizer_name(optimizer)  # refused here, before anything is sent
+    hypers = [hyperparameters(group, f"param group {g}") for g, group in enumerate(optimizer.param_groups)]
     model_index = {id(p): i for i, p in enumerate(params)}
     position = [{mi: pos for pos, mi in enumerate(shard)} for shard in shards]
     owner = {mi: s for s, shard in enumerate(shards) for mi in shard}
@@ -323,10 +328,9 @@ def _optimizer_layout(optimizer: torch.optim.Optimizer | None, params: list[nn.P
             members[owner[mi]][g].append((position[owner[mi]][mi], global_index))
             global_index += 1
     for s in range(len(shards)):
-        for g, group in enumerate(optimizer.param_groups):
+        for g in range(len(optimizer.param_groups)):
             if members[s][g]:
-                hyper = {k: v for k, v in group.items() if k != "params"}
-                groups_per_ps[s].append((hyper, [pos for pos, _ in members[s][g]]))
+                groups_per_ps[s].append((hypers[g], [pos for pos, _ in members[s][g]]))
                 local_to_global[s].extend(gi for _, gi in members[s][g])
                 group_ids[s].append(g)
     return groups_per_ps, local_to_global, group_ids
