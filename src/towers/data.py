@@ -46,6 +46,7 @@ from towers._batch import (
     shard_bounds,
     to_device,
 )
+from towers._dataloader_answers import EpochSampler
 from towers._loader import Loader, LoaderOptions
 from towers._logging import get_logger
 from towers.errors import user_error
@@ -113,6 +114,19 @@ class _MapSource:
         return self.collate_fn(samples)
 
 
+def _as_user_dataset(dataset: Any) -> Any:
+    """``dataset`` as a DataLoader's ``.dataset`` would hold it, with ``len()`` its number of examples.
+
+    A tuple or list of tensors becomes a ``TensorDataset`` and a dict of tensors a
+    ``TensorDictDataset`` (``len()`` of the tuple or dict would count tensors); anything else is itself.
+    """
+    if isinstance(dataset, (tuple, list)) and dataset and all(isinstance(t, torch.Tensor) for t in dataset):
+        return TensorDataset(*dataset)
+    if isinstance(dataset, Mapping) and dataset and all(isinstance(t, torch.Tensor) for t in dataset.values()):
+        return TensorDictDataset(dataset)
+    return dataset
+
+
 def _source(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> _TensorSource | _MapSource:
     if isinstance(dataset, torch.Tensor):
         return _TensorSource((dataset,), single=True)
@@ -151,6 +165,14 @@ class DistributedDataset:
     epoch and the number of batches already consumed, so a resumed job continues at the next
     batch with the same order.
 
+    A loop written for a ``DataLoader`` reads what it expects, as ``DataLoader(dataset,
+    batch_size=B // N, sampler=DistributedSampler(dataset))`` answers on this replica:
+    ``len(loader.dataset)`` (``dataset``: the user's dataset; a tuple or dict of tensors as a
+    ``TensorDataset`` / ``TensorDictDataset``), ``len(loader)`` (steps per epoch),
+    ``batch_size`` (``global_batch_size // num_replicas``; when B does not divide by N, the first
+    ``B % N`` replicas get one example more of each full batch), ``global_batch_size``,
+    ``sampler.set_epoch(e)`` (this object's ``set_epoch``), ``drop_last`` and ``num_workers``.
+
     ``num_workers > 0`` fetches and collates on that many ``DataLoader`` worker processes
     (``prefetch_factor``, ``persistent_workers``, ``pin_memory``: docs/streams.md, "Loader workers"); the
     batches, their order and the resume position are the same as with ``num_workers=0``. Workers
@@ -176,6 +198,8 @@ class DistributedDataset:
                 f"gets at least one example per full batch. Received: {global_batch_size}. "
                 "Use a larger global batch or fewer replicas.")
         self._source = _source(dataset, collate_fn)
+        #: The user's dataset, as ``DataLoader.dataset`` holds it: ``len(loader.dataset)`` is its number of examples.
+        self.dataset = _as_user_dataset(dataset)
         n = self._source.size
         if n < num_replicas:
             raise ValueError(
@@ -203,6 +227,9 @@ class DistributedDataset:
                              f"num_workers={num_workers}", "Use num_workers=0 under ParameterServerStrategy, or "
                              "MirroredStrategy / HybridStrategy (static shares) for loader workers.")
         self._dispatch = dispatch
+        self.num_workers = options.num_workers
+        #: What DDP loops call ``sampler.set_epoch(epoch)`` on: this object's own ``set_epoch``.
+        self.sampler = EpochSampler(self)
         self._loader = Loader(partial(_run_fetch, self._source), options, self.device, seed=self.seed)
         self._passes = 0  # iterations started (names a dispatched pass)
         #: ``{"examples": ..., "expected": ...}`` of the last complete dispatched pass (None: static split).
@@ -229,6 +256,16 @@ class DistributedDataset:
     def batches_per_epoch(self) -> int:
         """Global batches per epoch (``len(self)``; a stream answers None)."""
         return len(self._infos)
+
+    @property
+    def batch_size(self) -> int:
+        """This replica's batch size, ``global_batch_size // num_replicas`` (a ``DataLoader``'s under DDP)."""
+        return self.global_batch_size // self.num_replicas
+
+    @property
+    def drop_last(self) -> bool:
+        """``drop_remainder``, by its ``DataLoader`` name."""
+        return self.drop_remainder
 
     @property
     def epoch(self) -> int:

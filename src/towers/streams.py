@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import default_collate
 
 from towers._batch import BatchInfo, attach_batch_info, global_batch_sizes, map_tensors, shard_bounds, to_device
+from towers._dataloader_answers import EpochSampler, StreamWithoutLength, stream_length_error
 from towers._loader import Loader, LoaderOptions
 from towers._logging import get_logger
 from towers._stream_sources import Shards, is_stream, make_source, sequence, shard_order
@@ -62,6 +63,12 @@ class DistributedStream:
     yield compact raw records (bytes, lines), with the costly decoding in ``transform``. Batches,
     their order and ``state_dict()`` are the same as with ``num_workers=0``; persistent workers
     live until ``close()``.
+
+    A loop written for a ``DataLoader`` reads ``batch_size`` (``global_batch_size // num_replicas``),
+    ``global_batch_size``, ``sampler.set_epoch(e)`` (this object's ``set_epoch``), ``drop_last``,
+    ``num_workers`` and ``dataset`` (the stream; where it has no number of examples, ``Shards``
+    and Hugging Face streams among them, a view of it whose ``len()`` raises a ``TypeError`` that
+    says what to use). ``len()`` of this object raises the same way until its length is known.
     """
 
     def __init__(self, stream: Any, global_batch_size: int, *, num_replicas: int = 1, replica_id: int = 0,
@@ -84,6 +91,12 @@ class DistributedStream:
             _positive_int("num_virtual_shards", num_virtual_shards, "Use a fixed number such as 64, the same for "
                           "every run that resumes this job.")
         self._source = make_source(stream, num_virtual_shards)
+        #: The user's stream as ``DataLoader.dataset`` holds it (``len()`` only where it counts examples).
+        self.dataset = stream if hasattr(stream, "__len__") and not isinstance(stream, Shards) else (
+            StreamWithoutLength(stream))
+        self.num_workers = options.num_workers
+        #: What DDP loops call ``sampler.set_epoch(epoch)`` on: this object's own ``set_epoch``.
+        self.sampler = EpochSampler(self)
         self.global_batch_size = global_batch_size
         self.num_replicas, self.replica_id = num_replicas, replica_id
         self.device = torch.device(device)
@@ -124,6 +137,30 @@ class DistributedStream:
         if self._dispatch is None or self._num_examples is None:
             return None
         return len(global_batch_sizes(self._num_examples, self.global_batch_size, drop_remainder=self.drop_remainder))
+
+    def __len__(self) -> int:
+        """``batches_per_epoch`` where it is known.
+
+        Raises:
+            TypeError: while the number of batches is unknown (the stream has not been counted).
+        """
+        batches = self.batches_per_epoch
+        if batches is None:
+            raise stream_length_error("A DistributedStream (its number of batches per epoch)", self)
+        return batches
+
+    def __bool__(self) -> bool:
+        return True  # not len(): a stream without a known length is still an input
+
+    @property
+    def batch_size(self) -> int:
+        """This replica's batch size, ``global_batch_size // num_replicas`` (a ``DataLoader``'s under DDP)."""
+        return self.global_batch_size // self.num_replicas
+
+    @property
+    def drop_last(self) -> bool:
+        """``drop_remainder``, by its ``DataLoader`` name."""
+        return self.drop_remainder
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration cover ``epoch`` from its first batch."""

@@ -58,6 +58,9 @@ def test_two_processes_all_reduce_and_see_the_launch_environment(tmp_path):
         expected = (f"rank={rank} sum=1 world=2 local={rank} chief={rank == 0} strategy=mirrored omp={threads} "
                     "source=torchrun")
         assert expected in out, f"missing {expected!r} in:\n{out}\nstderr:\n{err}"
+    # The script reads the job's layout but never builds a towers strategy: --strategy mirrored went unused.
+    unused = [line for line in err.splitlines() if "--strategy mirrored was not used" in line]
+    assert len(unused) == 1 and "Call towers.strategy_from_env() in the script" in unused[0], err
 
 
 def test_a_failing_rank_stops_the_job_and_is_named(tmp_path):
@@ -195,6 +198,7 @@ def test_max_restarts_resumes_from_the_backup_with_the_uninterrupted_result(tmp_
                  cwd=tmp_path, deadline_s=DEADLINE_S, marker=str(script))
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "was not used" not in err, err  # the script built the strategy --strategy named
     for rank in (0, 1):
         line = f"rank {rank} attempt 1 resumed_from {{'epoch': 0, 'step': 6, 'global_step': 6}} global_step 12"
         assert line in out, f"missing {line!r} in:\n{out}\nstderr:\n{err}"

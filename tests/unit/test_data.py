@@ -176,3 +176,58 @@ def test_batches_arrive_on_the_replica_device():
     # "meta" stands in for an accelerator here: every tensor of every batch is moved there.
     x, y = next(iter(_replica((torch.zeros(6, 2), torch.arange(6)), 4, 2, 1, device="meta")))
     assert x.device.type == "meta" and y.device.type == "meta" and x.shape == (2, 2)
+
+
+# --- what loops written for a DataLoader read (pytorch/examples, Hugging Face) -----------------------------------
+def _torch_loader(dataset, gbs, n, r, *, drop_last=False, shuffle=True, seed=0):
+    """The plain-torch reference: DataLoader + DistributedSampler, as a DDP script builds them on replica r of n."""
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=n, rank=r, shuffle=shuffle, seed=seed,
+                                                  drop_last=drop_last)
+    return torch.utils.data.DataLoader(dataset, batch_size=gbs // n, sampler=sampler, drop_last=drop_last)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_dataloader_loop_reads_what_dataloader_and_distributed_sampler_answer(n, drop):
+    data = TensorDataset(torch.arange(10.0).unsqueeze(1), torch.arange(10))
+    for r in range(n):
+        ours, ref = _replica(data, 4, n, r, drop_remainder=drop), _torch_loader(data, 4, n, r, drop_last=drop)
+        assert ours.dataset is data and len(ours.dataset) == len(ref.dataset) == 10
+        assert len(ours) == len(ref)
+        assert ours.batch_size == ref.batch_size and ours.global_batch_size == 4
+        assert (ours.drop_last, ours.num_workers) == (ref.drop_last, ref.num_workers)
+        assert (ours.sampler.num_replicas, ours.sampler.rank) == (ref.sampler.num_replicas, ref.sampler.rank)
+        # pytorch/examples mnist's progress line: batch_idx * len(data) of len(train_loader.dataset)
+        assert [len(x) for x, _ in ours] == [len(x) for x, _ in ref]
+
+
+def test_tuples_and_dicts_of_tensors_are_the_dataset_a_dataloader_would_hold():
+    x, y = torch.arange(20.0).view(10, 2), torch.arange(10)
+    pair = _replica((x, y), 4, 2, 0).dataset
+    assert len(pair) == len(TensorDataset(x, y)) == 10
+    assert all(torch.equal(a, b) for a, b in zip(pair[3], TensorDataset(x, y)[3]))
+    table = _replica({"x": x, "y": y}, 4, 2, 1).dataset
+    assert len(table) == 10 and torch.equal(table[3]["x"], x[3]) and torch.equal(table[3]["y"], y[3])
+    assert len(_replica(y, 4, 2, 1).dataset) == 10  # a tensor is its own dataset, as DataLoader(tensor) holds it
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_sampler_set_epoch_gives_the_epoch_distributed_sampler_gives(n):
+    # DistributedSampler deals epoch e's order (randperm seeded seed + e) out with a stride, towers in contiguous
+    # shares: the examples of each global batch (all replicas' step i) are the same.
+    data = TensorDataset(torch.arange(12))
+    ours = [_replica(data, 4, n, r, seed=5) for r in range(n)]
+    refs = [_torch_loader(data, 4, n, r, seed=5) for r in range(n)]
+    for epoch in (3, 1):
+        for loader in ours + refs:
+            loader.sampler.set_epoch(epoch)
+        assert [o.sampler.epoch for o in ours] == [o.epoch for o in ours] == [r.sampler.epoch for r in refs]
+
+        def steps(loaders):
+            return [sorted(x for share in step for x in share[0].tolist()) for step in zip(*map(list, loaders))]
+
+        assert steps(ours) == steps(refs)
+    assert [o.epoch for o in ours] == [2] * n  # a complete iteration moves on by itself: a loop may skip set_epoch
+    for ref in refs:
+        ref.sampler.set_epoch(2)
+    assert steps(ours) == steps(refs) != steps([_torch_loader(data, 4, n, r, seed=5) for r in range(n)])

@@ -9,6 +9,7 @@ from torch import nn
 
 import towers
 from towers.cluster.info import ProcessInfo
+from towers.cluster.launch_notes import strategies_built
 from towers.strategies import get_strategy, strategy_from_env
 from towers.strategies.one_device import OneDeviceStrategy
 
@@ -53,6 +54,15 @@ def test_built_by_name_and_from_a_single_process_environment():
     assert (strategy.num_replicas_in_sync, strategy.replica_id, strategy.is_chief) == (1, 0, True)
     assert OneDeviceStrategy("/cpu:0", info=ProcessInfo()).device == torch.device("cpu")
     assert strategy.device == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def test_a_strategy_built_under_towers_launch_leaves_the_launcher_a_note(tmp_path):
+    # towers launch --strategy names a directory in TOWERS_LAUNCH_DIR; it warns at the end when no note is there.
+    info = towers.cluster.from_env({"TOWERS_LAUNCH_DIR": str(tmp_path)})
+    assert info.launch_dir == str(tmp_path) and strategies_built(str(tmp_path)) == {}
+    OneDeviceStrategy("cpu", info=info)
+    assert strategies_built(str(tmp_path)) == {0: "one_device"}
+    assert towers.cluster.from_env({}).launch_dir is None  # outside towers launch: nowhere to write
 
 
 def test_scope_places_new_tensors_on_the_device():

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 import towers
 from towers.cluster.info import ProcessInfo
@@ -247,6 +247,56 @@ def test_a_hugging_face_stream_is_read_shard_by_shard():
     assert got == want
     single = DistributedStream(_FakeHuggingFace([[{"id": x} for x in range(9)]]), 4, shuffle=False)
     assert single.num_virtual_shards == 64 and [_ids(b) for b in single] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+
+
+# --- what loops written for a DataLoader read (pytorch/examples, Hugging Face) -----------------------------------
+class _SizedRange(_Range):
+    """A stream that knows its length (``__len__``), as some torch IterableDatasets do."""
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_dataloader_loop_reads_what_dataloader_and_distributed_sampler_answer(n):
+    examples = list(range(24))  # the same examples, map-style, for the plain-torch reference
+    for r in range(n):
+        ours = DistributedStream(_SizedRange(24), 8, num_replicas=n, replica_id=r, drop_remainder=True)
+        sampler = DistributedSampler(examples, num_replicas=n, rank=r, drop_last=True)
+        ref = DataLoader(examples, batch_size=8 // n, sampler=sampler, drop_last=True)
+        assert len(ours.dataset) == len(ref.dataset) == 24 and ours.dataset.n == 24  # the stream itself
+        assert ours.batch_size == ref.batch_size and ours.global_batch_size == 8
+        assert (ours.drop_last, ours.num_workers) == (ref.drop_last, ref.num_workers)
+        assert (ours.sampler.num_replicas, ours.sampler.rank) == (ref.sampler.num_replicas, ref.sampler.rank)
+        assert [len(b) for b in ours] == [len(b) for b in ref]
+    assert DistributedStream(_Range(8), 8, num_workers=2).num_workers == DataLoader(examples, num_workers=2).num_workers
+
+
+@pytest.mark.parametrize("make", [_shards, lambda: _Range(25), lambda: _FakeHuggingFace([[{"id": 1}], [{"id": 2}]])],
+                         ids=["shards", "iterable_dataset", "hugging_face"])
+def test_len_of_a_streams_dataset_says_it_has_no_length_and_what_to_use(make):
+    stream = make()
+    loader = DistributedStream(stream, 4, num_replicas=2)
+    with pytest.raises(TypeError, match=r"has no length: a stream's number of examples is known only when it ends.* "
+                                        r"Count the steps or examples as they come.*map-style dataset"):
+        len(loader.dataset)  # Shards' own len() counts its files: not the examples a progress line wants
+    with pytest.raises(TypeError, match=r"DistributedStream .*has no length"):
+        len(loader)
+    assert loader and loader.dataset and loader.dataset.stream is stream
+    if not isinstance(stream, Shards):  # a list of files: not iterable itself
+        assert list(loader.dataset) == list(stream)
+    if isinstance(stream, _Range):  # plain torch: a TypeError too, without the why
+        with pytest.raises(TypeError):
+            len(DataLoader(stream).dataset)
+
+
+def test_sampler_set_epoch_is_the_streams_own_set_epoch():
+    stream, same = DistributedStream(_shards(), 4, seed=2), DistributedStream(_shards(), 4, seed=2)
+    stream.sampler.set_epoch(3)
+    same.set_epoch(3)
+    assert stream.epoch == stream.sampler.epoch == 3
+    assert _global_batches([stream]) == _global_batches([same]) != _global_batches(
+        [DistributedStream(_shards(), 4, seed=2)])
 
 
 # --- bad input: one actionable line each ----------------------------------------------------------------

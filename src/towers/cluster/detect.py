@@ -16,6 +16,7 @@ from towers.cluster.base import (
 from towers.cluster.environ import read_environ
 from towers.cluster.info import ProcessInfo
 from towers.cluster.kubeflow import KubeflowTrainerEnvironment
+from towers.cluster.launch_notes import LAUNCH_DIR_VARIABLE
 from towers.cluster.local import LocalEnvironment
 from towers.cluster.mpi import MPIEnvironment
 from towers.cluster.slurm import SlurmEnvironment
@@ -75,7 +76,8 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     ``TOWERS_JOIN_TIMEOUT_S`` (set by ``towers launch --join-timeout``) fills ``join_timeout_s``;
     ``TOWERS_STUCK_TIMEOUT_S`` fills ``stuck_timeout_s``;
     ``TOWERS_INTERFACE`` (set by ``towers launch --interface``), else ``GLOO_SOCKET_IFNAME``, fills ``interface``;
-    ``TOWERS_LOG_LEVEL`` (set by ``towers launch``) fills ``log_level``.
+    ``TOWERS_LOG_LEVEL`` (set by ``towers launch``) fills ``log_level``;
+    ``TOWERS_LAUNCH_DIR`` (set by ``towers launch --strategy``) fills ``launch_dir``.
     ``environ=None`` reads ``os.environ``; pass a dict in tests.
 
     Raises:
@@ -101,6 +103,9 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     log_level = environ.get("TOWERS_LOG_LEVEL", "").strip().upper()
     if log_level:
         info = dataclasses.replace(info, log_level=log_level)
+    launch_dir = environ.get(LAUNCH_DIR_VARIABLE, "").strip()
+    if launch_dir:
+        info = dataclasses.replace(info, launch_dir=launch_dir)
     if environ.get(STRATEGY_OPTIONS_ENV, "").strip():
         try:
             options = decode_strategy_options(environ[STRATEGY_OPTIONS_ENV])

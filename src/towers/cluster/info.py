@@ -111,6 +111,9 @@ class ProcessInfo:
     stuck_timeout_s: float | None = None
     #: Options for the strategy from outside the script (``towers launch --strategy-option``, ``TOWERS_STRATEGY_OPTIONS``).
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
+    #: The directory ``towers launch`` made for this job, where a process leaves notes for it (``TOWERS_LAUNCH_DIR``:
+    #: a strategy built), or None outside ``towers launch --strategy``.
+    launch_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -28,7 +28,11 @@ variables). This module adds what ``towers launch`` promises on top:
 - each worker's output reaches the terminal in whole lines prefixed ``[rank N]: `` (``towers.launch.output``;
   torchrun's ``--tee``, ``--redirects``, ``--local-ranks-filter`` and ``--log-dir`` choose what is shown);
 - no process outlives the launcher (``towers.launch.parent_death``): every worker dies with it
-  (``PR_SET_PDEATHSIG``), and a stop signal also continues stopped workers, so they act on it.
+  (``PR_SET_PDEATHSIG``), and a stop signal also continues stopped workers, so they act on it;
+- under ``--strategy X``, a job whose script never built a towers strategy ends with one warning
+  that X was not used and how to use it: each worker finds a directory of this launcher's in
+  ``TOWERS_LAUNCH_DIR`` (``ProcessInfo.launch_dir``), and a strategy leaves a note there when it is
+  built (``towers.cluster.launch_notes``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from typing import Any, Mapping
 
 from towers._logging import get_logger
 from towers.cluster import ClusterConfigError, environ_overrides, read_environ, read_join_timeout
+from towers.cluster.launch_notes import LAUNCH_DIR_VARIABLE, strategies_built
 from towers.cluster.rendezvous import RendezvousError, visible_warning
 from towers.launch.exits import describe_exit
 from towers.launch.spawn import free_port
@@ -336,8 +341,15 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
              " ".join(spec.command()))
     supervised = spec.tolerate_worker_failures or spec.restarts_lost_replica
     report_dir = tempfile.mkdtemp(prefix="towers-launch-") if supervised else None
+    # Where a strategy notes that it was built: a job started with --strategy that never builds one is told so.
+    notes_dir = tempfile.mkdtemp(prefix="towers-launch-notes-") if spec.strategy is not None else None
+    if notes_dir is not None:
+        updates[LAUNCH_DIR_VARIABLE] = notes_dir
+    strategy_unused = False
     # The agent's workers inherit this process's environment, so the additions go there for the call.
     with environ_overrides({**environ, **updates}), contextlib.ExitStack() as stack:
+        if notes_dir is not None:
+            stack.callback(shutil.rmtree, notes_dir, ignore_errors=True)
         try:
             stack.enter_context(joined_nodes(spec, join_timeout_s=join_timeout_s,
                                              report=visible_warning(log, prefix="towers launch:")))
@@ -386,6 +398,7 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
         finally:
             tolerated = _tolerated_text(report_dir)
             restarted = _restarted_text(report_dir)
+            strategy_unused = notes_dir is not None and not strategies_built(notes_dir)
             if report_dir is not None:
                 shutil.rmtree(report_dir, ignore_errors=True)
     for line in restarted:
@@ -393,3 +406,8 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
     for line in tolerated:
         log.warning("%s during the job; the parameter-server job finished without it "
                     "(--tolerate-worker-failures; --no-tolerate-worker-failures stops the job instead)", line)
+    if strategy_unused:
+        log.warning("--strategy %s was not used: no process%s built a towers strategy, so the script ran as it would "
+                    "under plain torchrun. Call towers.strategy_from_env() in the script: it returns the strategy "
+                    "--strategy names (and --strategy-option configures).", spec.strategy,
+                    "" if spec.is_single_node else " on this node")

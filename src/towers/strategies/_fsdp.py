@@ -14,6 +14,8 @@ all-gathers stay on the fast intra-node links and only the gradient all-reduce c
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from typing import Any, Sequence, Union
 
 import torch
@@ -33,18 +35,46 @@ ShardUnits = Union[str, type, Sequence[type], int]
 DEFAULT_MIN_NUM_PARAMS = 1_000_000
 
 
-def _top_module_lists(model: nn.Module) -> list[nn.ModuleList]:
-    found: list[nn.ModuleList] = []
+#: The containers a model keeps its stack of blocks in (a GPT's ``nn.ModuleList``, torchtitan's ``nn.ModuleDict``).
+_BLOCK_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _repeated_children(container: nn.Module) -> list[nn.Module]:
+    """The children of ``container`` whose class appears there at least twice (and that hold parameters).
+
+    In an ``nn.Sequential`` only modules with submodules of their own count: a Sequential of
+    ``Linear`` and ``ReLU`` layers is an MLP (or a small CNN), not a stack of blocks.
+    """
+    children = [c for c in container.children() if _has_parameters(c)]
+    if isinstance(container, nn.Sequential):
+        children = [c for c in children if any(True for _ in c.children())]
+    counts = Counter(type(c) for c in children)
+    return [c for c in children if counts[type(c)] >= 2]
+
+
+def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """Every repeated block of ``model``'s block containers, the outermost ones (a block is not searched inside)."""
+    found: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
+        blocks = _repeated_children(module) if isinstance(module, _BLOCK_CONTAINERS) else []
+        found.extend(blocks)
         for child in module.children():
-            if isinstance(child, nn.ModuleList):
-                found.append(child)
-            else:
+            if not any(child is b for b in blocks):
                 visit(child)
 
     visit(model)
     return found
+
+
+def _describe(units: Sequence[nn.Module]) -> str:
+    """``"4 TransformerBlock units"``, ``"2 DenseBlock + 2 MoEBlock units"``: the units by class, in model order."""
+    counts = Counter(type(u).__name__ for u in units)
+    return " + ".join(f"{n} {name}" for name, n in counts.items()) + (" unit" if len(units) == 1 else " units")
 
 
 def _by_size(model: nn.Module, min_num_params: int) -> list[nn.Module]:
@@ -69,10 +99,13 @@ def _by_size(model: nn.Module, min_num_params: int) -> list[nn.Module]:
 def select_units(model: nn.Module, shard_units: ShardUnits = "auto") -> list[nn.Module]:
     """Return the submodules to shard as their own FSDP units, children before parents (the root excluded).
 
-    ``"auto"``: each block of the model's repeated-block lists (``nn.ModuleList`` children: the
-    transformer blocks of a GPT, ViT or BERT); a model without one falls back to the size policy
-    at ``DEFAULT_MIN_NUM_PARAMS``. A class or tuple of classes: every instance. An int: the size
-    policy (a module holding that many parameters not yet in a unit).
+    ``"auto"``: the repeated blocks of the model: children of one class repeated (at least twice)
+    in an ``nn.ModuleList``, ``nn.ModuleDict`` (torchtitan's Llama) or ``nn.Sequential`` (there,
+    modules with submodules of their own) — the transformer blocks of a GPT, Llama, ViT or BERT;
+    the units chosen are logged at INFO. A model without any falls back to the size policy at
+    ``DEFAULT_MIN_NUM_PARAMS``, with a warning naming the fix (at INFO for a model smaller than that,
+    which is one unit under any policy). A class or tuple of classes: every
+    instance. An int: the size policy (a module holding that many parameters not yet in a unit).
 
     Raises:
         ValueError: on any other value, or a non-positive parameter count.
@@ -82,8 +115,21 @@ def select_units(model: nn.Module, shard_units: ShardUnits = "auto") -> list[nn.
             raise ValueError(
                 f"shard_units must be 'auto', a module class (or tuple of classes) or a parameter count. "
                 f"Received: {shard_units!r}. Example: shard_units=MyBlock or shard_units=1_000_000.")
-        blocks = [b for lst in _top_module_lists(model) for b in lst if any(True for _ in b.parameters())]
-        return blocks if blocks else _by_size(model, DEFAULT_MIN_NUM_PARAMS)
+        blocks = _repeated_blocks(model)
+        if blocks:
+            log.info("shard_units='auto': sharding %s + the root", _describe(blocks))
+            return blocks
+        units = _by_size(model, DEFAULT_MIN_NUM_PARAMS)
+        chosen = f"{_describe(units)} of >= {DEFAULT_MIN_NUM_PARAMS:,} parameters + the root" if units else (
+            "the whole model as one unit")
+        size = sum(p.numel() for p in model.parameters())
+        # Below the size policy's threshold one unit is what any policy gives: nothing to fix, so no warning.
+        log.log(logging.WARNING if size >= DEFAULT_MIN_NUM_PARAMS else logging.INFO,
+                "shard_units='auto' found no repeated blocks in %s (children of one class repeated in an "
+                "nn.ModuleList, nn.ModuleDict or nn.Sequential), so it shards its %s parameters by size: %s. Pass "
+                "your block class (shard_units=MyBlock) or a parameter count (shard_units=10_000_000).",
+                type(model).__name__, f"{size:,}", chosen)
+        return units
     if isinstance(shard_units, int) and not isinstance(shard_units, bool):
         if shard_units < 1:
             raise ValueError(f"shard_units as a parameter count must be >= 1. Received: {shard_units}.")
