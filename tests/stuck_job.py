@@ -77,7 +77,8 @@ def _job(strategy_name: str, fault: str) -> None:
 
     def train_step() -> None:
         x = torch.randn(8, 4, generator=g)
-        loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
+        loss = towers.compute_average_loss(F.cross_entropy(model(x), (x[:, 0] > 0).long(), reduction="none"),
+                                           global_batch_size=8 * strategy.num_replicas_in_sync)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

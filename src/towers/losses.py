@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from towers.errors import user_error
+from towers.strategies._loss_weights import note_normalised
 from towers.strategies.base import ReplicaContext, current_replica_context, current_strategy
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
@@ -62,8 +63,10 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
         raise ValueError(
             f"global_batch_size must be a positive integer. Received: {global_batch_size!r}. "
             "Pass the number of examples in the step over all replicas, or leave it out inside strategy.run.")
-    if ctx is not None and (ctx.num_replicas_in_sync > 1 or ctx.accumulation_steps > 1) and per_example_loss.requires_grad:
-        ctx.strategy._loss_weights.note_plain(ctx.is_update_step)
+    if per_example_loss.requires_grad:
+        note_normalised()
+        if ctx is not None and (ctx.num_replicas_in_sync > 1 or ctx.accumulation_steps > 1):
+            ctx.strategy._loss_weights.note_plain(ctx.is_update_step)
     return per_example_loss.sum() / global_batch_size
 
 
@@ -110,11 +113,16 @@ def _weighted_loss(loss: torch.Tensor, weights: torch.Tensor, global_batch_size:
             "Call it inside the step function given to strategy.run: the gradient is divided by the weights' sum "
             "over the replicas at the update step.")
     if total.requires_grad:  # a loss to train on (an evaluation under no_grad notes nothing)
+        note_normalised()
         ctx.strategy._check_weighted_loss()
         ctx.strategy._loss_weights.note_weighted(weight, ctx.is_update_step)
     shown = (total.detach() / weight if weight > 0 else total.detach() * 0.0) / shares
-    # The gradient is the weighted SUM's (divided by the global weight at the update step); the value is the share's.
-    return total + (shown - total.detach())
+    # The gradient is the weighted SUM's (divided by the global weight as the update step's backward ends); the
+    # value is the share's.
+    result = total + (shown - total.detach())
+    if total.requires_grad and ctx.is_update_step:
+        ctx.strategy._finish_after_backward(result)
+    return result
 
 
 def _known_global_batch_size(ctx: ReplicaContext | None, local_batch_size: int) -> int:
@@ -155,6 +163,8 @@ def scale_regularization_loss(regularization_loss: torch.Tensor | float) -> torc
 
     Added on every replica, the sum over replicas is the regularization term counted once per update.
     """
+    if getattr(regularization_loss, "requires_grad", False):
+        note_normalised()
     ctx = current_replica_context()
     if ctx is None:
         return regularization_loss

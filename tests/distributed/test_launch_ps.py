@@ -47,7 +47,8 @@ SCRIPT = f"""
             while not strategy.ps_stats()[0]["dead"] and time.monotonic() < deadline:
                 time.sleep(0.05)
         x = torch.randn(8, 4, generator=g)
-        F.cross_entropy(net(x), (x[:, 0] > 0).long()).backward()
+        y = (x[:, 0] > 0).long()
+        towers.compute_average_loss(F.cross_entropy(net(x), y, reduction="none"), global_batch_size=16).backward()
         optimizer.step()
         optimizer.zero_grad()
         steps += 1

@@ -136,7 +136,7 @@ def _checks() -> dict:
 
         def step(bad):
             x = torch.tensor([[float("inf") if bad else 1.0, 1.0]])
-            st.backward(model(x).sum())
+            st.backward(towers.compute_average_loss(model(x).sum(dim=1), global_batch_size=2))  # 1 example x 2
             opt.step()
             opt.zero_grad()
             return opt.last_step_skipped
@@ -317,7 +317,7 @@ def _empty_share_without_padding() -> None:
     model, opt = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
 
     def step(x):
-        model(x.view(x.size(0), -1)).sum().backward()  # view(0, -1) fails on an empty batch
+        towers.compute_average_loss(model(x.view(x.size(0), -1)).sum(dim=1)).backward()  # view(0, -1) fails on 0 rows
         opt.step()
 
     for x in strategy.distribute_dataset(torch.randn(3, 6, 6), 2, shuffle=False):  # last batch: 1 example

@@ -38,7 +38,7 @@ def _job(setup: str) -> dict | None:
     before = strategy.wire_stats()  # the chief's registration sends the starting values on the wire
     for _ in range(STEPS):
         x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-        F.cross_entropy(model(x), y).backward()
+        towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"), global_batch_size=16).backward()
         optimizer.step()
         optimizer.zero_grad()
     out = {"params": [p.detach().clone() for p in strategy.unwrap(model).parameters()],

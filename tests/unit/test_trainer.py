@@ -103,9 +103,12 @@ def test_default_strategy_and_bad_inputs():
         Trainer("model", None, F.cross_entropy, strategy=towers.OneDeviceStrategy("cpu"))
     with pytest.raises(RuntimeError, match=r"Trainer.fit needs an optimizer. Received: Trainer\(model, optimizer=None"):
         Trainer(nn.Linear(4, 2), None, F.cross_entropy, strategy=towers.OneDeviceStrategy("cpu")).fit((x, y), 1, 8)
-    scalar = _trainer(loss=lambda p, t, reduction="mean": F.cross_entropy(p, t))
-    with pytest.raises(ValueError, match="one loss per example"):
-        scalar.fit((x, y), 1, 8)
+    # A loss that returns its batch's mean (ignoring reduction=) trains the per-example loss's update, not a refusal.
+    scalar, per_example = _trainer(loss=lambda p, t, reduction="mean": F.cross_entropy(p, t)), _trainer()
+    scalar.fit((x, y), 1, 8)
+    per_example.fit((x, y), 1, 8)
+    for a, b in zip(scalar.model.parameters(), per_example.model.parameters()):
+        torch.testing.assert_close(a, b)
 
 
 def test_precision_belongs_to_the_strategy():

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from towers._logging import get_logger
-from towers.checkpoint import layout
+from towers.checkpoint import integrity, layout
 from towers.checkpoint.layout import CheckpointIO
 from towers.checkpoint.state import (
     CheckpointError,
@@ -38,7 +38,7 @@ from towers.checkpoint.state import (
 
 __all__ = ["CheckpointStrategy", "save_checkpoint", "write_checkpoint", "load_checkpoint", "restore_checkpoint",
            "checkpoint_info", "checkpoint_exists", "delete_checkpoint", "check_model_fits", "plain_state_dict",
-           "load_plain_state_dict", "read_into"]
+           "load_plain_state_dict", "require_optimizer_state", "read_into"]
 
 log = get_logger(__name__)
 
@@ -72,11 +72,30 @@ def load_plain_state_dict(state: Mapping[str, Any], model: nn.Module, optimizer:
     """Load a ``plain_state_dict`` (or torch's own optimizer numbering) into ``model`` and ``optimizer``.
 
     The optimizer loads first: torch checks its state before changing anything.
+
+    Raises:
+        CheckpointError: an optimizer was given and ``state`` holds none for it.
     """
+    require_optimizer_state(state, optimizer)
     saved = state.get("optimizer")
     if optimizer is not None and saved is not None:
         optimizer.load_state_dict(optimizer_by_index(saved, optimizer, model) if is_by_name(saved) else saved)
     model.load_state_dict(state["model"], strict=True)
+
+
+def require_optimizer_state(state: Mapping[str, Any], optimizer: Any) -> None:
+    """Refuse to load ``state`` into ``optimizer`` when it holds no optimizer state (nothing restored in part silently).
+
+    Raises:
+        CheckpointError: ``optimizer`` is given and ``state["optimizer"]`` is missing or None.
+    """
+    if optimizer is None or state.get("optimizer") is not None:
+        return
+    raise CheckpointError(
+        f"The state to load holds no optimizer state (keys: {sorted(map(str, state))}), but an optimizer "
+        f"({type(optimizer).__name__}) was given to fill: loading only the model would restart the optimizer from "
+        "zero. Load it with optimizer=None if that is what you want (strategy.load_state_dict(state, model)), or save "
+        "the state with its optimizer (strategy.state_dict(model, optimizer)).")
 
 
 class _OneProcess:
@@ -280,8 +299,12 @@ def load_checkpoint(path: str | os.PathLike[str], *, strategy: CheckpointStrateg
     place; every other tensor is read whole. ``manifest``: what ``layout.read_manifest(path)`` returned,
     when the caller read it already.
 
+    Every file read is checked against the checksums recorded when it was written.
+
     Raises:
         FileNotFoundError: when there is no checkpoint at ``path``.
+        CorruptCheckpointError: when one of its files is missing, unreadable or changed since it was written
+            (the same error on every process), naming the file.
         CheckpointError: when it is not a towers checkpoint, or its files are torn.
     """
     strategy = _strategy(strategy)
@@ -289,6 +312,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, strategy: CheckpointStrateg
     io.wait(is_chief=strategy.is_chief, broadcast_object=strategy.broadcast_object)
     manifest = layout.read_manifest(path) if manifest is None else manifest
     shapes = layout.tensor_metadata(path)
+    if manifest["tensors"] and not shapes:
+        raise integrity.damaged(path, ".metadata", "is missing")
     targets: dict[str, torch.Tensor] = {}
     for _, key in manifest["tensors"]:
         if key not in shapes:
@@ -410,6 +435,8 @@ def restore_checkpoint(path: str | os.PathLike[str], objects: Mapping[str, Any] 
 
     Raises:
         FileNotFoundError: when there is no checkpoint at ``path``.
+        CorruptCheckpointError: when one of its files is missing, unreadable or changed since it was written
+            (checked before anything is restored; naming the file).
         CheckpointError: when it is torn or foreign, lacks a key of ``objects``, or a state does not fit
             its object (naming the key, the shapes and the strategies involved).
     """

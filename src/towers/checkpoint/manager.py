@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from towers._logging import get_logger
+from towers._rng import replica_rng_state
 from towers.checkpoint import api, layout
 from towers.checkpoint.preemption import Preempted, PreemptionHandler, preemption_signals
-from towers.checkpoint.state import CheckpointError, rng_state, set_rng_state
+from towers.checkpoint.state import CheckpointError, CorruptCheckpointError, rng_state, set_rng_state
 from towers.cluster.environ import read_environ
 
 __all__ = ["CheckpointManager", "DirectoryClaim"]
@@ -216,26 +217,45 @@ class CheckpointManager:
 
     def restore(self, objects: Mapping[str, Any] | None = None, *, path: str | os.PathLike[str] | None = None,
                 restore_rng: bool = True) -> dict[str, Any] | None:
-        """Load the newest checkpoint (or ``path``) into ``objects``; return its whole dict, or None when there is none.
+        """Load the newest intact checkpoint (or ``path``) into ``objects``; return its whole dict, or None when there is none.
 
-        ``restore_rng``: put this process's saved RNG streams back (a job of another size takes
-        those of saved replica ``replica_id % saved``).
+        A damaged checkpoint (a file missing, unreadable or changed since it was written) is passed
+        over for the next older one, with a WARNING naming it; every process takes the same
+        decision. ``restore_rng``: put this process's saved RNG streams back (a job of another size
+        takes those of saved replica ``replica_id % saved``).
 
         Raises:
-            CheckpointError: when it is torn or foreign, or a state does not fit its object.
+            CorruptCheckpointError: when ``path`` is damaged, or every checkpoint in ``directory`` is.
+            CheckpointError: when it is foreign, or a state does not fit its object.
         """
-        target: Path | None = Path(path) if path is not None else self.latest_checkpoint
-        if self.strategy is not None and path is None:  # every process restores the chief's choice
-            chosen = self.strategy.broadcast_object(str(target) if target is not None else None, src=0)
-            target = Path(chosen) if chosen is not None else None
-        if target is None:
+        candidates = [str(path)] if path is not None else [str(p) for p in reversed(self.checkpoints)]
+        if self.strategy is not None and path is None:  # every process tries the chief's list, newest first
+            candidates = self.strategy.broadcast_object(candidates, src=0)
+        if not candidates:
             return None
-        state = api.restore_checkpoint(target, objects, strategy=self.strategy)
+        target, state = self._first_intact([Path(c) for c in candidates], objects, fall_back=path is None)
         rngs = state.get("rng")
         if restore_rng and isinstance(rngs, list) and rngs and "rng" not in (objects or {}):
-            set_rng_state(rngs[_replica_id(self.strategy) % len(rngs)])
+            set_rng_state(replica_rng_state(rngs, _replica_id(self.strategy)))
         log.info("restored checkpoint %s", target)
         return state
+
+    def _first_intact(self, candidates: list[Path], objects: Mapping[str, Any] | None, *,
+                      fall_back: bool) -> tuple[Path, dict[str, Any]]:
+        """Restore the first of ``candidates`` that is intact; return it and its state."""
+        for i, target in enumerate(candidates):
+            try:  # a damaged file raises on every process alike (integrity.py), before anything is loaded
+                return target, api.restore_checkpoint(target, objects, strategy=self.strategy)
+            except CorruptCheckpointError as exc:
+                if not fall_back:
+                    raise
+                if i + 1 == len(candidates):
+                    raise CorruptCheckpointError(
+                        f"No intact checkpoint in {self.directory}: all {len(candidates)} are damaged; the oldest: "
+                        f"{exc}") from None
+                if self._is_chief():
+                    log.warning("%s Falling back to the previous checkpoint, %s.", exc, candidates[i + 1])
+        raise CorruptCheckpointError(f"No checkpoint to restore in {self.directory}.")  # not reached: one candidate or more
 
     def close(self) -> None:
         """Give up the preemption signals and the claim on the directory."""

@@ -15,8 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["CheckpointError", "rng_state", "set_rng_state", "optimizer_by_name", "optimizer_by_index",
-           "is_by_name", "flatten", "set_path", "flat_key", "is_dtensor", "global_shape"]
+from towers._rng import fork_replica_stream
+
+__all__ = ["CheckpointError", "CorruptCheckpointError", "rng_state", "set_rng_state", "optimizer_by_name",
+           "optimizer_by_index", "is_by_name", "flatten", "set_path", "flat_key", "is_dtensor", "global_shape"]
 
 #: A place in a nested state: keys of dicts and indices of lists, from the top.
 Path = tuple[Any, ...]
@@ -24,6 +26,10 @@ Path = tuple[Any, ...]
 
 class CheckpointError(ValueError):
     """A checkpoint is torn, foreign or does not fit; the message names the checkpoint, the key and the fix."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's file is missing, unreadable or changed since it was written; the message names the file."""
 
 
 # --- RNG streams ----------------------------------------------------------------------------------
@@ -50,6 +56,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
                          int(npy["has_gauss"]), float(npy["cached_gaussian"])))
     py = state["python"]
     random.setstate((int(py["version"]), tuple(int(v) for v in py["state"].tolist()), py["gauss_next"]))
+    if state.get("fork") is not None:  # another replica's saved stream (replica_rng_state): forked for this one
+        fork_replica_stream(int(state["fork"]))
 
 
 # --- optimizer state by parameter name ------------------------------------------------------------

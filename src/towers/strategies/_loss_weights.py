@@ -3,9 +3,14 @@
 A token-level loss (padding tokens weigh 0) is one device's mean only when it is divided by the
 number of tokens in the whole update: every replica's and every accumulated micro-batch's. That
 number is known only when the update's last micro-batch has run. So each replica backpropagates
-the weighted SUM of its losses, notes its weight here, and at the update step (before clipping or
-the optimizer step) the gradient is divided by the weights' sum over all replicas: one small
-all-reduce per update. The gradient is then exactly one device's.
+the weighted SUM of its losses, notes its weight here, and as the update step's backward ends
+(after the strategy's own gradient all-reduce or reduce-scatter) the gradient is divided by the
+weights' sum over all replicas: one small all-reduce per update. From then on ``p.grad`` is exactly
+one device's: torch's own ``clip_grad_norm_``, gradient logging and the optimizer all see it.
+
+Losses that no towers normaliser produced (a model's mean ``out.loss``, Accelerate's habit) are
+refused at the update step where replicas sum their gradients: summed means are N times one
+device's gradient, so the first such step stops with the fix instead of training on it.
 """
 
 from __future__ import annotations
@@ -16,10 +21,31 @@ import torch
 
 from towers.errors import user_error
 
-__all__ = ["UpdateWeights"]
+__all__ = ["UpdateWeights", "note_normalised"]
+
+# Losses towers normalised in this process (compute_average_loss, scale_regularization_loss), inside strategy.run
+# or not: an update with none since the last one backpropagated something else (a per-replica mean).
+_normalised = [0]
+
+
+def note_normalised() -> None:
+    """Count one loss that a towers normaliser produced (the update that backpropagates it is one device's)."""
+    _normalised[0] += 1
 
 _MIXED = ("compute_average_loss(..., weights=...) cannot share an update with a loss normalised otherwise "
           "(compute_average_loss without weights, or scale_regularization_loss)")
+_UNNORMALISED = ("The loss backpropagated in this update did not come from towers.compute_average_loss, and {n} replicas "
+                 "SUM their gradients: a per-replica mean loss (e.g. a Hugging Face model's out.loss, or "
+                 "F.cross_entropy(logits, y)) would train on {n} times one device's gradient")
+_UNNORMALISED_FIX = ("Compute per-example losses (reduction='none') and backpropagate "
+                     "towers.compute_average_loss(per_example) (divides by the GLOBAL batch), or "
+                     "compute_average_loss(per_token, weights=(labels != -100).float()) for a token loss; a loss you "
+                     "already divided by the global batch yourself: compute_average_loss(per_example, "
+                     "global_batch_size=N). Or train with towers.Trainer, which normalises a model's own loss itself.")
+_TWICE = ("This update's gradient was already divided by its global loss weight when its backward ended, and another "
+          "weighted loss (compute_average_loss(..., weights=...)) was computed for the same update")
+_TWICE_FIX = ("Backpropagate an update's weighted losses in one backward (sum them first: "
+              "strategy.backward(loss_a + loss_b)), or step the optimizer before the next one.")
 _MIXED_FIX = ("Normalise every term of the update the same way: give each its weights (e.g. an auxiliary term "
               "as compute_average_loss(aux.expand(n), weights=...)), or drop weights= and divide by a count you know.")
 
@@ -32,6 +58,9 @@ class UpdateWeights:
         self.weighted = False  # a weighted loss was noted in this update
         self.plain = False  # a loss normalised by examples was noted in this update
         self.closed = False  # the last note was on an update's last micro-batch
+        self.divided = False  # the update's gradient was divided by its global weight as its backward ended
+        # towers-normalised losses counted at the last update's step (made lazily: count from the process's start)
+        self._normalised_seen = 0
 
     def _begin(self, last_micro_batch: bool) -> None:
         # Notes after an update's last micro-batch that no step finished (an evaluation pass with gradients on,
@@ -42,6 +71,8 @@ class UpdateWeights:
 
     def note_weighted(self, weight: float, last_micro_batch: bool) -> None:
         """Note one micro-batch's weighted loss of ``weight`` (its gradient waits for the update's total)."""
+        if self.divided:
+            raise user_error(_TWICE, f"a weighted loss of weight {weight:g} after the division", _TWICE_FIX)
         self._begin(last_micro_batch)
         if self.plain:
             raise user_error(_MIXED, "a weighted loss after an example-normalised one in the same update", _MIXED_FIX)
@@ -55,19 +86,35 @@ class UpdateWeights:
             raise user_error(_MIXED, "an example-normalised loss after a weighted one in the same update", _MIXED_FIX)
         self.plain = True
 
-    def finish(self, parameters: Iterable[torch.Tensor], reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """At the update step: divide the gradients by the update's global weight (when weighted); start a new update.
+    def finish(self, parameters: Iterable[torch.Tensor], reduce_sum: Callable[[torch.Tensor], torch.Tensor], *,
+               when: str = "step", replicas_summed: int = 1) -> None:
+        """At the update step: divide the gradients by the update's global weight (when weighted).
 
         ``reduce_sum`` is the strategy's sum over replicas (a collective: every replica calls
-        ``finish`` at the same update step, as it steps its optimizer).
+        ``finish`` at the same update step). ``when``: ``"backward"`` as the update step's backward ends,
+        ``"clip"`` in ``clip_grad_norm_``, ``"step"`` as the optimizer steps (the update ends there: a
+        new one starts). ``replicas_summed`` (> 1 where replicas sum their gradients): a step whose
+        gradients no towers normaliser produced is refused.
+
+        Raises:
+            ValueError: an update of several summed replicas whose loss no towers normaliser produced.
         """
+        params = list(parameters)
+        if when == "step":
+            normalised = _normalised[0] != self._normalised_seen or self.weighted or self.plain or self.divided
+            self._normalised_seen = _normalised[0]
+            if replicas_summed > 1 and not normalised and any(p.grad is not None for p in params):
+                raise user_error(_UNNORMALISED.format(n=replicas_summed), "a loss normalised by none of them",
+                                 _UNNORMALISED_FIX)
         weighted, weight = self.weighted, self.weight
         self.weight, self.weighted, self.plain, self.closed = 0.0, False, False, False
+        # Divided as backward ended: further weighted losses of this update are refused until the optimizer steps.
+        self.divided = (self.divided or (when == "backward" and weighted)) and when != "step"
         if not weighted:
             return
         total = float(reduce_sum(torch.tensor([weight], dtype=torch.float64)).reshape(-1)[0].item())
         if total <= 0:  # no weight anywhere: every gradient is zero already
             return
-        for p in parameters:
+        for p in params:
             if p.grad is not None:
                 p.grad.div_(total)

@@ -140,10 +140,10 @@ class StrategyOptimizer(torch.optim.Optimizer):
             self._accumulating = True
             return None
         self._accumulating = False
+        if self._before_step is not None:  # the prepared model ran (its own, more precise error first)
+            self._before_step()
         if self._finish_gradients is not None:
             self._finish_gradients()
-        if self._before_step is not None:
-            self._before_step()
         if closure is not None and not self._precision.needs_loss_scaling:
             self.last_step_skipped = False
             self.iterations += 1

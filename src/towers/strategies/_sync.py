@@ -20,7 +20,7 @@ from towers.data import DistributedDataset, DistributedStream, find_batch_info, 
 from towers.errors import user_error
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op
 from towers.strategies._steps import StepTracker, StrategyOptimizer
-from towers.strategies.base import ReplicaContext, Strategy, current_replica_context
+from towers.strategies.base import ReplicaContext, Strategy, current_replica_context, note_built
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
 
 __all__ = ["SyncStrategy"]
@@ -34,6 +34,7 @@ class SyncStrategy(Strategy):
     def __init__(self, *, info: ProcessInfo, device: torch.device, comm: LocalComm | ProcessGroupComm,
                  precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1):
         self._info = info
+        note_built(info, self.name)
         self._device = device
         self._comm = comm
         self._precision = resolve_precision(precision, device)
@@ -186,6 +187,7 @@ class SyncStrategy(Strategy):
                 f"strategy.prepare(model, optimizer)` first (under {type(self).__name__} gradients are only "
                 "combined across replicas for prepared models); then call the returned model inside the step.")
         kwargs = dict(kwargs or {})
+        self._own_random_stream()
         run = self._tracker.begin_run(find_batch_info(args, kwargs))
         self._comm.note_run(run.batch)  # a user's own loader: steps counted, checked at the next collective
         context = ReplicaContext(self, global_batch_size=run.global_batch_size,

@@ -20,10 +20,12 @@ from torch import nn
 
 from towers import checkpoint
 from towers._logging import get_logger
+from towers._rng import fork_replica_stream, owns_stream
 from towers.checkpoint.api import load_plain_state_dict, plain_state_dict
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
+from towers.cluster.launch_notes import note_strategy_built
 from towers.data import BatchInfo, InputContext, find_batch_info
 from towers.errors import user_error
 from towers.strategies._compile import compile_module, compile_options
@@ -42,6 +44,7 @@ __all__ = [
     "strategy_names",
     "strategy_from_env",
     "PeerLostError",
+    "note_built",
 ]
 
 log = get_logger(__name__)
@@ -103,6 +106,16 @@ class ReplicaContext:
         return (f"ReplicaContext(replica_id={self.replica_id}, num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"global_batch_size={self.global_batch_size}, num_padding_examples={self.num_padding_examples}, "
                 f"accumulation_steps={self.accumulation_steps}, is_update_step={self.is_update_step})")
+
+
+def note_built(info: ProcessInfo, name: str) -> None:
+    """Tell ``towers launch`` (when it started this process with ``--strategy``) that strategy ``name`` was built.
+
+    Every strategy calls it while it is constructed, so the launcher can say when a job never
+    used the strategy it was started with (``ProcessInfo.launch_dir``; nothing outside it).
+    """
+    if info.launch_dir:
+        note_strategy_built(info.launch_dir, rank=info.rank, name=name)
 
 
 def current_strategy() -> "Strategy | None":
@@ -233,8 +246,18 @@ class Strategy(ABC):
         batch in ``args``/``kwargs`` as ``distribute_dataset`` yielded it.
         """
         kwargs = dict(kwargs or {})
+        self._own_random_stream()
         with self._entered(self._replica_context(find_batch_info(args, kwargs))):
             return fn(*args, **kwargs)
+
+    def _own_random_stream(self) -> None:
+        """At this replica's first step (and after the script seeds again): fork a stream of its own (replica 0 keeps
+        the script's).
+
+        The script's ``torch.manual_seed`` gave every replica the same initial weights; from the first step
+        on, dropout masks and other draws differ between replicas (``towers._rng``)."""
+        if self.replica_id > 0 and not owns_stream(self.replica_id):  # first step, or the script seeded again
+            fork_replica_stream(self.replica_id)
 
     @contextlib.contextmanager
     def _entered(self, context: ReplicaContext) -> Iterator[None]:
@@ -283,7 +306,7 @@ class Strategy(ABC):
             norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).cpu()
                                                           for g in grads]), norm_type) if grads else torch.zeros(()))
             return norm / self.precision.scale if self.precision.needs_loss_scaling else norm
-        self._finish_loss_weights()
+        self._finish_loss_weights("clip")
         for optimizer in self._prepared_optimizers():
             self.precision.unscale_gradients(optimizer)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
@@ -316,13 +339,39 @@ class Strategy(ABC):
                 "Prepare the optimizer with the model: model, optimizer = strategy.prepare(model, optimizer), and call "
                 "that optimizer's step().")
 
-    def _finish_loss_weights(self) -> None:
+    def _finish_loss_weights(self, when: str = "step") -> None:
         """At an update step: divide the gradients by the update's global loss weight, when its losses were weighted.
 
-        Called before clipping and before the optimizer steps (the first of them does it)."""
+        Called as the update step's backward ends (``"backward"``), and again in ``clip_grad_norm_`` (``"clip"``) and
+        as the optimizer steps (``"step"``), which find nothing left to divide and refuse a loss no towers
+        normaliser produced."""
         params = [p for optimizer in self._prepared_optimizers() for group in optimizer.param_groups
                   for p in group["params"]]
-        self._loss_weights.finish(params, lambda total: self.reduce("sum", total))
+        self._loss_weights.finish(params, lambda total: self.reduce("sum", total), when=when,
+                                  replicas_summed=self.num_replicas_in_sync if self._sums_replica_gradients else 1)
+
+    @property
+    def _sums_replica_gradients(self) -> bool:
+        """True where an update is the SUM of the replicas' gradients (one device's only for normalised losses)."""
+        return True
+
+    def _finish_after_backward(self, loss: torch.Tensor) -> None:
+        """Divide the update's gradients by its global weight as the backward through ``loss`` ends.
+
+        A hook on ``loss`` queues a callback at the start of its backward; the callback queues the
+        division once more, so that it runs after the callbacks DDP and FSDP queue during the same
+        backward (their gradient all-reduce / reduce-scatter): ``p.grad`` is final when backward returns.
+        """
+        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+        def after_the_strategys_callbacks() -> None:
+            engine.queue_callback(lambda: self._finish_loss_weights("backward"))
+
+        def at_backward_start(grad: torch.Tensor) -> torch.Tensor:
+            engine.queue_callback(after_the_strategys_callbacks)
+            return grad
+
+        loss.register_hook(at_backward_start)
 
     @abstractmethod
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
@@ -456,7 +505,9 @@ def get_strategy(name: str, **kwargs: Any) -> Strategy:
     Raises:
         ValueError: when no strategy has that name; the message lists the names.
     """
-    return _factory(name)(**kwargs)
+    strategy = _factory(name)(**kwargs)
+    note_built(strategy.process_info, name)  # a strategy registered from outside towers, too
+    return strategy
 
 
 def strategy_options(name: str) -> set[str] | None:

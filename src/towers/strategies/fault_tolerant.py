@@ -48,7 +48,7 @@ from towers.errors import user_error
 from towers.strategies._collectives import _local_reduce, as_tensor, check_op
 from towers.strategies._ft_grads import GradientSync
 from towers.strategies._ft_shards import load_local_model, load_local_optimizer, local_state
-from towers.strategies.base import PeerLostError, ReplicaContext, Strategy
+from towers.strategies.base import PeerLostError, ReplicaContext, Strategy, note_built
 from towers.strategies.precision import Precision, resolve_precision
 
 __all__ = ["FaultTolerantStrategy", "Lighthouse", "start_lighthouse", "DEFAULT_PEER_TIMEOUT_S"]
@@ -305,6 +305,7 @@ class FaultTolerantStrategy(Strategy):
                              "Use 1 so that a single surviving group trains on.")
         info = info or cluster.from_env()
         self._info = info
+        note_built(info, self.name)
         set_rank(info.rank, info.world_size)
         if info.log_level and not configured_logging():  # a worker of `towers launch`: its [rank r/w] output
             configure_logging(info.log_level)
@@ -479,6 +480,7 @@ class FaultTolerantStrategy(Strategy):
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Call ``fn(*args, **kwargs)`` as this group's step, in the quorum of the step (joined here if not yet)."""
         kwargs = dict(kwargs or {})
+        self._own_random_stream()
         self._begin_step()
         with self._entered(self._replica_context(find_batch_info(args, kwargs))):
             return fn(*args, **kwargs)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from towers._logging import get_logger
+from towers.checkpoint.api import require_optimizer_state
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
@@ -51,10 +52,11 @@ def _raw(optimizer: Any) -> torch.optim.Optimizer:
 class FullyShardedStrategy(SyncStrategy):
     """Sharded data parallelism: parameters, gradients and optimizer state split over the replicas (FSDP2).
 
-    Options: ``shard_units`` (which submodules are FSDP units: ``"auto"`` = each block of the
-    model's ``nn.ModuleList`` of repeated blocks, else by size; a module class or tuple of classes;
-    or a parameter count), ``reshard_after_forward`` (free gathered parameters after forward and
-    gather again in backward: less memory, one more all-gather), ``precision`` (``"32"``;
+    Options: ``shard_units`` (which submodules are FSDP units: ``"auto"`` = each repeated block of
+    the model's ``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential``, logged at INFO, else by size
+    with a warning; a module class or tuple of classes; or a parameter count),
+    ``reshard_after_forward`` (free gathered parameters after forward and gather again in backward:
+    less memory, one more all-gather), ``precision`` (``"32"``;
     ``"bf16"`` / ``"fp16"``: FSDP2's ``MixedPrecisionPolicy``, parameters gathered and computed in
     that dtype, gradients reduced in float32 into float32 master shards; fp16 also scales the
     loss in ``strategy.backward``), ``cpu_offload`` (parameter shards, gradients and optimizer
@@ -205,6 +207,7 @@ class FullyShardedStrategy(SyncStrategy):
 
         from towers.checkpoint.state import is_dtensor
 
+        require_optimizer_state(state, optimizer)
         if self._mesh is None:
             return super().load_state_dict(state, model, optimizer)
         full = self._mesh is not None and not any(is_dtensor(v) for v in state["model"].values())

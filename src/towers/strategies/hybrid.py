@@ -126,11 +126,15 @@ class HybridStrategy(ParameterServerStrategy):
                  len(dense), self.roles.num_workers, len(sparse) if sparse is not None else 0, self.num_ps)
         return prepared, (HybridOptimizer(optimizer, sparse, self._finish_loss_weights) if optimizer is not None else None)
 
+    @property
+    def _sums_replica_gradients(self) -> bool:
+        return True  # the dense layers are all-reduced (summed) among the workers in either mode
+
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the dense gradients (all-reduced, the same on every worker) by their norm; the rows are not included."""
         check_max_norm(max_norm)
-        self._finish_loss_weights()
+        self._finish_loss_weights("clip")
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def __repr__(self) -> str:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from towers._logging import get_logger
+from towers._rng import replica_rng_state
 from towers.checkpoint import state as ckpt
 
 if TYPE_CHECKING:
@@ -107,10 +108,10 @@ def restore_state(trainer: "Trainer", state: Mapping[str, Any], *, path: str = "
     n_saved, n_now, me = len(rngs), trainer.strategy.num_replicas_in_sync, trainer.strategy.replica_id
     if n_saved != n_now:
         log.warning("checkpoint %s was written by %d replicas, this job has %d: model and optimizer are restored as "
-                    "they were; data resumes at the same example, RNG streams are those of saved replica r %% %d",
-                    path, n_saved, n_now, n_saved)
+                    "they were; data resumes at the same example, RNG streams are those of saved replica r %% %d "
+                    "(forked for the replicas it did not have)", path, n_saved, n_now, n_saved)
     log.info("restored %s: epoch %d, step %d (global step %d)", path, progress.epoch, progress.step, progress.global_step)
-    return {"progress": progress, "rng": rngs[me % n_saved] if rngs else None,
+    return {"progress": progress, "rng": replica_rng_state(rngs, me) if rngs else None,
             "callbacks": dict(state.get("callbacks", {}))}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -22,8 +23,19 @@ def per_example_loss_fn(loss: Any) -> Callable[[torch.Tensor, torch.Tensor], tor
         setattr(module, "reduction", "none")  # noqa: B010 (the Trainer averages over the global batch itself)
         return module
     if callable(loss):
+        if not _takes_reduction(loss):  # the loss reduces itself (a mean): the Trainer weighs it by its labels
+            return loss
         return lambda y_pred, y_true: loss(y_pred, y_true, reduction="none")
     raise TypeError(f"loss must be a callable like torch.nn.functional.cross_entropy. Received: {loss!r}.")
+
+
+def _takes_reduction(fn: Callable[..., Any]) -> bool:
+    """True when ``fn`` takes ``reduction=`` (torch's losses), named or through ``**kwargs``."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: assume torch's convention
+        return True
+    return "reduction" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def as_dataset(data: Any, what: str) -> Dataset:

@@ -18,7 +18,7 @@ from torch import nn
 from towers._batch import host_copy
 from towers.errors import user_error
 
-__all__ = ["BatchParts", "split", "call_model", "predictions", "model_loss", "label_count"]
+__all__ = ["BatchParts", "split", "call_model", "predictions", "model_loss", "label_count", "loss_shifts_labels"]
 
 
 @dataclass(frozen=True)
@@ -117,13 +117,40 @@ def model_loss(outputs: Any) -> torch.Tensor:
                      "Trainer(model, optimizer, loss=F.cross_entropy).")
 
 
-def label_count(parts: BatchParts, ignore_index: int) -> int:
+def loss_shifts_labels(model: nn.Module) -> bool:
+    """True when ``model``'s own loss shifts its labels (a Hugging Face causal LM: position i predicts label i+1).
+
+    Its mean then counts the labels of ``labels[..., 1:]`` only, as Hugging Face's own Trainer counts
+    them: a decoder whose loss is ``ForCausalLMLoss`` and that is not an encoder-decoder (those feed
+    right-shifted decoder inputs and predict every label). Read from the model's ``loss_function``
+    by name, so transformers need not be imported.
+    """
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    try:
+        loss_function = getattr(model, "loss_function", None)
+    except Exception:  # a property that fails on an unusual model: no shift known
+        return False
+    return getattr(loss_function, "__name__", "") == "ForCausalLMLoss"
+
+
+def label_count(parts: BatchParts, ignore_index: int, *, shifted: bool = False) -> int:
     """The number of labels the model's mean loss averages over: label entries other than ``ignore_index``.
 
-    Counted on the labels' host copy where the batch was moved to a device (a GPU's work queue is not waited for).
+    ``shifted``: the model's loss shifts its labels (``loss_shifts_labels``), so the first label of each
+    row is never predicted and is not counted (a batch's ``shift_labels``, when it has them, are counted
+    instead, as Hugging Face's Trainer does). Counted on the labels' host copy where the batch was moved
+    to a device (a GPU's work queue is not waited for).
     """
     labels = parts.labels
     if labels is None or not isinstance(labels, torch.Tensor):
         return parts.size()
+    if shifted:
+        given = parts.inputs.get("shift_labels") if parts.as_kwargs else None
+        if isinstance(given, torch.Tensor):
+            labels = given
+        else:
+            host = host_copy(labels)
+            labels = (labels if host is None else host)[..., 1:]
     host = host_copy(labels)
     return int((labels if host is None else host).ne(ignore_index).sum())

@@ -27,7 +27,7 @@ from towers.errors import user_error
 from towers.strategies.base import PeerLostError, Strategy, check_max_norm
 from towers.training._state import TrainingProgress, capture_state, restore_state
 from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn
-from towers.training.batches import BatchParts, call_model, label_count, model_loss, predictions
+from towers.training.batches import BatchParts, call_model, label_count, loss_shifts_labels, model_loss, predictions
 from towers.training.batches import split as split_batch
 from towers.training.callbacks.base import Callback, CallbackList
 from towers.training.history import History
@@ -99,6 +99,8 @@ class Trainer:
         self._val_metrics = MetricSet(copy.deepcopy(self.metrics))
         _check_precision(strategy, precision)
         self._passes_count = loss is None and _takes(model, "num_items_in_batch")
+        # A causal LM's own loss predicts label i+1 from position i: it counts labels[..., 1:], and so does the Trainer.
+        self._shifted_labels = loss is None and loss_shifts_labels(model)
         self.model, self.optimizer = strategy.prepare(model, optimizer, compile=compile)
         self.seed = int(seed)
         self.stop_training = False
@@ -333,6 +335,8 @@ class Trainer:
                 outputs = call_model(self.model, parts)  # the prepared model applies its precision policy
                 y_pred = predictions(outputs, self.prediction_key)
                 per_example = self.loss_fn(y_pred, _labels(parts, self.label_key))
+                if per_example.dim() == 0:  # a loss that returns its batch's mean: one device's mean over the labels
+                    return self._mean_loss_step(parts, per_example, outputs), y_pred.detach()
                 self.strategy.backward(compute_average_loss(per_example))  # fp16 scales the loss first
                 self._update()
                 return per_example.detach(), y_pred.detach()
@@ -366,15 +370,26 @@ class Trainer:
 
     def _own_loss_step(self, parts: BatchParts) -> tuple[torch.Tensor, torch.Tensor]:
         """A step on the model's own (token-mean) loss, normalised by the update's global label count."""
-        from towers.losses import compute_average_loss
-
-        count = label_count(parts, self.ignore_index)
+        count = label_count(parts, self.ignore_index, shifted=self._shifted_labels)
         # The model's loss is its mean over this batch's labels; times their count it is their sum. A model that
         # takes num_items_in_batch (Hugging Face's) divides its sum by exactly that count, so the product is its
         # sum of token losses whatever tokens it counts (a causal LM shifts its labels).
         extra = {"num_items_in_batch": max(count, 1)} if self._passes_count else {}
         outputs = call_model(self.model, parts, **extra)
-        mean = model_loss(outputs)
+        shown = self._backward_mean(model_loss(outputs), count, outputs)
+        return shown.expand(count).clone(), _predictions_or(outputs, self.prediction_key, shown)
+
+    def _mean_loss_step(self, parts: BatchParts, mean: torch.Tensor, outputs: Any) -> torch.Tensor:
+        """A step on ``loss=`` that returned its batch's mean (it takes no ``reduction=``): weighted by its labels."""
+        count = label_count(parts, self.ignore_index)
+        return self._backward_mean(mean, count, outputs).expand(count).clone()
+
+    def _backward_mean(self, mean: torch.Tensor, count: int, outputs: Any) -> torch.Tensor:
+        """Backpropagate a loss that is the mean over ``count`` labels, normalised by the update's global label count.
+
+        Returns the mean, detached (one loss per label: the loss metric is label-weighted)."""
+        from towers.losses import compute_average_loss
+
         if count == 0:  # no label here (an empty share): a zero gradient, not the NaN of a mean over nothing
             mean = _zero_loss(outputs, mean)
         # The strategy divides the update's gradient by the label count over every replica and micro-batch.
@@ -382,8 +397,7 @@ class Trainer:
         weights = torch.full((1,), float(count), device="cpu")
         self.strategy.backward(compute_average_loss(mean.reshape(1), weights=weights))
         self._update()
-        shown = mean.detach().float()  # one loss per label (none without labels: the loss metric is token-weighted)
-        return shown.expand(count).clone(), _predictions_or(outputs, self.prediction_key, shown)
+        return mean.detach().float()
 
     def _warn_nonfinite(self, logs: Mapping[str, Any]) -> None:
         """Warn once, on the chief, when a loss was not finite and no callback stopped training for it."""
@@ -466,7 +480,7 @@ class Trainer:
                     if self.loss_fn is not None:
                         y_pred = predictions(outputs, self.prediction_key)
                         return self.loss_fn(y_pred, _labels(parts, self.label_key)).detach(), y_pred.detach()
-                    count = label_count(parts, self.ignore_index)  # one loss per label: token-weighted
+                    count = label_count(parts, self.ignore_index, shifted=self._shifted_labels)  # one loss per label
                     mean = model_loss(outputs).detach().float()
                     return mean.expand(count).clone(), _predictions_or(outputs, self.prediction_key, mean)
 

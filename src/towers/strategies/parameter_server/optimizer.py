@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 
 from towers.strategies.parameter_server.embeddings import SparseTables
+from towers.strategies.parameter_server.grad_guard import GradientGuard
+from towers.strategies.parameter_server.requests import hyperparameters
 from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.worker import BoundModel
 
@@ -24,7 +26,8 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, bound: BoundModel | None, sparse: SparseTables | None = None,
                  step_batches: Callable[[], tuple[bool, list[Any]]] = lambda: (False, []),
-                 finish_gradients: Callable[[], None] = lambda: None):
+                 finish_gradients: Callable[[], None] = lambda: None,
+                 expected_gradient_changes: Callable[[], int] = lambda: 0):
         self._building = True
         self.optimizer = optimizer
         self._bound = bound
@@ -35,6 +38,9 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         # Passing the user's group dicts makes both optimizers share them (torch keeps the dicts it is given).
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
+        # p.grad is this worker's share: a clip measured on it (torch's clip_grad_norm_) is refused at the push.
+        self._guard = GradientGuard((p for group in optimizer.param_groups for p in group["params"]),
+                                    expected_gradient_changes)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Push this worker's gradients to the ps tasks and pull the updated parameters; return ``closure()``'s loss."""
@@ -42,6 +48,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._guard.check()
         self._finish_gradients()
         if self._sparse is not None:
             self._sparse.push()
@@ -114,7 +121,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
                     local_state[local] = state_dict["state"][key]
             local_groups, start = [], 0
             for g, (_, positions) in zip(bound.group_ids[p], bound.opt_groups[p]):
-                hyper = {k: v for k, v in self.param_groups[g].items() if k != "params"}
+                hyper = hyperparameters(self.param_groups[g], f"param group {g}")
                 local_groups.append({**hyper, "params": list(range(start, start + len(positions)))})
                 start += len(positions)
             metas.append({"state": local_state, "param_groups": local_groups})

@@ -31,7 +31,7 @@ from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import user_error
 from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
 from towers.strategies._collectives import as_tensor, check_op
-from towers.strategies.base import ReplicaContext, Strategy
+from towers.strategies.base import ReplicaContext, Strategy, note_built
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.comm import PsComm
@@ -107,6 +107,7 @@ class ParameterServerStrategy(Strategy):
 
             info = cluster.from_env()
         self._info, self.mode, self.staleness, self.timeout_s = info, mode, staleness, timeout_s
+        note_built(info, self.name)
         self.roles: Roles = resolve_roles(info, num_ps)
         self.num_ps = self.roles.num_ps
         self._client: ParameterClient | None = None
@@ -256,7 +257,8 @@ class ParameterServerStrategy(Strategy):
         self._optimizer = optimizer
         self._prepared_any = True
         optimizer_out = (ParameterServerOptimizer(optimizer, bound, sparse, step_batches=self._take_step_batches,
-                                                  finish_gradients=self._finish_loss_weights)
+                                                  finish_gradients=self._finish_loss_weights,
+                                                  expected_gradient_changes=lambda: int(self._loss_weights.divided))
                          if optimizer is not None else None)
         return prepared, optimizer_out
 
@@ -315,6 +317,11 @@ class ParameterServerStrategy(Strategy):
         if batch is not None and batch.unit is not None:
             self._ran_units.append(list(batch.unit))
         return super()._replica_context(batch)
+
+    @property
+    def _sums_replica_gradients(self) -> bool:
+        # A sync round sums the workers' pushes; an async push is applied alone (TF's per-worker steps).
+        return self.mode == "sync"
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
