@@ -14,11 +14,15 @@ and ``--fail-how kill|raise|stop`` makes process ``--fail-member`` of group ``--
 itself, raise, or SIGSTOP itself before step ``--fail-at``, once (not after the launcher restarted
 it: ``TOWERS_GROUP_RESTART``), right after printing ``failing (HOW) before step S t T``. A group of
 several processes (``--group-size``) writes OUT_DIR/group<ID>.<PROCESS>.pt, one file per process.
+Under ``towers launch`` process 0 of each group prints ``manager pid P at ADDRESS`` (its torchft
+manager server), and process 0 of group 0, at its first step with both groups, ``listeners JSON``:
+``[pid, address, port]`` of every listening socket of the job's processes (their command lines hold OUT_DIR).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -29,9 +33,9 @@ import torch
 from torch import nn
 
 import towers
-from ft_support import end_job
-from towers.strategies import PeerLostError
+from ft_support import end_job, listening_sockets
 from towers.cluster.info import ProcessInfo
+from towers.strategies import PeerLostError
 
 #: A group that trains alone (the other one lost) pauses this long after each step. Hundreds of steps alone
 #: prove nothing that the first few do not, and on a machine of 2 cores a survivor stepping flat out takes the
@@ -98,6 +102,9 @@ def main() -> None:
         strategy = towers.get_strategy("ft", info=info, lighthouse=args.lighthouse,
                                        peer_timeout_s=args.peer_timeout_s)
     member, size = getattr(strategy, "group_rank", 0), getattr(strategy, "group_size", 1)
+    if args.lighthouse == "env" and member == 0:  # where this group's torchft manager server listens
+        _say(f"manager pid {os.getpid()} at {strategy.manager_address}")
+    listed = args.lighthouse != "env" or args.group != 0 or member != 0  # group 0's process 0 lists the sockets
     fail = (args.fail_group == args.group and args.fail_member == member
             and os.environ.get("TOWERS_GROUP_RESTART", "0") == "0")
     torch.manual_seed(args.seed)  # a restarted group starts from other weights: healing must replace them
@@ -125,8 +132,11 @@ def main() -> None:
                     raise RuntimeError(f"injected failure of replica group {args.group}")
                 os.kill(os.getpid(), signal.SIGKILL if args.fail_how == "kill" else signal.SIGSTOP)
             strategy.run(step, args=(features, labels))
-            groups = strategy.num_replicas_in_sync // size
+            groups = strategy.live_replicas // size
             _say(f"step {strategy.current_step} groups {groups} t {time.time():.4f}")
+            if groups == 2 and not listed:  # both groups are up: every socket of the job is open
+                _say(f"listeners {json.dumps(listening_sockets(args.out))}")
+                listed = True
             if groups < 2:  # alone: yield the CPU to the group being restarted (see the docstring)
                 time.sleep(ALONE_PAUSE_S)
             if stop_at is None and strategy.current_step % 10 == 0:  # every live process is at this step now

@@ -1,8 +1,9 @@
 """What the fault-tolerance tests and their job scripts share: torchft's lighthouse as its own process, how a test
-ends every process it started, and how a job script ends."""
+ends every process it started, how a job script ends, and where a job's processes listen."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import subprocess
 import sys
@@ -50,3 +51,35 @@ def end_job(strategy: Any) -> None:
     strategy.shutdown()
     sys.stdout.flush()
     os._exit(0)
+
+
+def listening_sockets(marker: str) -> list[tuple[int, str, int]]:
+    """``(pid, address, port)`` of every listening TCP socket of the processes whose command line holds ``marker``.
+
+    Read from ``/proc`` (Linux): a process's socket inodes, then ``/proc/net/tcp`` and ``tcp6``. An
+    IPv4-mapped IPv6 address is given as its IPv4 address.
+    """
+    owners: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or marker not in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    owners[target[8:-1]] = int(entry.name)
+        except OSError:
+            continue  # exited meanwhile
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] != "0A" or fields[9] not in owners:  # 0A: LISTEN
+                continue
+            host, port = fields[1].split(":")
+            raw = bytes.fromhex(host)  # 32-bit words in host byte order (little-endian here)
+            address = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+            if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+                address = address.ipv4_mapped
+            found.append((owners[fields[9]], str(address), int(port, 16)))
+    return found

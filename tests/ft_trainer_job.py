@@ -55,7 +55,7 @@ class Report(towers.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         step = int((logs or {})["global_step"])
         strategy = self.trainer.strategy
-        print(f"step {step} epoch {self.trainer.progress.epoch} groups {strategy.num_replicas_in_sync}", flush=True)
+        print(f"step {step} epoch {self.trainer.progress.epoch} groups {strategy.live_replicas}", flush=True)
         if step == self.hold_at and self.gate is not None:
             print(f"holding at {step}", flush=True)
             deadline = time.monotonic() + 60

@@ -30,7 +30,7 @@ def global_batch_sizes(num_examples: int, global_batch_size: int, *, drop_remain
 
 @dataclass(frozen=True)
 class BatchInfo:
-    """The accounting a yielded batch carries: its global batch size, padding and place in an update window."""
+    """The accounting a yielded batch carries: its epoch and index, global batch size, padding and place in an update window."""
 
     index: int
     num_batches: int
@@ -45,6 +45,8 @@ class BatchInfo:
     last_in_update: bool
     #: ``(pass, global batch, replica)`` of a batch handed out one at a time (parameter servers), else None.
     unit: tuple[str, int, int] | None = None
+    #: The epoch the batch belongs to (the input's ``epoch``, as ``set_epoch`` counts): with ``index``, the step's identity.
+    epoch: int = 0
 
 
 #: Attribute under which a yielded tensor carries its batch's ``BatchInfo``.

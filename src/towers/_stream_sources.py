@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from torch.utils.data import IterableDataset
 
+from towers._shard_files import ShardFiles, check_read, names_files, shard_files
 from towers.errors import user_error
 
 __all__ = ["Shards", "is_stream", "make_source", "sequence"]
@@ -96,14 +97,31 @@ class _ShardSource:
         self.transform = shards.transform
         self.description = description or repr(shards)
         self.fingerprint = _fingerprint("shards\n" + "\n".join(str(i) for i in shards.items))
+        #: Whether an entry may name a file (a path, or a tuple of paths): then epochs fingerprint the files.
+        self.names_files = names_files(shards.items)
 
-    def begin_pass(self) -> _ShardSource:
-        return self
+    def files(self) -> list[ShardFiles] | None:
+        """Fingerprint every shard's files now (see ``towers._shard_files``); None when no entry may name a file."""
+        return [shard_files(item) for item in self.shards.items] if self.names_files else None
+
+    def begin_pass(self, files: list[ShardFiles] | None = None, epoch: int = 0) -> _ShardPass:
+        """One reading of the shards; with ``files`` (as ``files()`` gave them), each is checked when its reader ends."""
+        return _ShardPass(self, files, epoch)
 
     def label(self, v: int, offset: int) -> str:
         return f"record {offset} of shard {v} ({self.shards.items[v]!s})"
 
-    def open(self, v: int, start: int) -> Iterator[Record]:
+    def shard_name(self, v: int) -> str:
+        """Shard ``v``'s entry as errors name it."""
+        return str(self.shards.items[v])
+
+    def open(self, v: int, start: int, opened: ShardFiles = (), epoch: int = 0) -> Iterator[Record]:
+        """Yield ``(offset, record)`` of shard ``v`` from record ``start`` on.
+
+        Raises:
+            RuntimeError: the reader raised.
+            ShardChangedError: when the reader ended, the files ``opened`` names were no longer as opened.
+        """
         item, seek = self.shards.items[v], self.shards.seekable and start > 0
         offset = start if seek else 0
         try:
@@ -116,6 +134,8 @@ class _ShardSource:
             try:
                 record = next(records)
             except StopIteration:
+                if opened:  # a file truncated, grown or rewritten while read: an error, never a short epoch
+                    check_read(v, item, opened, epoch)
                 return
             except Exception as exc:
                 raise user_error(f"The reader raised reading shard {v} ({item!s}) at record {offset} (counted from 0)",
@@ -125,6 +145,19 @@ class _ShardSource:
             if offset >= start:
                 yield offset, record
             offset += 1
+
+
+class _ShardPass:
+    """One epoch's reading of a ``_ShardSource``: each shard's files are checked when its reader ends."""
+
+    def __init__(self, source: _ShardSource, files: list[ShardFiles] | None, epoch: int):
+        self.source, self.files, self.epoch = source, files, epoch
+
+    def label(self, v: int, offset: int) -> str:
+        return self.source.label(v, offset)
+
+    def open(self, v: int, start: int) -> Iterator[Record]:
+        return self.source.open(v, start, self.files[v] if self.files is not None else (), self.epoch)
 
 
 class _DealtSource:
@@ -140,12 +173,21 @@ class _DealtSource:
         size = f", {len(stream)} examples" if hasattr(stream, "__len__") else ""  # type: ignore[arg-type]
         self.description = f"{type(stream).__name__} (one stream{size}, dealt into {num_shards} virtual shards)"
         self.fingerprint = _fingerprint(f"stream\n{kind}{size}")
+        self.names_files = False  # one stream: no file of its own to fingerprint
 
-    def begin_pass(self) -> _Dealer:
+    def files(self) -> list[ShardFiles] | None:
+        """None: a stream has no files towers can see."""
+        return None
+
+    def begin_pass(self, files: list[ShardFiles] | None = None, epoch: int = 0) -> _Dealer:
         return _Dealer(self)
 
     def label(self, v: int, offset: int) -> str:
         return f"example {offset * self.num_shards + v} of the stream {type(self.stream).__name__}"
+
+    def shard_name(self, v: int) -> str:
+        """Virtual shard ``v`` as errors name it."""
+        return f"virtual shard {v} of the stream {type(self.stream).__name__}"
 
 
 class _Dealer:

@@ -50,11 +50,11 @@ from towers._dataloader_answers import EpochSampler
 from towers._loader import Loader, LoaderOptions
 from towers._logging import get_logger
 from towers.errors import user_error
-from towers.streams import DistributedStream, InputContext, Shards, is_stream
+from towers.streams import DistributedStream, InputContext, ShardChangedError, Shards, is_stream
 
 __all__ = ["BatchInfo", "DistributedDataset", "Dispatch", "distribute_dataset", "shard_bounds", "global_batch_sizes",
            "batch_info", "find_batch_info", "map_tensors", "DistributedBatches", "FollowsJob", "DistributedStream",
-           "Shards", "InputContext", "is_stream"]
+           "Shards", "ShardChangedError", "InputContext", "is_stream"]
 
 log = get_logger(__name__)
 
@@ -325,7 +325,7 @@ class DistributedDataset:
             to_worker = self._loader.options.num_workers > 0
             jobs = ((self._fetch(order, info, to_worker=to_worker), info) for info in self._infos[batch:])
             for cpu_batch, info in self._loader.batches(jobs, salt=self._epoch):
-                value = attach_batch_info(to_device(cpu_batch, self.device), info)
+                value = attach_batch_info(to_device(cpu_batch, self.device), replace(info, epoch=self._epoch))
                 self._position = info.index + 1
                 yield value
         self._epoch += 1
@@ -363,7 +363,7 @@ class DistributedDataset:
                                 self.replica_id))
             for info, r in batches:
                 batch = _run_fetch(self._source, self._fetch(order, info, r))
-                value = attach_batch_info(to_device(batch, self.device), info)
+                value = attach_batch_info(to_device(batch, self.device), replace(info, epoch=self._epoch))
                 step += 1
                 self._position = max(self._position, info.index + 1)
                 yield value

@@ -7,6 +7,8 @@ over the global batch, whatever the split (ragged last batch, empty shares inclu
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from towers.errors import user_error
@@ -99,7 +101,7 @@ def _weighted_loss(loss: torch.Tensor, weights: torch.Tensor, global_batch_size:
     if padding:  # padding examples weigh nothing
         loss, weights = loss[: loss.shape[0] - padding], weights[: weights.shape[0] - padding]
     # Exact counts (a bf16 sum is not past 256). Weights on the host are summed there: no wait for the device.
-    weight = float(weights.detach().to(torch.float64).sum().item())
+    weight = _checked_weight(weights)
     weights = weights.to(loss.device, non_blocking=True)
     weights = weights.to(loss.dtype) if loss.is_floating_point() else weights.float()
     total = (loss * weights).sum()
@@ -123,6 +125,31 @@ def _weighted_loss(loss: torch.Tensor, weights: torch.Tensor, global_batch_size:
     if total.requires_grad and ctx.is_update_step:
         ctx.strategy._finish_after_backward(result)
     return result
+
+
+def _checked_weight(weights: torch.Tensor) -> float:
+    """Return the sum of ``weights`` (float64); raise when one is NaN, infinite or negative.
+
+    The smallest weight is read with the sum, which is read anyway (on a device, in the same
+    transfer); the bad ones are counted only when there are some.
+    """
+    weights = weights.detach()
+    if weights.numel() == 0:
+        return 0.0
+    if weights.device.type == "cpu":
+        total, lowest = float(weights.sum(dtype=torch.float64)), float(weights.min())
+    else:
+        total, lowest = torch.stack((weights.sum(dtype=torch.float64), weights.min().double())).tolist()
+    if math.isfinite(total) and lowest >= 0:
+        return total
+    host = weights.to("cpu", torch.float64)
+    bad = ~torch.isfinite(host) | (host < 0)
+    count, first = int(bad.sum()), float(host[bad].reshape(-1)[0])
+    raise user_error(
+        "compute_average_loss(..., weights=...) takes finite weights >= 0 (each weighs one loss element in a mean)",
+        f"{count} of {host.numel()} weight(s) NaN, infinite or negative (e.g. {first:g})",
+        "Build the weights from a mask, e.g. (labels != -100).float(), or clean them first: "
+        "weights.nan_to_num(0.0).clamp(min=0.0).")
 
 
 def _known_global_batch_size(ctx: ReplicaContext | None, local_batch_size: int) -> int:

@@ -42,6 +42,7 @@ __all__ = [
     "spans_hosts",
     "interface_for",
     "use_interface",
+    "use_loopback",
 ]
 
 log = get_logger(__name__)
@@ -291,3 +292,17 @@ def use_interface(info: ProcessInfo) -> InterfaceChoice | None:
         export_interface(choice.name)
         log.info("network interface %s (%s): %s", choice.name, choice.interface.address, choice.reason)
     return choice
+
+
+def use_loopback() -> None:
+    """Make this process's Gloo/NCCL groups bind the loopback interface (a job on one host).
+
+    Without it they bind the address of the host name, which in a container or on a cloud host is
+    the address other machines reach. A value the user set (``GLOO_SOCKET_IFNAME``,
+    ``NCCL_SOCKET_IFNAME``) wins; nothing is set on a host without an up loopback interface.
+    """
+    from towers.cluster.environ import export_interface
+
+    loopback = next((i for i in list_interfaces() if i.is_loopback and i.is_up), None)
+    if loopback is not None:
+        export_interface(loopback.name, collectives_only=True)

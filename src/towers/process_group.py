@@ -4,7 +4,9 @@ Joining is visible and bounded (``towers.cluster.rendezvous``): a rank that does
 store first checks that the rendezvous host resolves and answers (one line at once if not; while
 the port refuses connections, its owner has not started, and the rank waits, saying so); then
 every rank records itself in the store and the chief reports every ~15 s who joined and who is
-missing, up to ``ProcessInfo.join_timeout_s``. torch's own text for a failure (C++ frames
+missing, up to ``ProcessInfo.join_timeout_s``. From its record until the group exists (or, with a
+``startup_watch`` the caller ends, until its own connections are up) a rank that dies is named by
+the others at once (``towers.cluster.deaths``). torch's own text for a failure (C++ frames
 included) goes to a log file named in the one-line error. A process that joined leaves the group
 at interpreter exit (``atexit``), so a script that never calls ``shutdown`` still exits cleanly.
 """
@@ -15,6 +17,7 @@ import atexit
 import contextlib
 import ipaddress
 import itertools
+import logging
 import os
 import socket
 import sys
@@ -22,13 +25,13 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from towers._logging import configure_logging, configured_logging, get_logger, set_rank
-from towers.cluster.environ import export_interface
+from towers.cluster.deaths import StartupWatch, pid_scope, publish_death
 from towers.cluster.info import ProcessInfo
 from towers.cluster.rendezvous import (
     Member,
@@ -40,13 +43,16 @@ from towers.cluster.rendezvous import (
     wait_reachable,
 )
 from towers.diagnostics import enable_flight_recorder, start_watchdog, stop_watchdog
-from towers.network import list_interfaces, spans_hosts, use_interface
+from towers.network import spans_hosts, use_interface, use_loopback
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DistributedError",
     "choose_backend",
     "init_process_group",
+    "startup_watch",
+    "announce_death",
+    "announce_deaths",
     "destroy_process_group",
     "is_initialized",
     "collective",
@@ -80,12 +86,58 @@ def _rank_tag(info: ProcessInfo) -> str:
     return f"[rank {info.rank}/{info.world_size}]"
 
 
+def startup_watch(info: ProcessInfo) -> StartupWatch:
+    """Return a ``StartupWatch`` for this process: pass it to ``init_process_group``, ``finish`` it once start-up is over.
+
+    Under it, a rank that dies before start-up ends (e.g. before a strategy's own connections
+    are up) makes this process fail at once naming that rank, instead of waiting out a timeout.
+    """
+    return StartupWatch(index=info.rank, count=info.world_size, describe=info.describe_rank,
+                        report=visible_warning(log, prefix=f"{_rank_tag(info)} towers:"),
+                        report_death=visible_warning(log, prefix=f"{_rank_tag(info)} towers:", level=logging.ERROR),
+                        store_factory=None, timeout_s=info.join_timeout_s)  # the store: once _join made it
+
+
+def announce_death(info: ProcessInfo, description: str) -> None:
+    """Tell the processes of ``info``'s job still in start-up that rank ``info.rank`` died (``description``: how).
+
+    Called by the process's supervisor, which outlives it; the others stop at once naming the rank.
+
+    Raises:
+        RuntimeError: the job's store cannot be reached (torch's ``DistStoreError`` and kin).
+    """
+    publish_death(_store_client(info, info.master_addr), info.rank, description)
+
+
+def announce_deaths(master_addr: str, master_port: int, deaths: Mapping[int, str], *, attempt: int) -> None:
+    """Tell the processes of restart ``attempt`` of the job whose store is at ``master_addr:master_port`` that
+    ranks died (``deaths``: rank -> how); those still in start-up stop at once naming the rank (``towers launch``).
+
+    Raises:
+        RuntimeError: the job's store cannot be reached (torch's ``DistStoreError`` and kin).
+    """
+    store = dist.PrefixStore(f"towers/attempt_{attempt}", dist.TCPStore(
+        master_addr, master_port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False))
+    for rank, description in deaths.items():
+        publish_death(store, rank, description)
+
+
+def _store_client(info: ProcessInfo, host: str) -> dist.Store:
+    # A client of its own for the watch's thread: the main thread's may be held in a long store wait.
+    store = dist.TCPStore(host, int(info.master_port), world_size=info.world_size,  # type: ignore[arg-type]
+                          is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    return dist.PrefixStore(f"towers/attempt_{info.restart_count}", store)
+
+
 def init_process_group(
-    info: ProcessInfo, *, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
+    info: ProcessInfo, *, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+    watch: StartupWatch | None = None,
 ) -> str:
     """Join this process to the job's default process group and return the backend used.
 
-    A no-op (returning the current backend) when the group already exists.
+    A no-op (returning the current backend) when the group already exists. ``watch`` (from
+    ``startup_watch``) names a rank that dies during start-up; the caller finishes it. Without one,
+    this call watches until the group exists.
 
     Across hosts, Gloo/NCCL bind the interface ``towers.network.use_interface`` picks (the one
     named by ``info.interface``, else the one that routes to the other hosts).
@@ -94,7 +146,7 @@ def init_process_group(
         ValueError: on a bad backend or timeout; ``towers.network.NetworkError`` when no usable
             interface can be chosen.
         DistributedError: when the rendezvous fails or times out; the message names this rank,
-            the rendezvous address and what to check.
+            the rendezvous address and what to check, or the rank that died during start-up.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 seconds. Received: {timeout_s}.")
@@ -117,21 +169,34 @@ def init_process_group(
     if backend in ("gloo", "nccl"):
         choice = use_interface(info)  # before the group exists: torch reads GLOO/NCCL_SOCKET_IFNAME when it makes one
         if choice is None and not spans_hosts(info):
-            _bind_loopback()
+            use_loopback()  # loopback is all a one-host job's Gloo/NCCL sockets need
     log.debug("joining process group: backend=%s init_method=%s timeout_s=%s join_timeout_s=%s", backend,
               init_method, timeout_s, info.join_timeout_s)
     started, since = time.monotonic(), time.time()
+    own_watch = watch is None
+    watch = watch or startup_watch(info)
     try:
-        store = _join(info, timeout_s, since, source_address=choice.interface.address if choice else None)
-    except RendezvousError as exc:
-        raise DistributedError(f"{_rank_tag(info)} {exc}") from None
-    enable_flight_recorder(info)  # torch's record of every collective, read by the stuck-job watchdog
-    excepthook = sys.excepthook
-    try:
-        dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
-                                timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:  # torch raises several types (DistNetworkError, DistStoreError, RuntimeError)
-        raise _init_error(info, backend, exc, time.monotonic() - started) from None
+        try:
+            store = _join(info, timeout_s, since, watch, source_address=choice.interface.address if choice else None)
+        except RendezvousError as exc:
+            raise DistributedError(f"{_rank_tag(info)} {exc}") from None
+        enable_flight_recorder(info)  # torch's record of every collective, read by the stuck-job watchdog
+        excepthook = sys.excepthook
+        watch.set_phase(f"creating the process group ({backend}) of {info.world_size} processes")
+        try:
+            dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+        except Exception as exc:  # torch raises several types (DistNetworkError, DistStoreError, RuntimeError)
+            if watch.failure is not None:
+                raise DistributedError(f"{_rank_tag(info)} {watch.failure}") from None
+            raise _init_error(info, backend, exc, time.monotonic() - started) from None
+        if watch.failure is not None:
+            raise DistributedError(f"{_rank_tag(info)} {watch.failure}")
+    except BaseException:
+        watch.stop()  # this thread reports the failure: the watch must not end the process later
+        raise
+    if own_watch:
+        watch.finish(store)
     if info.log_level is not None:
         # Under `towers launch` every output line already starts with "[rank N]: ": torch's hook would
         # prefix a script's traceback a second time ("[rank 0]: [rank0]: Traceback ...").
@@ -142,25 +207,19 @@ def init_process_group(
     return backend
 
 
-def _bind_loopback() -> None:
-    # A one-host job's Gloo/NCCL sockets would otherwise bind the address of the host name, which in a
-    # container or on a cloud host is the address other machines reach: loopback is all the job needs.
-    loopback = next((i for i in list_interfaces() if i.is_loopback and i.is_up), None)
-    if loopback is not None:
-        export_interface(loopback.name, collectives_only=True)
-
-
 def _rendezvous_source(info: ProcessInfo) -> str:
     return {"tf_config": "TF_CONFIG's chief address", "slurm": "MASTER_ADDR or the first SLURM node",
             "kubeflow_trainer": "PET_MASTER_ADDR/PET_MASTER_PORT"}.get(info.source, "MASTER_ADDR/MASTER_PORT")
 
 
-def _join(info: ProcessInfo, timeout_s: float, since: float, *, source_address: str | None = None) -> dist.Store:
+def _join(info: ProcessInfo, timeout_s: float, since: float, watch: StartupWatch, *,
+          source_address: str | None = None) -> dist.Store:
     """Return the job's key-value store once every rank has joined, keys private to this restart attempt.
 
     Under torchrun the agent's store outlives a failed attempt. Without a per-attempt prefix a
     restarted rank can read a peer's address from the dead attempt and fail to connect.
-    ``source_address`` is the chosen interface's address: reachability is checked from it.
+    ``source_address`` is the chosen interface's address: reachability is checked from it. ``watch``
+    learns every member that joined, and a death it sees ends the wait.
     """
     port = int(info.master_port)  # type: ignore[arg-type]  # init_method raised if it was None
     what = _rendezvous_source(info)
@@ -174,14 +233,22 @@ def _join(info: ProcessInfo, timeout_s: float, since: float, *, source_address: 
         owner = "torchrun's agent" if info.agent_store else f"the chief, {info.describe_rank(0)},"
         address = wait_reachable(info.master_addr, port, timeout_s=info.join_timeout_s, what=what, awaited=owner,
                                  report=report, since=since, source_address=source_address)
-    prefixed = _rendezvous_store(info, timeout_s)
+    prefixed, client_host = _rendezvous_store_at(info, timeout_s)
+    watch.set_store_factory(lambda: _store_client(info, client_host))
     # A process that leaves the group and joins again may find its old store alive (a module still holds the
     # old group): each join of this process gets its own keys; every rank joins as often as the others.
     joins = dist.PrefixStore(f"join_{next(_JOIN_COUNT)}", prefixed)
-    join(joins, index=info.rank, count=info.world_size, is_chief=info.rank == 0, timeout_s=info.join_timeout_s,
-         where=f"{info.master_addr}:{port}", describe=info.describe_rank, report=report,
-         me=Member(host=socket.gethostname(), address=address, pid=os.getpid()), since=since,
-         waited_s=min(time.monotonic() - started, info.join_timeout_s - 1.0))
+
+    def dead(joined: Mapping[int, Member]) -> str | None:
+        watch.watch(joined)
+        return watch.failure
+
+    members = join(joins, index=info.rank, count=info.world_size, is_chief=info.rank == 0,
+                   timeout_s=info.join_timeout_s, where=f"{info.master_addr}:{port}", describe=info.describe_rank,
+                   report=report, me=Member(host=socket.gethostname(), address=address, pid=os.getpid(),
+                                            scope=pid_scope()),
+                   since=since, waited_s=min(time.monotonic() - started, info.join_timeout_s - 1.0), dead=dead)
+    watch.watch(members)
     return prefixed
 
 
@@ -190,22 +257,28 @@ _JOIN_COUNT = itertools.count()
 
 def _rendezvous_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
     """Return the job's key-value store, with keys private to this restart attempt (see ``_join``)."""
+    return _rendezvous_store_at(info, timeout_s)[0]
+
+
+def _rendezvous_store_at(info: ProcessInfo, timeout_s: float) -> tuple[dist.Store, str]:
+    """Return ``_rendezvous_store``'s store and the host its client reached it at (a second client goes there)."""
     hosts_store = info.rank == 0 and not info.agent_store
     port = int(info.master_port)  # type: ignore[arg-type]
     listener = _store_listener(info, port) if hosts_store else None
     if listener is not None:  # the server listens on the rendezvous address only, and the chief's client goes there
-        fd, address = listener
+        fd, host = listener
         try:
-            store = dist.TCPStore(address, port, world_size=info.world_size, is_master=True,
+            store = dist.TCPStore(host, port, world_size=info.world_size, is_master=True,
                                   timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=True,
                                   master_listen_fd=fd)
         except BaseException:
             os.close(fd)
             raise
     else:
+        # The chief's own client reaches its server over loopback; the server listens on every interface.
+        host = "127.0.0.1" if hosts_store else info.master_addr
         store = dist.TCPStore(
-            # The chief's own client reaches its server over loopback; the server listens on every interface.
-            "127.0.0.1" if hosts_store else info.master_addr,
+            host,
             port,
             world_size=info.world_size,
             is_master=hosts_store,
@@ -213,7 +286,7 @@ def _rendezvous_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
             wait_for_workers=False,
             multi_tenant=True,
         )
-    return dist.PrefixStore(f"towers/attempt_{info.restart_count}", store)
+    return dist.PrefixStore(f"towers/attempt_{info.restart_count}", store), host
 
 
 def _store_listener(info: ProcessInfo, port: int) -> tuple[int, str] | None:

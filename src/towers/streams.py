@@ -16,6 +16,11 @@ know how many examples the update has). ``BatchInfo.num_batches`` is 0 while unk
 The position (``state_dict``) is the epoch, the examples consumed in it and one cursor per virtual
 shard, all independent of the world size: a job stopped at N replicas resumes at M replicas (even
 with another global batch size) and trains exactly the rest of the epoch.
+
+File shards are fingerprinted when an iteration opens them (``towers._shard_files``): a file that
+changes while it is read, between a save and its resume, or differs between replicas (compared
+once, before the epoch's first batch, through ``agree``) is a ``ShardChangedError``, never a short
+or desynchronised epoch.
 """
 
 from __future__ import annotations
@@ -31,10 +36,19 @@ from towers._batch import BatchInfo, attach_batch_info, global_batch_sizes, map_
 from towers._dataloader_answers import EpochSampler, StreamWithoutLength, stream_length_error
 from towers._loader import Loader, LoaderOptions
 from towers._logging import get_logger
+from towers._shard_files import (
+    ShardChangedError,
+    ShardFiles,
+    agreement_vector,
+    as_state,
+    check_agreement,
+    check_resumed,
+    content_digest,
+)
 from towers._stream_sources import Shards, is_stream, make_source, sequence, shard_order
 from towers.errors import user_error
 
-__all__ = ["DistributedStream", "InputContext", "Shards", "is_stream"]
+__all__ = ["DistributedStream", "InputContext", "Shards", "ShardChangedError", "is_stream"]
 
 log = get_logger(__name__)
 
@@ -64,6 +78,14 @@ class DistributedStream:
     their order and ``state_dict()`` are the same as with ``num_workers=0``; persistent workers
     live until ``close()``.
 
+    File shards (``Shards`` entries that are paths, or tuples of paths) are fingerprinted when an
+    iteration opens them: a file that changes while it is read, or between ``state_dict()`` and
+    the resume of a mid-epoch position, raises ``ShardChangedError`` naming the shard and the change.
+    ``agree(what, tensor)`` (set by the synchronous strategies) returns the element-wise max of
+    ``tensor`` over the replicas, a collective every replica calls when it starts iterating: the
+    replicas compare their files there, once per iteration, and all raise the same error if they
+    differ. Other streams have no file to fingerprint.
+
     A loop written for a ``DataLoader`` reads ``batch_size`` (``global_batch_size // num_replicas``),
     ``global_batch_size``, ``sampler.set_epoch(e)`` (this object's ``set_epoch``), ``drop_last``,
     ``num_workers`` and ``dataset`` (the stream; where it has no number of examples, ``Shards``
@@ -76,7 +98,8 @@ class DistributedStream:
                  drop_remainder: bool = False, pad_empty_batches: bool = False, accumulation_steps: int = 1,
                  collate_fn: Callable[[list[Any]], Any] | None = None, num_virtual_shards: int | None = None,
                  shuffle_block: int = 1024, num_workers: int = 0, prefetch_factor: int | None = None,
-                 persistent_workers: bool = False, pin_memory: bool | None = None, dispatch: Any = None):
+                 persistent_workers: bool = False, pin_memory: bool | None = None, dispatch: Any = None,
+                 agree: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
         options = LoaderOptions(num_workers=num_workers, prefetch_factor=prefetch_factor,
                                 persistent_workers=persistent_workers, pin_memory=pin_memory)
         _positive_int("global_batch_size", global_batch_size,
@@ -114,7 +137,9 @@ class DistributedStream:
         #: Hands out this replica's units at run time (parameter servers: ``towers.data.Dispatch``), or None.
         self._dispatch = dispatch
         self._passes = 0
-        self._num_examples: int | None = None  # counted once, for the dispatcher (the same every epoch)
+        self._agree = agree  # the replicas' element-wise max (None: one replica, or nobody to compare with)
+        self._num_examples: int | None = None  # counted once per content of the files, for the dispatcher
+        self._counted_files: str | None = None  # the files' digest when they were counted
         #: ``{"examples", "expected"}`` of the last complete dispatched pass (None: a static split).
         self.last_pass: dict[str, int] | None = None
         self._epoch = 0
@@ -175,12 +200,15 @@ class DistributedStream:
         p = self._position
         return {"epoch": self._epoch, "batch": p.batch, "examples": p.examples, "cursors": list(p.cursors),
                 "seed": self.seed, "num_virtual_shards": self.num_virtual_shards, "shuffle": self.shuffle,
-                "shuffle_block": self.shuffle_block, "fingerprint": self._source.fingerprint}
+                "shuffle_block": self.shuffle_block, "fingerprint": self._source.fingerprint,
+                "files": p.files if p.examples else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``: the next iteration covers its epoch from the example after the last one consumed.
 
-        The number of replicas and the global batch size may differ from the run that saved it.
+        The number of replicas and the global batch size may differ from the run that saved it. Its
+        file fingerprints (``"files"``) are compared when the iteration starts: a file that changed
+        since then raises ``ShardChangedError`` there.
 
         Raises:
             ValueError: when the state was saved for another input, seed, V or shuffling, or is inconsistent.
@@ -200,8 +228,13 @@ class DistributedStream:
             raise user_error("A stream position needs one cursor per virtual shard, summing to the examples consumed",
                              {"examples": examples, "cursors": cursors[:8]},
                              "Pass the dict state_dict() returned, unchanged.")
+        files = state.get("files")
+        if files is not None and (not isinstance(files, (list, tuple)) or len(files) != self.num_virtual_shards):
+            raise user_error("A stream position's files need one entry per shard", type(files).__name__,
+                             "Pass the dict state_dict() returned, unchanged.")
         self._epoch = int(state.get("epoch", 0))
-        self._position = self._resume = _Position(int(state.get("batch", 0)), examples, cursors)
+        self._position = self._resume = _Position(int(state.get("batch", 0)), examples, cursors,
+                                                  None if files is None else list(files))
 
     # --- iteration --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -222,22 +255,46 @@ class DistributedStream:
         return self._batches(_Position.start(self.num_virtual_shards), skip=batch)
 
     def _batches(self, start: _Position, skip: int) -> Iterator[Any]:
+        files, start = self._open_files(start)
         self._position = start.copy()
         if self._dispatch is not None:
-            yield from self._dispatched(start.batch + skip)
+            yield from self._dispatched(start.batch + skip, files)
             return
-        for cpu_batch, (info, after) in self._loader.batches(self._jobs(start, skip), salt=self._epoch):
-            value = attach_batch_info(to_device(cpu_batch, self.device), info)
+        for cpu_batch, (info, after) in self._loader.batches(self._jobs(start, skip, files), salt=self._epoch):
+            value = attach_batch_info(to_device(cpu_batch, self.device), replace(info, epoch=self._epoch))
             self._position = after  # moved when a batch is yielded (not when a worker was asked for it)
             yield value
         self._epoch += 1
         self._position = _Position.start(self.num_virtual_shards)
 
+    def _open_files(self, start: _Position) -> tuple[list[ShardFiles] | None, _Position]:
+        """Fingerprint the files of the shards as this iteration opens them; return them and ``start`` with them.
+
+        The replicas compare theirs first (one ``agree`` collective, on every replica alike), then a
+        resumed position's saved fingerprints are compared: either way every replica raises alike.
+
+        Raises:
+            ShardChangedError: the replicas see different files, or a file changed since ``start`` was saved.
+        """
+        files = self._source.files()
+        if files is None:
+            return None, start
+        if self._agree is not None and self.num_replicas > 1:
+            # the same name on every replica (not the paths: each host may hold its copy elsewhere)
+            top = self._agree(f"a stream's file check before epoch {self._epoch} ({self.num_virtual_shards} shards)",
+                              agreement_vector(files))
+            check_agreement(files, top, self._source.shard_name, self._epoch, rank=self.replica_id,
+                            num_replicas=self.num_replicas)
+        if start.files is not None and start.examples:
+            check_resumed(start.files, files, self._source.shard_name, self._epoch, start.examples)
+        return files, replace(start.copy(), files=as_state(files) if any(files) else None)
+
     def close(self) -> None:
         """Stop persistent loader workers now (otherwise they end with this object); a later epoch starts new ones."""
         self._loader.close()
 
-    def _jobs(self, start: _Position, skip: int) -> Iterator[tuple[_Work, tuple[BatchInfo, _Position]]]:
+    def _jobs(self, start: _Position, skip: int,
+              files: list[ShardFiles] | None) -> Iterator[tuple[_Work, tuple[BatchInfo, _Position]]]:
         """Yield, per global batch from ``start`` (after skipping ``skip`` batches), what to transform and its meta.
 
         The meta is the batch's ``BatchInfo`` and the position after it. Runs in the training
@@ -245,7 +302,7 @@ class DistributedStream:
         batches yielded when loader workers prefetch.
         """
         B = self.global_batch_size
-        records = self._records(start.cursors)
+        records = self._records(files, start.cursors)
         ahead: deque[tuple[int, int, Any]] = deque()
         pos = start.copy()
         exhausted = False
@@ -288,16 +345,19 @@ class DistributedStream:
             yield work, (info, pos.copy())
 
     # --- handed out at run time (parameter servers) ------------------------------------------------
-    def _dispatched(self, start: int) -> Iterator[Any]:
+    def _dispatched(self, start: int, files: list[ShardFiles] | None) -> Iterator[Any]:
         """Yield the units ps task 0 hands this replica (its own shares first, a dead replica's after).
 
         The dispatcher needs the epoch's size: the stream is counted once (its records read, none
-        transformed). A unit's records are read forward; a unit of an earlier global batch (a dead
-        replica's) reads the epoch again from its start.
+        transformed), and again when its files changed (then every worker sends ps task 0, which
+        compares the workers' specs, the new count). A unit's records are read forward; a unit of an
+        earlier global batch (a dead replica's) reads the epoch again from its start.
         """
         B = self.global_batch_size
-        if self._num_examples is None:
-            self._num_examples = sum(1 for _ in self._records())
+        digest = None if files is None else content_digest(files)
+        if self._num_examples is None or digest != self._counted_files:
+            self._num_examples = sum(1 for _ in self._records(files))
+            self._counted_files = digest
         n = self._num_examples
         self._check_epoch(0, n, True)
         sizes = global_batch_sizes(n, B, drop_remainder=self.drop_remainder)
@@ -305,7 +365,7 @@ class DistributedStream:
                 "epoch": self._epoch, "num_replicas": self.num_replicas}
         self._passes += 1
         key = f"{self._dispatch.name}.{self._passes}"  # this pass's name, the same on every replica
-        reader = _BatchReader(self._records, B)
+        reader = _BatchReader(lambda: self._records(files), B)
         step = 0
         while True:
             answer = self._dispatch(key, step, spec)
@@ -327,14 +387,18 @@ class DistributedStream:
                 batch = self._transform(work)
                 step += 1
                 self._position.batch = max(self._position.batch, g + 1)
-                yield attach_batch_info(to_device(batch, self.device), info)
+                yield attach_batch_info(to_device(batch, self.device), replace(info, epoch=self._epoch))
         self._epoch += 1
         self._position = _Position.start(self.num_virtual_shards)
 
-    def _records(self, cursors: list[int] | None = None) -> Iterator[tuple[int, int, Any]]:
-        """The epoch's records, in its sequence, from ``cursors`` (records consumed per virtual shard; default: none)."""
+    def _records(self, files: list[ShardFiles] | None,
+                 cursors: list[int] | None = None) -> Iterator[tuple[int, int, Any]]:
+        """The epoch's records, in its sequence, from ``cursors`` (records consumed per virtual shard; default: none).
+
+        ``files``: the shards' fingerprints as the iteration opened them, checked when each reader ends.
+        """
         order = shard_order(self.num_virtual_shards, seed=self.seed, epoch=self._epoch, shuffle=self.shuffle)
-        return sequence(self._source.begin_pass(), order, cursors or [0] * self.num_virtual_shards,
+        return sequence(self._source.begin_pass(files, self._epoch), order, cursors or [0] * self.num_virtual_shards,
                         shuffle_block=self.shuffle_block if self.shuffle else 1,
                         key=f"towers-block:{self.seed}:{self._epoch}")
 
@@ -425,18 +489,23 @@ class _Transform:
 
 @dataclass
 class _Position:
-    """Where an epoch stands: global batches and examples consumed, and records consumed per virtual shard."""
+    """Where an epoch stands: global batches and examples consumed, and records consumed per virtual shard.
+
+    ``files``: the portable fingerprints (``[[path, size, edges], ...]`` per shard) of the files the
+    cursors count records of; None for a stream without files, or before an iteration opened them.
+    """
 
     batch: int
     examples: int
     cursors: list[int]
+    files: list[Any] | None = None
 
     @classmethod
     def start(cls, num_shards: int) -> _Position:
         return cls(0, 0, [0] * num_shards)
 
     def copy(self) -> _Position:
-        return _Position(self.batch, self.examples, list(self.cursors))
+        return _Position(self.batch, self.examples, list(self.cursors), self.files)  # files: never changed in place
 
     def consume(self, shard: int) -> None:
         self.cursors[shard] += 1

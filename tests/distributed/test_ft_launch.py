@@ -12,12 +12,18 @@ the restart, and no process is left behind. Also 2 groups of 2 processes, replic
 A SIGKILLed group of one process is also the timing claim: the survivor's next step that the lost
 group cannot have been part of comes within ``BOUND_S`` of the kill. After the last step, the
 collectives (``all_gather_object``, ``reduce``, ``gather`` of unequal sizes) run over both groups.
+
+While both groups train, every socket the job's processes listen on is on loopback, but torchft's
+manager servers (one per group, on every interface: the documented exception, told apart by pid and port).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -49,6 +55,22 @@ def _next_step_after_the_kill(out: str, group: int) -> tuple[float, str]:
     assert after, f"the survivor took no step without group {group} after the kill:\n{out[-3000:]}"
     t, line = min(after)
     return t - killed_at, line
+
+
+def _assert_only_the_managers_listen_beyond_loopback(out: str) -> None:
+    """Every socket the job listens on is on loopback (the launcher's store and lighthouse, each group's store and
+    Gloo sockets), but torchft's manager servers, found by their pid and port (``manager pid P at ADDRESS``)."""
+    managers = {(int(m.group(1)), int(m.group(2))) for m in re.finditer(r"manager pid (\d+) at \S+:(\d+)\s*$", out,
+                                                                        re.MULTILINE)}
+    listings = [json.loads(line.split("listeners ", 1)[1]) for line in out.splitlines() if ": listeners " in line]
+    assert listings and managers, f"no listing of the job's sockets or no manager line:\n{out[-3000:]}"
+    for listing in listings:
+        sockets = [(pid, ipaddress.ip_address(address), port) for pid, address, port in listing]
+        assert any(a.is_loopback for _, a, _ in sockets), listing  # the stores, at least
+        beyond = [(pid, str(a), port) for pid, a, port in sockets if not a.is_loopback]
+        assert all((pid, port) in managers for pid, _, port in beyond), \
+            f"listening beyond loopback: {beyond}; torchft's managers (pid, port): {sorted(managers)}"
+        assert len({(pid, port) for pid, _, port in beyond}) >= 2, listing  # both groups' managers were up
 
 
 @pytest.mark.parametrize("how,size,shard", [("kill", 1, False), ("raise", 1, False), ("stop", 1, False),
@@ -99,6 +121,7 @@ def test_launch_restarts_a_lost_group_alone(tmp_path: Path, how: str, size: int,
         assert seconds <= BOUND_S, f"the survivor's next step {seconds:.1f} s after the kill: {line} {draw}"
         # Over the live groups after the last step, on both: the restarted group is one of them again.
         assert out.count("collectives groups=[0, 1] sum=2.0 gathered=[0, 1, 1]") == 2, f"{out[-3000:]} {draw}"
+    _assert_only_the_managers_listen_beyond_loopback(out)
     stop_at = done_step(out, 2 * size)  # every process stopped after the same step
     assert stop_at > step, draw
     names = [f"group{g}" + (f".{m}" if size > 1 else "") for g in (0, 1) for m in range(size)]

@@ -4,6 +4,9 @@ The real command in a new session with a deadline (the process group is killed o
 no process left behind. One job of 1 ps task + 2 workers; worker rank 1 exits with code 3 after
 ``VICTIM_STEPS`` pushes (``os._exit``, no goodbye). Under every rank runs the supervisor
 (``towers.launch.supervise``), which hides that worker's failure from torchrun's agent.
+
+A worker SIGKILLed during start-up (after its rendezvous record, before torch's process group; or
+after the group, before its ps links) is not hidden: the job fails at once, naming it.
 """
 
 from __future__ import annotations
@@ -92,3 +95,54 @@ def test_sync_job_finishes_without_a_dead_worker(tmp_path):
     # rounds with both workers until the death, then the chief's pushes alone: one update per round
     expected = f"chief finished steps={STEPS} applied=[{STEPS}, {VICTIM_STEPS}] version={STEPS} dead=[1]"
     assert expected in out, f"missing {expected!r} in:\n{out}\nstderr:\n{err}"
+
+
+# A worker that dies during start-up: the job cannot start without it, so it must fail at once, naming it.
+STARTUP_SCRIPT = """
+    import os, signal, sys, time
+    import torch.distributed as dist
+    import towers
+    from towers.strategies.parameter_server import transport
+
+    POINT = sys.argv[1]
+    rank = int(os.environ["RANK"])
+
+    def dies_first(original):
+        def call(*args, **kwargs):
+            print(f"worker rank 1 dies at {POINT} at {time.time()}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return call if rank == 1 else original
+
+    # after its rendezvous record, before torch's process group; or after the group, before its ps links
+    if POINT == "init_process_group":
+        dist.init_process_group = dies_first(dist.init_process_group)
+    else:
+        transport.open_link = dies_first(transport.open_link)
+    strategy = towers.strategy_from_env(timeout_s=300)  # the default timeouts: the death must not wait them out
+    print(f"rank {rank} started", flush=True)
+    strategy.shutdown()
+"""
+STARTUP_BOUND_S = 30.0
+
+
+@pytest.mark.parametrize("point", ["init_process_group", "open_link"])
+def test_a_worker_dead_in_start_up_fails_the_job_at_once_naming_it(tmp_path, point):
+    script = tmp_path / "ps_startup.py"
+    script.write_text(textwrap.dedent(STARTUP_SCRIPT))
+    command = [*towers_command(), "launch", "--strategy", "ps", "--num-ps", "1", "--nproc-per-node", "3",
+               "--monitor-interval", "0.2", str(script), point]
+    result = run(command, cwd=tmp_path, deadline_s=DEADLINE_S, marker=str(script))
+    ended, out, err = time.time(), result.stdout, result.stderr
+    died = re.search(rf"worker rank 1 dies at {point} at ([0-9.]+)", out)
+    assert died, f"stdout:\n{out}\nstderr:\n{err}"
+    assert result.returncode != 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert ended - float(died.group(1)) < STARTUP_BOUND_S, f"the job took {ended - float(died.group(1)):.0f} s to fail"
+    # the supervisor says the job cannot go on without it, and the launcher names it; nobody says it continues
+    assert "continues without it" not in err and "finished without it" not in err, err
+    assert ("towers: worker rank 1 was killed by SIGKILL during start-up, before its links to the parameter servers "
+            "were up; the parameter-server job cannot start without it") in err, err
+    assert re.search(r"towers launch: rank 1 \(local rank 1, pid \d+\) was killed by SIGKILL", err), err
+    # the ps task named it too, unless the launcher stopped it first (worker 0 may have finished its own start-up)
+    assert re.search(r"\[rank 2/3\] ERROR towers\.process_group: rank 1 died during start-up \(its process, pid \d+ "
+                     r"on host \S+, is gone\) while this process was (creating the process group|connecting worker 1)",
+                     err) or "rank 2 was killed by SIGTERM" in err, err

@@ -9,10 +9,18 @@ BackupAndRestore backing up once per epoch): 48 steps in 3 epochs.
 - SIGTERM to ``towers launch`` itself (what Kubernetes sends a pod) while its ranks wait after step
   20: the agent passes it on, every rank saves, the launcher exits; started again (the pod's
   restart), the job resumes at the saved step and ends with the same parameters.
+- The same job under ``--strategy ps --strategy-option mode=sync`` (2 workers + 1 ps task, whose
+  parameters and Adam state the checkpoint fetches), preempted three times at seeded random
+  steps: SIGTERM to the launcher, then (started again, ``--max-restarts 2``) to the ps task, then
+  to worker rank 1. Each time the ps task serves while the workers save at the step after the
+  notice, every process exits with the restart code, the next attempt resumes there (no more than
+  one step lost), and the job ends with the uninterrupted Mirrored run's parameters (sync
+  parameter servers have the same maths).
 """
 
 from __future__ import annotations
 
+import random
 import re
 import signal
 from pathlib import Path
@@ -20,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_support import OutputReader, clean_env, finish, run, start, towers_command
+from cli_support import OutputReader, clean_env, finish, processes_running, run, start, towers_command
 from towers.checkpoint import PREEMPTED_EXIT_CODE, load_checkpoint
 
 pytestmark = pytest.mark.timeout(240)
@@ -33,6 +41,24 @@ def _launch(out: Path, *extra: str, restarts: int = 0) -> list[str]:
     out.mkdir(exist_ok=True)
     return [*towers_command(), "launch", "--nproc-per-node", "2", "--strategy", "mirrored",
             "--max-restarts", str(restarts), str(JOB), str(out), *extra]
+
+
+def _launch_ps(out: Path, *extra: str, restarts: int = 0) -> list[str]:
+    """Ranks 0 and 1 are the workers, rank 2 the ps task."""
+    out.mkdir(exist_ok=True)
+    return [*towers_command(), "launch", "--nproc-per-node", "3", "--strategy", "ps", "--strategy-option", "mode=sync",
+            "--max-restarts", str(restarts), str(JOB), str(out), *extra]
+
+
+def _attempts(stdout: str) -> list[tuple[int, int]]:
+    """Return, for each attempt of one launch, the global step it began at and the last step it finished."""
+    attempts: list[list[int]] = []
+    for line in stdout.splitlines():
+        if begun := re.fullmatch(r"\[rank 0\]: attempt \d+ begins at global step (\d+)", line.strip()):
+            attempts.append([int(begun.group(1))] * 2)
+        elif (done := re.fullmatch(r"\[rank 0\]: step (\d+)", line.strip())) and attempts:
+            attempts[-1][1] = int(done.group(1))
+    return [(begin, last) for begin, last in attempts]
 
 
 def _final(out: Path) -> list[torch.Tensor]:
@@ -77,3 +103,40 @@ def test_sigterm_to_the_launcher_saves_on_every_rank_and_a_new_start_resumes(tmp
     assert f"resumed at global step {saved['global_step']}" in again.stdout
     for a, b in zip(_final(out), reference):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.timeout(420)
+def test_a_ps_job_preempted_through_the_launcher_the_ps_task_or_a_worker_loses_at_most_one_step(tmp_path, reference):
+    rng = random.Random(2024)
+    at_launcher, at_ps, at_worker = rng.randint(3, 12), rng.randint(17, 27), rng.randint(32, 43)
+    out = tmp_path / "job"
+
+    # 1. SIGTERM to `towers launch` (Kubernetes): its supervisors pass it to the workers and to the ps task.
+    proc = start(_launch_ps(out, "--wait-at", str(at_launcher)), cwd=tmp_path, env=clean_env())
+    reader = OutputReader(proc)
+    assert reader.wait_for_lines(1, f"[rank 0]: waiting at step {at_launcher}", deadline_s=120), "never got there"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = reader.collect(timeout_s=90)
+    assert proc.returncode == 128 + signal.SIGTERM, stdout[-2000:] + stderr[-3000:]
+    assert processes_running(str(JOB)) == []
+    assert "[rank 2]: " in stderr and "SIGTERM received: serving the workers while they save" in stderr, stderr[-3000:]
+    saved = load_checkpoint(out / "backup" / "backup")["global_step"]
+    assert saved in (at_launcher + 1, at_launcher + 2), stdout[-2000:]  # the ranks waited after at_launcher
+    ((_, last),) = _attempts(stdout)
+    assert last - saved <= 1, stdout[-2000:]  # steps finished that the checkpoint does not hold
+
+    # 2. Started again: SIGTERM to the ps task (attempt 0), then to worker rank 1 (attempt 1); attempt 2 finishes.
+    again = run(_launch_ps(out, "--signal", "SIGTERM", "--signal-at", f"0:{at_ps}:2", "--signal-at",
+                           f"1:{at_worker}:1", restarts=2), cwd=tmp_path, deadline_s=240, marker=str(JOB))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    attempts = _attempts(again.stdout)
+    assert len(attempts) == 3 and attempts[0][0] == saved, again.stdout[-3000:]
+    (_, last_ps), (after_ps, last_worker), (after_worker, last) = attempts
+    assert after_ps in (at_ps + 1, at_ps + 2) and after_worker in (at_worker + 1, at_worker + 2), attempts
+    assert last_ps - after_ps <= 1 and last_worker - after_worker <= 1 and last == STEPS, attempts
+    # the ps task served both saves and exited with the restart code, as the workers did
+    assert again.stderr.count("[rank 2]: ") and again.stderr.count(
+        "on a preemption notice; exiting for a restart") >= 2, again.stderr[-3000:]
+    assert f"resumed at global step {after_worker}" in again.stdout
+    for a, b in zip(_final(out), reference):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -6,10 +6,14 @@ The input is three text files of different lengths read through ``towers.data.Sh
 that yields lines, a transform that parses them). Two epochs on 2 replicas give the one-device
 parameters; a 2-replica run stopped after 3 global batches writes a checkpoint (model, optimizer,
 stream position) and one device finishes the job from it with the uninterrupted job's parameters.
+In the same launch each replica then reads its own copy of the files, one of which differs: both
+replicas stop at the epoch's start with the same ``ShardChangedError``, not with a desynchronised
+batch count.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +24,7 @@ from torch import nn
 
 import towers
 from towers.cluster.info import ProcessInfo
-from towers.data import Shards
+from towers.data import ShardChangedError, Shards
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,15 +103,32 @@ def _fit(strategy: towers.Strategy, paths: list[str]) -> dict[str, Any]:
             "history": history.history, "evaluate": trainer.evaluate(stream, 4)}
 
 
-def _replica(paths: list[str]) -> dict[str, Any]:
+def _first_batch_of_own_copy(strategy: towers.Strategy, copies: list[list[str]]) -> str:
+    """Read the first batch of this replica's copy of the files; return the error it raised (or "no error")."""
+    batches = strategy.distribute_dataset(Shards(copies[strategy.replica_id], _read_lines, transform=_parse),
+                                          GLOBAL_BATCH, seed=7)
+    try:
+        next(iter(batches))
+    except ShardChangedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _replica(paths: list[str], copies: list[list[str]]) -> dict[str, Any]:
     full, _ = _train(towers.MirroredStrategy(timeout_s=60), paths)
     _, checkpoint = _train(towers.MirroredStrategy(timeout_s=60), paths, stop_after=STOP_AFTER)
-    return {"full": full, "checkpoint": checkpoint, "fit": _fit(towers.MirroredStrategy(timeout_s=60), paths)}
+    strategy = towers.MirroredStrategy(timeout_s=60)
+    fit = _fit(strategy, paths)
+    return {"full": full, "checkpoint": checkpoint, "fit": fit, "copies": _first_batch_of_own_copy(strategy, copies)}
 
 
 def test_a_file_stream_trains_the_one_device_model_and_resumes_from_2_replicas_on_1(tmp_path):
     paths = _write_files(tmp_path)
-    per_rank = towers.spawn(_replica, 2, args=(paths,), timeout_s=90)
+    (tmp_path / "host-1").mkdir()
+    copies = [paths, [shutil.copy(p, tmp_path / "host-1") for p in paths]]
+    with open(copies[1][1], "a") as f:  # the second host's copy of part-1 has one more line
+        f.write("0.5,0.5,0.5,1\n")
+    per_rank = towers.spawn(_replica, 2, args=(paths, copies), timeout_s=90)
     reference, _ = _train(towers.OneDeviceStrategy("cpu", info=ProcessInfo()), paths)
     for rank, result in enumerate(per_rank):
         for got, want in zip(result["full"], reference):
@@ -128,4 +149,8 @@ def test_a_file_stream_trains_the_one_device_model_and_resumes_from_2_replicas_o
         for key, values in fitted["history"].items():
             assert result["fit"]["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
         assert result["fit"]["evaluate"] == pytest.approx(fitted["evaluate"], rel=1e-5)
+    for rank, result in enumerate(per_rank):  # every replica stops, with the same named error
+        assert result["copies"].startswith(f"[rank {rank}/2] The replicas see different files for shard 1 ("), (
+            rank, result["copies"])
+        assert "part-1.csv) at the start of epoch 0: its size is" in result["copies"]
 

@@ -184,3 +184,24 @@ def test_cli_errors_are_one_line_with_exit_code_2(capsys):
     assert err.startswith("towers k8s: error: --name must be a DNS-1123 label") and err.count("\n") == 1
     assert main(["k8s", "--name", "ok", "--env", "NOEQUALS", "--image", "i", "t.py"]) == 2
     assert "--env expects KEY=VALUE" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_strategy_option_the_strategy_does_not_take_before_writing(tmp_path, capsys):
+    from towers.cluster.info import ProcessInfo
+    from towers.cluster.strategy_options import parse_strategy_options
+    from towers.strategies.base import strategy_from_env
+
+    target = tmp_path / "job.yaml"
+    argv = ["k8s", "--name", "ok", "--image", "i", "--nnodes", "2", "--strategy", "mirrored", "--strategy-option",
+            "nonsense=1", "-o", str(target), "t.py"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and not target.exists(), err
+    # The same line every process of `towers launch --strategy mirrored --strategy-option nonsense=1` would end on.
+    with pytest.raises(ValueError) as launched:
+        strategy_from_env(ProcessInfo(strategy="mirrored", strategy_options=parse_strategy_options(["nonsense=1"])))
+    assert err == f"towers k8s: error: {launched.value}\n"
+    assert "Strategy 'mirrored' does not take the option 'nonsense'" in err and "Drop it" in err
+    ok = ["k8s", "--name", "ok", "--image", "i", "--nnodes", "2", "--strategy", "ps", "--strategy-option", "mode=async",
+          "-o", str(target), "t.py"]
+    assert main(ok) == 0 and "--strategy-option mode=async" in target.read_text()

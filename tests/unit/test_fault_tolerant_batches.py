@@ -15,7 +15,7 @@ class _Job:
     device = torch.device("cpu")
 
     def __init__(self, step: int, num_replicas: int = 2, replica_id: int = 0):
-        self.current_step, self.num_replicas_in_sync, self.replica_id = step, num_replicas, replica_id
+        self.current_step, self.live_replicas, self.replica_id = step, num_replicas, replica_id
         self.open, self.quorums, self.joined = False, 0, False
 
     def _join(self) -> None:

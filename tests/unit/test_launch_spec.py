@@ -177,11 +177,23 @@ def _failure(local_rank, exitcode, timestamp=100, pid=10, message="To enable tra
 
 
 def test_failure_report_names_the_cause_not_the_ranks_we_stopped():
-    exc = SimpleNamespace(failures={0: _failure(0, -signal.SIGTERM), 1: _failure(1, 3)})
+    # torchrun's agent notes the failure it saw first, then the ranks it stopped (SIGTERM), in that order.
+    exc = SimpleNamespace(failures={1: _failure(1, 3), 0: _failure(0, -signal.SIGTERM)})
     error = _failure_error(exc, spec(nproc_per_node=2))
     assert str(error).startswith("rank 1 (local rank 1, pid 10) exited with code 3")
     assert "rank 0 was killed by SIGTERM" in str(error)
     assert (error.exit_code, error.failed_rank) == (3, 1)
+
+
+def test_failure_report_names_the_first_failure_when_it_was_a_signal():
+    # SIGTERM sent to the ps task (rank 2) ends the job: the agent stops the workers with SIGTERM too, and one of
+    # them exits with code 1 on its way out (a lost peer). The first noted is the cause, whatever the others did.
+    exc = SimpleNamespace(failures={2: _failure(2, -signal.SIGTERM, pid=12), 0: _failure(0, -signal.SIGTERM),
+                                    1: _failure(1, 1)})
+    error = _failure_error(exc, spec(nproc_per_node=3))
+    assert str(error).startswith("rank 2 (local rank 2, pid 12) was killed by SIGTERM"), str(error)
+    assert "(rank 0 was killed by SIGTERM, rank 1 exited with code 1)" in str(error)
+    assert (error.exit_code, error.failed_rank) == (128 + signal.SIGTERM, 2)
 
 
 def test_failure_report_for_a_killed_worker():

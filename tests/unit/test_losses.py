@@ -202,6 +202,24 @@ def test_bad_weights_are_explained():
     assert compute_average_loss(losses, weights=torch.zeros(4, 3)).item() == 0.0  # nothing weighs: 0, not NaN
 
 
+@pytest.mark.parametrize("bad,count", [(float("nan"), 12), (-1.0, 12), ([1.0, float("inf"), -2.0], 8)],
+                         ids=["nan", "negative", "inf-and-negative-in-a-tensor"])
+def test_a_non_finite_or_negative_weight_is_refused_with_the_count_and_the_fix(bad, count):
+    # Plain torch would train on it: the weighted sum over the sum of weights is NaN, or a loss pushed up.
+    losses = torch.ones(4, 3, requires_grad=True)
+    weights = torch.tensor(bad).expand(4, 3) if isinstance(bad, float) else torch.tensor([bad] * 4)
+    assert not torch.isfinite((losses * weights).sum() / weights.sum()) or (weights < 0).any()
+    with pytest.raises(ValueError, match=rf"finite weights >= 0.*Received: {count} of 12 weight\(s\) NaN, infinite or "
+                                         r"negative.*\(labels != -100\).float\(\).*nan_to_num"):
+        compute_average_loss(losses, weights=weights)
+    strategy = OneDeviceStrategy("cpu", info=ProcessInfo(), gradient_accumulation_steps=2)  # the noted path too
+    _prepared(strategy, torch.nn.Linear(1, 1))
+    batch = next(iter(strategy.distribute_dataset(torch.ones(4, 1), 2, shuffle=False)))
+    with pytest.raises(ValueError, match=rf"Received: {count} of 12 weight"):
+        strategy.run(lambda _: compute_average_loss(losses, weights=weights), args=(batch,))
+    assert strategy._loss_weights.weight == 0.0  # nothing was noted
+
+
 def test_weights_are_counted_exactly_whatever_the_losss_dtype():
     losses = torch.ones(1, 301, dtype=torch.bfloat16)  # a bf16 sum of 301 ones is not 301
     value = compute_average_loss(losses, weights=torch.ones(1, 301, dtype=torch.bfloat16))

@@ -110,6 +110,25 @@ def test_a_member_without_the_chief_verdict_gives_up_shortly_after_its_own_timeo
     assert 4 <= clock.now - 1000.0 <= 6.5
 
 
+def test_a_member_that_died_ends_the_wait_at_once_and_the_chief_tells_the_others():
+    store, clock = FakeStore(), FakeClock()
+    store.set("join/member/1", '{"host": "h1", "address": "10.0.0.1", "pid": 11, "scope": "boot:ns"}')
+    seen: list[dict] = []
+
+    def dead(joined):
+        seen.append(dict(joined))
+        return "rank 1 (worker:1 at h1:2222) died during start-up (...)" if 1 in joined else None
+
+    with pytest.raises(RendezvousError, match=r"^rank 1 \(worker:1 at h1:2222\) died during start-up"):
+        join(store, index=0, count=3, is_chief=True, timeout_s=60, where="h0:2222", describe=names,
+             report=pytest.fail, me=Member("h0", "10.0.0.9", 7), clock=clock, sleep=clock.sleep, dead=dead)
+    assert clock.now == 1000.0  # at once, not at the join timeout
+    assert seen[0][1] == Member("h1", "10.0.0.1", 11, "boot:ns")  # the record's pid scope is read back
+    with pytest.raises(RendezvousError, match="rank 1 .* died during start-up"):  # the others end with the same line
+        join(store, index=2, count=3, is_chief=False, timeout_s=60, where="h0:2222", describe=names,
+             report=pytest.fail, clock=clock, sleep=clock.sleep)
+
+
 def test_two_members_with_the_same_rank_are_refused():
     store, clock = FakeStore(), FakeClock()
     store.add("join/claims/1", 1)

@@ -51,6 +51,15 @@ def test_signal_deaths_keep_their_signal_except_on_a_tolerated_worker():
     assert worker.tolerated and worker.exit_code == 0 and "worker rank 1 was killed by SIGKILL" in worker.message
 
 
+def test_a_worker_dead_in_start_up_stops_the_job_saying_it_cannot_start_without_it():
+    decision = decide(info_of(1), -signal.SIGKILL, started=False)
+    assert not decision.tolerated and decision.signal_number == signal.SIGKILL
+    assert decision.message == ("towers: worker rank 1 was killed by SIGKILL during start-up, before its links to the "
+                                "parameter servers were up; the parameter-server job cannot start without it and "
+                                "stops")
+    assert decide(info_of(0), 3, started=False).message == ""  # the chief's failure stops the job anyway
+
+
 def test_success_a_stop_request_or_an_unknown_role_propagate():
     assert decide(info_of(1), 0).exit_code == 0 and not decide(info_of(1), 0).tolerated
     # the agent is stopping the job (it signalled the supervisor): report the child's status as is
@@ -100,8 +109,9 @@ def test_the_flag_parses():
 
 
 # --- main, on tiny children ---------------------------------------------------------------------
-def run_supervisor(rank: int, child_code: str, tmp_path, **popen) -> subprocess.Popen:
-    env = {**os.environ, **ps_job_env(rank)}
+def run_supervisor(rank: int, child_code: str, tmp_path, *, extra_env: dict[str, str] | None = None,
+                   **popen) -> subprocess.Popen:
+    env = {**os.environ, **ps_job_env(rank), **(extra_env or {})}
     env.pop("TF_CONFIG", None)
     return subprocess.Popen([sys.executable, "-m", "towers.launch.supervise", "--report-dir", str(tmp_path), "--",
                              sys.executable, "-c", child_code], env=env, stderr=subprocess.PIPE, text=True, **popen)
@@ -143,8 +153,48 @@ def test_main_forwards_sigterm_and_leaves_no_child(tmp_path):
         os.kill(child_pid, 0)
 
 
+def test_main_tolerates_a_worker_only_after_its_start_up_and_publishes_an_earlier_death(tmp_path):
+    import torch.distributed as dist
+
+    from towers.cluster.deaths import read_deaths
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the job's store (the agent's)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    job = {"TOWERS_LAUNCH_DIR": str(notes), "MASTER_PORT": str(server.port)}
+    started = ("from towers.cluster.launch_notes import note_started; "
+               f"note_started({str(notes)!r}, rank=1); raise SystemExit(3)")
+    proc = run_supervisor(1, started, tmp_path, extra_env=job)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "continues without it" in err, err
+    store = dist.PrefixStore("towers/attempt_0", server)
+    assert read_deaths(store, 3) == {}
+
+    proc = run_supervisor(1, "raise SystemExit(3)", tmp_path, extra_env=job)  # no note: it died in start-up
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err
+    assert "towers: worker rank 1 exited with code 3 during start-up" in err and "continues" not in err, err
+    assert read_deaths(store, 3) == {1: "exited with code 3"}  # the others, on every node, stop naming it
+
+
 def test_main_without_a_command_says_how_to_use_it():
     proc = subprocess.run([sys.executable, "-m", "towers.launch.supervise"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "needs a command after `--`" in proc.stderr
 
+
+
+def test_a_failed_node_tells_the_other_nodes_in_start_up_through_the_jobs_store():
+    import types
+
+    import torch.distributed as dist
+
+    from towers.cluster.deaths import read_deaths
+    from towers.launch import launcher
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # node 0's store
+    spec = parse_launch_args(["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr",
+                              "127.0.0.1", "--master-port", str(server.port), "train.py"], gpu_count=0, cpu_count=2)
+    failure = types.SimpleNamespace(exitcode=-signal.SIGKILL, local_rank=0, pid=1)
+    launcher._announce_first_failure(types.SimpleNamespace(failures={1: failure}), spec)
+    assert read_deaths(dist.PrefixStore("towers/attempt_0", server), 2) == {1: "was killed by SIGKILL"}

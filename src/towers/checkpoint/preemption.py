@@ -14,6 +14,13 @@ at that step. A job loses at most the step in flight.
 A second signal, or no step boundary within ``boundary_timeout_s`` of the notice (the process is
 not in a training loop), restores the previous handler and delivers the signal again, so a notice
 is never swallowed.
+
+A process that serves the training processes and runs no step of its own (a parameter-server
+task: the workers' checkpoint fetches the state it holds) uses ``ServingPreemptionHandler``: a
+notice it receives goes to the store like any other, and it keeps serving while the workers agree
+on a step and save through it; then it exits with the restart code too. It passes the signal on
+only when no process agreed on a step within ``boundary_timeout_s`` (nobody checkpoints) or a
+second signal comes before they agreed; after they agreed, it exits once they are done.
 """
 
 from __future__ import annotations
@@ -25,16 +32,16 @@ import time
 from typing import Any, Sequence
 
 from towers._logging import get_logger
+from towers.launch.exits import PREEMPTED_EXIT_CODE  # defined there: the ps supervisor must not import torch
 
-__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "PreemptionHandler", "preemption_signals"]
+__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "PreemptionHandler", "ServingPreemptionHandler",
+           "preemption_signals"]
 
 log = get_logger(__name__)
 
-#: The exit code of a process that saved on a preemption notice: "temporary failure, start me again" (EX_TEMPFAIL).
-PREEMPTED_EXIT_CODE = 75
-
 _NOTICE = "towers/preemption/notice"
 _DECISION = "towers/preemption/stop_after_step"
+_SAVING = "towers/preemption/saving_at_step"  # a process reached the agreed step: the job saves and exits
 
 
 class Preempted(SystemExit):
@@ -88,6 +95,8 @@ class PreemptionHandler:
     (default: the rendezvous store of the default process group; none in a single process).
     """
 
+    _notice_text = "%s received: saving a checkpoint at the next step boundary that every process agrees on"
+
     def __init__(self, *, signals: Sequence[signal.Signals] | None = None, store: Any = None,
                  boundary_timeout_s: float = 10.0, rank: int = 0):
         self.signals = tuple(signals) if signals is not None else (signal.SIGTERM, signal.SIGUSR1)
@@ -135,8 +144,7 @@ class PreemptionHandler:
             self.uninstall()
             return
         self.noticed, self.noticed_at_s = sig, time.monotonic()
-        log.warning("%s received: saving a checkpoint at the next step boundary that every process agrees on",
-                    sig.name)
+        log.warning(self._notice_text, sig.name)
         if self._store is not None:
             try:
                 self._store.set(_NOTICE, f"{self._rank}:{sig.name}")
@@ -188,7 +196,35 @@ class PreemptionHandler:
         if step < self.decided_step:
             return False
         self._acted = True
+        self._store_set(_SAVING, str(step))  # a serving process (a ps task) then exits for a restart too
         return True
+
+    def _store_set(self, key: str, value: str) -> None:
+        if self._store is None:
+            return
+        try:
+            self._store.set(key, value)
+        except Exception as exc:  # the store may be gone (the job is ending): this process still saves
+            log.debug("could not write %s to the job's store (%s)", key, exc)
+
+    def _store_int(self, key: str) -> int | None:
+        """The integer stored at ``key`` in the job's store; None when it is absent or the store is gone."""
+        if self._store is None:
+            self._store = _default_store()
+        if self._store is None:
+            return None
+        try:
+            if not self._store.check([key]):
+                return None
+            value = self._store.get(key)
+        except Exception:  # a store that is gone: the job is ending
+            return None
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        return int(text) if text.strip().lstrip("-").isdigit() else None
+
+    def agreed_step(self) -> int | None:
+        """Return the step after which the job's processes agreed to save, or None while none agreed."""
+        return self._store_int(_DECISION)
 
     def _decide(self, step: int) -> int:
         if self._store is None:
@@ -200,3 +236,48 @@ class PreemptionHandler:
             return step
         text = value.decode() if isinstance(value, bytes) else str(value)
         return int(text) if text.strip().lstrip("-").isdigit() else step + 1
+
+
+class ServingPreemptionHandler(PreemptionHandler):
+    """The preemption handler of a process that serves the training processes and has no step of its own (a ps task).
+
+    A notice it receives reaches the others through the store, as on any process; then it keeps
+    serving, because the workers save through it (the state they checkpoint lives there). Its
+    timer passes the signal on (the process exits as the signal would have) only when no process
+    agreed on a step within ``boundary_timeout_s``: nobody checkpoints, so nothing waits for it. A
+    second signal after they agreed is logged and changes nothing: the process ends with them.
+    ``finish()``, once every worker is done, says whether the job saved for a restart.
+    """
+
+    _notice_text = ("%s received: serving the workers while they save at the next step boundary they agree on, "
+                    "then exiting for a restart")
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Once the workers agreed on a step they save through this process: a second signal (torchrun's agent
+        # stopping the others after a worker exited to be restarted) must not break that save. It exits when they
+        # are done.
+        if self.noticed is not None and self.agreed_step() is not None:
+            log.warning("%s again: the workers are saving through this process; it exits when they are done",
+                        signal.Signals(signum).name)
+            return
+        super()._on_signal(signum, frame)
+
+    def _no_boundary(self) -> None:
+        step = self.agreed_step()
+        if step is not None:
+            self.decided_step = step
+            log.info("preemption: the workers save after step %d; serving them until they are done", step)
+            return
+        super()._no_boundary()
+
+    def finish(self) -> int | None:
+        """Give the signals back; return the step the job saved at for a restart (from any process's notice), or None.
+
+        When it returns a step the process should exit with ``PREEMPTED_EXIT_CODE``; a notice this
+        process received that no save followed is delivered again (``uninstall``).
+        """
+        step = self._store_int(_SAVING) if self.installed else None
+        if step is not None:
+            self._acted, self.decided_step = True, step
+        self.uninstall()
+        return step

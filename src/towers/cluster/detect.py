@@ -10,6 +10,7 @@ from towers.cluster.base import (
     STUCK_TIMEOUT_VARIABLE,
     ClusterConfigError,
     ClusterEnvironment,
+    env_int,
     read_join_timeout,
     read_stuck_timeout,
 )
@@ -25,7 +26,12 @@ from towers.cluster.strategy_options import decode_strategy_options
 from towers.cluster.tf_config import TFConfigEnvironment
 from towers.cluster.torchrun import TorchrunEnvironment
 
-__all__ = ["ENVIRONMENTS", "detect_environment", "from_env", "describe"]
+__all__ = ["ENVIRONMENTS", "VERIFY_DIR_VARIABLE", "VERIFY_STEPS_VARIABLE", "detect_environment", "from_env",
+           "describe"]
+
+#: Set by ``towers verify`` in the runs it starts: the capture directory and the number of updates to capture.
+VERIFY_DIR_VARIABLE = "TOWERS_VERIFY_DIR"
+VERIFY_STEPS_VARIABLE = "TOWERS_VERIFY_STEPS"
 
 #: Sources in priority order; the first whose ``detect`` is True describes the process.
 #: Explicit keyword arguments to ``from_env`` override fields on top of it.
@@ -77,7 +83,8 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     ``TOWERS_STUCK_TIMEOUT_S`` fills ``stuck_timeout_s``;
     ``TOWERS_INTERFACE`` (set by ``towers launch --interface``), else ``GLOO_SOCKET_IFNAME``, fills ``interface``;
     ``TOWERS_LOG_LEVEL`` (set by ``towers launch``) fills ``log_level``;
-    ``TOWERS_LAUNCH_DIR`` (set by ``towers launch --strategy``) fills ``launch_dir``.
+    ``TOWERS_LAUNCH_DIR`` (set by ``towers launch --strategy``) fills ``launch_dir``;
+    ``TOWERS_VERIFY_DIR``/``TOWERS_VERIFY_STEPS`` (set by ``towers verify``) fill ``verify_dir``/``verify_steps``.
     ``environ=None`` reads ``os.environ``; pass a dict in tests.
 
     Raises:
@@ -106,6 +113,10 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     launch_dir = environ.get(LAUNCH_DIR_VARIABLE, "").strip()
     if launch_dir:
         info = dataclasses.replace(info, launch_dir=launch_dir)
+    verify_dir = environ.get(VERIFY_DIR_VARIABLE, "").strip()
+    if verify_dir:
+        info = dataclasses.replace(info, verify_dir=verify_dir,
+                                   verify_steps=env_int(environ, VERIFY_STEPS_VARIABLE, 3, minimum=1))
     if environ.get(STRATEGY_OPTIONS_ENV, "").strip():
         try:
             options = decode_strategy_options(environ[STRATEGY_OPTIONS_ENV])

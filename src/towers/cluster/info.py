@@ -114,6 +114,10 @@ class ProcessInfo:
     #: The directory ``towers launch`` made for this job, where a process leaves notes for it (``TOWERS_LAUNCH_DIR``:
     #: a strategy built), or None outside ``towers launch --strategy``.
     launch_dir: str | None = None
+    #: Where ``towers verify`` collects the parameters after each update (``TOWERS_VERIFY_DIR``), or None: no capture.
+    verify_dir: str | None = None
+    #: How many updates ``towers verify`` compares (``TOWERS_VERIFY_STEPS``): the run ends cleanly after them.
+    verify_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -132,6 +136,8 @@ class ProcessInfo:
             raise ValueError(f"restart_count must be >= 0. Received: {self.restart_count}.")
         if self.num_ps < 0:
             raise ValueError(f"num_ps must be >= 0. Received: {self.num_ps}.")
+        if self.verify_steps < 0:
+            raise ValueError(f"verify_steps must be >= 0. Received: {self.verify_steps}.")
         if not self.join_timeout_s > 0:
             raise ValueError(f"join_timeout_s must be > 0 seconds. Received: {self.join_timeout_s}.")
         if self.stuck_timeout_s is not None and not 0 <= self.stuck_timeout_s < float("inf"):

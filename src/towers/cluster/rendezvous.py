@@ -82,13 +82,16 @@ class Member:
     host: str
     address: str
     pid: int
+    #: where ``pid`` means something (``towers.cluster.deaths.pid_scope``); ``""``: unknown
+    scope: str = ""
 
     def __str__(self) -> str:
         return f"host {self.host} {self.address}, pid {self.pid}" if self.address else f"host {self.host}, pid {self.pid}"
 
 
-def visible_warning(logger: logging.Logger, *, prefix: str = "towers:") -> Callable[[str], None]:
-    """Return a ``report`` that logs a waiting line at WARNING, and prints it to stderr when nothing would show it.
+def visible_warning(logger: logging.Logger, *, prefix: str = "towers:",
+                    level: int = logging.WARNING) -> Callable[[str], None]:
+    """Return a ``report`` that logs a waiting line at ``level``, and prints it to stderr when nothing would show it.
 
     The library's ``NullHandler`` keeps Python from printing warnings of an application that set up
     no logging; a process waiting for its peers must still say so. So, when no handler on the
@@ -98,16 +101,16 @@ def visible_warning(logger: logging.Logger, *, prefix: str = "towers:") -> Calla
     def shown() -> bool:
         current: logging.Logger | None = logger
         while current is not None:
-            if any(not isinstance(h, logging.NullHandler) and h.level <= logging.WARNING for h in current.handlers):
+            if any(not isinstance(h, logging.NullHandler) and h.level <= level for h in current.handlers):
                 return True
             current = current.parent if current.propagate else None
         return False
 
     def report(message: str) -> None:
-        if not logger.isEnabledFor(logging.WARNING):
+        if not logger.isEnabledFor(level):
             return
         if shown():
-            logger.warning(message)
+            logger.log(level, message)
         else:
             sys.stderr.write(f"{prefix} {message}\n")
             sys.stderr.flush()
@@ -243,7 +246,8 @@ def _record(store: KeyValueStore, key: str) -> Member | None:
         return None
     try:
         data = json.loads(store.get(key))
-        return Member(host=str(data["host"]), address=str(data.get("address", "")), pid=int(data["pid"]))
+        return Member(host=str(data["host"]), address=str(data.get("address", "")), pid=int(data["pid"]),
+                      scope=str(data.get("scope", "")))
     except (ValueError, KeyError, TypeError):
         return Member(host="?", address="", pid=0)
 
@@ -261,6 +265,7 @@ def _status(joined: Mapping[int, Member], count: int, describe: Callable[[int], 
 def join(store: KeyValueStore, *, index: int, count: int, is_chief: bool, timeout_s: float, where: str,
          describe: Callable[[int], str], report: Callable[[str], None], me: Member | None = None,
          kind: str = "process", since: float | None = None, waited_s: float = 0.0,
+         dead: Callable[[Mapping[int, Member]], str | None] | None = None,
          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> dict[int, Member]:
     """Record member ``index`` of ``count`` in ``store`` and return every member once all have joined.
 
@@ -268,11 +273,13 @@ def join(store: KeyValueStore, *, index: int, count: int, is_chief: bool, timeou
     ``timeout_s``, tells the others why it gives up; ``describe(i)`` names member ``i`` and
     ``where`` the rendezvous (for the messages); ``kind`` is "process" or "node". ``waited_s`` is
     how much of ``timeout_s`` was spent before (reaching the store); ``since`` the wall time it began.
+    ``dead(joined)``, polled while waiting, returns a line naming a member that died (or None): the
+    wait then ends at once with it, on the chief's verdict for everyone.
 
     Raises:
         JoinTimeoutError: when members are still missing at ``timeout_s``: one line naming them,
             the members that joined, since when, and what to check.
-        RendezvousError: when two members claim the same index.
+        RendezvousError: when two members claim the same index, or ``dead`` named a dead member.
     """
     me = me or Member(host=socket.gethostname(), address="", pid=os.getpid())
     claims = store.add(f"join/claims/{index}", 1)
@@ -280,7 +287,8 @@ def join(store: KeyValueStore, *, index: int, count: int, is_chief: bool, timeou
         raise RendezvousError(
             f"two {kind}s claim to be {describe(index)} at the rendezvous {where}: each {kind} needs its own rank "
             f"(this one: {me}). Give every {kind} a different rank (--node-rank, RANK, TF_CONFIG's task index).")
-    store.set(f"join/member/{index}", json.dumps({"host": me.host, "address": me.address, "pid": me.pid}))
+    store.set(f"join/member/{index}",
+              json.dumps({"host": me.host, "address": me.address, "pid": me.pid, "scope": me.scope}))
     start, wall_start = clock() - waited_s, time.time() - waited_s if since is None else since
     interval = report_interval_s(timeout_s)
     next_report = start + interval
@@ -299,6 +307,11 @@ def join(store: KeyValueStore, *, index: int, count: int, is_chief: bool, timeou
             if verdict == "complete":
                 return {i: _record(store, f"join/member/{i}") or Member("?", "", 0) for i in range(count)}
             raise JoinTimeoutError(verdict, [i for i in range(count) if i not in joined])
+        death = dead(joined) if dead is not None else None
+        if death is not None:
+            if is_chief:
+                store.set("join/verdict", death)
+            raise RendezvousError(death)
         now = clock()
         waited = now - start
         # The others give the chief a moment past their own deadline, so that they end with its message.

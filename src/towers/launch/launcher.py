@@ -164,13 +164,11 @@ def _exit_code(exitcode: int) -> int:
 
 
 def _failure_error(exc: Any, spec: LaunchSpec) -> LaunchError:
-    # The agent ends the survivors with SIGTERM (SIGKILL after shutdown_timeout), and those show up
-    # as failures too: the cause is the earliest failure that is not one of those signals.
-    def cause_first(item: tuple[int, Any]) -> tuple[bool, bool, float, int]:
-        rank, failure = item
-        return (failure.exitcode == -signal.SIGTERM, failure.exitcode == -signal.SIGKILL, failure.timestamp, rank)
-
-    failures = sorted(exc.failures.items(), key=cause_first)
+    # torchrun's agent notes failures in the order it sees them: the ones that ended the job (those of its first
+    # poll), then the survivors it ended itself (SIGTERM, SIGKILL after shutdown_timeout). So the cause is the first
+    # one noted, signal or not (a SIGTERM sent to a ps task is the cause; the workers' SIGTERMs that follow are not).
+    # torch's timestamps are whole seconds, and a signal death's is when the agent noted it: no finer order.
+    failures = list(exc.failures.items())
     first_rank, first = failures[0]
     text = (f"rank {first_rank} (local rank {first.local_rank}, pid {first.pid}) {describe_exit(first.exitcode)}; "
             "towers launch stopped every other process of the job on this node")
@@ -182,6 +180,22 @@ def _failure_error(exc: Any, spec: LaunchSpec) -> LaunchError:
     if isinstance(message, str) and message and not message.startswith("To enable traceback"):
         text += f"\nrank {first_rank} reported: {message}"
     return LaunchError(text, exit_code=_exit_code(first.exitcode), failed_rank=first_rank)
+
+
+def _announce_first_failure(exc: Any, spec: LaunchSpec) -> None:
+    # The other nodes' processes still in start-up would wait for this node's dead rank in torch's C++ until their
+    # timeout: the job's store tells them (towers.cluster.deaths), so they stop at once naming it. On one host they
+    # see its pid gone. The job ended after its last attempt, so that is the one told.
+    if spec.is_single_node or spec.rdzv_backend != "static" or spec.master_port is None:
+        return
+    rank, first = next(iter(exc.failures.items()))
+    try:
+        from towers.process_group import announce_deaths  # torch: only once the job failed
+
+        announce_deaths(spec.master_addr, spec.master_port, {rank: describe_exit(first.exitcode)},
+                        attempt=spec.max_restarts)
+    except Exception as store_error:  # noqa: BLE001 - node 0 (and its store) may be gone: the others time out
+        log.debug("could not tell the other nodes that rank %s died: %s", rank, store_error)
 
 
 def _start_error(exc: BaseException, rendezvous: str, spec: LaunchSpec, join_timeout_s: float) -> LaunchError:
@@ -383,6 +397,7 @@ def launch(spec: LaunchSpec, *, environ: Mapping[str, str] | None = None) -> Non
                 elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
         except ChildFailedError as exc:
             error = _failure_error(exc, spec)
+            _announce_first_failure(exc, spec)
             tolerated = _tolerated_text(report_dir)
             if tolerated:
                 error = LaunchError(f"{error}\nBefore that, {'; '.join(tolerated)}, and the job went on without "

@@ -11,17 +11,24 @@ which runs the real command as its child (same environment: torchrun's variables
 forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 to it, waits, and then decides
 (``decide``) from this rank's role, read through ``towers.cluster``:
 
-- the child succeeded, or the supervisor itself was signalled (the agent is stopping the job):
-  exit as the child did;
-- a non-chief worker failed: print one line on stderr naming the rank and code, leave a report
-  for the launcher in ``--report-dir``, and exit 0, so the agent lets the job go on;
+- the child succeeded, or the supervisor itself was signalled (the agent is stopping the job, or
+  a preemption notice reached the launcher), or the child saved on a preemption notice and asks
+  for a restart (``PREEMPTED_EXIT_CODE``, 75): exit as the child did, so the agent restarts the job;
+- a non-chief worker failed after its start-up (it noted its links to the ps tasks up in the
+  launch directory, ``towers.cluster.launch_notes``): print one line on stderr naming the rank and
+  code, leave a report for the launcher in ``--report-dir``, and exit 0, so the agent lets the job go on;
+- any process failed before its start-up finished: the job cannot start without it. Print one
+  line saying so, publish the death in the job's store (``towers.cluster.deaths``: the processes
+  of the other nodes waiting for it stop at once, naming it) and exit as the child did;
 - the chief or a ps task failed (or the role is unknown): exit as the child did (a signal death
   is re-raised on the supervisor), so the agent stops the job and the launcher names the rank.
 
 On Linux the child leads its own process group and dies with the supervisor
 (``PR_SET_PDEATHSIG``), as under ``dumb-init``/``tini -p``: the agent's ``killpg`` reaches the
 supervisor, which forwards the signal to the child's group exactly once, and the agent's SIGKILL
-of the supervisor (after its ``shutdown_timeout``) takes the child with it.
+of the supervisor (after its ``shutdown_timeout``) takes the child with it. The supervisor never
+ends its child itself: a ps task that receives a preemption notice keeps serving while the workers
+save through it (``towers.checkpoint.preemption``), then exits with the restart code.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from towers.cluster.info import ProcessInfo
-from towers.launch.exits import describe_exit
+from towers.cluster.launch_notes import started_pid
+from towers.launch.exits import PREEMPTED_EXIT_CODE, describe_exit
 
 __all__ = ["FORWARDED_SIGNALS", "Decision", "decide", "supervised_command", "read_reports", "main"]
 
@@ -68,17 +76,26 @@ def _propagate(returncode: int) -> Decision:
     return Decision(exit_code=returncode)
 
 
-def decide(info: ProcessInfo | None, returncode: int, *, stop_requested: bool = False) -> Decision:
+def decide(info: ProcessInfo | None, returncode: int, *, stop_requested: bool = False,
+           started: bool = True) -> Decision:
     """Return what to do after the child exited with ``returncode`` (negative: killed by that signal).
 
     A failure is tolerated only on a non-chief worker (``info.task.type == "worker"``, not the
-    chief) and only when the supervisor was not itself told to stop; ``info=None`` (the role could
-    not be read) tolerates nothing.
+    chief) that finished its start-up (``started``: its links to the ps tasks were up), and only
+    when the supervisor was not itself told to stop; ``info=None`` (the role could not be read)
+    tolerates nothing. A worker that died in start-up is not tolerated, with a ``message`` saying why.
+    ``PREEMPTED_EXIT_CODE`` is no failure to hide: the worker saved with the others on a preemption
+    notice, and the job stops to be restarted.
     """
-    if returncode == 0 or stop_requested or info is None:
+    if returncode in (0, PREEMPTED_EXIT_CODE) or stop_requested or info is None:
         return _propagate(returncode)
     if info.task.type != "worker" or info.is_chief:
         return _propagate(returncode)
+    if not started:
+        failed = _propagate(returncode)
+        return Decision(exit_code=failed.exit_code, signal_number=failed.signal_number, message=(
+            f"towers: worker rank {info.rank} {describe_exit(returncode)} during start-up, before its links to "
+            "the parameter servers were up; the parameter-server job cannot start without it and stops"))
     message = (f"towers: worker rank {info.rank} {describe_exit(returncode)}; the parameter-server job continues "
                "without it (the others take over its batches)")
     return Decision(exit_code=0, tolerated=True, message=message)
@@ -177,6 +194,17 @@ def _process_info() -> ProcessInfo | None:
         return None
 
 
+def _announce_death(info: ProcessInfo, returncode: int) -> None:
+    # The others of this node see the pid gone; those of other nodes read this key (towers.cluster.deaths).
+    try:
+        from towers.process_group import announce_death  # torch: imported only when a child died in start-up
+
+        announce_death(info, describe_exit(returncode))
+    except Exception as exc:  # noqa: BLE001 - the store may be gone with the job; the exit status still tells
+        print(f"towers: could not tell the other processes that rank {info.rank} died ({exc})", file=sys.stderr,
+              flush=True)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m towers.launch.supervise",
@@ -219,11 +247,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _send(child.pid, received[-1], group=linux)
     returncode = child.wait()
 
-    decision = decide(info, returncode, stop_requested=bool(received))
-    if decision.tolerated and info is not None:
+    # Without a launch directory (not started by towers launch) nothing tells start-up apart: as before, tolerate.
+    started = info is None or not info.launch_dir or started_pid(info.launch_dir, info.rank) == child.pid
+    decision = decide(info, returncode, stop_requested=bool(received), started=started)
+    if decision.message:
         print(decision.message, file=sys.stderr, flush=True)
-        if args.report_dir:
-            _write_report(args.report_dir, info, returncode)
+    if decision.tolerated and info is not None and args.report_dir:
+        _write_report(args.report_dir, info, returncode)
+    if info is not None and returncode not in (0, PREEMPTED_EXIT_CODE) and not received and not started:
+        _announce_death(info, returncode)
     if decision.signal_number is not None:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -8,6 +8,10 @@ Averaging would divide by the number of replicas a second time.
 * ``"fp16"`` / ``"bf16"``: cast the bucket, all-reduce SUM, cast back (half the bytes on the wire).
 * ``"powersgd"``: torch's PowerSGD (low-rank, error feedback), fed the bucket times the number of
   replicas, because its all-reduces divide by it.
+
+With a ``StepCheck`` one bucket of every synchronised step (the smallest) also carries the step's
+identity (``_step_check.py``): appended to the bucket's all-reduce (a few elements more), or, under
+PowerSGD, whose collectives are its own, in one small all-reduce of its own just before them.
 """
 
 # No `from __future__ import annotations` here: DDP checks that a hook's ``bucket`` annotation *is*
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from towers._logging import get_logger
+from towers.strategies._step_check import StepCheck, folded_sum
 
 __all__ = ["COMPRESSIONS", "register_sum_hook"]
 
@@ -29,14 +34,31 @@ COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
+def _all_reduce(tensor: torch.Tensor) -> torch.futures.Future[Any]:
+    return dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr]
+
+
 def _sum_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     fut = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
-def _compressed_sum_hook(dtype: torch.dtype) -> Hook:
+def _carries(check: StepCheck, bucket: dist.GradBucket) -> bool:
+    return check.carries(bucket.index(), bucket.buffer().numel(), bucket.is_last())
+
+
+def _checked_sum_hook(check: StepCheck, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """``_sum_hook`` on the default group, one bucket carrying the step's identity."""
+    if _carries(check, bucket):
+        return folded_sum(check, bucket.buffer(), bucket.buffer().dtype, _all_reduce)
+    return _sum_hook(None, bucket)
+
+
+def _compressed_sum_hook(dtype: torch.dtype, check: StepCheck | None = None) -> Hook:
     def hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
+        if check is not None and _carries(check, bucket):  # the cast copies anyway: the identity costs no copy more
+            return folded_sum(check, buffer, dtype, _all_reduce)
         compressed = buffer.to(dtype)
         fut = dist.all_reduce(compressed, group=process_group, async_op=True).get_future()
 
@@ -50,11 +72,14 @@ def _compressed_sum_hook(dtype: torch.dtype) -> Hook:
     return hook
 
 
-def _powersgd_sum_hook(num_replicas: int) -> Hook:
+def _powersgd_sum_hook(num_replicas: int, check: StepCheck | None) -> Hook:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         bucket.buffer().mul_(num_replicas)  # PowerSGD averages; pre-scaling turns its mean into our sum
+        if check is not None and _carries(check, bucket):  # before PowerSGD's own collectives, on every replica alike
+            identity, mark = check.mark(torch.float32, bucket.buffer().device)
+            check.compare_after_backward(identity, _all_reduce(mark), 0)
         return powerSGD_hook(state, bucket)
 
     return hook
@@ -75,13 +100,17 @@ def check_compression(name: str | None) -> str:
 
 
 def register_sum_hook(model: DistributedDataParallel, compression: str, num_replicas: int, *,
-                      powersgd_rank: int = 1, powersgd_start_iter: int = 10) -> None:
-    """Make ``model``'s gradient all-reduce a SUM, optionally compressed."""
+                      powersgd_rank: int = 1, powersgd_start_iter: int = 10, check: StepCheck | None = None) -> None:
+    """Make ``model``'s gradient all-reduce a SUM, optionally compressed; with ``check``, carrying the step's identity."""
     compression = check_compression(compression)
     if compression == "none":
-        model.register_comm_hook(None, _sum_hook)
+        if check is None:
+            model.register_comm_hook(None, _sum_hook)
+        else:
+            model.register_comm_hook(check, _checked_sum_hook)
     elif compression in ("fp16", "bf16"):
-        model.register_comm_hook(None, _compressed_sum_hook(torch.float16 if compression == "fp16" else torch.bfloat16))
+        model.register_comm_hook(None, _compressed_sum_hook(torch.float16 if compression == "fp16" else torch.bfloat16,
+                                                            check))
     else:
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
@@ -90,5 +119,6 @@ def register_sum_hook(model: DistributedDataParallel, compression: str, num_repl
                         "steps.", powersgd_start_iter)
         state = PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
                               start_powerSGD_iter=max(2, powersgd_start_iter))
-        model.register_comm_hook(state, _powersgd_sum_hook(num_replicas))
-    log.debug("gradient all-reduce: SUM, compression=%s", compression)
+        model.register_comm_hook(state, _powersgd_sum_hook(num_replicas, check))
+    log.debug("gradient all-reduce: SUM, compression=%s, step identity %s", compression,
+              "checked" if check is not None else "not checked")

@@ -18,6 +18,7 @@ import torch
 
 from towers.data import BatchInfo
 from towers.strategies.precision import Precision
+from towers.verify_capture import before_update
 
 __all__ = ["RunAccounting", "StepTracker", "StrategyOptimizer"]
 
@@ -46,9 +47,15 @@ class StepTracker:
         self.accumulation_steps = accumulation_steps
         self.sync = True  # whether the run in progress (or the last one) synchronises and steps
         self._runs = 0  # runs without a batch since the last update
+        #: Runs started so far, and the batch of the last one: the step's identity, which the gradient
+        #: all-reduce carries (``_step_check``). Plain attributes: DDP's hook may read them on autograd's thread.
+        self.started = 0
+        self.batch: BatchInfo | None = None
 
     def begin_run(self, info: BatchInfo | None) -> RunAccounting:
         """Start a run on a batch carrying ``info`` (None: a batch not from ``distribute_dataset``)."""
+        self.started += 1
+        self.batch = info
         if info is not None:
             self.sync = info.last_in_update
             return RunAccounting(info.examples_per_update, info.num_padding_examples, info.batches_per_update,
@@ -140,6 +147,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
             self._accumulating = True
             return None
         self._accumulating = False
+        before_update(self)  # `towers verify` records the parameters here; nothing otherwise
         if self._before_step is not None:  # the prepared model ran (its own, more precise error first)
             self._before_step()
         if self._finish_gradients is not None:

@@ -18,7 +18,7 @@ from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset, DistributedStream, find_batch_info, is_stream
 from towers.errors import user_error
-from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op
+from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
 from towers.strategies._steps import StepTracker, StrategyOptimizer
 from towers.strategies.base import ReplicaContext, Strategy, current_replica_context, note_built
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
@@ -42,6 +42,7 @@ class SyncStrategy(Strategy):
         self._user_modules: list[nn.Module] = []  # what prepare() received
         self._wrapped: list[nn.Module] = []  # what prepare() returned
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._implicit_context: ReplicaContext | None = None  # the step a forward outside run started
 
     # --- who am I -------------------------------------------------------------------------------------
     @property
@@ -105,6 +106,8 @@ class SyncStrategy(Strategy):
                              "Use precision='bf16' for several optimizers, or put every parameter group in one optimizer.")
         model = model.to(self._device)
         wrapped = self._wrap_model(model)
+        # A plain loop (no strategy.run) still trains one device's maths: the forward's batch starts the step.
+        wrapped.register_forward_pre_hook(self._step_outside_run, with_kwargs=True)
         check = self._before_step_check(wrapped) if optimizer is not None else None
         wrapped = self._compile(wrapped, compile)
         self._user_modules.append(model)
@@ -117,6 +120,29 @@ class SyncStrategy(Strategy):
                                     all_reduce_max=self._comm.all_reduce_max_ if multi else None,
                                     before_step=check, finish_gradients=self._finish_loss_weights)
         return wrapped, wrapper
+
+    def _step_outside_run(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before a prepared model's forward outside ``strategy.run``: the batch it is given starts the step.
+
+        A loop written for one device (``for x, y in loader: loss = ...(model(x)); loss.backward()``) has no
+        ``strategy.run``; when ``x`` came from ``distribute_dataset`` its accounting is read here, as ``run``
+        would read it, and stays the current step's until the next forward: ``compute_average_loss`` then
+        knows the global batch, and accumulation windows and gradient sync follow the batch. Nothing
+        happens inside ``run``, under ``torch.no_grad()`` (an evaluation pass), or on a batch without accounting.
+        """
+        context = current_replica_context()
+        if (context is not None and context is not self._implicit_context) or not torch.is_grad_enabled():
+            return
+        info = find_batch_info(args, kwargs)
+        if info is None:
+            return
+        self._own_random_stream()
+        run = self._tracker.begin_run(info)
+        self._set_gradient_sync(run.sync)  # off on a non-final micro-batch, on again at the update's last one
+        self._implicit_context = ReplicaContext(
+            self, global_batch_size=run.global_batch_size, num_padding_examples=run.num_padding_examples,
+            accumulation_steps=run.accumulation_steps, is_update_step=run.sync)
+        self._enter_until_next_step(self._implicit_context)
 
     def _updates_now(self) -> bool:
         context = current_replica_context()  # outside run: the last run's place in its accumulation window
@@ -164,11 +190,18 @@ class SyncStrategy(Strategy):
             accumulation_steps=self._tracker.accumulation_steps, collate_fn=collate_fn, num_workers=num_workers,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory=pin_memory)
         if is_stream(dataset):
-            return DistributedStream(dataset, global_batch_size, **layout, **stream_options)
+            agree = self._max_over_replicas if self.num_replicas_in_sync > 1 else None
+            return DistributedStream(dataset, global_batch_size, **layout, agree=agree, **stream_options)
         if stream_options:
             raise user_error("num_virtual_shards and shuffle_block apply to streams only", sorted(stream_options),
                              "Leave them out for a map-style dataset.", cls=TypeError)
         return DistributedDataset(dataset, global_batch_size, **layout)
+
+    def _max_over_replicas(self, operation: str, value: torch.Tensor) -> torch.Tensor:
+        """Return the element-wise max of ``value`` over the replicas: a stream's file check before an epoch."""
+        with named_collective(operation, "Iterate a distributed stream on every replica, at the same point of the "
+                                         "loop: each iteration starts by comparing the replicas' files."):
+            return self.reduce("max", value)
 
     # --- steps ----------------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:

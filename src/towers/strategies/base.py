@@ -34,6 +34,7 @@ from towers.strategies.precision import Precision
 
 __all__ = [
     "strategy_options",
+    "check_strategy_options",
     "REDUCE_OPS",
     "Strategy",
     "ReplicaContext",
@@ -269,6 +270,14 @@ class Strategy(ABC):
         finally:
             _current_replica.reset(replica_token)
             _current_strategy.reset(strategy_token)
+
+    def _enter_until_next_step(self, context: ReplicaContext) -> None:
+        """Make ``context`` the current replica context (and this the current strategy) without a scope to leave.
+
+        For a loop without ``strategy.run``: the step a prepared model's forward started lasts until the next one.
+        """
+        _current_strategy.set(self)
+        _current_replica.set(context)
 
     def _replica_context(self, batch: BatchInfo | None) -> ReplicaContext:
         """The context ``run`` enters for a step on a batch carrying ``batch`` (None: unknown)."""
@@ -524,18 +533,34 @@ def _takers(option: str) -> list[str]:
     return [n for n in names if (taken := strategy_options(n)) is None or option in taken]
 
 
-def _options_for(name: str, launcher: Mapping[str, Any], script: Mapping[str, Any]) -> dict[str, Any]:
-    """The options strategy ``name`` gets: the launcher's (which it must take) over the script's own."""
+def check_strategy_options(name: str, options: Mapping[str, Any]) -> None:
+    """Raise when strategy ``name`` does not take one of ``options`` (``--strategy-option``: it must take each one).
+
+    What ``strategy_from_env`` checks in every process of ``towers launch``; ``towers k8s`` checks the
+    same before it writes a manifest.
+
+    Raises:
+        ValueError: naming the option, the strategies that take it, and the options ``name`` takes; or when no
+            strategy is named ``name``.
+    """
     taken = strategy_options(name)
     if taken is None:
-        return {**script, **launcher}
-    for key, value in launcher.items():
+        return
+    for key, value in options.items():
         if key not in taken:
             others = [n for n in _takers(key) if n != name]
             raise ValueError(
                 f"Strategy {name!r} does not take the option {key!r}. Received: --strategy-option {key}={value!r} "
                 f"(TOWERS_STRATEGY_OPTIONS). {f'{key!r} is an option of {others}; ' if others else ''}{name!r} takes "
                 f"{sorted(taken)}. Drop it or pick another --strategy.")
+
+
+def _options_for(name: str, launcher: Mapping[str, Any], script: Mapping[str, Any]) -> dict[str, Any]:
+    """The options strategy ``name`` gets: the launcher's (which it must take) over the script's own."""
+    check_strategy_options(name, launcher)
+    taken = strategy_options(name)
+    if taken is None:
+        return {**script, **launcher}
     options = {}
     for key, value in script.items():
         if key in taken:

@@ -48,8 +48,10 @@ from towers.errors import user_error
 from towers.strategies._collectives import _local_reduce, as_tensor, check_op
 from towers.strategies._ft_grads import GradientSync
 from towers.strategies._ft_shards import load_local_model, load_local_optimizer, local_state
+from towers.strategies._ft_store import group_store
 from towers.strategies.base import PeerLostError, ReplicaContext, Strategy, note_built
 from towers.strategies.precision import Precision, resolve_precision
+from towers.verify_capture import before_update
 
 __all__ = ["FaultTolerantStrategy", "Lighthouse", "start_lighthouse", "DEFAULT_PEER_TIMEOUT_S"]
 
@@ -241,6 +243,7 @@ class _FaultTolerantOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise user_error("FaultTolerantStrategy's optimizer takes no closure", "a closure",
                              "Compute the loss and call backward before optimizer.step().", cls=TypeError)
+        before_update(self)  # `towers verify` records the parameters here; nothing otherwise
         if self._strategy._commit():
             return self.optimizer.step()
         return None
@@ -287,6 +290,11 @@ class FaultTolerantStrategy(Strategy):
     ``replica_group_id``, ``group_size``, ``group_rank`` and ``group_port`` (where process 0 of
     the group serves its store), by default from ``TOWERS_FT_GROUP*`` (``towers launch``), else
     one process per group whose id is the rank. ``precision="32"``.
+
+    The group's store listens on ``address`` only (loopback on one host, where the group's Gloo
+    sockets bind loopback too). torchft's manager server, in process 0 of each group, listens on
+    every interface (torchft binds ``[::]``); ``manager_address`` (``"http://host:port"``, on every
+    process of the group) says where.
     """
 
     name = "fault_tolerant"
@@ -315,7 +323,7 @@ class FaultTolerantStrategy(Strategy):
             raise user_error("FaultTolerantStrategy computes in float32 only (for now)", f"precision={precision!r}",
                              "Use precision='32', or MirroredStrategy for mixed precision.")
         torchft = _torchft()
-        from torch.distributed import TCPStore
+        from torchft.manager import MANAGER_ADDR_KEY
 
         from towers.strategies._ft_transport import WireTransport
 
@@ -332,10 +340,9 @@ class FaultTolerantStrategy(Strategy):
         self.shard, self._shard_units = shard, shard_units
         host = address or _own_address(info)
         timeout = timedelta(seconds=peer_timeout_s)
-        # The group's own store, served by member 0: torchft's managers and per-quorum process groups meet there,
-        # and so do the members' own process group (groups of several processes).
-        self._store = TCPStore(host_name=host, port=layout.port, is_master=layout.rank == 0, wait_for_workers=False,
-                               timeout=timedelta(seconds=quorum_timeout_s))
+        # The group's own store, served by member 0 on the group's address only: torchft's managers and per-quorum
+        # process groups meet there, and so do the members' own process group (groups of several processes).
+        self._store = group_store(host, layout.port, serves=layout.rank == 0, timeout_s=quorum_timeout_s)
         self._intra = _intra_group(self._store, layout, timeout)
         self._pg = torchft.ProcessGroupGloo(timeout=timeout)
         transport = WireTransport(self._pg, timeout)  # the live state as JSON and tensor bytes, never a pickle
@@ -352,6 +359,8 @@ class FaultTolerantStrategy(Strategy):
                              "and no TORCHFT_LIGHTHOUSE", "Start one (towers.strategies.fault_tolerant.start_lighthouse, "
                              "or torchft_lighthouse --min_replicas 1 --bind 127.0.0.1:29510) and pass "
                              "lighthouse='http://host:port' to the strategy.") from exc
+        # torchft's manager server (process 0 of the group) binds every interface itself: its address is said here.
+        self.manager_address: str = self._store.get(MANAGER_ADDR_KEY).decode()
         self._quorum_client = _QuorumClient(self._manager._client)
         self._manager._client = self._quorum_client  # the same client, noting each quorum's members
         self._members: list[int] | None = None
@@ -364,8 +373,9 @@ class FaultTolerantStrategy(Strategy):
         self._optimizers: list[torch.optim.Optimizer] = []
         self._closed = False
         log.info("FaultTolerantStrategy: replica group %d, process %d of %d (lighthouse %s, peer_timeout_s=%s, "
-                 "min_replicas=%d)", self.replica_group_id, layout.rank, layout.size,
-                 lighthouse or "from TORCHFT_LIGHTHOUSE", peer_timeout_s, min_replicas)
+                 "min_replicas=%d, store %s:%d, torchft manager %s on every interface)", self.replica_group_id,
+                 layout.rank, layout.size, lighthouse or "from TORCHFT_LIGHTHOUSE", peer_timeout_s, min_replicas,
+                 host, self._store.port, self.manager_address)
 
     # --- who am I -------------------------------------------------------------------------------------
     @property
@@ -382,8 +392,17 @@ class FaultTolerantStrategy(Strategy):
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """The processes of the groups in the current step's quorum (each process is a replica; ``group_size`` per
-        group before the first step)."""
+        """The replicas the job was launched with (the processes of every replica group), from construction on.
+
+        What TensorFlow's ``GB = B * strategy.num_replicas_in_sync`` needs, the same before the first
+        quorum as after a lost group: the global batch of a step stays whole (the live groups take the
+        lost group's share). ``live_replicas`` is the count of the current step's quorum."""
+        return max(int(self._info.world_size), self.group_size)
+
+    @property
+    def live_replicas(self) -> int:
+        """The processes of the groups in the current step's quorum (``group_size`` before the first step): who
+        splits the step's global batch and sums its gradients."""
         return max(1, self._manager.num_participants()) * self.group_size
 
     @property
@@ -486,10 +505,15 @@ class FaultTolerantStrategy(Strategy):
             return fn(*args, **kwargs)
 
     def _replica_context(self, batch: BatchInfo | None) -> ReplicaContext:
-        if batch is None:
-            return ReplicaContext(self)
-        return ReplicaContext(self, global_batch_size=batch.examples_per_update,
-                              num_padding_examples=batch.num_padding_examples)
+        context = (ReplicaContext(self) if batch is None else
+                   ReplicaContext(self, global_batch_size=batch.examples_per_update,
+                                  num_padding_examples=batch.num_padding_examples))
+        context.num_replicas_in_sync = self.live_replicas  # who sums this step's gradients
+        return context
+
+    @property
+    def _sums_replica_gradients(self) -> bool:
+        return False  # its own optimizer steps on a committed step; losses are checked by its own rules
 
     # --- preparation ----------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -583,8 +607,14 @@ class FaultTolerantStrategy(Strategy):
     def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                            drop_remainder: bool = False, max_steps: int | None = None,
                            collate_fn: Callable[[list[Any]], Any] | None = None,
-                           pad_empty_batches: bool = False) -> "FaultTolerantBatches":
+                           pad_empty_batches: bool = False, num_workers: int = 0, prefetch_factor: int | None = None,
+                           persistent_workers: bool = False, pin_memory: bool | None = None,
+                           **stream_options: Any) -> "FaultTolerantBatches":
         """Return this group's share of each global batch of a map-style ``dataset``, split over each step's quorum.
+
+        The options are every strategy's (``towers.data.distribute_dataset``'s); loader workers
+        (``num_workers > 0``) and stream options are refused with the reason: a step's share is
+        known only once its quorum formed, so it is read in the training process.
 
         Iterating yields, for committed step ``s``, global batch ``s mod len(self)`` of epoch
         ``s // len(self)``, split over the groups in the step's quorum; an iteration ends at the end
@@ -599,6 +629,20 @@ class FaultTolerantStrategy(Strategy):
             ValueError: when ``global_batch_size`` is not a positive integer or the dataset is empty.
             TypeError: when ``dataset`` is a stream (not supported by this strategy yet) or not a dataset.
         """
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise user_error("num_workers must be an integer >= 0", f"num_workers={num_workers!r}",
+                             "Use 0 (the batches are read in the training process).")
+        if num_workers > 0:
+            raise user_error(
+                "FaultTolerantStrategy reads each step's share in the training process: which rows a replica "
+                "trains is known only once the step's quorum formed (a lost group's share goes to the others)",
+                f"num_workers={num_workers}", "Use num_workers=0 under FaultTolerantStrategy (the same script runs "
+                "with loader workers under the other strategies).")
+        if stream_options:
+            raise user_error("FaultTolerantStrategy takes map-style data only (no stream options)",
+                             sorted(stream_options), "Drop the stream options, or train a stream under another "
+                             "strategy.", cls=TypeError)
+        del prefetch_factor, persistent_workers, pin_memory  # they tune loader workers, which it does not run
         return FaultTolerantBatches(self, dataset, global_batch_size, shuffle=shuffle, seed=seed,
                                     drop_remainder=drop_remainder, max_steps=max_steps, collate_fn=collate_fn,
                                     pad_empty_batches=pad_empty_batches)
@@ -630,7 +674,7 @@ class FaultTolerantStrategy(Strategy):
             tensor = tensor.double()
         if axis is None:
             out = self._all_reduce(tensor.clone(), "sum" if op == "mean" else op, f"strategy.reduce({op!r})")
-            return out / self.num_replicas_in_sync if op == "mean" else out
+            return out / self.live_replicas if op == "mean" else out
         axis = axis + tensor.dim() if axis < 0 else axis
         local, count = _local_reduce(op, tensor, axis)
         if count is None:
@@ -644,7 +688,7 @@ class FaultTolerantStrategy(Strategy):
         tensor = as_tensor(value, self._device)
         tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
         axis = axis + tensor.dim() if axis < 0 else axis
-        n, me = self.num_replicas_in_sync, self.replica_id
+        n, me = self.live_replicas, self.replica_id
         if n == 1:
             return tensor
         sizes = torch.zeros(n, dtype=torch.long)
@@ -670,7 +714,7 @@ class FaultTolerantStrategy(Strategy):
         """
         from towers.strategies.parameter_server.wire import decode, encode
 
-        n = self.num_replicas_in_sync
+        n = self.live_replicas
         if n == 1:
             return [obj]
         raw, tensors = encode(obj)
@@ -850,7 +894,7 @@ class FaultTolerantBatches:
             if step_epoch != epoch:
                 break  # healed past the epoch: the quorum stays open for the next iteration's first step
             indices = self._order(epoch)[index * self.global_batch_size:(index + 1) * self.global_batch_size]
-            n, me = strategy.num_replicas_in_sync, strategy.replica_id
+            n, me = strategy.live_replicas, strategy.replica_id
             lo, hi = shard_bounds(len(indices), n, me)
             padding = 1 if hi == lo and self._pad else 0
             # An empty share (fewer examples than replicas): the batch's first example, either as a zero-weight

@@ -17,7 +17,7 @@ job of another size or strategy reshards on load.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -26,10 +26,11 @@ from towers._logging import get_logger
 from towers.checkpoint.api import require_optimizer_state
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
-from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
+from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
 from towers.strategies._fsdp import ShardUnits, build_mesh, select_units, shard_model
+from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
 from towers.strategies._sync import SyncStrategy
 from towers.strategies.precision import Precision, resolve_precision
@@ -155,6 +156,23 @@ class FullyShardedStrategy(SyncStrategy):
         # Non-final micro-batches keep their (unsharded) gradients locally; the last one reduce-scatters the sum.
         for model in self._sharded:
             model.set_requires_gradient_sync(enabled)
+
+    def _before_step_check(self, wrapped: nn.Module) -> Callable[[], None] | None:
+        # FSDP2's reduce-scatter is its own (no hook to fold the step's identity into), so each update
+        # compares the identities in one small all-reduce of its own before the optimizer steps.
+        if self._mesh is None:
+            return None
+        import torch.distributed as dist
+
+        check = StepCheck(self._tracker, rank=self.replica_id, num_replicas=self.num_replicas_in_sync)
+
+        def compare_steps() -> None:
+            identity, mark = check.mark(torch.float32, self.device)
+            with collective("optimizer.step: the replicas' step identities"):
+                dist.all_reduce(mark)
+            check.compare(identity, mark.tolist())
+
+        return compare_steps
 
     def _broadcast_from_chief(self, model: nn.Module) -> None:
         # As DDP does: every replica starts from the chief's parameters, however the script seeded.

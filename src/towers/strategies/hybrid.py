@@ -28,6 +28,7 @@ from towers.strategies.base import check_max_norm
 from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.strategy import ParameterServerStrategy
 from towers.strategies.precision import MixedPrecisionModule
+from towers.verify_capture import before_update
 
 __all__ = ["HybridStrategy", "HybridOptimizer"]
 
@@ -47,6 +48,7 @@ class HybridOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Push the rows' gradients (the ps tasks update them), then step the dense parameters; return the loss."""
+        before_update(self)  # `towers verify` records the parameters here; nothing otherwise
         self._finish_gradients()
         if self._sparse is not None:
             self._sparse.push()

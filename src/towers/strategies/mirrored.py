@@ -20,6 +20,7 @@ from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._comm_hooks import check_compression, register_sum_hook
 from towers.strategies._ddp import TowersDDP, check_same_parameters, unused_parameters_error
+from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
 from towers.strategies._sync import SyncStrategy
 from towers.strategies._sync_bn import convert_sync_batchnorm
@@ -100,7 +101,9 @@ class MirroredStrategy(SyncStrategy):
         ddp = TowersDDP(model, precision=self._precision,
                         device_ids=[self.device.index] if self.device.type == "cuda" else None,
                         find_unused_parameters=self._find_unused, **self._ddp_options)
-        register_sum_hook(ddp, self._compression, self.num_replicas_in_sync, **self._powersgd)
+        # Every synchronised step's first bucket carries the step's identity: replicas out of step stop there.
+        check = StepCheck(self._tracker, rank=self.replica_id, num_replicas=self.num_replicas_in_sync)
+        register_sum_hook(ddp, self._compression, self.num_replicas_in_sync, check=check, **self._powersgd)
         self._ddp_models.append(ddp)
         return ddp
 

@@ -115,6 +115,7 @@ class Trainer:
         self._stop_pending = False  # a stop whose reduction failed (a lost peer): decided at the next one
         self._last_train_logs: dict[str, float] = {}
         self._nonfinite_warning = "unseen"  # -> "due" when a reduced loss is not finite -> "said"
+        self._said_no_labels = False  # warned that the batches reduced at a step had no label token
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -411,6 +412,21 @@ class Trainer:
                 "towers.callbacks.TerminateOnNaN() to fit's callbacks to stop, or lower the learning rate / check the "
                 "data.", RuntimeWarning, stacklevel=3)
 
+    def _warn_no_labels(self) -> None:
+        """Warn once, on the chief, that the batches reduced now had no label token (every replica decided alike)."""
+        if self._said_no_labels:
+            return
+        self._said_no_labels = True
+        if self.strategy.is_chief:
+            warnings.warn(
+                f"The training batches reduced at global step {self.progress.global_step} had no label token: every "
+                f"label equals ignore_index={self.ignore_index} on every replica, so their loss is a mean over nothing "
+                "(NaN in the logs while no batch of the epoch had a label) and they teach the model nothing. Check "
+                "how the batches are labelled: the collator (e.g. DataCollatorForLanguageModeling(tokenizer, "
+                "mlm=False) copies input_ids into labels), a prompt mask that covers whole sequences, truncation that "
+                "cuts off every answer; or pass Trainer(ignore_index=...) as your labels mark padding.",
+                RuntimeWarning, stacklevel=4)
+
     def _sync_train_metrics(self) -> dict[str, float]:
         """Reduce the metric sums kept since the last call (one collective); return the logs through this step.
 
@@ -432,6 +448,8 @@ class Trainer:
                                      "nonfinite_replicas": float(reduced[-1].item())}
             if reduced[-1].item() > 0 and self._nonfinite_warning == "unseen":
                 self._nonfinite_warning = "due"  # said after the callbacks, unless one of them stops training
+            if reduced[1].item() == 0:  # the loss's count: no label token in any batch since the last reduction
+                self._warn_no_labels()
         return dict(self._last_train_logs)
 
     def _any_replica(self, flag: bool) -> bool:

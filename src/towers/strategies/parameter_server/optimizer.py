@@ -17,6 +17,7 @@ from towers.strategies.parameter_server.grad_guard import GradientGuard
 from towers.strategies.parameter_server.requests import hyperparameters
 from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.worker import BoundModel
+from towers.verify_capture import before_update
 
 __all__ = ["ParameterServerOptimizer"]
 
@@ -44,6 +45,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Push this worker's gradients to the ps tasks and pull the updated parameters; return ``closure()``'s loss."""
+        before_update(self)  # `towers verify` records the parameters here; nothing otherwise
         loss = None
         if closure is not None:
             with torch.enable_grad():

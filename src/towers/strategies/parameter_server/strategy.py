@@ -8,6 +8,11 @@ On a ps task the constructor serves until every worker is done, then exits the p
 code 0 (like TF's ``server.join()``), so the rest of the training script runs only on workers.
 ``exit_on_ps=False`` returns instead (tests, notebooks): check ``strategy.is_ps``.
 
+A preemption notice (SIGTERM, SIGUSR1, ``TOWERS_PREEMPTION_SIGNALS``) to a ps task does not end
+it: the parameters and embedding rows the workers checkpoint live here. It tells the workers
+through the job's store, serves while they agree on a step and save, and then exits with
+``PREEMPTED_EXIT_CODE`` (75), as they do (``towers.checkpoint.preemption``).
+
 Collectives (``reduce``, ``gather``, ``barrier``, ``*_object``) meet at ps task 0, not among the
 workers, so they keep working after a worker dies: they then combine the values of the live
 workers only. ``distribute_dataset`` gets its batches from ps task 0 one at a time, so the others
@@ -25,11 +30,21 @@ from torch import nn
 
 from towers._logging import get_logger, set_rank
 from towers.checkpoint.layout import CheckpointIO
+from towers.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted, ServingPreemptionHandler, preemption_signals
+from towers.cluster.deaths import StartupWatch
+from towers.cluster.environ import read_environ
 from towers.cluster.info import ProcessInfo
+from towers.cluster.launch_notes import note_started
 from towers.data import BatchInfo, Dispatch, DistributedDataset, DistributedStream, is_stream
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import user_error
-from towers.process_group import DEFAULT_TIMEOUT_S, DistributedError, destroy_process_group, init_process_group
+from towers.process_group import (
+    DEFAULT_TIMEOUT_S,
+    DistributedError,
+    destroy_process_group,
+    init_process_group,
+    startup_watch,
+)
 from towers.strategies._collectives import as_tensor, check_op
 from towers.strategies.base import ReplicaContext, Strategy, note_built
 from towers.strategies.parameter_server import transport
@@ -128,9 +143,20 @@ class ParameterServerStrategy(Strategy):
                 "loss scale must change in lockstep on every replica, which parameter-server updates do not do. "
                 "Use precision='bf16' (no loss scaling needed) or MirroredStrategy for fp16.")
         set_rank(info.rank, info.world_size)
-        init_process_group(info, backend="gloo", timeout_s=timeout_s)
-        self._before_links()
-        links = self._connect()
+        # Until every link is up, a process that dies is named by the others at once: the job cannot start without
+        # it (a dead worker's batches are handed over only once the ps tasks serve).
+        watch = startup_watch(info)
+        try:
+            init_process_group(info, backend="gloo", timeout_s=timeout_s, watch=watch)
+            watch.set_phase("running the collectives before the parameter-server links")
+            self._before_links()
+            links = self._connect(watch)
+        except BaseException:
+            watch.stop()
+            raise
+        watch.finish(transport.rendezvous_store())
+        if info.launch_dir:  # from now on the launcher's supervisor lets the job go on without this worker
+            note_started(info.launch_dir, rank=info.rank)
         if self.roles.is_ps:
             self._serve(links, exit_on_ps)
         else:
@@ -149,7 +175,7 @@ class ParameterServerStrategy(Strategy):
     def _before_links(self) -> None:
         """Hook: collectives every rank (ps tasks too) must join before the ps tasks start serving."""
 
-    def _connect(self) -> list[transport.Link]:
+    def _connect(self, watch: StartupWatch) -> list[transport.Link]:
         store, generation, r = transport.rendezvous_store(), transport.next_generation(), self.roles
         # One fixed global order of pairs (worker-major) so that no two processes wait on each other.
         pairs = ([(w, r.index) for w in range(r.num_workers)] if r.is_ps
@@ -157,10 +183,14 @@ class ParameterServerStrategy(Strategy):
         links = []
         for w, p in pairs:
             name = f"worker {w} (rank {w}) <-> ps task {p} (rank {r.ps_ranks[p]})"
+            watch.set_phase(f"connecting {name}")
             try:
                 links.append(transport.open_link(store, worker=w, ps=p, is_ps=r.is_ps, bind_host=r.bind_host,
                                                  timeout_s=self.timeout_s, generation=generation, name=name))
             except transport.LinkError as exc:
+                if watch.failure is not None:
+                    raise DistributedError(f"[rank {self._info.rank}/{self._info.world_size}] {watch.failure}") \
+                        from None
                 raise DistributedError(f"[rank {self._info.rank}/{self._info.world_size}] connecting {name} failed: "
                                        f"{exc}. Check that every process of the job started and uses the same "
                                        "num_ps.") from exc
@@ -171,20 +201,34 @@ class ParameterServerStrategy(Strategy):
                                  worker_ranks=list(range(self.roles.num_workers)), mode=self.mode,
                                  staleness=self.staleness, timeout_s=self.timeout_s, num_ps=self.num_ps,
                                  shared_memory=self.shared_memory)
+        # A preemption notice must not end this process before the workers saved: their checkpoint fetches
+        # the state that lives here. It goes to the workers through the store; this process serves on.
+        signals = preemption_signals(read_environ().get("TOWERS_PREEMPTION_SIGNALS"))
+        preemption = ServingPreemptionHandler(signals=signals, rank=self._info.rank)
+        preemption.install()
         log.info("ps task %d (rank %d) serving %d worker(s), mode %s", self.roles.index, self._info.rank,
                  self.roles.num_workers, self.mode)
         try:
             self._stats = server.serve()
         except RuntimeError as exc:
+            preemption.finish()  # a notice of its own nobody saved on is delivered again
             # The links stay open: a hung worker's thread may still be blocked in one of them.
             raise DistributedError(f"[rank {self._info.rank}/{self._info.world_size}] ps task {self.roles.index} "
                                    f"stops: {exc}") from exc
+        preempted_at = preemption.finish()
+        if preempted_at is not None:
+            self._stats["preempted_at_step"] = preempted_at
+            log.warning("ps task %d: the workers saved at step %d on a preemption notice; %s", self.roles.index,
+                        preempted_at, "exiting for a restart" if exit_on_ps
+                        else f"exit with code {PREEMPTED_EXIT_CODE} for a restart")
         for link in links:
             link.close()
         log.info("ps task %d done: %d update(s) applied, worker versions %s", self.roles.index,
                  self._stats["version"], self._stats["worker_versions"])
         if exit_on_ps:
             destroy_process_group()
+            if preempted_at is not None:
+                raise Preempted(preempted_at)
             sys.exit(0)
 
     # --- who am I ------------------------------------------------------------------------------------
@@ -420,7 +464,11 @@ class ParameterServerStrategy(Strategy):
         return self.__dict__.setdefault("_checkpoint_io", CheckpointIO(collective=False))
 
     def ps_stats(self) -> list[dict[str, Any]]:
-        """Return each ps task's stats (``version``, ``worker_versions``, ``max_lead``, ``dead``); on a ps, its own."""
+        """Return each ps task's stats (``version``, ``worker_versions``, ``max_lead``, ``dead``); on a ps, its own.
+
+        On a ps task that served until the workers saved on a preemption notice (``exit_on_ps=False``),
+        ``preempted_at_step`` is the step they saved at: exit with ``PREEMPTED_EXIT_CODE`` for a restart.
+        """
         if self.roles.is_ps:
             return [dict(self._stats or {})]
         return self._require_worker("ps_stats").stats()

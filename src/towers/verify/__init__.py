@@ -1,0 +1,188 @@
+"""``towers verify``: is my distributed run the run I meant? The same script, one process vs N replicas, update by update.
+
+The script runs unchanged for a few updates as one process and under each strategy at each replica
+count (``jobs.py``, through ``runner.py``); every update through the prepared optimizer records the
+parameters (``towers.verify_capture``); ``compare.py`` finds the first step at which a run leaves the
+one-process run and gathers what it saw, and ``causes.py`` names the likely reason.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from towers.errors import user_error
+from towers.verify.causes import CAUSES, Cause, name_cause
+from towers.verify.compare import DEFAULT_TOLERANCE, Evidence, gather_evidence, load_capture, worst_difference
+from towers.verify.jobs import RunResult, RunSpec, format_args, run_all
+
+__all__ = ["VerifySpec", "VerifyRow", "VerifyReport", "verify", "CAUSES", "Cause", "name_cause", "Evidence",
+           "DEFAULT_TOLERANCE"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifySpec:
+    """What to verify: ``script`` (and its ``args``) for ``steps`` updates under each strategy at each replica count.
+
+    ``plain``: a script without towers (torch DDP reading ``RANK``/``WORLD_SIZE``), run with torchrun's
+    variables; ``{world_size}`` or ``{64 // world_size}`` in ``args`` is filled for each run.
+    """
+
+    script: str
+    args: tuple[str, ...] = ()
+    strategies: tuple[str, ...] = ("mirrored", "sharded")
+    replicas: tuple[int, ...] = (2,)
+    steps: int = 5
+    plain: bool = False
+    keep_dropout: bool = False
+    tolerance: float = DEFAULT_TOLERANCE
+    timeout_s: float = 300.0
+    #: Where the captures and each process's output are kept; None: a temporary directory, removed at the end.
+    workdir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not os.path.isfile(self.script):
+            raise user_error("towers verify needs a Python script to run", repr(self.script),
+                             "Pass the path of your training script: `towers verify train.py`.")
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise user_error("--steps must be a positive number of updates", repr(self.steps), "Use e.g. --steps 5.")
+        if not self.replicas or any(n < 2 for n in self.replicas):
+            raise user_error("--replicas must list replica counts of 2 or more", repr(list(self.replicas)),
+                             "Use e.g. --replicas 2 or --replicas 2,3 (the one-process run is always made).")
+        if not self.plain and not self.strategies:
+            raise user_error("--strategies must name at least one strategy", "none", "Use e.g. --strategies mirrored.")
+        if not self.tolerance > 0:
+            raise user_error("--tolerance must be > 0", repr(self.tolerance), "Use e.g. --tolerance 1e-3.")
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """One line of the table: a strategy at a replica count against the one-process run."""
+
+    strategy: str
+    replicas: int
+    steps: int
+    verdict: str  # "same", "DIFFERS" or "FAILED"
+    first_step: int | None = None
+    tensor: str = "-"
+    relative: float | None = None
+    cause: Cause | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The whole verification: its rows, how long it took, and the one-process run's error if it failed."""
+
+    script: str
+    steps: int
+    rows: tuple[VerifyRow, ...]
+    seconds: float
+    reference_error: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        """True when every run matched the one-process run."""
+        return self.reference_error is None and all(r.verdict == "same" for r in self.rows)
+
+    def format(self) -> str:
+        """Return the report as the command prints it: a table, then the cause and fix of each difference."""
+        if self.reference_error is not None:
+            return (f"towers verify {self.script}: the one-process run gave nothing to compare:\n"
+                    f"{self.reference_error}\ntime: {self.seconds:.1f} s")
+        header = ("strategy", "replicas", "steps compared", "first diverging step", "tensor", "max rel. diff", "verdict")
+        lines = [header] + [(r.strategy, str(r.replicas), str(r.steps), "-" if r.first_step is None else str(r.first_step),
+                             r.tensor, "-" if r.relative is None else f"{r.relative:.1e}", r.verdict) for r in self.rows]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        out = [f"towers verify {self.script}: {self.steps} update(s), one process vs each run (dropout off)"]
+        out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+        for row in self.rows:
+            if row.verdict == "same":
+                continue
+            where = f"{row.strategy} x{row.replicas}"
+            if row.cause is not None:
+                out.append(f"{where}: likely cause: {row.cause.title} [{row.cause.key}]. Fix: {row.cause.fix}.")
+            else:
+                out.append(f"{where}: no known cause fits; look at {row.tensor} at step {row.first_step}.")
+            if row.detail:
+                out.append(f"  {row.detail}")
+        out += [f"note: {n}" for n in self.notes]
+        out.append(f"time: {self.seconds:.1f} s")
+        return "\n".join(out)
+
+
+def _row(label: str, result: RunResult, reference_dir: str, *, replicas: int, tolerance: float) -> VerifyRow:
+    reference = load_capture(os.path.join(reference_dir, "rank0"))
+    if reference is None:  # checked by the caller
+        raise RuntimeError("the one-process run recorded nothing")
+    ranks = [load_capture(os.path.join(result.spec.directory, f"rank{r}")) for r in range(replicas)]
+    evidence = gather_evidence(reference, ranks, replicas=replicas, error=result.error, tolerance=tolerance)
+    cause = name_cause(evidence)
+    error_line = _last_error_line(result.error)
+    if ranks[0] is None or result.error is not None:
+        return VerifyRow(label, replicas, evidence.updates, "FAILED", cause=cause,
+                         detail=error_line or "no update went through the prepared optimizer")
+    diff = evidence.difference
+    if diff is None:
+        worst = worst_difference(reference.steps, ranks[0].steps, reference.names)
+        return VerifyRow(label, replicas, evidence.updates, "same", relative=worst.relative if worst else 0.0)
+    detail = _describe(evidence)
+    return VerifyRow(label, replicas, evidence.updates, "DIFFERS", first_step=diff.step, tensor=diff.tensor,
+                     relative=diff.relative, cause=cause, detail=detail)
+
+
+def _last_error_line(error: str | None) -> str:
+    if not error:
+        return ""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    chosen = next((line for line in reversed(lines) if "Error" in line.split(":", 1)[0]), lines[-1] if lines else "")
+    if len(chosen) > 300:  # the refusal's first sentences: the cause and fix lines say the rest
+        cut = chosen.rfind(". ", 0, 300)
+        chosen = chosen[:cut + 1 if cut > 0 else 300] + " ..."
+    return chosen
+
+
+def _describe(e: Evidence) -> str:
+    parts = []
+    if e.delta_ratio is not None:
+        parts.append(f"update {e.difference.step if e.difference else '?'}: |update| = {e.delta_ratio:.3g} x one "
+                     f"process's (cosine {e.cosine:.3f})")
+    if e.replica_drift_step is not None:
+        parts.append(f"replicas differ from replica 0 from step {e.replica_drift_step}")
+    if e.reference_examples and e.run_examples:
+        n = min(len(e.reference_examples), len(e.run_examples), max(e.updates, 1), 8)
+        parts.append(f"examples per update: one process {list(e.reference_examples[:n])}, "
+                     f"all replicas {list(e.run_examples[:n])}")
+    return "; ".join(parts)
+
+
+def verify(spec: VerifySpec) -> VerifyReport:
+    """Run ``spec.script`` as one process and under every strategy and replica count; compare the parameters."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="towers-verify-") as scratch:
+        root = spec.workdir or scratch
+        reference = RunSpec("one process", None if spec.plain else "one_device", 1, os.path.join(root, "one_process"),
+                            format_args(spec.args, 1))
+        runs = []
+        for name in (("plain",) if spec.plain else spec.strategies):
+            for n in spec.replicas:
+                runs.append(RunSpec(name, None if spec.plain else name, n, os.path.join(root, f"{name}_x{n}"),
+                                    format_args(spec.args, n)))
+        results = run_all([reference, *runs], script=spec.script, steps=spec.steps, plain=spec.plain,
+                          keep_dropout=spec.keep_dropout, timeout_s=spec.timeout_s)
+        ref_capture = load_capture(os.path.join(reference.directory, "rank0"))
+        if results[0].error is not None or ref_capture is None:
+            return VerifyReport(spec.script, spec.steps, (), time.monotonic() - started,
+                                reference_error=results[0].error or (
+                                    "the script made no update through an optimizer (under towers: the optimizer "
+                                    "strategy.prepare returned; with --plain: any torch.optim optimizer)"))
+        rows = tuple(_row(r.spec.label, r, reference.directory, replicas=r.spec.replicas, tolerance=spec.tolerance)
+                     for r in results[1:])
+        notes = []
+        if ref_capture.updates < spec.steps:
+            notes.append(f"the script made {ref_capture.updates} update(s) as one process, fewer than --steps "
+                         f"{spec.steps}: only those were compared")
+        return VerifyReport(spec.script, spec.steps, rows, time.monotonic() - started, notes=tuple(notes))
