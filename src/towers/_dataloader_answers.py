@@ -13,7 +13,26 @@ from typing import Any, Iterator, Protocol
 
 from towers.errors import user_error
 
-__all__ = ["EpochSampler", "StreamWithoutLength", "stream_length_error"]
+__all__ = ["DataLoaderNames", "EpochSampler", "StreamWithoutLength", "stream_length_error"]
+
+
+class DataLoaderNames:
+    """``batch_size`` and ``drop_last`` as a ``DataLoader`` names them, for an input with ``global_batch_size``,
+    ``num_replicas`` and ``drop_remainder``."""
+
+    global_batch_size: int
+    num_replicas: int
+    drop_remainder: bool
+
+    @property
+    def batch_size(self) -> int:
+        """This replica's batch size, ``global_batch_size // num_replicas`` (a ``DataLoader``'s under DDP)."""
+        return self.global_batch_size // self.num_replicas
+
+    @property
+    def drop_last(self) -> bool:
+        """``drop_remainder``, by its ``DataLoader`` name."""
+        return self.drop_remainder
 
 
 class _Epochs(Protocol):

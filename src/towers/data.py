@@ -46,7 +46,7 @@ from towers._batch import (
     shard_bounds,
     to_device,
 )
-from towers._dataloader_answers import EpochSampler
+from towers._dataloader_answers import DataLoaderNames, EpochSampler
 from towers._loader import Loader, LoaderOptions
 from towers._logging import get_logger
 from towers.errors import user_error
@@ -157,7 +157,7 @@ def _run_fetch(source: _TensorSource | _MapSource, fetch: Fetch) -> Any:
     return map_tensors(batch, lambda t: t[:0]) if structure_only else batch
 
 
-class DistributedDataset:
+class DistributedDataset(DataLoaderNames):
     """This replica's share of every global batch of ``dataset``, on its device; iterate once per epoch.
 
     ``len()`` is the number of global batches per epoch. The epoch counter advances after each
@@ -256,16 +256,6 @@ class DistributedDataset:
     def batches_per_epoch(self) -> int:
         """Global batches per epoch (``len(self)``; a stream answers None)."""
         return len(self._infos)
-
-    @property
-    def batch_size(self) -> int:
-        """This replica's batch size, ``global_batch_size // num_replicas`` (a ``DataLoader``'s under DDP)."""
-        return self.global_batch_size // self.num_replicas
-
-    @property
-    def drop_last(self) -> bool:
-        """``drop_remainder``, by its ``DataLoader`` name."""
-        return self.drop_remainder
 
     @property
     def epoch(self) -> int:

@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import default_collate
 
 from towers._batch import BatchInfo, attach_batch_info, global_batch_sizes, map_tensors, shard_bounds, to_device
-from towers._dataloader_answers import EpochSampler, StreamWithoutLength, stream_length_error
+from towers._dataloader_answers import DataLoaderNames, EpochSampler, StreamWithoutLength, stream_length_error
 from towers._loader import Loader, LoaderOptions
 from towers._logging import get_logger
 from towers._shard_files import (
@@ -59,7 +59,7 @@ def _positive_int(name: str, value: Any, hint: str) -> int:
     return value
 
 
-class DistributedStream:
+class DistributedStream(DataLoaderNames):
     """This replica's share of every global batch of a stream, on its device; iterate once per epoch.
 
     ``stream``: ``towers.data.Shards`` (V = its number of shards), a torch ``IterableDataset``
@@ -176,16 +176,6 @@ class DistributedStream:
 
     def __bool__(self) -> bool:
         return True  # not len(): a stream without a known length is still an input
-
-    @property
-    def batch_size(self) -> int:
-        """This replica's batch size, ``global_batch_size // num_replicas`` (a ``DataLoader``'s under DDP)."""
-        return self.global_batch_size // self.num_replicas
-
-    @property
-    def drop_last(self) -> bool:
-        """``drop_remainder``, by its ``DataLoader`` name."""
-        return self.drop_remainder
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration cover ``epoch`` from its first batch."""
