@@ -53,7 +53,9 @@ def _fit(backup_dir: str, crash_marker: str | None, strategy_kwargs: dict) -> di
                 Path(crash_marker).touch()  # crash on the first attempt only
                 os._exit(1)
 
-    backup = towers.callbacks.BackupAndRestore(backup_dir, save_freq=3)
+    # preemption=False: the test's spawn stops the survivors with SIGTERM after the crash, which would otherwise be
+    # a preemption notice (a sync ps job goes on without the dead worker and would save once more on it).
+    backup = towers.callbacks.BackupAndRestore(backup_dir, save_freq=3, preemption=False)
     history = trainer.fit((x, y), 3, 8, validation_data=(x, y), callbacks=[backup, Crash()])
     result = {"params": [p.detach().clone() for p in trainer.unwrapped_model.parameters()],
               "history": history.state_dict(), "restored_from": backup.restored_from,

@@ -9,15 +9,6 @@ from towers.launch import free_port
 from towers.process_group import DistributedError, choose_backend, collective, init_process_group
 
 
-@pytest.fixture(autouse=True)
-def _interfaces_restored(monkeypatch: pytest.MonkeyPatch) -> None:
-    """init_process_group exports the loopback interface for Gloo/NCCL in this process: undo it after each test, so a
-    later test that starts a job spanning hosts from this pytest process does not inherit it."""
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        monkeypatch.setenv(name, "placeholder")  # recorded, then restored (or removed) by monkeypatch at teardown
-        monkeypatch.delenv(name)
-
-
 @pytest.mark.parametrize("local, gpus, expected", [(2, 0, "gloo"), (1, 1, None), (4, 2, "gloo"), (2, 2, None)])
 def test_backend_is_nccl_only_when_every_local_replica_has_a_gpu(local, gpus, expected):
     import torch.distributed as dist

@@ -1,0 +1,24 @@
+"""Fixtures for every test."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import pytest
+
+# A strategy built in the pytest process itself (a one-host process group, a fault-tolerant group) exports the
+# loopback interface for Gloo/NCCL into os.environ, as it does in a real job. A later test that starts a job spanning
+# two "hosts" from this process would hand it on to the job, so each test gets back the environment it started with.
+_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+@pytest.fixture(autouse=True)
+def _collective_interfaces_restored() -> Iterator[None]:
+    before = {name: os.environ.get(name) for name in _INTERFACE_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
