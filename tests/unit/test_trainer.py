@@ -109,6 +109,9 @@ def test_default_strategy_and_bad_inputs():
     per_example.fit((x, y), 1, 8)
     for a, b in zip(scalar.model.parameters(), per_example.model.parameters()):
         torch.testing.assert_close(a, b)
+    with torch.no_grad():  # and evaluate reports plain torch's mean over the data
+        plain = float(F.cross_entropy(scalar.model(x), y))
+    assert scalar.evaluate((x, y), global_batch_size=8)["loss"] == pytest.approx(plain, rel=1e-5)
 
 
 def test_precision_belongs_to_the_strategy():

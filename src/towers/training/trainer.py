@@ -497,7 +497,10 @@ class Trainer:
                     outputs = call_model(self.model, parts)
                     if self.loss_fn is not None:
                         y_pred = predictions(outputs, self.prediction_key)
-                        return self.loss_fn(y_pred, _labels(parts, self.label_key)).detach(), y_pred.detach()
+                        losses = self.loss_fn(y_pred, _labels(parts, self.label_key)).detach()
+                        if losses.dim() == 0:  # a loss that returns its batch's mean: one per label, as in training
+                            losses = losses.float().expand(label_count(parts, self.ignore_index)).clone()
+                        return losses, y_pred.detach()
                     count = label_count(parts, self.ignore_index, shifted=self._shifted_labels)  # one loss per label
                     mean = model_loss(outputs).detach().float()
                     return mean.expand(count).clone(), _predictions_or(outputs, self.prediction_key, mean)
