@@ -46,6 +46,11 @@ def run_launch(args: argparse.Namespace) -> int:
 
     try:
         spec = parse_launch_args(args.launch_argv)
+        if spec.strategy is not None and spec.strategy_options:
+            # What every process checks as it builds the strategy: refused here, before any process starts.
+            from towers.strategies.base import check_strategy_options
+
+            check_strategy_options(spec.strategy, spec.strategy_options)
         launch(spec)
     except LaunchError as exc:
         print(f"towers launch: {exc}", file=sys.stderr)

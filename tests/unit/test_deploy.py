@@ -202,6 +202,11 @@ def test_cli_refuses_a_strategy_option_the_strategy_does_not_take_before_writing
         strategy_from_env(ProcessInfo(strategy="mirrored", strategy_options=parse_strategy_options(["nonsense=1"])))
     assert err == f"towers k8s: error: {launched.value}\n"
     assert "Strategy 'mirrored' does not take the option 'nonsense'" in err and "Drop it" in err
+    script = tmp_path / "t.py"
+    script.write_text("raise SystemExit(0)\n")  # never started: towers launch refuses the option before any process
+    assert main(["launch", "--nproc-per-node", "2", "--strategy", "mirrored", "--strategy-option", "nonsense=1",
+                 str(script)]) == 2
+    assert capsys.readouterr().err == f"towers launch: error: {launched.value}\n"
     ok = ["k8s", "--name", "ok", "--image", "i", "--nnodes", "2", "--strategy", "ps", "--strategy-option", "mode=async",
           "-o", str(target), "t.py"]
     assert main(ok) == 0 and "--strategy-option mode=async" in target.read_text()
