@@ -101,7 +101,7 @@ class UpdateWeights:
         """
         params = list(parameters)
         if when == "step":
-            normalised = _normalised[0] != self._normalised_seen or self.weighted or self.plain or self.divided
+            normalised = _normalised[0] != self._normalised_seen  # every weighted or plain note counted there too
             self._normalised_seen = _normalised[0]
             if replicas_summed > 1 and not normalised and any(p.grad is not None for p in params):
                 raise user_error(_UNNORMALISED.format(n=replicas_summed), "a loss normalised by none of them",
