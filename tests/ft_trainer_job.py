@@ -75,11 +75,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--hold-at", type=int, default=None)
     parser.add_argument("--gate", default=None)
+    parser.add_argument("--ledger", default=None, help="the run directory of the job's ledger")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")  # towers' warnings
 
-    info = ProcessInfo(rank=args.group, world_size=2)  # one process per group; the group id is its rank
+    # one process per group; the group id is its rank
+    info = ProcessInfo(rank=args.group, world_size=2, ledger_dir=args.ledger)
     strategy = towers.get_strategy("ft", info=info, lighthouse=args.lighthouse, peer_timeout_s=args.peer_timeout_s)
     net, optimizer = model_and_optimizer(args.seed)  # a restarted group starts from other weights: it must heal
     trainer = towers.Trainer(net, optimizer, loss=nn.functional.cross_entropy, metrics=["accuracy"],

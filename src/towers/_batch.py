@@ -47,6 +47,9 @@ class BatchInfo:
     unit: tuple[str, int, int] | None = None
     #: The epoch the batch belongs to (the input's ``epoch``, as ``set_epoch`` counts): with ``index``, the step's identity.
     epoch: int = 0
+    #: Positions ``[lo, hi)`` of the epoch's example order that this share trains (empty for a padded or empty share),
+    #: or None where the input does not know them (a stream): what the ledger records.
+    rows: tuple[int, int] | None = None
 
 
 #: Attribute under which a yielded tensor carries its batch's ``BatchInfo``.

@@ -50,6 +50,7 @@ from towers._dataloader_answers import DataLoaderNames, EpochSampler
 from towers._loader import Loader, LoaderOptions
 from towers._logging import get_logger
 from towers.errors import user_error
+from towers.ledger.record import OrderSpec
 from towers.streams import DistributedStream, InputContext, ShardChangedError, Shards, is_stream
 
 __all__ = ["BatchInfo", "DistributedDataset", "Dispatch", "distribute_dataset", "shard_bounds", "global_batch_sizes",
@@ -234,6 +235,9 @@ class DistributedDataset(DataLoaderNames):
         self._passes = 0  # iterations started (names a dispatched pass)
         #: ``{"examples": ..., "expected": ...}`` of the last complete dispatched pass (None: static split).
         self.last_pass: dict[str, int] | None = None
+        #: Whether batches handed out at run time are recorded in the job's ledger by ps task 0 (the Trainer sets
+        #: it on its training input; an evaluation pass trains nothing).
+        self.in_ledger = False
         self._epoch = 0
         self._position = 0  # batches consumed in the current epoch
         self._resume_at = 0  # where the next iteration starts (load_state_dict)
@@ -315,7 +319,8 @@ class DistributedDataset(DataLoaderNames):
             to_worker = self._loader.options.num_workers > 0
             jobs = ((self._fetch(order, info, to_worker=to_worker), info) for info in self._infos[batch:])
             for cpu_batch, info in self._loader.batches(jobs, salt=self._epoch):
-                value = attach_batch_info(to_device(cpu_batch, self.device), replace(info, epoch=self._epoch))
+                value = attach_batch_info(to_device(cpu_batch, self.device),
+                                          replace(info, epoch=self._epoch, rows=self._rows(info)))
                 self._position = info.index + 1
                 yield value
         self._epoch += 1
@@ -327,9 +332,11 @@ class DistributedDataset(DataLoaderNames):
 
     def _dispatched(self, dispatch: Dispatch, order: torch.Tensor | None, start: int) -> Iterator[Any]:
         """Yield the batches the dispatcher hands this replica: its own shares first, a dead replica's after."""
-        spec = {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size,
-                "drop_remainder": self.drop_remainder, "start": start, "epoch": self._epoch,
-                "num_replicas": self.num_replicas}
+        spec: dict[str, Any] = {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size,
+                                "drop_remainder": self.drop_remainder, "start": start, "epoch": self._epoch,
+                                "num_replicas": self.num_replicas}
+        if self.in_ledger:
+            spec["order"] = {"seed": self.seed, "shuffle": self.shuffle}
         infos: dict[int, list[BatchInfo]] = {self.replica_id: self._infos}
         key = f"{dispatch.name}.{self._passes}"  # this pass's name, the same on every replica
         step = 0
@@ -353,10 +360,24 @@ class DistributedDataset(DataLoaderNames):
                                 self.replica_id))
             for info, r in batches:
                 batch = _run_fetch(self._source, self._fetch(order, info, r))
-                value = attach_batch_info(to_device(batch, self.device), replace(info, epoch=self._epoch))
+                value = attach_batch_info(to_device(batch, self.device),
+                                          replace(info, epoch=self._epoch, rows=self._rows(info, r)))
                 step += 1
                 self._position = max(self._position, info.index + 1)
                 yield value
+
+    def _rows(self, info: BatchInfo, replica_id: int | None = None) -> tuple[int, int]:
+        """Positions ``[lo, hi)`` of the epoch's order that replica ``replica_id``'s share of ``info`` trains."""
+        first = info.index * self.global_batch_size
+        if info.local_batch_size == 0:
+            return first, first
+        start, stop = shard_bounds(info.global_batch_size, self.num_replicas,
+                                   self.replica_id if replica_id is None else replica_id)
+        return first + start, first + stop
+
+    def ledger_order(self) -> OrderSpec:
+        """What fixes each epoch's example order (``order``), for the ledger."""
+        return OrderSpec(self.num_examples, self.global_batch_size, self.seed, self.shuffle)
 
     def _fetch(self, order: torch.Tensor | None, info: BatchInfo, replica_id: int | None = None, *,
                to_worker: bool = False) -> Fetch:

@@ -142,6 +142,9 @@ class DistributedStream(DataLoaderNames):
         self._counted_files: str | None = None  # the files' digest when they were counted
         #: ``{"examples", "expected"}`` of the last complete dispatched pass (None: a static split).
         self.last_pass: dict[str, int] | None = None
+        #: Whether batches handed out at run time are recorded in the job's ledger by ps task 0 (the Trainer sets
+        #: it on its training input; an evaluation pass trains nothing).
+        self.in_ledger = False
         self._epoch = 0
         self._position = _Position.start(self.num_virtual_shards)
         self._resume: _Position | None = None  # set by load_state_dict: where the next iteration starts
@@ -351,8 +354,10 @@ class DistributedStream(DataLoaderNames):
         n = self._num_examples
         self._check_epoch(0, n, True)
         sizes = global_batch_sizes(n, B, drop_remainder=self.drop_remainder)
-        spec = {"num_examples": n, "global_batch_size": B, "drop_remainder": self.drop_remainder, "start": start,
-                "epoch": self._epoch, "num_replicas": self.num_replicas}
+        spec: dict[str, Any] = {"num_examples": n, "global_batch_size": B, "drop_remainder": self.drop_remainder,
+                                "start": start, "epoch": self._epoch, "num_replicas": self.num_replicas}
+        if self.in_ledger:  # units are read in the stream's order: a position is a record's place in it
+            spec["order"] = {"seed": 0, "shuffle": False}
         self._passes += 1
         key = f"{self._dispatch.name}.{self._passes}"  # this pass's name, the same on every replica
         reader = _BatchReader(lambda: self._records(files), B)

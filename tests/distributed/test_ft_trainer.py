@@ -6,7 +6,8 @@ is SIGKILLed in epoch 0; group 0 trains on alone up to global step 20 (epoch 1) 
 until group 1, started again from other weights, is built. Group 1 then heals to the job's step and
 its Trainer continues in epoch 1 at the step it joins (not at epoch 0): both finish the same 48 steps with
 equal parameters, those of one device running the same steps, and the survivor's History counts
-every example of each epoch once.
+every example of each epoch once. The ledger the groups kept proves the same: each example of each epoch
+trained exactly once, through the kill, the lone steps and the join.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from cli_support import OutputReader, clean_env, start
 from ft_support import lighthouse_process, stop_all
+from towers.ledger import prove_ledger
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,7 +66,7 @@ def test_fit_goes_on_and_a_restarted_group_continues_in_the_jobs_epoch(tmp_path:
 
     def group(gid: int, seed: int, *extra: str) -> OutputReader:
         argv = [sys.executable, str(JOB), address, str(gid), str(tmp_path), "--peer-timeout-s", str(PEER_TIMEOUT_S),
-                "--seed", str(seed), "--epochs", str(EPOCHS), *extra]
+                "--seed", str(seed), "--epochs", str(EPOCHS), "--ledger", str(tmp_path / "run"), *extra]
         return OutputReader(start(argv, cwd=tmp_path, env=env))
 
     readers: list[OutputReader] = []
@@ -125,5 +127,9 @@ def test_fit_goes_on_and_a_restarted_group_continues_in_the_jobs_epoch(tmp_path:
         assert examples == summaries[0]["history"]["examples"]
         for key in final[0]:  # the same maths as one device: every committed step took its whole global batch
             torch.testing.assert_close(final[0][key], reference[key], rtol=1e-4, atol=1e-5)
+        # The ledger the groups kept (each committed share; the restarted group joined, rolling nothing back).
+        proof = prove_ledger(tmp_path / "run")
+        assert proof.ok and [e.verdict for e in proof.epochs] == ["exactly once"] * EPOCHS, proof.format()
+        assert proof.files == 3 and proof.rolled_back == 0, proof.format()
     finally:
         stop_all(readers, lighthouse, str(tmp_path))

@@ -10,7 +10,8 @@ The fixed sync job streams its training examples (a torch ``IterableDataset``) i
 The check counts examples, not accuracy. The model is ``w . x`` on one-hot inputs with the
 prediction itself as the loss and plain SGD (lr = global batch size), so each use of example ``i``
 in an applied gradient lowers ``w[i]`` by exactly 1: ``-w`` after training is how many times each
-example was trained on. Sync mode: exactly once per epoch; async: at least once. The History's
+example was trained on. Sync mode: exactly once per epoch; async: at least once. The job's ledger
+(``towers launch --ledger``: ps task 0 records each share it applied) must count the same uses. The History's
 ``examples``/``val_examples`` and the final ``evaluate`` count every example too. One job runs
 with two ps tasks and a bias (on ps task 1, ``-bias`` counts every use) so both shards are checked.
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from cli_support import run, towers_command
+from towers.ledger import prove_ledger
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -149,7 +151,8 @@ def _check(tmp_path: Path, mode: str, kills: tuple[tuple[int, str, int, int, flo
     script.write_text(textwrap.dedent(SCRIPT))
     spec = ",".join(f"{v}:{where}:{e}:{b}:{delay}" for v, where, e, b, delay in kills)
     command = [*towers_command(), "launch", "--strategy", "ps", "--num-ps", str(num_ps), "--nproc-per-node",
-               str(3 + num_ps), "--monitor-interval", "0.2", str(script), mode, "bias" if num_ps > 1 else "-", spec, *(["stream"] if stream else [])]
+               str(3 + num_ps), "--monitor-interval", "0.2", "--ledger", str(tmp_path / "run"), str(script), mode,
+               "bias" if num_ps > 1 else "-", spec, *(["stream"] if stream else [])]
     result = run(command, cwd=tmp_path, deadline_s=180, marker=str(script))
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
@@ -165,6 +168,11 @@ def _check(tmp_path: Path, mode: str, kills: tuple[tuple[int, str, int, int, flo
         assert uses == [EPOCHS] * EXAMPLES, f"examples not trained on exactly {EPOCHS} times: {uses}\n{err}"
     else:
         assert min(uses) >= EPOCHS, f"examples lost in async mode: {uses}\n{err}"
+    # The ledger ps task 0 kept of the shares it applied counts each example's uses as the weights do.
+    proof = prove_ledger(tmp_path / "run")
+    assert [e.epoch for e in proof.epochs] == list(range(EPOCHS)), proof.format()
+    assert [round(float(c)) for c in sum(e.counts for e in proof.epochs)] == uses, proof.format()
+    assert proof.ok or mode == "async", proof.format()  # sync: exactly once, proved
     assert found["examples"] == [float(EXAMPLES)] * EPOCHS, found
     assert found["val_examples"] == [float(VAL_EXAMPLES)] * EPOCHS, found
     assert found["final_examples"] == VAL_EXAMPLES, found

@@ -31,6 +31,8 @@ __all__ = ["ENVIRONMENTS", "VERIFY_DIR_VARIABLE", "VERIFY_STEPS_VARIABLE", "dete
 
 #: Set by ``towers verify`` in the runs it starts: the capture directory and the number of updates to capture.
 VERIFY_DIR_VARIABLE = "TOWERS_VERIFY_DIR"
+#: Where the ledger of committed updates goes (``towers launch --ledger``).
+LEDGER_DIR_VARIABLE = "TOWERS_LEDGER_DIR"
 VERIFY_STEPS_VARIABLE = "TOWERS_VERIFY_STEPS"
 
 #: Sources in priority order; the first whose ``detect`` is True describes the process.
@@ -84,7 +86,8 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     ``TOWERS_INTERFACE`` (set by ``towers launch --interface``), else ``GLOO_SOCKET_IFNAME``, fills ``interface``;
     ``TOWERS_LOG_LEVEL`` (set by ``towers launch``) fills ``log_level``;
     ``TOWERS_LAUNCH_DIR`` (set by ``towers launch --strategy``) fills ``launch_dir``;
-    ``TOWERS_VERIFY_DIR``/``TOWERS_VERIFY_STEPS`` (set by ``towers verify``) fill ``verify_dir``/``verify_steps``.
+    ``TOWERS_VERIFY_DIR``/``TOWERS_VERIFY_STEPS`` (set by ``towers verify``) fill ``verify_dir``/``verify_steps``;
+    ``TOWERS_LEDGER_DIR`` (set by ``towers launch --ledger``) fills ``ledger_dir``.
     ``environ=None`` reads ``os.environ``; pass a dict in tests.
 
     Raises:
@@ -113,6 +116,9 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     launch_dir = environ.get(LAUNCH_DIR_VARIABLE, "").strip()
     if launch_dir:
         info = dataclasses.replace(info, launch_dir=launch_dir)
+    ledger_dir = environ.get(LEDGER_DIR_VARIABLE, "").strip()
+    if ledger_dir:
+        info = dataclasses.replace(info, ledger_dir=ledger_dir)
     verify_dir = environ.get(VERIFY_DIR_VARIABLE, "").strip()
     if verify_dir:
         info = dataclasses.replace(info, verify_dir=verify_dir,

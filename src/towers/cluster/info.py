@@ -118,6 +118,9 @@ class ProcessInfo:
     verify_dir: str | None = None
     #: How many updates ``towers verify`` compares (``TOWERS_VERIFY_STEPS``): the run ends cleanly after them.
     verify_steps: int = 0
+    #: Where the Trainer (and ps task 0) append the ledger of what each committed update trained
+    #: (``TOWERS_LEDGER_DIR``, set by ``towers launch --ledger``), or None: no ledger.
+    ledger_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

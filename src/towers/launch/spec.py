@@ -49,7 +49,7 @@ _SPEC_OPTIONS = frozenset({
     "training_script", "training_script_args", "module", "no_python", "run_path", "nproc_per_node", "nnodes",
     "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "standalone",
     "max_restarts", "monitor_interval", "strategy", "num_ps", "tolerate_worker_failures", "interface",
-    "join_timeout", "strategy_option", "group_restarts", "group_size",
+    "join_timeout", "strategy_option", "group_restarts", "group_size", "ledger",
 })
 
 
@@ -152,6 +152,8 @@ class LaunchSpec:
     group_size: int = 1
     interface: str | None = None
     join_timeout_s: float | None = None
+    #: Where every process appends the ledger of committed updates (``--ledger``; ``TOWERS_LEDGER_DIR``).
+    ledger_dir: str | None = None
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
     torchrun_options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -307,6 +309,8 @@ class LaunchSpec:
                            TOWERS_INTERFACE=self.interface)
         if self.join_timeout_s is not None:
             updates["TOWERS_JOIN_TIMEOUT_S"] = f"{self.join_timeout_s:g}"
+        if self.ledger_dir is not None:
+            updates["TOWERS_LEDGER_DIR"] = os.path.abspath(self.ledger_dir)
         if self.strategy is not None:
             updates["TOWERS_STRATEGY"] = self.strategy
             updates["TOWERS_NUM_PS"] = str(self.num_ps)
@@ -375,6 +379,10 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
                             "with a message naming the missing ones (default: TOWERS_JOIN_TIMEOUT_S, else 300); "
                             "while waiting, node 0 and the chief say every ~15 s who joined and who is missing; "
                             "sets TOWERS_JOIN_TIMEOUT_S for every worker")
+    group.add_argument("--ledger", default=None, metavar="DIR",
+                       help="keep a ledger of which examples each committed update trained under DIR/ledger "
+                            "(sets TOWERS_LEDGER_DIR for every process); `towers verify --ledger DIR` proves from it, "
+                            "after the job, that each example of each completed epoch was trained exactly once")
     return parser
 
 
@@ -425,6 +433,7 @@ def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
         group_size=getattr(args, "group_size", 1),
         interface=getattr(args, "interface", None),
         join_timeout_s=getattr(args, "join_timeout", None),
+        ledger_dir=getattr(args, "ledger", None),
         torchrun_options=passthrough,
     )
 

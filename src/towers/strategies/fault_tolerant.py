@@ -45,6 +45,7 @@ from towers._logging import configure_logging, configured_logging, get_logger, s
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.errors import user_error
+from towers.ledger.record import OrderSpec
 from towers.strategies._collectives import _local_reduce, as_tensor, check_op
 from towers.strategies._ft_grads import GradientSync
 from towers.strategies._ft_shards import load_local_model, load_local_optimizer, local_state
@@ -847,6 +848,10 @@ class FaultTolerantBatches:
                 raise user_error(f"This data position was saved with another {key}", f"{key}={state[key]} (this "
                                  f"input: {mine})", "Resume with the same dataset, global_batch_size and seed.")
 
+    def ledger_order(self) -> OrderSpec:
+        """What fixes each epoch's example order, for the ledger."""
+        return OrderSpec(self._size, self.global_batch_size, self._seed, self._shuffle)
+
     def _order(self, epoch: int) -> torch.Tensor:
         if not self._shuffle:
             return torch.arange(self._size)
@@ -907,5 +912,6 @@ class FaultTolerantBatches:
             yield attach_batch_info(to_device(batch, strategy.device), BatchInfo(
                 index=index, num_batches=self.num_batches, global_batch_size=len(indices), local_batch_size=hi - lo,
                 num_padding_examples=padding, examples_per_update=len(indices), batches_per_update=1,
-                last_in_update=True))
+                last_in_update=True, epoch=epoch,
+                rows=(index * self.global_batch_size + lo, index * self.global_batch_size + (hi if hi > lo else lo))))
         self._epoch = max(epoch, strategy.current_step // self.num_batches)

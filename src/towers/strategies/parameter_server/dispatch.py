@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from towers._logging import get_logger
 from towers.data import shard_bounds
+from towers.ledger.record import LedgerWriter, OrderSpec
 from towers.strategies.parameter_server.requests import RequestError
 from towers.strategies.parameter_server.transport import Status
 
@@ -107,8 +108,10 @@ class _Pass:
 class Dispatcher:
     """The passes in progress on ps task 0 (guarded by the server's condition variable)."""
 
-    def __init__(self, server: "ParameterServer", lease: int = LEASE):
+    def __init__(self, server: "ParameterServer", lease: int = LEASE, *, ledger: LedgerWriter | None = None):
         self.server, self.lease = server, lease
+        #: Where each applied unit is recorded (``towers.ledger``): here, where "applied" is decided.
+        self.ledger = ledger
         self.passes: dict[str, _Pass] = {}
         self.closed_order: deque[str] = deque()
         self.open_order: deque[str] = deque()
@@ -122,6 +125,19 @@ class Dispatcher:
             if p is not None and p.held.get(unit) == w:
                 del p.held[unit]
                 p.done += p.shape.share(*unit)
+                if self.ledger is not None:
+                    self._record(p, *unit)
+
+    def _record(self, p: _Pass, g: int, r: int) -> None:
+        """Append applied unit ``(g, r)`` of pass ``p`` to the ledger (a pass whose input names its order)."""
+        order = p.spec.get("order")
+        if not isinstance(order, dict) or self.ledger is None:
+            return  # a pass from a worker that names no order
+        s = p.shape
+        self.ledger.order(OrderSpec(int(p.spec["num_examples"]), s.b, int(order["seed"]), bool(order["shuffle"])))
+        start, stop = shard_bounds(s.size(g), s.replicas, r)
+        epoch = int(p.spec["epoch"])
+        self.ledger.update(epoch * s.batches + g, epoch, g, g * s.b + start, g * s.b + stop)
 
     def next(self, w: int, meta: Any) -> dict[str, Any]:
         """Answer worker ``w``'s request for the unit of step ``meta["step"]`` of pass ``meta["key"]``."""
@@ -173,7 +189,7 @@ class Dispatcher:
         return [(g0, r)]
 
     def _open(self, key: str, spec: Any) -> _Pass:
-        if not isinstance(spec, dict) or set(spec) != set(_SPEC_KEYS):
+        if not isinstance(spec, dict) or set(spec) - {"order"} != set(_SPEC_KEYS):
             raise RequestError(f"a dispatch spec needs exactly {_SPEC_KEYS}. Received: {spec!r}.", Status.BAD_INPUT)
         if key in self.dropped:
             raise RequestError(

@@ -29,6 +29,7 @@ import torch
 
 from towers._logging import get_logger
 from towers.diagnostics import set_role
+from towers.ledger.record import LedgerWriter
 from towers.strategies.parameter_server.dispatch import Dispatcher, unpack_unit
 from towers.strategies.parameter_server.gather import GatherTable
 from towers.strategies.parameter_server.requests import (
@@ -61,7 +62,8 @@ class ParameterServer:
     """Serve one shard to every worker until all of them said goodbye or died."""
 
     def __init__(self, links: Sequence[Link], *, ps_index: int, rank: int, worker_ranks: Sequence[int], mode: str,
-                 staleness: int | None, timeout_s: float, num_ps: int = 1, shared_memory: bool = True):
+                 staleness: int | None, timeout_s: float, num_ps: int = 1, shared_memory: bool = True,
+                 ledger_dir: str | None = None):
         self.links, self.ps_index, self.rank = list(links), ps_index, rank
         set_role("ps")  # the stuck-job watchdog: a ps serves, so it is never the one that waits
         self.worker_ranks, self.mode, self.staleness, self.timeout_s = list(worker_ranks), mode, staleness, timeout_s
@@ -93,7 +95,8 @@ class ParameterServer:
         self.sum_buf = torch.empty(0, dtype=torch.uint8)
         self.round_buf = torch.empty(0, dtype=torch.uint8)  # the values a finished round sends back
         self.embeddings = EmbeddingService(self, num_ps)
-        self.dispatcher = Dispatcher(self) if ps_index == 0 else None  # batches handed out to the workers
+        ledger = LedgerWriter(ledger_dir, "ps0", rank=rank) if ledger_dir and ps_index == 0 else None
+        self.dispatcher = Dispatcher(self, ledger=ledger) if ps_index == 0 else None  # batches handed out to the workers
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def serve(self) -> dict[str, Any]:

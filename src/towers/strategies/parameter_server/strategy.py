@@ -200,7 +200,7 @@ class ParameterServerStrategy(Strategy):
         server = ParameterServer(links, ps_index=self.roles.index, rank=self._info.rank,
                                  worker_ranks=list(range(self.roles.num_workers)), mode=self.mode,
                                  staleness=self.staleness, timeout_s=self.timeout_s, num_ps=self.num_ps,
-                                 shared_memory=self.shared_memory)
+                                 shared_memory=self.shared_memory, ledger_dir=self._info.ledger_dir)
         # A preemption notice must not end this process before the workers saved: their checkpoint fetches
         # the state that lives here. It goes to the workers through the store; this process serves on.
         signals = preemption_signals(read_environ().get("TOWERS_PREEMPTION_SIGNALS"))
