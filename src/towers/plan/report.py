@@ -1,0 +1,53 @@
+"""The ``towers plan`` table: one row per kind of memory, one column per replica count."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from towers.plan.estimate import MemoryEstimate
+
+__all__ = ["format_bytes", "format_table"]
+
+_ROWS = (
+    ("parameters", "parameters (+ buffers)"),
+    ("gradients", "gradients"),
+    ("optimizer_state", "optimizer state"),
+    ("activations", "activations (estimate)"),
+    ("gathered_parameters", "gathered parameters"),
+    ("communication", "communication buffers"),
+    ("optimizer_temporaries", "optimizer step temporaries"),
+    ("peak", "peak"),
+)
+
+
+def format_bytes(n: int) -> str:
+    """Return ``n`` bytes in binary units: ``"512 B"``, ``"1.5 KiB"``, ``"42.7 MiB"``, ``"3.05 GiB"``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.{2 if unit == 'GiB' else 1}f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"  # pragma: no cover - the loop returns
+
+
+def format_table(estimates: Sequence[MemoryEstimate], *, model_name: str = "model") -> str:
+    """Return the per-replica table of ``estimates`` (one strategy, batch, precision and optimizer; several replica counts)."""
+    first = estimates[0]
+    head = (f"{model_name}: {first.num_parameters:,} parameters; {first.strategy}, batch {first.batch_size} per "
+            f"replica, precision {first.precision}, optimizer {first.optimizer}")
+    columns = [f"{e.replicas} replica" + ("s" if e.replicas != 1 else "") for e in estimates]
+    width = max(len(label) for _, label in _ROWS)
+    cells = [[format_bytes(getattr(e, field)) for e in estimates] for field, _ in _ROWS]
+    col = max(max(len(c) for c in columns), *(len(c) for row in cells for c in row))
+    lines = [head, "", "per replica".ljust(width) + "".join(f"  {c:>{col}}" for c in columns)]
+    for (_, label), row in zip(_ROWS, cells):
+        lines.append(label.ljust(width) + "".join(f"  {c:>{col}}" for c in row))
+    notes = []
+    if first.strategy == "mirrored":
+        notes.append("From 2 replicas on, DDP's all-reduce buckets are the gradients themselves (no extra copy).")
+    else:
+        notes.append("Sharded: parameters, gradients and optimizer state split over the replicas; gathered parameters "
+                     "are the root's own and two units' at once, in the compute dtype.")
+    notes.append("The peak counts tensors: add what your data set keeps in memory and the process itself (Python, "
+                 "torch, a CUDA context).")
+    return "\n".join(lines + [""] + notes)
