@@ -44,6 +44,8 @@ _EXPORTS: dict[str, str] = {
     # training
     "Trainer": "towers.training",
     "History": "towers.training",
+    # diagnostics
+    "ThroughputMeter": "towers.diagnostics.throughput",
 }
 
 _SUBMODULES = {

@@ -9,15 +9,20 @@ from towers.training.callbacks import (
     CallbackList,
     CSVLogger,
     EarlyStopping,
+    ExampleLedger,
     LearningRateScheduler,
+    MLflowLogger,
     ModelCheckpoint,
     ProgressBar,
+    StepBreakdown,
     TensorBoard,
     TerminateOnNaN,
+    WandbLogger,
 )
 from towers.training.history import History
 
 __all__ = [
     "Callback", "CallbackList", "History", "ProgressBar", "ModelCheckpoint", "BackupAndRestore",
     "EarlyStopping", "CSVLogger", "TensorBoard", "TerminateOnNaN", "LearningRateScheduler",
+    "WandbLogger", "MLflowLogger", "ExampleLedger", "StepBreakdown",
 ]

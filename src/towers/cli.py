@@ -209,6 +209,55 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- towers plan ------------------------------------------------------------------------------
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="estimate each replica's memory before launching: parameters, gradients, "
+                                    "optimizer state, activations, peak",
+                       description="Build your model on the meta device (no memory used), count what each replica "
+                       "keeps for a strategy and replica count, and trace one step on fake tensors for the "
+                       "activations; print a table per replica count.")
+    p.add_argument("--model", metavar="MODULE:FACTORY", required=True,
+                   help="your model: a function or class returning an nn.Module, e.g. mypkg.models:build_model or "
+                        "path/to/file.py:Net")
+    p.add_argument("--strategy", default="mirrored", help="mirrored or sharded (FSDP2) (default: mirrored)")
+    p.add_argument("--replicas", default="1,2,4", help="comma-separated replica counts (default: 1,2,4)")
+    p.add_argument("--batch-size", type=int, default=32, help="per-replica batch size (default: 32)")
+    p.add_argument("--input-shape", default=None, metavar="C,H,W",
+                   help="shape of one float input example, without the batch dimension (e.g. 3,32,32)")
+    p.add_argument("--seq-len", type=int, default=None, help="token models: tokens per example (inputs are token ids)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="token models: ids below this (default: the model's first nn.Embedding's size)")
+    p.add_argument("--precision", default="32", help="32, bf16 or fp16 (default: 32)")
+    p.add_argument("--optimizer", default="adam", help="sgd, momentum, adam or adamw (default: adam)")
+    p.add_argument("--loss", choices=("cross_entropy", "mse"), default="cross_entropy",
+                   help="cross_entropy (class ids over the output's last dimension) or mse (default: cross_entropy)")
+    p.add_argument("--json", action="store_true", help="print the estimates as JSON instead of the table")
+    p.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from towers.bench.config import parse_replicas, parse_shape
+    from towers.bench.user_model import load_factory
+    from towers.plan import estimate_memory_table, format_table
+
+    try:
+        factory = load_factory(args.model, "--model")
+        estimates = estimate_memory_table(
+            factory, replicas=parse_replicas(args.replicas), strategy=args.strategy, batch_size=args.batch_size,
+            input_shape=None if args.input_shape is None else parse_shape(args.input_shape), seq_len=args.seq_len,
+            vocab_size=args.vocab_size, precision=args.precision, optimizer=args.optimizer, loss=args.loss)
+    except (ValueError, TypeError) as exc:
+        print(f"towers plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([e.to_dict() for e in estimates], indent=2))
+    else:
+        print(format_table(estimates, model_name=args.model))
+    return 0
+
+
 # --- towers k8s -------------------------------------------------------------------------------
 def add_k8s_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("k8s", help="render Kubernetes manifests (or a SLURM script) for a multi-machine job",
@@ -359,13 +408,16 @@ def _verify_options(p: argparse.ArgumentParser) -> None:
                                                                   "counted as rounding (default: 1e-3)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds all runs may take together (default: 300)")
     p.add_argument("--keep", metavar="DIR", default=None, help="keep the captures and each process's output in DIR")
+    p.add_argument("--ledger", metavar="RUN_DIR", default=None,
+                   help="instead of running a script: prove from a finished (or killed) job's ledger in RUN_DIR that each "
+                        "example of each completed epoch was trained exactly once")
 
 
 def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="run a script for a few updates as one process and under each strategy; "
                                       "compare the parameters and name the cause of a difference")
     _verify_options(p)
-    p.add_argument("script", help="the training script, run unchanged")
+    p.add_argument("script", nargs="?", default=None, help="the training script, run unchanged")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="after `--`: the script's arguments")
     p.set_defaults(run=run_verify)
 
@@ -373,6 +425,12 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
 def run_verify(args: argparse.Namespace) -> int:
     from towers.verify import DEFAULT_TOLERANCE, VerifySpec, verify
 
+    if args.ledger is not None:
+        return _prove_ledger(args)
+    if args.script is None:
+        print("towers verify: error: no script given. Received: nothing after `towers verify`. Pass your training "
+              "script (`towers verify train.py`) or a job's ledger (`towers verify --ledger RUN_DIR`).", file=sys.stderr)
+        return 2
     rest = list(args.script_args)
     if "--" in rest:  # flags of ours after the script name, then the script's own arguments
         cut = rest.index("--")
@@ -402,11 +460,28 @@ def run_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _prove_ledger(args: argparse.Namespace) -> int:
+    from towers.ledger import prove_ledger
+
+    if args.script is not None:
+        print(f"towers verify: error: --ledger proves a finished job's ledger and runs no script. Received: "
+              f"--ledger {args.ledger} and the script {args.script!r}. Use one of them.", file=sys.stderr)
+        return 2
+    try:
+        proof = prove_ledger(args.ledger)
+    except (OSError, ValueError) as exc:
+        print(f"towers verify: error: {exc}", file=sys.stderr)
+        return 2
+    print(proof.format(), flush=True)
+    return 0 if proof.ok else 1
+
+
 _PARSERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_devices_parser,
     add_launch_parser,
     add_demo_parser,
     add_bench_parser,
+    add_plan_parser,
     add_k8s_parser,
     add_doctor_parser,
     add_verify_parser,

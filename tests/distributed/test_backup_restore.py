@@ -18,6 +18,7 @@ from torch import nn
 
 import towers
 from towers import checkpoint
+from towers.diagnostics.throughput import THROUGHPUT_KEYS
 from towers.launch import SpawnError
 
 pytestmark = pytest.mark.timeout(240)
@@ -94,6 +95,8 @@ def test_crashed_replica_restarts_at_the_exact_step(tmp_path, case):
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(resumed["params"], reference["params"]))
         assert resumed["history"]["epoch"] == reference["history"]["epoch"] == [0, 1, 2]
         for key, values in reference["history"]["history"].items():
+            if key in THROUGHPUT_KEYS:  # measured: differs run to run
+                continue
             assert resumed["history"]["history"][key] == pytest.approx(values, rel=1e-6), key
         assert not resumed["backup_left"]  # deleted after the successful run
         if "versions" in reference:

@@ -20,6 +20,7 @@ from torch import nn
 
 import towers
 from towers import checkpoint
+from towers.diagnostics.throughput import THROUGHPUT_KEYS
 from towers.launch import SpawnError
 
 pytestmark = pytest.mark.timeout(240)
@@ -96,4 +97,6 @@ def test_ps_task_killed_job_resumes_with_its_rows_and_slots(tmp_path):
         for key, value in reference["table"].items():
             assert torch.allclose(resumed["table"][key].double(), value.double(), atol=1e-6), key
         for key, values in reference["history"]["history"].items():
+            if key in THROUGHPUT_KEYS:  # measured: differs run to run
+                continue
             assert resumed["history"]["history"][key] == pytest.approx(values, rel=1e-6), key

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import towers
+from towers.diagnostics.throughput import THROUGHPUT_KEYS
 from towers.metrics import Mean, SparseCategoricalAccuracy
 from towers.models_gpt import GPT, GPTConfig
 
@@ -146,6 +147,8 @@ def test_hugging_face_and_nanogpt_models_train_with_one_devices_maths():
             for a, b in zip(run[kind]["params"], one[kind]["params"]):
                 assert torch.allclose(a, b, atol=1e-5), (kind, name)
             for key, values in one[kind]["history"].items():
+                if key in THROUGHPUT_KEYS:  # measured: differs run to run
+                    continue
                 assert run[kind]["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), (kind, name, key)
     assert "accuracy" in one["bert"]["history"]
     assert one["bert"]["predict"].shape == (ROWS, 3)  # the logits of every row, from a dict of tensors

@@ -22,6 +22,7 @@ from torch import nn
 
 import towers
 from towers.cluster.info import ProcessInfo
+from towers.diagnostics.throughput import THROUGHPUT_KEYS
 from towers.strategies._fsdp import fsdp_modules
 
 pytestmark = pytest.mark.timeout(240)
@@ -170,6 +171,8 @@ def _check_fit(per_rank: list[dict], ref: dict) -> None:
         for key, value in ref["state"].items():
             assert torch.allclose(got["state"][key], value, atol=ATOL), (rank, key)
         for metric, values in ref["history"]["history"].items():
+            if metric in THROUGHPUT_KEYS:  # measured: differs run to run
+                continue
             assert torch.allclose(torch.tensor(got["history"]["history"][metric]), torch.tensor(values),
                                   atol=ATOL), (rank, metric)
 

@@ -25,6 +25,7 @@ from torch import nn
 import towers
 from towers.checkpoint import integrity
 from towers.cluster.info import ProcessInfo
+from towers.diagnostics.throughput import THROUGHPUT_KEYS
 from towers.launch import SpawnError
 
 pytestmark = pytest.mark.timeout(240)
@@ -189,5 +190,7 @@ def test_backup_and_restore_resumes_a_sharded_job_at_the_exact_step(tmp_path):
         for key, value in reference["params"].items():
             assert torch.allclose(resumed["params"][key], value, atol=1e-6), key
         for key, values in reference["history"]["history"].items():
+            if key in THROUGHPUT_KEYS:  # measured: differs run to run
+                continue
             assert resumed["history"]["history"][key] == pytest.approx(values, rel=1e-6), key
     assert os.listdir(backup_dir) == []  # the finished job removed its backup: the link and the shards

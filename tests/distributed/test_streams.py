@@ -25,6 +25,7 @@ from torch import nn
 import towers
 from towers.cluster.info import ProcessInfo
 from towers.data import ShardChangedError, Shards
+from towers.diagnostics.throughput import THROUGHPUT_KEYS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,6 +148,8 @@ def test_a_file_stream_trains_the_one_device_model_and_resumes_from_2_replicas_o
         for got, want in zip(result["fit"]["params"], fitted["params"]):
             assert torch.allclose(got, want, atol=ATOL), (got - want).abs().max()
         for key, values in fitted["history"].items():
+            if key in THROUGHPUT_KEYS:  # measured: differs run to run
+                continue
             assert result["fit"]["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
         assert result["fit"]["evaluate"] == pytest.approx(fitted["evaluate"], rel=1e-5)
     for rank, result in enumerate(per_rank):  # every replica stops, with the same named error

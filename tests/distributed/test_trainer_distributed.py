@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import towers
+from towers.diagnostics.throughput import THROUGHPUT_KEYS
 
 N, GBS, EPOCHS = 53, 8, 3  # the last global batch has 5 examples: 3 + 2 on two replicas
 
@@ -84,6 +85,8 @@ def test_two_replicas_share_one_history_equal_to_one_device(tmp_path):
     h_one, e_one, p_one = _fit_and_evaluate(towers.OneDeviceStrategy("cpu"))
     assert h0["epoch"] == h_one["epoch"] == [0, 1, 2]
     for key, values in h_one["history"].items():
+        if key in THROUGHPUT_KEYS:  # measured: differs run to run
+            continue
         assert h0["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
     assert e0 == pytest.approx(e_one, rel=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(p0, p_one))
@@ -152,6 +155,8 @@ def test_the_same_trainer_under_sync_parameter_servers():
     assert h0 == h1 and e0 == e1
     h_one, e_one, p_one = _fit_and_evaluate(towers.OneDeviceStrategy("cpu"))
     for key, values in h_one["history"].items():
+        if key in THROUGHPUT_KEYS:  # measured: differs run to run
+            continue
         assert h0["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
     assert e0 == pytest.approx(e_one, rel=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(p0, p_one))

@@ -15,6 +15,7 @@ from torch import nn
 
 import towers
 from towers import checkpoint as ckpt
+from towers.diagnostics.throughput import THROUGHPUT_KEYS
 from towers.training import Trainer
 from towers.training import callbacks as C
 
@@ -69,7 +70,8 @@ def test_hooks_order_and_documented_logs():
     assert [b["size"] for b in batch_logs] == [16, 16, 8] and [b["examples"] for b in batch_logs] == [16, 32, 40]
     assert set(batch_logs[0]) == {"loss", "accuracy", "size", "examples", "nonfinite_replicas", "global_step"}
     epoch_logs = next(c[2] for c in rec.calls if c[0] == "on_epoch_end")
-    assert set(epoch_logs) == {"loss", "accuracy", "val_loss", "val_accuracy", "lr", "examples", "val_examples"}
+    assert set(epoch_logs) == {"loss", "accuracy", "val_loss", "val_accuracy", "lr", "examples", "val_examples",
+                               "examples_per_second", "mfu"}  # no tokens: not a token model
     assert epoch_logs["loss"] == batch_logs[-1]["loss"]  # the epoch value is the running mean at its end
     assert epoch_logs["examples"] == 40 and epoch_logs["val_examples"] == 40  # every example, counted
     rec.calls.clear()
@@ -179,7 +181,9 @@ def test_backup_and_restore_resumes_at_the_exact_step(tmp_path, caplog):
     with _towers_log(caplog):
         resumed, history, stop = run(tmp_path / "b")
     assert "resuming from" in caplog.text
-    assert history.history == ref_history.history and history.epoch == [0, 1, 2]
+    measured = {k: v for k, v in history.history.items() if k not in THROUGHPUT_KEYS}  # timings differ run to run
+    assert measured == {k: v for k, v in ref_history.history.items() if k not in THROUGHPUT_KEYS}
+    assert history.epoch == [0, 1, 2]
     assert (stop.wait, stop.best) == (ref_stop.wait, ref_stop.best)
     for a, b in zip(reference.unwrapped_model.parameters(), resumed.unwrapped_model.parameters()):
         assert torch.equal(a, b)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import towers
+from towers.diagnostics.throughput import THROUGHPUT_KEYS
 from towers.training import Trainer
 
 
@@ -31,7 +32,8 @@ def test_fit_evaluate_predict():
     trainer = _trainer()
     history = trainer.fit((x, y), 4, 16, validation_data=(x, y))
     assert history.epoch == [0, 1, 2, 3] and trainer.history is history
-    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy", "lr", "examples", "val_examples"}
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy", "lr", "examples", "val_examples",
+                                    "examples_per_second", "mfu"}
     assert history["loss"][-1] < history["loss"][0]
     assert trainer.progress.global_step == 4 * 4  # 50 examples / 16 = 4 batches, the last one partial
     result = trainer.evaluate((x, y), 7)  # another batch size: the same example-weighted means
@@ -74,7 +76,9 @@ def test_loss_module_and_steps_per_epoch():
     by_function = _trainer().fit((x, y), 2, 10, steps_per_epoch=3)
     module = _trainer(loss=nn.CrossEntropyLoss())
     by_module = module.fit((x, y), 2, 10, steps_per_epoch=3)
-    assert by_module.history == by_function.history
+    assert by_module.history.keys() == by_function.history.keys()
+    for key in by_function.history.keys() - set(THROUGHPUT_KEYS):  # timings differ run to run
+        assert by_module[key] == by_function[key], key
     assert module.progress.global_step == 6
 
 
@@ -251,7 +255,8 @@ def test_fit_follows_the_jobs_committed_steps():
     history = job.fit((x, y), 3, 16)
     assert history.history.keys() == expected.keys()
     for key, values in expected.items():
-        assert history[key] == pytest.approx(values), key
+        if key not in THROUGHPUT_KEYS:  # timings differ run to run
+            assert history[key] == pytest.approx(values), key
     assert history["examples"] == [50.0] * 3 and job.progress.global_step == 12
     for a, b in zip(job.unwrapped_model.parameters(), plain.unwrapped_model.parameters()):
         assert torch.equal(a, b)

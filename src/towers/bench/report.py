@@ -71,6 +71,9 @@ class Row:
     cpu_ms: float | None = None
     cpu_vs_raw: float | None = None
     memory_mib: float | None = None
+    #: Median tokens/s (a token model's workload) and model-FLOPs utilisation (0..1; needs the device's peak).
+    tokens_per_s: float | None = None
+    mfu: float | None = None
 
 
 @dataclass
@@ -81,6 +84,9 @@ class BenchReport:
     config: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: The workload's training step counted once: ``flops_per_example``, ``tokens_per_example`` (token models),
+    #: ``peak_flops`` (one device's, FLOP/s) and ``peak_label`` (its source); empty when not measured.
+    model_flops: dict[str, Any] = field(default_factory=dict)
 
     # --- maths -------------------------------------------------------------------------------------
     def get(self, strategy: str, replicas: int) -> Measurement | None:
@@ -150,22 +156,40 @@ class BenchReport:
                             self.speedup(m.strategy, m.replicas), self.efficiency(m.strategy, m.replicas),
                             None if m.strategy == RAW else self.ratio_vs_raw(m.strategy, m.replicas), m.cpu_ms,
                             None if m.strategy == RAW else self.cpu_ratio_vs_raw(m.strategy, m.replicas),
-                            m.memory_mib))
+                            m.memory_mib, *self._rates(m)))
         return rows
+
+    def _rates(self, m: Measurement) -> tuple[float | None, float | None]:
+        """Median tokens/s and MFU of ``m`` from the workload's FLOPs per example and one device's peak."""
+        f = self.model_flops
+        tokens = m.median * f["tokens_per_example"] if f.get("tokens_per_example") else None
+        mfu = (m.median * f["flops_per_example"] / (f["peak_flops"] * m.replicas)
+               if f.get("flops_per_example") and f.get("peak_flops") else None)
+        return tokens, mfu
+
+    def _rate_columns(self) -> tuple[str, ...]:
+        f = self.model_flops
+        return (("tokens/s",) if f.get("tokens_per_example") else ()) + (
+            ("MFU",) if f.get("flops_per_example") and f.get("peak_flops") else ())
+
+    def _rate_cells(self, r: Row) -> tuple[str, ...]:
+        cells = {"tokens/s": "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
+                 "MFU": _fmt(None if r.mfu is None else 100 * r.mfu, "%", 1)}
+        return tuple(cells[c] for c in self._rate_columns())
 
     # --- outputs -----------------------------------------------------------------------------------
     def to_table(self) -> str:
         """Return the results as an aligned text table, with a line saying how to read it."""
         header = ("strategy", "replicas", "engine", "examples/s", "[min-max]", "speed-up", "efficiency", "vs raw DDP",
-                  "CPU ms/step", "CPU vs raw", "peak MiB")
+                  "CPU ms/step", "CPU vs raw", "peak MiB", *self._rate_columns())
         lines = [header]
         for r in self.rows():
             lines.append((r.strategy, str(r.replicas), r.engine, f"{r.median:,.0f}", f"[{r.low:,.0f}-{r.high:,.0f}]",
                           _fmt(r.speedup, "x"), _fmt(r.efficiency), "-" if r.strategy == RAW else _fmt(r.vs_raw),
                           _fmt(r.cpu_ms, "", 1), "-" if r.strategy == RAW else _fmt(r.cpu_vs_raw, "", 3),
-                          _fmt(r.memory_mib, "", 0)))
+                          _fmt(r.memory_mib, "", 0), *self._rate_cells(r)))
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-        right = {1, 3, 4, 5, 6, 7, 8, 9, 10}
+        right = {1, 3, 4, 5, 6, 7, 8, 9, 10, *range(11, len(header))}
         out = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
                for line in lines]
         out.insert(1, "  ".join("-" * w for w in widths))
@@ -187,6 +211,11 @@ class BenchReport:
                    "per-repeat ratios (> 1: towers spends more CPU per step). Robust to other programs on the cores.")
         out.append("peak MiB: the busiest process of the job (both engines share it): GPU memory allocated by torch on "
                    "GPUs, resident memory (torch itself included) on CPUs.")
+        f = self.model_flops
+        if "MFU" in header:
+            out.append(f"MFU: model FLOPs/s over the peak of the replicas' devices; {f['flops_per_example']:,.0f} FLOPs per "
+                       "example (one forward and backward, counted by torch's FlopCounterMode), peak per device: "
+                       f"{f.get('peak_label')}.")
         out.extend(self.notes)
         return "\n".join(out)
 
@@ -199,6 +228,7 @@ class BenchReport:
             "measurements": [{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(m).items()}
                              for m in self.measurements],
             "rows": [asdict(r) for r in self.rows()],
+            "model_flops": dict(self.model_flops),
         }
 
     def to_json(self, path: str | Path) -> Path:
@@ -215,7 +245,7 @@ class BenchReport:
                                              **{k: tuple(m.get(k, ())) for k in _SERIES},
                                              memory_mib=m.get("memory_mib")) for m in data["measurements"]],
                    config=dict(data.get("config", {})), environment=dict(data.get("environment", {})),
-                   notes=list(data.get("notes", [])))
+                   notes=list(data.get("notes", [])), model_flops=dict(data.get("model_flops") or {}))
 
     @classmethod
     def from_json(cls, path: str | Path) -> "BenchReport":

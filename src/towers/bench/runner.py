@@ -47,6 +47,7 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
     measurements: list[Measurement] = []
     notes: list[str] = []
     devices: set[str] = set()  # where the replicas computed: cuda:<i> or cpu
+    model_flops: dict[str, Any] = {}  # the workload's FLOPs per example and one device's peak (rank 0 of a job)
     multi = [n for n in config.replicas if n > 1]
     for strategy in sorted(config.strategies, key=lambda s: s != "mirrored"):
         num_ps = NUM_PS if bench_strategy(strategy)[1] else 0
@@ -65,6 +66,7 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
             results = spawn(_job, procs, args=(config, n, strategy, num_ps, baseline, log_level),
                             timeout_s=timeout_s, threads_per_process=config.threads)
             devices.update(r["device"] for r in results if r is not None and "device" in r)
+            model_flops = model_flops or results[0].get("model_flops") or {}
             if results[0]["skipped"]:
                 note = f"note: {strategy} at {n} replica(s) skipped: {results[0]['skipped']}"
                 log.warning(note)
@@ -76,7 +78,8 @@ def run_benchmark(config: BenchConfig, *, progress: Callable[[str], None] | None
         notes.append(f"note: *_async/*_sync run N workers + {NUM_PS} ps task; their CPU ms/step counts the workers only, "
                      "and raw DDP beside them runs on the workers' subgroup.")
     return BenchReport(measurements=measurements, config=asdict(config),
-                       environment={**_environment(cores), "devices": sorted(devices)}, notes=notes)
+                       environment={**_environment(cores), "devices": sorted(devices)}, notes=notes,
+                       model_flops=model_flops)
 
 
 #: ps tasks a parameter-server benchmark job starts beside its workers.
@@ -160,8 +163,25 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
     finally:
         for w in workloads.values():
             w.close()
+    memory_mib = _peak_memory_mib(device)  # before the FLOP count below allocates its own model
     return {"measured": {name: (workloads[name].engine, values) for name, values in measured.items()},
-            "skipped": skipped, "memory_mib": _peak_memory_mib(device), "device": str(device)}
+            "skipped": skipped, "memory_mib": memory_mib, "device": str(device),
+            "model_flops": _model_flops(spec, device) if rank == 0 else {}}
+
+
+def _model_flops(spec: Any, device: Any) -> dict[str, Any]:
+    """The workload's model FLOPs per example (one forward and backward, counted once) and one device's peak."""
+    from towers.diagnostics.flops import batch_shape, count_flops
+    from towers.diagnostics.peak import device_peak
+
+    model = spec.make_model().to(device)
+    x, y = (t[:spec.batch_size].to(device) for t in spec.make_raw_dataset(spec.batch_size).tensors)
+    _, flops = count_flops(lambda: spec.loss_value(model(x), y).backward())
+    shape = batch_shape((x, y))
+    peak = device_peak(device)  # the benchmark's strategies compute in float32
+    return {"flops_per_example": flops / shape.rows, "peak_flops": peak.flops_per_second if peak else None,
+            "peak_label": peak.label if peak else None,
+            "tokens_per_example": shape.tokens / shape.rows if shape.tokens else None}
 
 
 def _synchronized(barrier: Callable[[], Any], device: Any) -> None:

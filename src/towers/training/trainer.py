@@ -22,14 +22,17 @@ from towers._logging import get_logger
 from towers.checkpoint import api as ckpt
 from towers.checkpoint import layout as ckpt_layout
 from towers.checkpoint.state import set_rng_state
-from towers.data import DistributedBatches, FollowsJob, find_batch_info, global_batch_sizes, is_stream
+from towers.data import BatchInfo, DistributedBatches, FollowsJob, find_batch_info, global_batch_sizes, is_stream
+from towers.diagnostics.throughput import ThroughputMeter
 from towers.errors import user_error
 from towers.strategies.base import PeerLostError, Strategy, check_max_norm
 from towers.training._state import TrainingProgress, capture_state, restore_state
 from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn
+from towers.training._throughput import epoch_throughput
 from towers.training.batches import BatchParts, call_model, label_count, loss_shifts_labels, model_loss, predictions
 from towers.training.batches import split as split_batch
 from towers.training.callbacks.base import Callback, CallbackList
+from towers.training.callbacks.breakdown import with_step_breakdown
 from towers.training.history import History
 from towers.training.metrics import ExternalMetric, Metric, build_metrics
 
@@ -69,13 +72,19 @@ class Trainer:
     ``clip_grad_norm``: clip the gradient's global norm to this value before every update
     (``strategy.clip_grad_norm_``: once per update, on the complete gradient, under accumulation and
     on every replica count; fp16 gradients unscaled first).
+
+    ``breakdown_every``: every that many global steps, each rank's time per step in input, forward,
+    backward, comm_wait, optimizer and other is gathered (one small collective), the chief logs one
+    line and names a rank whose compute is consistently slower than the others', and the logs get
+    ``time/<phase>`` keys (``towers.callbacks.StepBreakdown``; None: every 100 steps, 0: off).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any = None, *,
                  metrics: Iterable[Any] | Mapping[str, Any] | None = (), strategy: Strategy | None = None,
                  precision: Any = None, seed: int = 0, compile: bool | Mapping[str, Any] = False,
                  log_every_n_steps: int = 10, clip_grad_norm: float | None = None, label_key: str = "labels",
-                 prediction_key: str | int | None = None, ignore_index: int = -100):
+                 prediction_key: str | int | None = None, ignore_index: int = -100,
+                 breakdown_every: int | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}.")
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
@@ -83,6 +92,11 @@ class Trainer:
                              "Use 1 to reduce the metrics every step, or e.g. 10.")
         if clip_grad_norm is not None:
             check_max_norm(clip_grad_norm)
+        if breakdown_every is not None and (isinstance(breakdown_every, bool) or not isinstance(breakdown_every, int)
+                                            or breakdown_every < 0):
+            raise ValueError(f"breakdown_every must be None (the default period), 0 (off) or a positive integer. "
+                             f"Received: {breakdown_every!r}.")
+        self.breakdown_every = breakdown_every
         self.clip_grad_norm = clip_grad_norm
         if strategy is None:
             from towers.strategies import strategy_from_env
@@ -116,6 +130,10 @@ class Trainer:
         self._last_train_logs: dict[str, float] = {}
         self._nonfinite_warning = "unseen"  # -> "due" when a reduced loss is not finite -> "said"
         self._said_no_labels = False  # warned that the batches reduced at a step had no label token
+        #: Examples/s, tokens/s and MFU of the training steps (``epoch_logs``; counts FLOPs at the first step).
+        self.throughput = ThroughputMeter(strategy)
+        #: The ``BatchInfo`` of the batch the last training step ran (None: a batch not from distribute_dataset).
+        self.step_batch_info: BatchInfo | None = None
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -151,7 +169,8 @@ class Trainer:
         self._train_batches = None
         self.history = History()
         self.stop_training = self._stop_pending = False
-        cbs = self._callbacks = CallbackList([self.history, *callbacks], trainer=self)
+        cbs = self._callbacks = CallbackList([self.history, *_ledger_first(self, callbacks)], trainer=self)
+        cbs = self._callbacks = with_step_breakdown(cbs, self.breakdown_every)  # per-rank step time, stragglers
         steps: int | None = None  # a stream's length is known only at its end
         if not is_stream(train_set):
             steps = math.ceil(len(cast(Sized, train_set)) / global_batch_size)
@@ -176,10 +195,12 @@ class Trainer:
                 break  # the job trained these epochs already (a replica that joined it at its end)
             epoch = self.progress.epoch
             cbs.call("on_epoch_begin", epoch, {})
+            self.throughput.reset()
             self._train_epoch(train_set, global_batch_size, steps_per_epoch, shuffle,
                               resume["rng"] if resume is not None else None)
             resume = None
             epoch_logs = self._train_metrics.results()
+            epoch_logs.update(epoch_throughput(self.throughput, self.strategy))  # the chief's clock
             epoch_logs["examples"] = float(self._epoch_examples(train_set, global_batch_size))
             if val_set is not None:
                 val_logs = self._evaluate(val_set, global_batch_size, cbs)
@@ -218,7 +239,8 @@ class Trainer:
             if steps_per_epoch is not None and batch_index >= steps_per_epoch:
                 break
             self._callbacks.call("on_train_batch_begin", batch_index, {})
-            size, sums = self._train_step(batch)
+            with self.throughput.step(batch):
+                size, sums = self._train_step(batch)
             if job is None:
                 self.progress = p = p.after_step(size)
             else:
@@ -270,6 +292,10 @@ class Trainer:
         if self._train_batches is None:
             self._train_batches = self.strategy.distribute_dataset(train_set, global_batch_size, shuffle=shuffle,
                                                                    seed=self.seed, drop_remainder=False)
+            if hasattr(self._train_batches, "in_ledger"):  # handed out at run time: ps task 0 records what it applied
+                from towers.training.callbacks.ledger import ExampleLedger
+
+                self._train_batches.in_ledger = any(isinstance(cb, ExampleLedger) for cb in self._callbacks)
         return self._train_batches
 
     def _follow_job(self, train_set: Dataset, global_batch_size: int, shuffle: bool,
@@ -359,7 +385,7 @@ class Trainer:
         losses = per_example(losses, len(losses))
         nonfinite = (~torch.isfinite(losses)).any().to(torch.float64).reshape(1)
         local = torch.cat([self._train_metrics.local_state(losses, y_pred, y), nonfinite])
-        info = find_batch_info((batch,))
+        info = self.step_batch_info = find_batch_info((batch,))
         size = info.global_batch_size if info is not None else parts.size() * self.strategy.num_replicas_in_sync
         return size, local
 
@@ -688,3 +714,16 @@ def _check_precision(strategy: Strategy, precision: Any) -> None:
             f"Trainer(precision={precision!r}) but the strategy computes in precision {actual!r}. Precision belongs "
             f"to the strategy: build it with precision={precision!r} (e.g. towers.strategy_from_env(precision=...)), "
             "or leave Trainer's precision unset.")
+
+
+def _ledger_first(trainer: Trainer, callbacks: Sequence[Callback]) -> list[Callback]:
+    """fit's callbacks, an ``ExampleLedger`` first: the one given, else one when the job keeps a ledger
+    (``TOWERS_LEDGER_DIR``). First, so a step is recorded before a callback saves a checkpoint or stops the process."""
+    from towers.training.callbacks.ledger import ExampleLedger
+
+    ledgers = [cb for cb in callbacks if isinstance(cb, ExampleLedger)]
+    run_dir = trainer.strategy.process_info.ledger_dir
+    if not ledgers and run_dir is not None:
+        ledgers = [ExampleLedger(run_dir)]
+    return [*ledgers, *(cb for cb in callbacks if not isinstance(cb, ExampleLedger))]
+

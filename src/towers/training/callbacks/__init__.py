@@ -4,15 +4,20 @@ See ``towers.training.callbacks.base`` for the documented ``logs`` keys of each 
 """
 
 from towers.training.callbacks.base import Callback, CallbackList
+from towers.training.callbacks.breakdown import StepBreakdown
 from towers.training.callbacks.checkpointing import BackupAndRestore, ModelCheckpoint
+from towers.training.callbacks.ledger import ExampleLedger
 from towers.training.callbacks.loggers import CSVLogger, TensorBoard
+from towers.training.callbacks.mlflow_logger import MLflowLogger
 from towers.training.callbacks.progress import ProgressBar
 from towers.training.callbacks.schedule import LearningRateScheduler
 from towers.training.callbacks.stopping import EarlyStopping, TerminateOnNaN
+from towers.training.callbacks.wandb_logger import WandbLogger
 
 __all__ = [
     "Callback", "CallbackList", "History", "ProgressBar", "ModelCheckpoint", "BackupAndRestore",
     "EarlyStopping", "CSVLogger", "TensorBoard", "TerminateOnNaN", "LearningRateScheduler",
+    "WandbLogger", "MLflowLogger", "ExampleLedger", "StepBreakdown",
 ]
 
 

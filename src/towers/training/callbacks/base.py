@@ -8,7 +8,9 @@ every replica sees the same numbers and takes the same decisions):
   ``nonfinite_replicas`` (replicas whose loss for this batch was NaN/inf), ``global_step``.
 * ``on_epoch_end(epoch, logs)``: ``loss``, each metric, ``examples`` (examples the epoch trained on),
   ``val_loss``/``val_<metric>``/``val_examples`` when ``fit`` got ``validation_data``, ``lr`` (the
-  first param group's learning rate).
+  first param group's learning rate), ``examples_per_second``, ``tokens_per_second`` (token models) and
+  ``mfu`` (model-FLOPs utilisation, 0..1; left out where the device's peak is unknown): the epoch's
+  training steps on the chief's clock (``towers.ThroughputMeter``).
 * ``on_test_end``: ``loss``, each metric and ``examples`` (no ``val_`` prefix); ``on_test_batch_end``: ``{}``.
 * ``on_predict_batch_end(batch, logs)``: ``outputs`` (this batch's predictions).
 * ``*_begin`` hooks get ``{}`` (``on_train_batch_begin`` gets ``{"size": ...}`` when known).

@@ -1,4 +1,4 @@
-"""``ProgressBar``: a tqdm bar per epoch (chief only) with the running metrics and examples/s."""
+"""``ProgressBar``: a tqdm bar per epoch (chief only) with the running metrics, examples/s, tokens/s and MFU."""
 
 from __future__ import annotations
 
@@ -13,12 +13,26 @@ __all__ = ["ProgressBar"]
 _MODES = ("auto", "bar", "epoch", "off")
 
 
+_THROUGHPUT_KEYS = ("examples_per_second", "tokens_per_second", "mfu")
+
+
 def _format_logs(logs: Mapping[str, Any], skip: tuple[str, ...] = ()) -> str:
-    return ", ".join(f"{k} {v:.4g}" for k, v in logs.items() if k not in skip and isinstance(v, (int, float)))
+    return ", ".join(f"{k} {v:.4g}" for k, v in logs.items()
+                     if k not in skip and k not in _THROUGHPUT_KEYS and isinstance(v, (int, float)))
+
+
+def _format_throughput(examples_per_second: float, logs: Mapping[str, Any], peak: Any = None) -> str:
+    """``"1,234 examples/s, 56,789 tokens/s, MFU 41.2%"``; a measured peak (the CPU's) is said to be one."""
+    text = f"{examples_per_second:,.0f} examples/s"
+    if isinstance(logs.get("tokens_per_second"), (int, float)):
+        text += f", {logs['tokens_per_second']:,.0f} tokens/s"
+    if isinstance(logs.get("mfu"), (int, float)):
+        text += f", MFU {logs['mfu']:.1%}" + (" of the measured CPU peak" if getattr(peak, "measured", False) else "")
+    return text
 
 
 class ProgressBar(Callback):
-    """Show training progress on the chief: the running loss/metrics and examples per second.
+    """Show training progress on the chief: the running loss/metrics, examples and tokens per second, and MFU.
 
     ``mode="bar"`` draws a tqdm bar per epoch; ``"epoch"`` writes one line per epoch (what a log
     file wants); ``"auto"`` (default) draws bars when ``stream`` is a terminal and lines otherwise;
@@ -68,8 +82,9 @@ class ProgressBar(Callback):
         self._last = time.perf_counter()
         self._examples += int(logs.get("size", 0))
         if self._bar is not None:
-            self._bar.set_postfix_str(f"{_format_logs(logs, self._PER_BATCH_KEYS)}, {self.examples_per_second:,.0f} ex/s",
-                                      refresh=False)
+            meter = getattr(self.trainer, "throughput", None)  # the Trainer's: tokens/s and MFU so far
+            rates = _format_throughput(self.examples_per_second, meter.summary() if meter is not None else {})
+            self._bar.set_postfix_str(f"{_format_logs(logs, self._PER_BATCH_KEYS)}, {rates}", refresh=False)
             self._bar.update(1)
 
     @property
@@ -81,7 +96,10 @@ class ProgressBar(Callback):
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         if not self._active:
             return
-        text = f"{_format_logs(logs or {}, ('lr',))}, {self.examples_per_second:,.0f} examples/s"
+        logs = logs or {}
+        meter = getattr(self.trainer, "throughput", None)
+        shown = logs.get("examples_per_second", self.examples_per_second)  # the Trainer's: the epoch's training steps
+        text = f"{_format_logs(logs, ('lr',))}, {_format_throughput(shown, logs, getattr(meter, 'peak', None))}"
         if self._bar is not None:
             self._bar.set_postfix_str(text)
             self._bar.close()
