@@ -281,6 +281,9 @@ def add_k8s_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backoff-limit", type=int, default=6, help="pod restarts before Kubernetes fails the job")
     p.add_argument("--strategy-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of --strategy passed to every node's towers launch (repeatable), e.g. mode=async")
+    p.add_argument("--mesh", default=None, metavar="DIMS",
+                   help="--strategy sharded: the job's processes as a device mesh, e.g. dp=2,tp=2 (passed on as "
+                        "--strategy-option mesh=DIMS)")
     p.add_argument("--grace-period", type=int, default=60, dest="grace_period_s",
                    help="seconds between a preemption's SIGTERM and the kill (terminationGracePeriodSeconds; SLURM: "
                         "--signal=TERM@N): every rank saves a checkpoint in it (default 60)")
@@ -309,6 +312,7 @@ def add_k8s_parser(sub: argparse._SubParsersAction) -> None:
 def run_k8s(args: argparse.Namespace) -> int:
     from towers.cluster.strategy_options import parse_strategy_options
     from towers.deploy import DeploySpec, render
+    from towers.launch.spec import with_mesh
 
     try:
         env = dict(item.split("=", 1) for item in args.env if "=" in item)
@@ -318,7 +322,8 @@ def run_k8s(args: argparse.Namespace) -> int:
             name=args.name, image=args.image, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
             gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node, memory_per_node=args.memory_per_node,
             namespace=args.namespace, strategy=args.strategy, num_ps=args.num_ps,
-            strategy_options=parse_strategy_options(args.strategy_option), max_restarts=args.max_restarts,
+            strategy_options=with_mesh(parse_strategy_options(args.strategy_option), args.mesh),
+            max_restarts=args.max_restarts,
             backoff_limit=args.backoff_limit, grace_period_s=args.grace_period_s, port=args.port,
             checkpoint_pvc=args.checkpoint_pvc,
             checkpoint_size=args.checkpoint_size, checkpoint_dir=args.checkpoint_dir,

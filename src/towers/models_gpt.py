@@ -55,7 +55,12 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which a token sees only itself and earlier tokens."""
+    """Multi-head self-attention in which a token sees only itself and earlier tokens.
+
+    ``qkv``'s outputs are laid out head by head (each head's query, key and value side by side), so
+    any contiguous slice of whole heads is a self-contained attention: tensor parallelism gives each
+    process such a slice (its ``ColwiseParallel`` split) and the forward reads the heads it holds.
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -66,10 +71,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        qkv = self.qkv(x).view(b, t, -1, 3, c // self.n_head)  # [batch, tokens, heads held here, q/k/v, head size]
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):

@@ -49,7 +49,7 @@ _SPEC_OPTIONS = frozenset({
     "training_script", "training_script_args", "module", "no_python", "run_path", "nproc_per_node", "nnodes",
     "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "standalone",
     "max_restarts", "monitor_interval", "strategy", "num_ps", "tolerate_worker_failures", "interface",
-    "join_timeout", "strategy_option", "group_restarts", "group_size", "ledger",
+    "join_timeout", "strategy_option", "group_restarts", "group_size", "ledger", "mesh",
 })
 
 
@@ -234,6 +234,13 @@ class LaunchSpec:
         if self.strategy_options and strategy is None:
             raise ValueError(f"--strategy-option needs --strategy: the options belong to one strategy. Received: "
                              f"{dict(self.strategy_options)} without --strategy. Add e.g. --strategy ps.")
+        mesh = self.strategy_options.get("mesh")
+        if mesh is not None and self.min_nodes == self.max_nodes:
+            from towers.strategies._mesh import parse_mesh
+
+            spec = parse_mesh(str(mesh))
+            if spec is not None:
+                spec.resolved(self.nproc_per_node * self.max_nodes)  # dp x tp must be the job's processes
         restarts = self.group_restarts
         alone = bool(entry is not None and entry.restarts_lost_replica)
         if restarts is not None and (isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0):
@@ -379,11 +386,31 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
                             "with a message naming the missing ones (default: TOWERS_JOIN_TIMEOUT_S, else 300); "
                             "while waiting, node 0 and the chief say every ~15 s who joined and who is missing; "
                             "sets TOWERS_JOIN_TIMEOUT_S for every worker")
+    group.add_argument("--mesh", default=None, metavar="DIMS",
+                       help="--strategy sharded: the processes as a device mesh, e.g. dp=2,tp=2 (tensor parallelism "
+                            "within each model replica, FSDP2 across them); the same as --strategy-option mesh=DIMS")
     group.add_argument("--ledger", default=None, metavar="DIR",
                        help="keep a ledger of which examples each committed update trained under DIR/ledger "
                             "(sets TOWERS_LEDGER_DIR for every process); `towers verify --ledger DIR` proves from it, "
                             "after the job, that each example of each completed epoch was trained exactly once")
     return parser
+
+
+def with_mesh(options: dict[str, Any], mesh: str | None) -> dict[str, Any]:
+    """``options`` with ``--mesh``'s value as the strategy option ``mesh``.
+
+    Raises:
+        ValueError: a mesh given both as --mesh and as --strategy-option mesh=, or one that does not parse.
+    """
+    if mesh is None:
+        return options
+    if "mesh" in options:
+        raise ValueError(f"The mesh is given twice: --mesh {mesh} and --strategy-option mesh={options['mesh']}. "
+                         "Give it once.")
+    from towers.strategies._mesh import parse_mesh
+
+    parse_mesh(mesh)  # a typo fails here, before any process starts
+    return {**options, "mesh": mesh}
 
 
 def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
@@ -427,7 +454,8 @@ def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
         monitor_interval_s=float(args.monitor_interval),
         strategy=args.strategy,
         num_ps=args.num_ps,
-        strategy_options=parse_strategy_options(getattr(args, "strategy_option", None) or []),
+        strategy_options=with_mesh(parse_strategy_options(getattr(args, "strategy_option", None) or []),
+                                   getattr(args, "mesh", None)),
         tolerate_worker_failures=getattr(args, "tolerate_worker_failures", None),
         group_restarts=getattr(args, "group_restarts", None),
         group_size=getattr(args, "group_size", 1),

@@ -117,9 +117,13 @@ class StepCounts:
     (``agree``), so it also pairs with another replica's step or collective marker, and is named.
     """
 
-    def __init__(self, *, rank: int, num_replicas: int, timeout_s: float | None = None):
+    def __init__(self, *, rank: int, num_replicas: int, timeout_s: float | None = None,
+                 groups: list[list[int]] | None = None):
         self.rank, self.num_replicas = rank, num_replicas
         self.timeout_s = timeout_s
+        #: The replica groups of a job whose replicas are not its processes (a model-parallel mesh): every
+        #: process creates each group's side group, in order, and keeps its own.
+        self._groups = groups
         self.steps = 0
         self._counting = False  # a counted step ran: collectives check the counts from then on
         self._group: Any = None
@@ -129,7 +133,14 @@ class StepCounts:
               timeout: timedelta | None = None) -> tuple[Any, list[torch.Tensor]]:
         """Send ``[kind, value or the step count]`` (``timeout``: the bound of the group's creation)."""
         if self._group is None:  # every replica's first counted step: they all create it in the same order
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
+            if self._groups is None:
+                self._group = dist.new_group(backend="gloo", timeout=timeout)
+            else:
+                me = dist.get_rank()
+                for ranks in self._groups:
+                    group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+                    if me in ranks:
+                        self._group = group
         mine = torch.tensor([kind, self.steps if value is None else value], dtype=torch.long)
         parts = [torch.zeros_like(mine) for _ in range(self.num_replicas)]
         return dist.all_gather(parts, mine, group=self._group, async_op=True), parts
@@ -249,11 +260,17 @@ class LocalComm:
 
 
 class ProcessGroupComm:
-    """Collectives over the default process group (gloo or nccl)."""
+    """Collectives over the replicas: the default process group (gloo or nccl), or ``group``.
 
-    def __init__(self, *, rank: int, num_replicas: int, backend: str, timeout_s: float):
+    ``group``: the replicas' group when they are not all the job's processes (a model-parallel mesh,
+    whose processes of one model replica hold the same batch); ``groups``: every such group's ranks.
+    """
+
+    def __init__(self, *, rank: int, num_replicas: int, backend: str, timeout_s: float, group: Any = None,
+                 groups: list[list[int]] | None = None):
         self.rank, self.num_replicas, self.backend, self.timeout_s = rank, num_replicas, backend, timeout_s
-        self._steps = StepCounts(rank=rank, num_replicas=num_replicas, timeout_s=timeout_s)
+        self.group = group
+        self._steps = StepCounts(rank=rank, num_replicas=num_replicas, timeout_s=timeout_s, groups=groups)
 
     def note_run(self, batch: Any) -> None:
         """Count a ``strategy.run`` (only for batches without ``BatchInfo``: ``distribute_dataset``'s are aligned)."""
@@ -270,20 +287,20 @@ class ProcessGroupComm:
         with collective(f"strategy.reduce({op!r})"), track(f"strategy.reduce({op!r})"):
             if axis is None:
                 out = (_float_for_mean(value) if op == "mean" else value).clone()
-                dist.all_reduce(out, op=_DIST_OPS[op])
+                dist.all_reduce(out, op=_DIST_OPS[op], group=self.group)
                 return out / self.num_replicas if op == "mean" else out
             local, count = _local_reduce(op, _float_for_mean(value) if op == "mean" else value, axis)
             if count is None:
-                dist.all_reduce(local, op=_DIST_OPS[op])
+                dist.all_reduce(local, op=_DIST_OPS[op], group=self.group)
                 return local
             # One all-reduce for the sums and the example count: a true mean over ragged batches.
             packed = torch.cat([local.reshape(-1), count.reshape(1).to(local.dtype)])
-            dist.all_reduce(packed)
+            dist.all_reduce(packed, group=self.group)
             return (packed[:-1] / packed[-1]).reshape(local.shape)
 
     def all_reduce_max_(self, tensor: torch.Tensor) -> None:
         with collective("fp16 inf/NaN check"), track("fp16 inf/NaN check"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
     def gather(self, value: torch.Tensor, axis: int) -> torch.Tensor:
         self._steps.check("strategy.gather")
@@ -291,7 +308,7 @@ class ProcessGroupComm:
             value = value.detach().contiguous()
             size = torch.tensor([value.shape[axis]], dtype=torch.long, device=value.device)
             sizes = [torch.zeros_like(size) for _ in range(self.num_replicas)]
-            dist.all_gather(sizes, size)
+            dist.all_gather(sizes, size, group=self.group)
             lengths = [int(s.item()) for s in sizes]
             longest = max(lengths)
             if value.shape[axis] < longest:  # pad ragged shares to one shape for all_gather, cut after
@@ -299,7 +316,7 @@ class ProcessGroupComm:
                 pad_shape[axis] = longest - value.shape[axis]
                 value = torch.cat([value, value.new_zeros(pad_shape)], dim=axis)
             parts = [torch.empty_like(value) for _ in range(self.num_replicas)]
-            dist.all_gather(parts, value)
+            dist.all_gather(parts, value, group=self.group)
         return torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, lengths)], dim=axis)
 
     def barrier(self) -> None:
@@ -307,18 +324,19 @@ class ProcessGroupComm:
         with collective("strategy.barrier"), track("strategy.barrier"):
             if self.backend == "gloo":
                 # Names the rank(s) that did not arrive when the timeout expires.
-                dist.monitored_barrier(timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+                dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
             else:
-                dist.barrier()
+                dist.barrier(group=self.group)
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         with collective("strategy.broadcast_object"), track("strategy.broadcast_object"):
             box = [obj if self.rank == src else None]
-            dist.broadcast_object_list(box, src=src)
+            dist.broadcast_object_list(box, src=src if self.group is None else dist.get_global_rank(self.group, src),
+                                    group=self.group)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         with collective("strategy.all_gather_object"), track("strategy.all_gather_object"):
             out: list[Any] = [None] * self.num_replicas
-            dist.all_gather_object(out, obj)
+            dist.all_gather_object(out, obj, group=self.group)
         return out

@@ -26,13 +26,16 @@ from towers._logging import get_logger
 from towers.checkpoint.api import require_optimizer_state
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
+from towers.errors import user_error
 from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
 from towers.strategies._fsdp import ShardUnits, build_mesh, select_units, shard_model
+from towers.strategies._mesh import MeshSpec, parse_mesh
 from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
 from towers.strategies._sync import SyncStrategy
+from towers.strategies._tensor_parallel import TPPlan, apply_tensor_parallel
 from towers.strategies.precision import Precision, resolve_precision
 
 __all__ = ["FullyShardedStrategy"]
@@ -65,6 +68,13 @@ class FullyShardedStrategy(SyncStrategy):
     many processes, replicate across groups; default: the processes per node when the job spans
     several nodes, else all), ``gradient_accumulation_steps``, ``async_save`` (checkpoints written
     by a background thread), ``backend`` and ``timeout_s``.
+
+    ``mesh`` (``"dp=2,tp=2"``, or ``towers launch --mesh``) adds tensor parallelism: the processes
+    form a ``(dp, tp)`` mesh, the ``tp`` processes of one model replica split its layers by
+    ``tp_plan`` (``"auto"``: towers' GPT and Hugging Face models with a ``base_model_tp_plan``; or a
+    dict / callable, see ``towers.strategies._tensor_parallel``) and see the same batch, and FSDP2
+    shards each split layer over ``dp``. ``num_replicas_in_sync`` is then ``dp``: the model
+    replicas, which split the global batch.
     """
 
     name = "sharded"
@@ -72,7 +82,8 @@ class FullyShardedStrategy(SyncStrategy):
     def __init__(self, *, info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  backend: str = "auto", precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1,
                  shard_units: ShardUnits = "auto", reshard_after_forward: bool = True, cpu_offload: bool = False,
-                 shard_group_size: int | None = None, async_save: bool = False):
+                 shard_group_size: int | None = None, async_save: bool = False, mesh: "str | MeshSpec | None" = None,
+                 tp_plan: TPPlan = "auto"):
         from towers import cluster
         from towers.devices import warn_if_gpus_idle
 
@@ -84,6 +95,16 @@ class FullyShardedStrategy(SyncStrategy):
         self._cpu_offload = bool(cpu_offload)
         self._async_save = bool(async_save)
         self._owns_group = False
+        self._tp_plan = tp_plan
+        self._tp_mesh: Any = None  # the tensor-parallel dimension of a (dp, tp) mesh
+        self._device_mesh: Any = None  # the whole mesh
+        spec = parse_mesh(mesh)
+        if spec is not None:
+            spec = spec.resolved(info.world_size)
+            if spec.tp > 1 and shard_group_size not in (None, spec.dp):
+                raise user_error("shard_group_size (HSDP) and a tensor-parallel mesh cannot be combined yet",
+                                 f"shard_group_size={shard_group_size}, mesh {spec.describe()}",
+                                 "Leave shard_group_size out with --mesh.")
         device = _replica_device(info)
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
         # Options are checked before the process group is joined: a typo fails at once, on every rank alike.
@@ -96,10 +117,14 @@ class FullyShardedStrategy(SyncStrategy):
 
             self._owns_group = not is_initialized()
             backend = init_process_group(info, backend=backend, timeout_s=timeout_s)
-            comm = ProcessGroupComm(rank=info.rank, num_replicas=info.world_size, backend=backend, timeout_s=timeout_s)
-            if shard_group_size is None and info.world_size > info.local_world_size:
-                shard_group_size = info.local_world_size  # several nodes: HSDP, shards within a node
-            self._mesh = build_mesh(info.world_size, device.type, shard_group_size)
+            if spec is not None and spec.tp > 1:
+                comm = self._build_tp_mesh(spec, info, device, backend, timeout_s)
+            else:
+                comm = ProcessGroupComm(rank=info.rank, num_replicas=info.world_size, backend=backend,
+                                        timeout_s=timeout_s)
+                if shard_group_size is None and info.world_size > info.local_world_size:
+                    shard_group_size = info.local_world_size  # several nodes: HSDP, shards within a node
+                self._mesh = build_mesh(info.world_size, device.type, shard_group_size)
         elif shard_group_size not in (None, 1):
             raise ValueError(f"shard_group_size must divide the number of processes (1). Received: {shard_group_size}.")
         if device.type == "cuda":
@@ -112,10 +137,46 @@ class FullyShardedStrategy(SyncStrategy):
                  None if self._mesh is None else dict(zip(self._mesh.mesh_dim_names, self._mesh.shape)),
                  self.precision.name, gradient_accumulation_steps, self._reshard_after_forward, self._cpu_offload)
 
+    def _build_tp_mesh(self, spec: MeshSpec, info: ProcessInfo, device: torch.device, backend: str,
+                       timeout_s: float) -> ProcessGroupComm:
+        """The ``(dp, tp)`` mesh; return the collectives over this process's data-parallel group (its replicas)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._device_mesh = init_device_mesh(device.type, (spec.dp, spec.tp), mesh_dim_names=("dp", "tp"))
+        self._mesh, self._tp_mesh = self._device_mesh["dp"], self._device_mesh["tp"]
+        groups = [[d * spec.tp + t for d in range(spec.dp)] for t in range(spec.tp)]  # each tp coordinate's replicas
+        return ProcessGroupComm(rank=self._device_mesh.get_local_rank("dp"), num_replicas=spec.dp, backend=backend,
+                                timeout_s=timeout_s, group=self._mesh.get_group(), groups=groups)
+
     @property
     def mesh(self) -> Any:
-        """The data-parallel ``DeviceMesh`` (None with one process): ``("shard",)`` or ``("replicate", "shard")``."""
-        return self._mesh
+        """The ``DeviceMesh`` (None with one process): ``("dp", "tp")`` under a tensor-parallel mesh, else the
+        data-parallel one, ``("shard",)`` or ``("replicate", "shard")``."""
+        return self._device_mesh if self._device_mesh is not None else self._mesh
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Processes that split each layer of one model replica (1: no tensor parallelism)."""
+        return 1 if self._tp_mesh is None else int(self._tp_mesh.size())
+
+    @property
+    def is_chief(self) -> bool:
+        """The job's chief process (under a tensor-parallel mesh the first process of the first replica)."""
+        if self._tp_mesh is not None:
+            return self._info.rank == self._info.chief_rank
+        return super().is_chief
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Return replica ``src``'s ``obj`` on every process (under a tensor-parallel mesh: from that replica's
+        first process to all the job's processes, whose checkpoint writes take part together)."""
+        if self._tp_mesh is None:
+            return super().broadcast_object(obj, src)
+        import torch.distributed as dist
+
+        with collective("strategy.broadcast_object"):
+            box = [obj if self._info.rank == src * self.tensor_parallel_size else None]
+            dist.broadcast_object_list(box, src=src * self.tensor_parallel_size)
+        return box[0]
 
     # --- preparation ----------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -147,6 +208,8 @@ class FullyShardedStrategy(SyncStrategy):
             return super()._wrap_model(model)
         check_same_parameters(model, self._comm.all_gather_object)
         self._broadcast_from_chief(model)
+        if self._tp_mesh is not None:  # split the layers first; FSDP2 then shards each split over dp (2-D)
+            apply_tensor_parallel(model, self._tp_mesh, self._tp_plan)
         shard_model(model, self._mesh, shard_units=self._shard_units, reshard_after_forward=self._reshard_after_forward,
                     precision=self.precision.name, cpu_offload=self._cpu_offload)
         self._sharded.append(model)
@@ -169,7 +232,7 @@ class FullyShardedStrategy(SyncStrategy):
         def compare_steps() -> None:
             identity, mark = check.mark(torch.float32, self.device)
             with collective("optimizer.step: the replicas' step identities"):
-                dist.all_reduce(mark)
+                dist.all_reduce(mark, group=getattr(self._comm, "group", None))
             check.compare(identity, mark.tolist())
 
         return compare_steps

@@ -1,0 +1,168 @@
+"""Tensor parallelism on the mesh's ``tp`` dimension: which layers split, checked against the model, applied once.
+
+A plan maps module names (``*`` matches one level, as in ``blocks.*.attn.qkv``) to
+``torch.distributed.tensor.parallel`` styles: ``ColwiseParallel`` splits a linear layer's outputs
+(each process computes some heads, or some of the MLP's hidden units), ``RowwiseParallel`` its
+inputs, summing the partial outputs in one all-reduce, so each block costs two all-reduces of its
+activations in forward and two in backward. Everything else (embeddings, norms) is replicated: each
+process of a replica computes it whole on the same batch.
+
+Built-in plans: towers' GPT (``towers.models_gpt``), and every Hugging Face model whose config
+carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2, ...). Any other model: pass ``tp_plan=`` a
+dict of name -> style (the strings ``"colwise"`` / ``"rowwise"``, or style objects), or a callable
+``plan(model, tp_size) -> dict``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Callable, Mapping, Union
+
+import torch
+from torch import nn
+
+from towers._logging import get_logger
+from towers.errors import user_error
+
+__all__ = ["TPPlan", "tp_plan_for", "check_divisible", "apply_tensor_parallel"]
+
+log = get_logger(__name__)
+
+#: What ``tp_plan`` accepts: ``"auto"``, a mapping of module names to styles, or a callable returning one.
+TPPlan = Union[str, Mapping[str, Any], Callable[[nn.Module, int], Mapping[str, Any]]]
+
+
+def _style(value: Any, name: str) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    if isinstance(value, ParallelStyle):
+        return value
+    styles: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+                                            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate())}
+    if value not in styles:
+        raise user_error(f"Tensor-parallel plan entry {name!r} names a style towers does not know", repr(value),
+                         "Use 'colwise', 'rowwise', 'colwise_rep', or a torch.distributed.tensor.parallel style object.")
+    return styles[value]()
+
+
+def _towers_gpt_plan(model: nn.Module, tp: int) -> dict[str, Any]:
+    config: Any = model.config  # a towers GPT: its GPTConfig
+    plan: dict[str, Any] = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
+                            "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+    if config.vocab_size % tp == 0:
+        plan["head"] = "colwise_rep"  # each process computes a slice of the vocabulary; the logits are gathered
+    else:
+        log.info("tensor parallel: the head stays whole (vocab_size=%d does not divide by tp=%d)", config.vocab_size, tp)
+    return plan
+
+
+def _is_towers_gpt(model: nn.Module) -> bool:
+    from towers.models_gpt import GPT
+
+    return isinstance(model, GPT)
+
+
+def _hf_plan(model: nn.Module) -> dict[str, Any] | None:
+    config = getattr(model, "config", None)
+    base_plan = getattr(config, "base_model_tp_plan", None)
+    if not base_plan:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    plan = {(f"{prefix}.{k}" if base is not None and base is not model else k): v for k, v in base_plan.items()}
+    head_plan = getattr(type(model), "_tp_plan", None) or {}
+    plan.update({k: v for k, v in head_plan.items() if v == "colwise_rep"})
+    return plan
+
+
+def tp_plan_for(model: nn.Module, tp: int, plan: TPPlan = "auto") -> dict[str, Any]:
+    """Return the plan (module name pattern -> style) for ``model`` on ``tp`` processes.
+
+    Raises:
+        ValueError: ``"auto"`` for a model towers has no plan for; a plan of the wrong type.
+    """
+    if callable(plan) and not isinstance(plan, str):
+        plan = plan(model, tp)
+    if isinstance(plan, Mapping):
+        return dict(plan)
+    if plan != "auto":
+        raise user_error("tp_plan must be 'auto', a dict of module name -> style, or a callable", repr(plan),
+                         "Use e.g. tp_plan={'layers.*.fc1': 'colwise', 'layers.*.fc2': 'rowwise'}.")
+    if _is_towers_gpt(model):
+        return _towers_gpt_plan(model, tp)
+    found = _hf_plan(model)
+    if found is not None:
+        return found
+    raise user_error(f"towers has no tensor-parallel plan for {type(model).__name__}", "tp_plan='auto'",
+                     "Pass tp_plan= a dict naming which linear layers split their outputs ('colwise') and which "
+                     "their inputs ('rowwise'), e.g. {'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'} "
+                     "(docs/model_parallel.md).")
+
+
+def _matched(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    depth = pattern.count(".")
+    return [(name, m) for name, m in model.named_modules()
+            if name and name.count(".") == depth and fnmatch.fnmatchcase(name, pattern)]
+
+
+def check_divisible(model: nn.Module, plan: Mapping[str, Any], tp: int) -> None:
+    """Refuse, before anything is split, a plan whose layers or attention heads do not divide by ``tp``.
+
+    Raises:
+        ValueError: naming the layer (or the head count), its size and ``tp``.
+    """
+    config = getattr(model, "config", None)
+    for attr in ("n_head", "num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and heads % tp:
+            raise user_error(f"The model's {attr} must divide by tp (each process computes whole heads)",
+                             f"{attr}={heads}, tp={tp}", f"Use a tp that divides {heads}, e.g. tp=1 or a divisor.")
+    for pattern in plan:
+        found = _matched(model, pattern)
+        if not found:
+            raise user_error("A tensor-parallel plan entry matches no module of the model", repr(pattern),
+                             "Name modules as model.named_modules() does, with * for one level (e.g. 'blocks.*.fc1').")
+        for name, module in found:
+            if not isinstance(module, nn.Linear):
+                continue
+            split = module.out_features if str(plan[pattern]).startswith("colwise") or "Colwise" in type(
+                plan[pattern]).__name__ else module.in_features
+            if split % tp:
+                raise user_error(f"Layer {name} cannot be split over tp={tp}", f"{split} features",
+                                 f"Use a tp that divides {split}, or leave {name} out of the plan.")
+
+
+def _replicate_rest(model: nn.Module, tp_mesh: Any) -> None:
+    """Make every parameter the plan did not split a replicated DTensor on ``tp_mesh`` (its module computes on local
+    tensors as before): then all parameters live on one mesh, and norms over them (torch's ``clip_grad_norm_``) work."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def to_replicated(_module: nn.Module, inputs: Any, mesh: Any) -> Any:
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor)
+                     and not isinstance(x, DTensor) else x for x in inputs)
+
+    def to_local(_module: nn.Module, output: Any, _mesh: Any) -> Any:
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False)]
+        if own and not any(isinstance(p, DTensor) for p in own):
+            distribute_module(module, tp_mesh, input_fn=to_replicated, output_fn=to_local)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: TPPlan = "auto") -> dict[str, Any]:
+    """Split ``model``'s layers over ``tp_mesh`` by its plan (in place); return the plan applied.
+
+    Raises:
+        ValueError: as ``tp_plan_for`` and ``check_divisible``.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = tp_mesh.size()
+    resolved = tp_plan_for(model, tp, plan)
+    check_divisible(model, resolved, tp)
+    parallelize_module(model, tp_mesh, {k: _style(v, k) for k, v in resolved.items()})
+    _replicate_rest(model, tp_mesh)
+    log.info("tensor parallel over %d processes: %s", tp, ", ".join(f"{k}={v}" for k, v in resolved.items()))
+    return resolved

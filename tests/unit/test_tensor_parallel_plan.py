@@ -1,0 +1,122 @@
+"""The mesh and the tensor-parallel plans without processes: parsing, the numbers checked before training, the plans.
+
+What runs on 4 processes (the maths against one device) is tests/distributed/test_tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from towers.cli import main
+from towers.launch.spec import parse_launch_args
+from towers.models_gpt import GPT, GPTConfig
+from towers.strategies._mesh import MeshSpec, parse_mesh
+from towers.strategies._tensor_parallel import check_divisible, tp_plan_for
+
+
+def test_a_mesh_parses_and_fills_dp_from_the_processes():
+    assert parse_mesh("dp=2,tp=2") == MeshSpec(dp=2, tp=2)
+    assert parse_mesh({"tp": 4}) == MeshSpec(tp=4)
+    assert parse_mesh(" tp=2 ").resolved(8) == MeshSpec(dp=4, tp=2)
+    assert parse_mesh(None) is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ("dp=2,tp", "A mesh is a list of NAME=SIZE"),
+    ("dp=2,xp=2", "Unknown mesh dimension. Received: 'xp'"),
+    ("pp=2", "pipeline parallelism is not built yet"),
+    ("tp=0", "Mesh dimension tp must be a positive integer. Received: '0'"),
+    ("tp=two", "Received: 'two'"),
+    ("tp=2,tp=2", "given twice"),
+])
+def test_a_bad_mesh_is_refused_naming_what_was_given(value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_mesh(value)
+
+
+def test_a_mesh_that_does_not_span_the_processes_names_both_numbers():
+    with pytest.raises(ValueError, match=r"span the job's 4 process.*dp=3,tp=2 \(6 processes\)"):
+        MeshSpec(dp=3, tp=2).resolved(4)
+    with pytest.raises(ValueError, match=r"tp=3 \(3 processes\)"):
+        MeshSpec(tp=3).resolved(4)
+
+
+def test_towers_launch_checks_the_mesh_before_starting_a_process(tmp_path, capsys):
+    spec = parse_launch_args(["--nproc-per-node", "4", "--strategy", "sharded", "--mesh", "dp=2,tp=2", "t.py"])
+    assert spec.strategy_options["mesh"] == "dp=2,tp=2"
+    script = tmp_path / "t.py"
+    script.write_text("raise SystemExit(3)\n")  # never started
+    assert main(["launch", "--nproc-per-node", "4", "--strategy", "sharded", "--mesh", "dp=3,tp=2", str(script)]) == 2
+    assert "dp=3,tp=2 (6 processes)" in capsys.readouterr().err
+    assert main(["launch", "--nproc-per-node", "4", "--strategy", "sharded", "--mesh", "dp=2,tp=2",
+                 "--strategy-option", "mesh=tp=4", str(script)]) == 2
+    assert "The mesh is given twice" in capsys.readouterr().err
+    assert main(["launch", "--nproc-per-node", "4", "--strategy", "mirrored", "--mesh", "dp=2,tp=2", str(script)]) == 2
+    assert "does not take the option 'mesh'" in capsys.readouterr().err
+
+
+def test_towers_k8s_passes_the_mesh_on(tmp_path):
+    target = tmp_path / "job.yaml"
+    assert main(["k8s", "--name", "tp", "--image", "i", "--nnodes", "2", "--nproc-per-node", "2", "--strategy",
+                 "sharded", "--mesh", "dp=2,tp=2", "-o", str(target), "t.py"]) == 0
+    assert "--strategy-option mesh=dp=2,tp=2" in target.read_text()
+
+
+def test_the_plan_for_towers_gpt_splits_heads_and_mlp_units_and_the_head_when_the_vocabulary_divides():
+    plan = tp_plan_for(GPT(GPTConfig(vocab_size=96, block_size=8, n_layer=2, n_head=4, n_embd=32)), 2)
+    assert plan == {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise",
+                    "blocks.*.mlp.2": "rowwise", "head": "colwise_rep"}
+    assert "head" not in tp_plan_for(GPT(GPTConfig.tiny()), 2)  # vocabulary 97
+
+
+def test_a_slice_of_whole_heads_of_towers_gpt_attention_is_its_own_attention():
+    """What tensor parallelism relies on: qkv's outputs head by head, so the first half of its rows (and of proj's
+    columns) computes the first half of the heads, and the two halves' outputs sum to the whole layer's."""
+    torch.manual_seed(0)
+    attn = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=4, n_embd=32)).blocks[0].attn
+    x = torch.randn(2, 8, 32)
+    whole = attn(x)
+    halves = []
+    for part in range(2):
+        piece = type(attn).__new__(type(attn))
+        nn.Module.__init__(piece)
+        piece.n_head, piece.dropout = attn.n_head, 0.0
+        rows = slice(part * 48, (part + 1) * 48)
+        piece.qkv = nn.Linear(32, 48)
+        piece.proj = nn.Linear(16, 32, bias=part == 0)
+        with torch.no_grad():
+            piece.qkv.weight.copy_(attn.qkv.weight[rows])
+            piece.qkv.bias.copy_(attn.qkv.bias[rows])
+            piece.proj.weight.copy_(attn.proj.weight[:, part * 16:(part + 1) * 16])
+            if part == 0:
+                piece.proj.bias.copy_(attn.proj.bias)
+        halves.append(piece(x))
+    torch.testing.assert_close(halves[0] + halves[1], whole, rtol=1e-5, atol=1e-6)
+
+
+def test_hugging_face_models_bring_their_own_plan():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    plan = tp_plan_for(model, 2)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    check_divisible(model, plan, 2)
+    with pytest.raises(ValueError, match=r"num_key_value_heads must divide by tp.*num_key_value_heads=2, tp=4"):
+        check_divisible(model, plan, 4)
+
+
+def test_a_plan_is_checked_against_the_model_before_anything_splits():
+    model = GPT(GPTConfig(vocab_size=96, block_size=8, n_layer=1, n_head=4, n_embd=36))
+    with pytest.raises(ValueError, match=r"n_head must divide by tp.*n_head=4, tp=3"):
+        check_divisible(model, tp_plan_for(model, 3), 3)
+    mlp = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 8))
+    with pytest.raises(ValueError, match=r"Layer 0 cannot be split over tp=4. Received: 10 features"):
+        check_divisible(mlp, {"0": "colwise", "2": "rowwise"}, 4)
+    with pytest.raises(ValueError, match=r"matches no module.*'blocks\.\*\.fc1'"):
+        check_divisible(mlp, {"blocks.*.fc1": "colwise"}, 2)
+    with pytest.raises(ValueError, match="towers has no tensor-parallel plan for Sequential"):
+        tp_plan_for(mlp, 2)
+    assert tp_plan_for(mlp, 2, lambda m, tp: {"0": "colwise", "2": "rowwise"}) == {"0": "colwise", "2": "rowwise"}
