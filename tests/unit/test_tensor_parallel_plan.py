@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from towers.cli import main
+from towers.cluster.mesh import MeshSpec, parse_mesh
 from towers.launch.spec import parse_launch_args
 from towers.models_gpt import GPT, GPTConfig
-from towers.strategies._mesh import MeshSpec, parse_mesh
 from towers.strategies._tensor_parallel import check_divisible, tp_plan_for
 
 

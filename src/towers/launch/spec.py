@@ -236,7 +236,7 @@ class LaunchSpec:
                              f"{dict(self.strategy_options)} without --strategy. Add e.g. --strategy ps.")
         mesh = self.strategy_options.get("mesh")
         if mesh is not None and self.min_nodes == self.max_nodes:
-            from towers.strategies._mesh import parse_mesh
+            from towers.cluster.mesh import parse_mesh
 
             spec = parse_mesh(str(mesh))
             if spec is not None:
@@ -407,7 +407,7 @@ def with_mesh(options: dict[str, Any], mesh: str | None) -> dict[str, Any]:
     if "mesh" in options:
         raise ValueError(f"The mesh is given twice: --mesh {mesh} and --strategy-option mesh={options['mesh']}. "
                          "Give it once.")
-    from towers.strategies._mesh import parse_mesh
+    from towers.cluster.mesh import parse_mesh
 
     parse_mesh(mesh)  # a typo fails here, before any process starts
     return {**options, "mesh": mesh}

@@ -26,12 +26,12 @@ from towers._logging import get_logger
 from towers.checkpoint.api import require_optimizer_state
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
+from towers.cluster.mesh import MeshSpec, parse_mesh
 from towers.errors import user_error
 from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
 from towers.strategies._fsdp import ShardUnits, build_mesh, select_units, shard_model
-from towers.strategies._mesh import MeshSpec, parse_mesh
 from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
 from towers.strategies._sync import SyncStrategy
