@@ -87,7 +87,8 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     ``TOWERS_LOG_LEVEL`` (set by ``towers launch``) fills ``log_level``;
     ``TOWERS_LAUNCH_DIR`` (set by ``towers launch --strategy``) fills ``launch_dir``;
     ``TOWERS_VERIFY_DIR``/``TOWERS_VERIFY_STEPS`` (set by ``towers verify``) fill ``verify_dir``/``verify_steps``;
-    ``TOWERS_LEDGER_DIR`` (set by ``towers launch --ledger``) fills ``ledger_dir``.
+    ``TOWERS_LEDGER_DIR`` (set by ``towers launch --ledger``) fills ``ledger_dir``; ``TOWERS_PREEMPTION_SIGNALS``
+    fills ``preemption_signals``.
     ``environ=None`` reads ``os.environ``; pass a dict in tests.
 
     Raises:
@@ -116,6 +117,9 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     launch_dir = environ.get(LAUNCH_DIR_VARIABLE, "").strip()
     if launch_dir:
         info = dataclasses.replace(info, launch_dir=launch_dir)
+    signals = environ.get("TOWERS_PREEMPTION_SIGNALS", "").strip()
+    if signals:
+        info = dataclasses.replace(info, preemption_signals=signals)
     ledger_dir = environ.get(LEDGER_DIR_VARIABLE, "").strip()
     if ledger_dir:
         info = dataclasses.replace(info, ledger_dir=ledger_dir)

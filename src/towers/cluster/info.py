@@ -121,6 +121,8 @@ class ProcessInfo:
     #: Where the Trainer (and ps task 0) append the ledger of what each committed update trained
     #: (``TOWERS_LEDGER_DIR``, set by ``towers launch --ledger``), or None: no ledger.
     ledger_dir: str | None = None
+    #: The signals that are preemption notices (``TOWERS_PREEMPTION_SIGNALS``, e.g. ``"TERM,USR1"``), or None: the default.
+    preemption_signals: str | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -32,7 +32,6 @@ from towers._logging import get_logger, set_rank
 from towers.checkpoint.layout import CheckpointIO
 from towers.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted, ServingPreemptionHandler, preemption_signals
 from towers.cluster.deaths import StartupWatch
-from towers.cluster.environ import read_environ
 from towers.cluster.info import ProcessInfo
 from towers.cluster.launch_notes import note_started
 from towers.data import BatchInfo, Dispatch, DistributedDataset, DistributedStream, is_stream
@@ -203,7 +202,7 @@ class ParameterServerStrategy(Strategy):
                                  shared_memory=self.shared_memory, ledger_dir=self._info.ledger_dir)
         # A preemption notice must not end this process before the workers saved: their checkpoint fetches
         # the state that lives here. It goes to the workers through the store; this process serves on.
-        signals = preemption_signals(read_environ().get("TOWERS_PREEMPTION_SIGNALS"))
+        signals = preemption_signals(self._info.preemption_signals)
         preemption = ServingPreemptionHandler(signals=signals, rank=self._info.rank)
         preemption.install()
         log.info("ps task %d (rank %d) serving %d worker(s), mode %s", self.roles.index, self._info.rank,
