@@ -6,7 +6,7 @@ block of towers' GPT (attention heads and MLP units) and see the same batch; FSD
 layer over the 2 replicas. The references are the plain torch loops a user writes on one device
 (no towers): the README-style custom loop (``compute_average_loss``, SGD with momentum, torch's own
 ``clip_grad_norm_`` on the prepared parameters) and ``Trainer.fit`` on the model's own loss. The
-sharded checkpoint the job writes loads into a plain one-process model.
+sharded checkpoint the job writes loads into a plain one-process model and into another mesh (tp=4).
 """
 
 from __future__ import annotations
@@ -71,6 +71,16 @@ def _job(checkpoint_dir: str) -> dict:
     return {"loop": loop, "fit": fit, "norms": norms, "facts": facts}
 
 
+def _restore_under(mesh: str, checkpoint_dir: str) -> dict:
+    strategy = towers.FullyShardedStrategy(mesh=mesh)
+    with strategy.scope():
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model, optimizer = strategy.prepare(model, optimizer)
+    towers.checkpoint.restore_checkpoint(checkpoint_dir, {"model": model, "optimizer": optimizer}, strategy=strategy)
+    return strategy.full_state_dict(model)
+
+
 def _plain_loop() -> tuple[dict, list[float]]:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -128,3 +138,7 @@ def test_dp2_tp2_trains_as_one_device_and_its_checkpoint_loads_on_one_process(tm
     towers.checkpoint.restore_checkpoint(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
     _close(model.state_dict(), reference)
     assert all(len(s["momentum_buffer"].shape) > 0 for s in optimizer.state.values())
+
+    # and into another mesh: one replica split 4 ways
+    resharded = towers.spawn(_restore_under, 4, args=("tp=4", str(tmp_path / "ckpt")), timeout_s=240)[0]
+    _close(resharded, reference)
