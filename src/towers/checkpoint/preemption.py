@@ -6,7 +6,12 @@ notice to the job's rendezvous store, and every process checks the store at each
 (``should_save(step)``), so all of them learn of it within a step. The first to see it proposes
 "after step s + 1" with an atomic compare-and-set; every process reads the one decision. In a
 synchronous job no process can be past step s + 1 then (it would need the proposer's gradients
-for step s + 1), so all of them save at the same step. The caller saves there and raises
+for step s + 1), so all of them save at the same step.
+
+In a job of more than ``STEP_CHECK_BUDGET`` processes, each process reads the store only at every
+``check_every_steps``-th boundary (``ceil(world_size / STEP_CHECK_BUDGET)``), so the whole job
+asks the store at most ``STEP_CHECK_BUDGET`` times per step; the proposal is then the next such
+boundary after s, which every process checks before it passes it (the same argument). The caller saves there and raises
 ``Preempted`` (exit code ``PREEMPTED_EXIT_CODE``), which ``towers launch --max-restarts``, the
 manifests of ``towers k8s`` and the SLURM script treat as "restart me"; the restarted job resumes
 at that step. A job loses at most the step in flight.
@@ -35,13 +40,28 @@ from towers._logging import get_logger
 from towers.launch.exits import PREEMPTED_EXIT_CODE  # defined there: the ps supervisor must not import torch
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "PreemptionHandler", "ServingPreemptionHandler",
-           "preemption_signals"]
+           "preemption_signals", "STEP_CHECK_BUDGET", "check_every_steps"]
 
 log = get_logger(__name__)
 
 _NOTICE = "towers/preemption/notice"
 _DECISION = "towers/preemption/stop_after_step"
 _SAVING = "towers/preemption/saving_at_step"  # a process reached the agreed step: the job saves and exits
+
+
+#: The most store reads of the notice that a whole job makes per training step.
+STEP_CHECK_BUDGET = 1024
+
+
+def check_every_steps(world_size: int) -> int:
+    """Return at which step boundaries (every n-th) a process of ``world_size`` reads the store for a notice."""
+    return max(1, -(-int(world_size) // STEP_CHECK_BUDGET))
+
+
+def _default_world_size() -> int:
+    import torch.distributed as dist
+
+    return int(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1
 
 
 class Preempted(SystemExit):
@@ -93,12 +113,18 @@ class PreemptionHandler:
     at every step boundary with the number of steps done; it returns True at exactly one boundary
     per process once a notice was given anywhere in the job. ``store``: the job's key-value store
     (default: the rendezvous store of the default process group; none in a single process).
+    ``every_steps``: the store is read at every n-th boundary only (default ``check_every_steps`` of
+    the default process group's size: 1 up to ``STEP_CHECK_BUDGET`` processes); every process of a job
+    must use the same value.
     """
 
     _notice_text = "%s received: saving a checkpoint at the next step boundary that every process agrees on"
 
     def __init__(self, *, signals: Sequence[signal.Signals] | None = None, store: Any = None,
-                 boundary_timeout_s: float = 10.0, rank: int = 0):
+                 boundary_timeout_s: float = 10.0, rank: int = 0, every_steps: int | None = None):
+        if every_steps is not None and int(every_steps) < 1:
+            raise ValueError(f"every_steps must be >= 1 (every process of the job the same). Received: {every_steps}.")
+        self.every_steps = int(every_steps) if every_steps is not None else None
         self.signals = tuple(signals) if signals is not None else (signal.SIGTERM, signal.SIGUSR1)
         self._store = store
         self._rank = rank
@@ -188,6 +214,8 @@ class PreemptionHandler:
         if self._acted:
             return False
         if self.decided_step is None:
+            if self.noticed is None and step % self._every() != 0:
+                return False  # not a boundary where this job reads the store (nothing was noticed here)
             if not self.notice_given():
                 return False
             self._cancel_timer()
@@ -226,10 +254,16 @@ class PreemptionHandler:
         """Return the step after which the job's processes agreed to save, or None while none agreed."""
         return self._store_int(_DECISION)
 
+    def _every(self) -> int:
+        if self.every_steps is None:
+            self.every_steps = check_every_steps(_default_world_size())
+        return self.every_steps
+
     def _decide(self, step: int) -> int:
         if self._store is None:
             return step  # one process: save right here
-        proposal = str(step + 1).encode()
+        every = self._every()
+        proposal = str((step // every + 1) * every).encode()  # the next boundary that every process checks
         try:
             value = self._store.compare_set(_DECISION, b"", proposal)
         except Exception:  # the store is gone: save here rather than not at all

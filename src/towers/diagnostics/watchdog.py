@@ -1,11 +1,14 @@
 """The watchdog: a thread per process that ends a stuck job within a bound, with a report naming the stuck rank.
 
-Every ``poll_s`` each process publishes a heartbeat (its ``progress.snapshot``) to the job's
-rendezvous store. When one process has waited in a single collective (or parameter-server request)
-longer than its bound, ``max(min_s, factor x the slowest recent step)``, it takes the reporter's
-role (the first to increment the store's ``trigger`` key) and sets ``abort``. Every watchdog that
-sees ``abort`` answers with its own Python stacks and position, then exits with
-``STUCK_EXIT_CODE``. The reporter waits ``answer_s`` for the answers, writes one report (a file,
+Every ``poll_s`` each process looks at its own waits (no store traffic). Every ``check_s`` it
+asks the job's rendezvous store whether ``abort`` was set, and every ``beat_s`` it publishes a
+heartbeat (its ``progress.snapshot``) there: 0.13 store operations per second per process with
+the defaults (``check_s`` 10 s, ``beat_s`` 30 s), whatever the number of processes: 16,384
+processes cost one store about 2,200 operations per second. When one process has waited in a single collective (or
+parameter-server request) longer than its bound, ``max(min_s, factor x the slowest recent step)``,
+it takes the reporter's role (the first to increment the store's ``trigger`` key) and sets
+``abort``. Every watchdog sees ``abort`` within ``check_s``, answers with its own Python stacks
+and position, then exits with ``STUCK_EXIT_CODE``. The reporter waits ``answer_s`` for the answers, writes one report (a file,
 and the log of the reporter and the chief) and exits too. A rank that does not answer is stopped
 (SIGSTOP) or hung in C code holding the GIL: the report says so, from its last heartbeat; its
 launcher (``towers launch``, torchrun) ends it once the others have exited.
@@ -33,7 +36,7 @@ from towers.cluster.info import ProcessInfo
 from towers.diagnostics import progress as _progress
 from towers.diagnostics.report import STUCK_EXIT_CODE, build_report
 
-__all__ = ["Watchdog", "python_stacks", "DEFAULT_MIN_S", "DEFAULT_FACTOR", "STARTUP_FACTOR"]
+__all__ = ["Watchdog", "python_stacks", "DEFAULT_MIN_S", "DEFAULT_FACTOR", "STARTUP_FACTOR", "CHECK_S", "BEAT_S"]
 
 log = get_logger(__name__)
 
@@ -43,6 +46,11 @@ DEFAULT_MIN_S = 60.0
 DEFAULT_FACTOR = 10.0
 #: Before the first steps are measured, the bound is this many times the least bound.
 STARTUP_FACTOR = 5.0
+#: The longest interval between two looks at the store's ``abort`` key (shorter when ``answer_s`` is).
+CHECK_S = 10.0
+#: The longest interval between two heartbeats (shorter when ``min_s`` is): a heartbeat is read only
+#: for a rank that does not answer, to say where it was.
+BEAT_S = 30.0
 
 def _say(text: str) -> None:
     """Log ``text`` at ERROR; straight to stderr when the application routes no towers log line anywhere.
@@ -87,7 +95,13 @@ class Watchdog:
             raise ValueError(f"factor must be > 0. Received: {factor}.")
         self.info, self.store, self.min_s, self.factor = info, store, float(min_s), float(factor)
         self.poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, self.min_s / 10))
-        self.answer_s = answer_s if answer_s is not None else min(10.0, max(2.0, self.min_s / 6))
+        self.answer_s = answer_s if answer_s is not None else min(20.0, max(2.0, self.min_s / 3))
+        # The store is shared by every rank of the job: each rank's own traffic is a few operations a
+        # minute, not per second. Every rank sees "abort" within check_s, well inside the answer window.
+        self.check_s = max(self.poll_s, min(CHECK_S, self.answer_s / 2))
+        self.beat_s = max(self.poll_s, min(BEAT_S, self.min_s / 2))
+        self._next_check = self._next_beat = 0.0
+        self._backoff_s = max(0.02, self.poll_s / 4)
         self.report_dir = Path(report_dir) if report_dir is not None else Path(tempfile.gettempdir())
         self.progress = progress
         self._exit, self._hold = exit, hold_main_thread
@@ -125,38 +139,48 @@ class Watchdog:
 
     # --- the loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
-        rank = self.info.rank
-        first = True
-        while first or not self._stop.wait(self.poll_s):  # the first heartbeat at once
-            first = False
-            snap = self.snapshot()
-            try:
-                self.store.set(f"beat/{rank}", json.dumps(snap))
+        while not self.tick(time.monotonic()) and not self._stop.wait(self.poll_s):  # the first beat at once
+            pass
+
+    def tick(self, now: float) -> bool:
+        """Do one poll at monotonic time ``now``: beat and check ``abort`` when due, act on a wait past its bound.
+
+        Returns True once this watchdog has ended its work (the process exits, or ``exit`` was called).
+        The thread calls it every ``poll_s``; a simulation drives it directly.
+        """
+        snap = self.snapshot()
+        overdue = bool(snap["waiting"]) and time.time() - float(snap["since"]) > float(snap["bound_s"])
+        aborted, store_error = False, None
+        try:
+            if now >= self._next_beat:
+                self.store.set(f"beat/{self.info.rank}", json.dumps(snap))
+                self._next_beat = now + self.beat_s
+            if now >= self._next_check or overdue:
                 aborted = self.store.check(["abort"])
-                store_error = None
-            except Exception as exc:  # noqa: BLE001 - a store that went away (job end, stopped host) is data
-                aborted, store_error = False, exc
-            if aborted:
-                self._hold_main_thread()
-                self._answer_and_exit()
-                return
-            if not snap["waiting"] or time.time() - float(snap["since"]) <= float(snap["bound_s"]):
-                continue
-            if store_error is not None:
-                self._hold_main_thread()
-                self._local_report(snap, store_error)
-                return
-            try:
-                elected = self.store.add("trigger", 1) == 1
-            except Exception as exc:  # noqa: BLE001
-                self._hold_main_thread()
-                self._local_report(snap, exc)
-                return
-            if elected:
-                self._hold_main_thread()
-                self._report(snap)
-                return
-            # another rank reports: its "abort" comes on the next beat
+                self._next_check = now + self.check_s
+        except Exception as exc:  # noqa: BLE001 - a store that went away (job end, stopped host) is data
+            store_error = exc
+        if aborted:
+            self._hold_main_thread()
+            self._answer_and_exit()
+            return True
+        if not overdue:
+            return False
+        if store_error is not None:
+            self._hold_main_thread()
+            self._local_report(snap, store_error)
+            return True
+        try:
+            elected = self.store.add("trigger", 1) == 1
+        except Exception as exc:  # noqa: BLE001
+            self._hold_main_thread()
+            self._local_report(snap, exc)
+            return True
+        if elected:
+            self._hold_main_thread()
+            self._report(snap)
+            return True
+        return False  # another rank reports: its "abort" is seen on the next poll (an overdue rank checks each one)
 
     def _hold_main_thread(self) -> None:
         """Keep the main thread from ending the process first while this watchdog ends it.
@@ -181,15 +205,22 @@ class Watchdog:
     def _answer(self) -> None:
         self.store.set(f"answer/{self.info.rank}",
                        json.dumps({"snap": self.snapshot(), "stack": python_stacks(skip=threading.get_ident())}))
+        self.store.add("answered", 1)  # the reporter counts the answers with one operation, not one per rank
+
+    def _pause(self, waited: int) -> None:
+        """Sleep between two polls of a wait for other ranks: short at first, then up to 1 s (the store serves them all)."""
+        time.sleep(min(1.0, self._backoff_s * 1.5 ** min(waited, 20)))
 
     def _answer_and_exit(self) -> None:
         try:
             self._answer()
             deadline = time.monotonic() + self.answer_s + 10.0
+            polls = 0
             while not self.store.check(["report"]):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no report within {self.answer_s + 10.0:g} s")
-                time.sleep(self.poll_s / 4)
+                self._pause(polls)
+                polls += 1
             report = json.loads(self.store.get("report"))
             self.report, self.report_path = report["text"], Path(report["path"])
             if self.info.is_chief:
@@ -210,16 +241,23 @@ class Watchdog:
         self._answer()
         answers: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + self.answer_s
-        # Polled with check(): a store.wait that times out prints C++ warnings into the user's output.
-        while len(answers) < world and time.monotonic() < deadline:
-            for r in range(world):
-                try:
-                    if r not in answers and self.store.check([f"answer/{r}"]):
-                        answers[r] = json.loads(self.store.get(f"answer/{r}"))
-                except Exception:  # noqa: BLE001 - a store hiccup: the rank counts as silent if it lasts
-                    pass
-            if len(answers) < world:
-                time.sleep(self.poll_s / 4)
+        # Polled (a store.wait that times out prints C++ warnings into the user's output), on one counter:
+        # the answers themselves are read once, so a large job costs the store one pass over its ranks.
+        polls = 0
+        while time.monotonic() < deadline:
+            try:
+                if self.store.add("answered", 0) >= world:
+                    break
+            except Exception:  # noqa: BLE001 - a store hiccup: the ranks count as silent if it lasts
+                pass
+            self._pause(polls)
+            polls += 1
+        for r in range(world):
+            try:
+                if self.store.check([f"answer/{r}"]):
+                    answers[r] = json.loads(self.store.get(f"answer/{r}"))
+            except Exception:  # noqa: BLE001
+                pass
         snaps: dict[int, dict[str, Any]] = {r: a["snap"] for r, a in answers.items()}
         for r in range(world):
             if r not in snaps:
@@ -249,13 +287,15 @@ class Watchdog:
         # one of them (rank 0 without an agent), and the first exit breaks the others' collectives.
         # Bounded; a rank that misses it exits anyway.
         deadline = time.monotonic() + 2.0
+        polls = 0
         while time.monotonic() < deadline:
             try:
                 if self.store.add("acks", 0) >= expected:
                     return
             except Exception:  # noqa: BLE001
                 return
-            time.sleep(0.02)
+            time.sleep(min(0.25, 0.02 * 1.5 ** min(polls, 20)))
+            polls += 1
 
     def _local_report(self, trigger: dict[str, Any], error: BaseException) -> None:
         r = self.info.rank
