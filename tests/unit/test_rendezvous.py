@@ -53,6 +53,14 @@ class FakeClock:
         self.now += seconds
 
 
+def arrive(store: FakeStore, i: int, record: str, scope: str = "") -> None:
+    """What member ``i``'s own ``join`` writes before it waits: its record, and its place in the arrival logs."""
+    store.set(f"join/member/{i}", record)
+    for log in ["all"] + ([f"scope/{scope}"] if scope else []):
+        n = store.add(f"join/log/{log}/n", 1)
+        store.set(f"join/log/{log}/{n}", str(i))
+
+
 def names(i: int) -> str:
     return f"rank {i} (worker:{i} at h{i}:2222)"
 
@@ -64,7 +72,7 @@ def test_the_report_interval_is_15_s_and_shorter_for_short_timeouts():
 def test_join_returns_every_member_once_all_joined():
     store = FakeStore()
     for i in (1, 2):  # the others joined before the chief
-        store.set(f"join/member/{i}", f'{{"host": "h{i}", "address": "10.0.0.{i}", "pid": {i}}}')
+        arrive(store, i, f'{{"host": "h{i}", "address": "10.0.0.{i}", "pid": {i}}}')
     clock = FakeClock()
     members = join(store, index=0, count=3, is_chief=True, timeout_s=30, where="h0:2222", describe=names,
                    report=pytest.fail, me=Member("h0", "10.0.0.9", 7), clock=clock, sleep=clock.sleep)
@@ -74,7 +82,7 @@ def test_join_returns_every_member_once_all_joined():
 
 def test_the_chief_reports_who_joined_and_who_is_missing_then_stops_at_the_timeout():
     store, clock, reports = FakeStore(), FakeClock(), []
-    store.set("join/member/2", '{"host": "h2", "address": "10.0.0.2", "pid": 22}')
+    arrive(store, 2, '{"host": "h2", "address": "10.0.0.2", "pid": 22}')
     with pytest.raises(JoinTimeoutError) as err:
         join(store, index=0, count=3, is_chief=True, timeout_s=60, where="h0:2222", describe=names,
              report=reports.append, me=Member("h0", "10.0.0.9", 7), since=0.0, clock=clock, sleep=clock.sleep)
@@ -112,7 +120,7 @@ def test_a_member_without_the_chief_verdict_gives_up_shortly_after_its_own_timeo
 
 def test_a_member_that_died_ends_the_wait_at_once_and_the_chief_tells_the_others():
     store, clock = FakeStore(), FakeClock()
-    store.set("join/member/1", '{"host": "h1", "address": "10.0.0.1", "pid": 11, "scope": "boot:ns"}')
+    arrive(store, 1, '{"host": "h1", "address": "10.0.0.1", "pid": 11, "scope": "boot:ns"}', scope="boot:ns")
     seen: list[dict] = []
 
     def dead(joined):
@@ -127,6 +135,50 @@ def test_a_member_that_died_ends_the_wait_at_once_and_the_chief_tells_the_others
     with pytest.raises(RendezvousError, match="rank 1 .* died during start-up"):  # the others end with the same line
         join(store, index=2, count=3, is_chief=False, timeout_s=60, where="h0:2222", describe=names,
              report=pytest.fail, clock=clock, sleep=clock.sleep)
+
+
+class CountingStore(FakeStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def set(self, key, value):
+        self.calls += 1
+        super().set(key, value)
+
+    def check(self, keys):
+        self.calls += 1
+        return super().check(keys)
+
+    def get(self, key):
+        self.calls += 1
+        return super().get(key)
+
+    def add(self, key, amount):
+        self.calls += 1
+        return super().add(key, amount)
+
+
+@pytest.mark.parametrize("is_chief", [True, False])
+def test_a_poll_costs_the_same_few_store_calls_whatever_the_number_of_members(is_chief):
+    """A start-up of 16k ranks: each waiting member's poll must not read every member still missing (O(N^2) in all).
+
+    Half of the members arrived (4 per host), the other half never do: each member waits out its timeout.
+    What grows with the members is only reading each arrival once (the chief: all of them; the others: their
+    host's) and, at the timeout, one read of every record to name the missing."""
+    per_poll = {}
+    for count in (64, 4096):
+        store, clock = CountingStore(), FakeClock()
+        for i in range(1, count // 2):
+            arrive(store, i, f'{{"host": "h", "address": "", "pid": {i}, "scope": "boot:{i // 4}"}}', f"boot:{i // 4}")
+        store.calls = 0
+        with pytest.raises(JoinTimeoutError):
+            join(store, index=0 if is_chief else 4, count=count, is_chief=is_chief, timeout_s=10, where="h0:1",
+                 describe=names, report=lambda line: None, me=Member("h", "", 99, "boot:1"), clock=clock,
+                 sleep=clock.sleep)
+        once = 4 * (count // 2) if is_chief else 2 * count  # each arrival read once / each record read at the end
+        per_poll[count] = (store.calls - once) / (10 / 0.25)
+    assert per_poll[4096] <= per_poll[64] + 1 and per_poll[4096] < 10, per_poll
 
 
 def test_two_members_with_the_same_rank_are_refused():

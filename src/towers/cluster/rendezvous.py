@@ -262,6 +262,32 @@ def _status(joined: Mapping[int, Member], count: int, describe: Callable[[int], 
     return f"joined: {present}; missing: {missing}"
 
 
+class _ArrivalLog:
+    """Members in the order they arrived, read from where the last read stopped: O(1) store calls per poll and
+    O(1) per member in all, so a rendezvous of N members costs O(N) store calls, not O(N) per member per poll.
+
+    ``name`` is the log (``"all"``, or one pid scope's: the members on one host)."""
+
+    def __init__(self, store: KeyValueStore, name: str):
+        self.store, self.name, self.read = store, name, 0
+
+    def append(self, index: int) -> None:
+        position = self.store.add(f"join/log/{self.name}/n", 1)
+        self.store.set(f"join/log/{self.name}/{position}", str(index))
+
+    def new(self) -> list[int]:
+        """The members that arrived since the last call (one ``add`` when none did)."""
+        arrived = self.store.add(f"join/log/{self.name}/n", 0)
+        found = []
+        while self.read < arrived:
+            key = f"join/log/{self.name}/{self.read + 1}"
+            if not self.store.check([key]):  # counted, not written yet: read it at the next poll
+                break
+            found.append(int(self.store.get(key)))
+            self.read += 1
+        return found
+
+
 def join(store: KeyValueStore, *, index: int, count: int, is_chief: bool, timeout_s: float, where: str,
          describe: Callable[[int], str], report: Callable[[str], None], me: Member | None = None,
          kind: str = "process", since: float | None = None, waited_s: float = 0.0,
@@ -276,6 +302,10 @@ def join(store: KeyValueStore, *, index: int, count: int, is_chief: bool, timeou
     ``dead(joined)``, polled while waiting, returns a line naming a member that died (or None): the
     wait then ends at once with it, on the chief's verdict for everyone.
 
+    The chief reads each member's record once, as it arrives, and returns them all; another member
+    waits for the chief's verdict and reads only the members of its own pid scope (its host: what
+    ``dead`` can judge), which it returns. Each poll costs O(1) store calls (``_ArrivalLog``).
+
     Raises:
         JoinTimeoutError: when members are still missing at ``timeout_s``: one line naming them,
             the members that joined, since when, and what to check.
@@ -289,24 +319,30 @@ def join(store: KeyValueStore, *, index: int, count: int, is_chief: bool, timeou
             f"(this one: {me}). Give every {kind} a different rank (--node-rank, RANK, TF_CONFIG's task index).")
     store.set(f"join/member/{index}",
               json.dumps({"host": me.host, "address": me.address, "pid": me.pid, "scope": me.scope}))
+    everyone = _ArrivalLog(store, "all")
+    neighbours = _ArrivalLog(store, f"scope/{me.scope}") if me.scope else None
+    everyone.append(index)
+    if neighbours is not None:
+        neighbours.append(index)
     start, wall_start = clock() - waited_s, time.time() - waited_s if since is None else since
     interval = report_interval_s(timeout_s)
     next_report = start + interval
     joined: dict[int, Member] = {}
+    # Each poll is O(1) store calls, but N members polling are N of them: a large job's members back off
+    # (up to count / 4096 s: 4 s at 16k, about 2 calls per member per poll, ~8k calls/s on the store).
+    poll_s, most_s = _POLL_S, max(_POLL_S, count / 4096)
     while True:
-        for i in range(count):
-            if i not in joined:
-                member = _record(store, f"join/member/{i}")
-                if member is not None:
-                    joined[i] = member
+        log = everyone if is_chief else neighbours
+        for i in log.new() if log is not None else []:
+            joined[i] = _record(store, f"join/member/{i}") or Member("?", "", 0)
         if is_chief and len(joined) == count:
             store.set("join/verdict", "complete")
             return joined
         if not is_chief and store.check(["join/verdict"]):
             verdict = store.get("join/verdict").decode(errors="replace")
             if verdict == "complete":
-                return {i: _record(store, f"join/member/{i}") or Member("?", "", 0) for i in range(count)}
-            raise JoinTimeoutError(verdict, [i for i in range(count) if i not in joined])
+                return {**joined, index: me}
+            raise JoinTimeoutError(verdict, [i for i in range(count) if _record(store, f"join/member/{i}") is None])
         death = dead(joined) if dead is not None else None
         if death is not None:
             if is_chief:
@@ -316,6 +352,8 @@ def join(store: KeyValueStore, *, index: int, count: int, is_chief: bool, timeou
         waited = now - start
         # The others give the chief a moment past their own deadline, so that they end with its message.
         if waited >= timeout_s + (0.0 if is_chief else min(5.0, timeout_s / 2)):
+            if not is_chief:  # once, at the end: which members the chief never confirmed
+                joined = {i: m for i in range(count) if (m := _record(store, f"join/member/{i}")) is not None}
             missing = [i for i in range(count) if i not in joined]
             message = (f"{len(missing)} of {count} {_plural(kind)} did not join the rendezvous at {where} within the "
                        f"join timeout of {timeout_s:g} s (waiting since {_clock_text(wall_start)}); "
@@ -328,4 +366,5 @@ def join(store: KeyValueStore, *, index: int, count: int, is_chief: bool, timeou
                    f"the rendezvous at {where} ({waited:.0f} s of the {timeout_s:g} s join timeout, since "
                    f"{_clock_text(wall_start)}): {_status(joined, count, describe)}")
             next_report = now + interval
-        sleep(_POLL_S)
+        sleep(poll_s)
+        poll_s = min(poll_s * 2, most_s)

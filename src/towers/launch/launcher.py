@@ -132,6 +132,10 @@ def preflight(spec: LaunchSpec) -> None:
     """
     _check_script(spec)
     _check_port(spec)
+    if spec.node_rank == 0:  # node 0 hosts the job's store: one connection per process of the job
+        from towers.launch.limits import check_host_limits
+
+        check_host_limits(spec.nproc_per_node * spec.max_nodes)
 
 
 def _torchrun_namespace(spec: LaunchSpec) -> Any:
