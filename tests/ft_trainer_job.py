@@ -7,8 +7,9 @@ The same script as under any other strategy: ``Trainer(...).fit(dataset, epochs=
 global_batch_size=32)``. It prints ``ready`` once the Trainer is built, then after each committed
 step ``step S epoch E groups G`` (S: the job's global step). With ``--hold-at`` it waits after
 global step STEP until FILE exists (the test writes it once the group it waits for is back), so
-the job cannot end before then. At the end it writes its parameters to OUT_DIR/group<ID>.pt and
-its History and progress to OUT_DIR/group<ID>.json.
+the job cannot end before then. At the end it writes its parameters to OUT_DIR/group<ID>.pt, its
+optimizer's state by parameter name to OUT_DIR/group<ID>.optimizer.pt and its History and progress
+to OUT_DIR/group<ID>.json.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ def main() -> None:
                           callbacks=[Report(args.hold_at, args.gate)])
     out = Path(args.out)
     torch.save({k: v.detach().clone() for k, v in net.state_dict().items()}, out / f"group{args.group}.pt")
+    names = {id(p): n for n, p in net.named_parameters()}  # the optimizer's state by parameter name (its momentum)
+    torch.save({f"{names[id(p)]}.{key}": value for p, state in optimizer.state.items() for key, value in state.items()},
+               out / f"group{args.group}.optimizer.pt")
     p = trainer.progress
     summary = {"epochs": history.epoch, "history": history.history, "global_step": p.global_step,
                "job_step": strategy.current_step, "not_committed": strategy.steps_not_committed}

@@ -78,3 +78,31 @@ def test_a_dead_lighthouse_stops_the_step_with_a_clear_error(tmp_path: Path) -> 
         if lighthouse.poll() is None:
             lighthouse.kill()
             lighthouse.wait(timeout=10)
+
+
+def test_the_first_step_waits_for_every_launched_group() -> None:
+    """A group alone at the job's start does not train the job in a quorum of its own (it would end with other
+    parameters than the groups that come later): its first step waits for the launched groups, then says so."""
+    pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
+    from towers.strategies.fault_tolerant import FaultTolerantStrategy
+
+    lighthouse, address = lighthouse_process(PEER_TIMEOUT_S)
+    try:  # group 0 of a job of 2 groups; group 1 never comes
+        strategy = FaultTolerantStrategy(info=ProcessInfo(rank=0, world_size=2), lighthouse=address,
+                                         peer_timeout_s=PEER_TIMEOUT_S, quorum_timeout_s=1.0)
+        net = torch.nn.Linear(4, 2)
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        model, optimizer = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+        def step(x: torch.Tensor) -> None:
+            model(x).sum().backward()
+            optimizer.step()
+
+        with pytest.raises(RuntimeError, match=r"first step needs all 2 launched replica groups.*group\(s\) \[0\]"):
+            strategy.run(step, args=(torch.ones(3, 4),))
+        assert strategy.current_step == 0
+        assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+        strategy.shutdown()
+    finally:
+        lighthouse.kill()
+        lighthouse.wait(timeout=10)

@@ -5,9 +5,10 @@ Two replica groups of one process each run ``tests/ft_trainer_job.py`` (an uncha
 is SIGKILLed in epoch 0; group 0 trains on alone up to global step 20 (epoch 1) and holds there
 until group 1, started again from other weights, is built. Group 1 then heals to the job's step and
 its Trainer continues in epoch 1 at the step it joins (not at epoch 0): both finish the same 48 steps with
-equal parameters, those of one device running the same steps, and the survivor's History counts
-every example of each epoch once. The ledger the groups kept proves the same: each example of each epoch
-trained exactly once, through the kill, the lone steps and the join.
+bitwise equal parameters and optimizer state (momentum), the parameters those of one device running the
+same steps, and the survivor's History counts every example of each epoch once. The ledger the groups
+kept proves the same: each example of each epoch trained exactly once, through the kill, the lone steps
+and the join.
 """
 
 from __future__ import annotations
@@ -121,8 +122,11 @@ def test_fit_goes_on_and_a_restarted_group_continues_in_the_jobs_epoch(tmp_path:
             assert summary["global_step"] == summary["job_step"] == last, summary
 
         final = [torch.load(tmp_path / f"group{g}.pt") for g in (0, 1)]
-        for key in final[0]:
-            assert torch.equal(final[0][key], final[1][key]), key
+        moments = [torch.load(tmp_path / f"group{g}.optimizer.pt") for g in (0, 1)]
+        assert sorted(moments[0]) == sorted(moments[1]) == sorted(f"{k}.momentum_buffer" for k in final[0])
+        for state in (final, moments):  # replicas: bitwise the same parameters and optimizer state, as under Mirrored
+            unequal = [key for key in state[0] if not torch.equal(state[0][key], state[1][key])]
+            assert not unequal, [(k, float((state[0][k] - state[1][k]).abs().max())) for k in unequal]
         reference, examples = _one_device_reference()
         assert examples == summaries[0]["history"]["examples"]
         for key in final[0]:  # the same maths as one device: every committed step took its whole global batch

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -60,6 +61,8 @@ log = get_logger(__name__)
 
 #: Default of ``peer_timeout_s``: the longest a live group waits for a lost one.
 DEFAULT_PEER_TIMEOUT_S = 3.0
+#: Seconds between quorum requests while the job's first step waits for a launched group.
+_FIRST_QUORUM_POLL_S = 0.2
 
 _INSTALL_FIX = ("Install the optional extra: pip install 'towers[ft]' (torchft>=0.2, which needs torch>=2.7), "
                 "or pick another strategy (mirrored).")
@@ -432,6 +435,15 @@ class FaultTolerantStrategy(Strategy):
             raise RuntimeError("FaultTolerantStrategy: a step began before any model was prepared. Expected "
                                "`model, optimizer = strategy.prepare(model, optimizer)` before iterating the dataset "
                                "or calling strategy.run (a healing group loads the live state into them).")
+        self._start_quorum()
+        if self.current_step == 0:
+            self._await_launched_groups()
+        self._steps.open = True
+        self._note_members()
+        if self._intra is not None and not self._group_synced and not self.shard:
+            self._sync_group()
+
+    def _start_quorum(self) -> None:
         try:
             self._manager.start_quorum()
         except Exception as exc:  # torchft raises the RPC's TimeoutError or a connection error
@@ -440,10 +452,39 @@ class FaultTolerantStrategy(Strategy):
                 f"quorum_timeout_s={self._quorum_timeout_s} ({type(exc).__name__}: {exc}). The lighthouse is the job's "
                 f"single point: without it every group stops at its last committed step ({self.current_step}). "
                 "Restart the lighthouse, then the groups (from the last checkpoint).") from exc
-        self._steps.open = True
-        self._note_members()
-        if self._intra is not None and not self._group_synced and not self.shard:
-            self._sync_group()
+
+    def _await_launched_groups(self) -> None:
+        """Ask for quorums until one holds every launched group, while the job has committed no step.
+
+        The lighthouse forms a quorum of whichever groups ask (``min_replicas``), so groups that start
+        at different times could each commit the job's steps in quorums of their own: a group that
+        starts late, or is started again after the others left, would train the whole job alone and
+        end with other parameters. The first step therefore waits for every launched group (each in
+        this quorum sees the same members and decides alike); from then on a group that comes back
+        heals to the live step, as torchft does.
+
+        Raises:
+            RuntimeError: when the launched groups are not all there within ``quorum_timeout_s``.
+        """
+        launched = max(1, self.num_replicas_in_sync // self.group_size)
+        deadline = time.monotonic() + self._quorum_timeout_s
+        said = False
+        while self.current_step == 0 and self._manager.num_participants() < launched:
+            if not said:
+                log.info("replica group %d: the job's first step waits for all %d launched replica groups (%d here)",
+                         self.replica_group_id, launched, self._manager.num_participants())
+                said = True
+            if time.monotonic() > deadline:
+                members = self._quorum_client.members
+                raise user_error(
+                    f"the job's first step needs all {launched} launched replica groups in one quorum",
+                    f"replica group(s) {members if members is not None else '?'} within quorum_timeout_s="
+                    f"{self._quorum_timeout_s} (this is replica group {self.replica_group_id})",
+                    "Start every replica group (towers launch does); a group started again after the others ended "
+                    "has no live group to heal from: the job is over. Groups started by hand: give each the job's "
+                    "process count as ProcessInfo.world_size.", cls=RuntimeError)
+            time.sleep(_FIRST_QUORUM_POLL_S)  # between quorum requests: the lighthouse answers at once
+            self._start_quorum()
 
     def _sync_group(self) -> None:
         """Make the group's processes hold process 0's parameters and buffers, once, after their first quorum.
