@@ -12,7 +12,7 @@ Two replica groups of one process each, a lighthouse in this process, all on loo
   MirroredStrategy (DDP over a torch.distributed Gloo group), under FaultTolerantStrategy (one
   flat all-reduce of the gradients at the end of backward over torchft's per-quorum Gloo group, a
   quorum and a commit vote per step), and under FaultTolerantStrategy with torchft's own DDP
-  wrapper instead (``TOWERS_FT_GRADIENTS=ddp``, what it used before); same model and batch; ms
+  wrapper instead (``strategy.gradients = "ddp"``, what it used before); same model and batch; ms
   per step on group 0, medians over the blocks.
 
     python benchmarks/ft_recovery.py --repeats 3
@@ -95,7 +95,8 @@ def _worker_steady(args: argparse.Namespace) -> None:
     ft = _strategy(args)
     engines = {}
     for name, strategy in (("mirrored", mirrored), ("ft", ft), ("ft_torchft_ddp", ft)):
-        os.environ["TOWERS_FT_GRADIENTS"] = "ddp" if name == "ft_torchft_ddp" else "flat"
+        if name != "mirrored":
+            strategy.gradients = "ddp" if name == "ft_torchft_ddp" else "flat"
         net, data = _model_and_data(0)
         model, optimizer = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01))
         engines[name] = (strategy, model, optimizer)

@@ -88,7 +88,8 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     ``TOWERS_LAUNCH_DIR`` (set by ``towers launch --strategy``) fills ``launch_dir``;
     ``TOWERS_VERIFY_DIR``/``TOWERS_VERIFY_STEPS`` (set by ``towers verify``) fill ``verify_dir``/``verify_steps``;
     ``TOWERS_LEDGER_DIR`` (set by ``towers launch --ledger``) fills ``ledger_dir``; ``TOWERS_PREEMPTION_SIGNALS``
-    fills ``preemption_signals``.
+    fills ``preemption_signals``; ``TOWERS_FT_GROUP*`` (set by ``towers launch --strategy fault_tolerant``) fill
+    ``replica_group`` and ``TORCHFT_LIGHTHOUSE`` ``lighthouse``.
     ``environ=None`` reads ``os.environ``; pass a dict in tests.
 
     Raises:
@@ -117,6 +118,13 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     launch_dir = environ.get(LAUNCH_DIR_VARIABLE, "").strip()
     if launch_dir:
         info = dataclasses.replace(info, launch_dir=launch_dir)
+    if environ.get("TOWERS_FT_GROUP", "").strip():
+        slot = tuple(env_int(environ, key, default) for key, default in (
+            ("TOWERS_FT_GROUP", 0), ("TOWERS_FT_GROUP_RANK", 0), ("TOWERS_FT_GROUP_SIZE", 1), ("TOWERS_FT_GROUP_PORT", 0)))
+        info = dataclasses.replace(info, replica_group=(slot[0], slot[1], slot[2], slot[3]))
+    lighthouse = environ.get("TORCHFT_LIGHTHOUSE", "").strip()
+    if lighthouse:
+        info = dataclasses.replace(info, lighthouse=lighthouse)
     signals = environ.get("TOWERS_PREEMPTION_SIGNALS", "").strip()
     if signals:
         info = dataclasses.replace(info, preemption_signals=signals)

@@ -121,6 +121,12 @@ class ProcessInfo:
     #: Where the Trainer (and ps task 0) append the ledger of what each committed update trained
     #: (``TOWERS_LEDGER_DIR``, set by ``towers launch --ledger``), or None: no ledger.
     ledger_dir: str | None = None
+    #: This process's replica group as ``towers launch --strategy fault_tolerant`` set it (``TOWERS_FT_GROUP``,
+    #: ``_GROUP_RANK``, ``_GROUP_SIZE``, ``_GROUP_PORT``): ``(group id, rank in the group, group size, the group store's
+    #: port)``, or None.
+    replica_group: tuple[int, int, int, int] | None = None
+    #: The torchft lighthouse's address (``TORCHFT_LIGHTHOUSE``, set by ``towers launch --strategy fault_tolerant``).
+    lighthouse: str | None = None
     #: The signals that are preemption notices (``TOWERS_PREEMPTION_SIGNALS``, e.g. ``"TERM,USR1"``), or None: the default.
     preemption_signals: str | None = None
 

@@ -253,7 +253,7 @@ def _tolerated_text(report_dir: str | None) -> list[str]:
 
 
 def _peer_timeout_s(spec: LaunchSpec) -> float:
-    from towers.strategies.fault_tolerant import DEFAULT_PEER_TIMEOUT_S
+    from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S
 
     value = spec.strategy_options.get("peer_timeout_s", DEFAULT_PEER_TIMEOUT_S)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -292,8 +292,8 @@ def job_lighthouse(spec: LaunchSpec, environ: Mapping[str, str]) -> Any:
     if spec.node_rank != 0:  # node 0 runs it
         yield f"http://{url_host}:{port}"
         return
+    from towers.launch.lighthouse import start_lighthouse
     from towers.network import NetworkError, resolve_ipv4
-    from towers.strategies.fault_tolerant import start_lighthouse
 
     peer_timeout_s = _peer_timeout_s(spec)
     try:

@@ -32,7 +32,6 @@ for a silent group before forming a quorum without it. torchft is an optional ex
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,6 +45,7 @@ from towers._logging import configure_logging, configured_logging, get_logger, s
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.errors import user_error
+from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S, Lighthouse, check_timeout, start_lighthouse
 from towers.ledger.record import OrderSpec
 from towers.strategies._collectives import _local_reduce, as_tensor, check_op
 from towers.strategies._ft_grads import GradientSync
@@ -59,8 +59,6 @@ __all__ = ["FaultTolerantStrategy", "Lighthouse", "start_lighthouse", "DEFAULT_P
 
 log = get_logger(__name__)
 
-#: Default of ``peer_timeout_s``: the longest a live group waits for a lost one.
-DEFAULT_PEER_TIMEOUT_S = 3.0
 #: Seconds between quorum requests while the job's first step waits for a launched group.
 _FIRST_QUORUM_POLL_S = 0.2
 
@@ -90,47 +88,6 @@ def _own_address(info: ProcessInfo) -> str:
     return (choice.interface.address if choice is not None else None) or info.master_addr
 
 
-def _check_timeout(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise user_error(f"{name} must be a positive number of seconds", f"{name}={value!r}", f"Use e.g. {name}=5.")
-    return float(value)
-
-
-class Lighthouse:
-    """A running torchft lighthouse: ``address`` (``"http://host:port"``, what the strategies take) and ``shutdown()``."""
-
-    def __init__(self, server: Any, host: str) -> None:
-        self._server = server
-        port = int(str(server.address()).rsplit(":", 1)[1])
-        self.address = f"http://{host}:{port}"
-
-    def shutdown(self) -> None:
-        """Stop the lighthouse (idempotent); groups still training then fail their next quorum."""
-        with contextlib.suppress(Exception):
-            self._server.shutdown()
-
-
-def start_lighthouse(address: str = "127.0.0.1", port: int = 0, *, min_replicas: int = 1,
-                     peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S) -> Lighthouse:
-    """Start torchft's lighthouse (the quorum server) in this process, bound to ``address:port``; return it.
-
-    It runs on threads of this process until ``shutdown()`` (or the process ends). ``port=0``
-    picks a free port. A group that sends no heartbeat for ``peer_timeout_s`` is left out of the
-    next quorum, and a quorum waits at most as long for a live group that has not joined yet.
-    ``min_replicas`` groups are needed for any quorum (keep 1 so that one survivor trains on).
-    Give the strategies ``lighthouse=lighthouse.address``.
-    """
-    _torchft()
-    from torchft.coordination import LighthouseServer
-
-    timeout_ms = int(_check_timeout("peer_timeout_s", peer_timeout_s) * 1000)
-    host = f"[{address}]" if ":" in address else address
-    server = LighthouseServer(bind=f"{host}:{int(port)}", min_replicas=int(min_replicas), join_timeout_ms=timeout_ms,
-                              quorum_tick_ms=20, heartbeat_timeout_ms=timeout_ms)
-    lighthouse = Lighthouse(server, host)
-    log.info("torchft lighthouse on %s (min_replicas=%d, peer_timeout_s=%s)", lighthouse.address, min_replicas,
-             peer_timeout_s)
-    return lighthouse
 
 
 @dataclass(frozen=True)
@@ -145,19 +102,17 @@ class _GroupLayout:
     @staticmethod
     def resolve(info: ProcessInfo, group: int | None, size: int | None, rank: int | None,
                 port: int | None) -> "_GroupLayout":
-        """The arguments, else what ``towers launch`` set (``TOWERS_FT_GROUP*``), else one process per group."""
-        env = os.environ
+        """The arguments, else what ``towers launch`` set (``info.replica_group``), else one process per group."""
+        slot = info.replica_group or (info.rank, 0, 1, 0)
 
-        def pick(value: int | None, key: str, default: int) -> int:
-            raw: Any = value if value is not None else env.get(key, "").strip() or default
-            try:
-                return int(raw)
-            except (TypeError, ValueError):
-                raise user_error(f"{key} must be an integer", repr(raw), "Unset it, or run under towers launch "
-                                 "--strategy fault_tolerant, which sets it.") from None
+        def pick(value: int | None, name: str, default: int) -> int:
+            raw: Any = value if value is not None else default
+            if isinstance(raw, bool) or not isinstance(raw, int):
+                raise user_error(f"{name} must be an integer", repr(raw), f"Pass e.g. {name}=0.")
+            return raw
 
-        layout = _GroupLayout(group=pick(group, "TOWERS_FT_GROUP", info.rank), rank=pick(rank, "TOWERS_FT_GROUP_RANK", 0),
-                              size=pick(size, "TOWERS_FT_GROUP_SIZE", 1), port=pick(port, "TOWERS_FT_GROUP_PORT", 0))
+        layout = _GroupLayout(group=pick(group, "replica_group_id", slot[0]), rank=pick(rank, "group_rank", slot[1]),
+                              size=pick(size, "group_size", slot[2]), port=pick(port, "group_port", slot[3]))
         if layout.size < 1 or not 0 <= layout.rank < layout.size or layout.group < 0:
             raise user_error("a replica group needs size >= 1, 0 <= rank < size and a group id >= 0",
                              f"group={layout.group}, group_rank={layout.rank}, group_size={layout.size}",
@@ -310,13 +265,14 @@ class FaultTolerantStrategy(Strategy):
                  shard: bool = False, shard_units: Any = "auto", precision: "str | int | Precision | None" = "32"):
         from towers import cluster
 
-        peer_timeout_s = _check_timeout("peer_timeout_s", peer_timeout_s)
-        quorum_timeout_s = _check_timeout("quorum_timeout_s", quorum_timeout_s)
+        peer_timeout_s = check_timeout("peer_timeout_s", peer_timeout_s)
+        quorum_timeout_s = check_timeout("quorum_timeout_s", quorum_timeout_s)
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
             raise user_error("min_replicas must be an integer >= 1", f"min_replicas={min_replicas!r}",
                              "Use 1 so that a single surviving group trains on.")
         info = info or cluster.from_env()
         self._info = info
+        lighthouse = lighthouse or info.lighthouse  # TORCHFT_LIGHTHOUSE, as towers launch sets it
         note_built(info, self.name)
         set_rank(info.rank, info.world_size)
         if info.log_level and not configured_logging():  # a worker of `towers launch`: its [rank r/w] output
@@ -348,6 +304,9 @@ class FaultTolerantStrategy(Strategy):
         # process groups meet there, and so do the members' own process group (groups of several processes).
         self._store = group_store(host, layout.port, serves=layout.rank == 0, timeout_s=quorum_timeout_s)
         self._intra = _intra_group(self._store, layout, timeout)
+        #: The gradient all-reduce ``prepare`` installs: ``"flat"`` (one flat buffer at the end of backward) or
+        #: ``"ddp"`` (torchft's DDP wrapper, slower; kept to compare in benchmarks/ft_recovery.py).
+        self.gradients = "flat"
         self._pg = torchft.ProcessGroupGloo(timeout=timeout)
         transport = WireTransport(self._pg, timeout)  # the live state as JSON and tensor bytes, never a pickle
         try:
@@ -371,7 +330,7 @@ class FaultTolerantStrategy(Strategy):
         self._steps = _Steps()
         self._group_synced = False
         self._gradient_syncs: list[GradientSync] = []
-        self._lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "(TORCHFT_LIGHTHOUSE)")
+        self._lighthouse = lighthouse or "(none given)"
         self._quorum_timeout_s = quorum_timeout_s
         self._user_modules: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -596,7 +555,7 @@ class FaultTolerantStrategy(Strategy):
             sharded = dict(model.named_parameters())  # fully_shard swapped them in: the optimizer must step those
             for group in optimizer.param_groups if optimizer is not None else ():
                 group["params"] = [sharded[names[id(p)]] if id(p) in names else p for p in group["params"]]
-        elif os.environ.get("TOWERS_FT_GRADIENTS", "flat") == "ddp":  # torchft's DDP, for the benchmark's comparison
+        elif self.gradients == "ddp":  # torchft's DDP, for the benchmark's comparison
             wrapped = _SummingDDP(manager, model)
         else:
             self._gradient_syncs.append(GradientSync(manager, model, group=self.replica_group_id, intra=self._intra))
