@@ -106,6 +106,15 @@ def test_the_cpu_peak_is_measured_once_positive_and_labelled():
     assert 2 * 256 ** 3 / (time.perf_counter() - start) < 2 * peak.flops_per_second  # a peak, not far below one
 
 
+def test_measuring_the_cpu_peak_draws_nothing_from_the_users_random_stream():
+    """A resumed run measures the peak at its first step, the uninterrupted one at step 1: a draw from torch's global
+    generator there would give the two runs other dropout masks and shuffles after it."""
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    measured_cpu_peak(size=64, repeats=1)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def _images(n: int = 64):
     g = torch.Generator().manual_seed(0)
     return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)

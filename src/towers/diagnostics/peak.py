@@ -104,8 +104,10 @@ def measured_cpu_peak(*, size: int = 1024, repeats: int = 3) -> PeakFlops:
     """
     threads = torch.get_num_threads()
     if threads not in _measured:
-        a = torch.randn(size, size, device="cpu")
-        b = torch.randn(size, size, device="cpu")
+        # A generator of its own: the user's random stream (dropout, shuffling, a resumed run's) must not move.
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(size, size, device="cpu", generator=g)
+        b = torch.randn(size, size, device="cpu", generator=g)
         a @ b  # warm-up: the first call pays for thread start-up and packing buffers
         best = float("inf")
         for _ in range(repeats):
