@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
 
-from towers.strategies._ft_grads import GradientSync  # noqa: E402
-from towers.strategies._ft_transport import WireTransport  # noqa: E402
+from towers.strategies.fault_tolerant.grads import GradientSync  # noqa: E402
+from towers.strategies.fault_tolerant.transport import WireTransport  # noqa: E402
 from towers.strategies.parameter_server.wire import ProtocolError  # noqa: E402
 
 

@@ -8,7 +8,8 @@ pass, which packs every gradient (zeros for a parameter that got none) into one 
 over the group's own processes (groups of several processes) and then over the live groups through
 torchft's manager (process r of each group with process r of the others), and writes the sums back. When backward returns,
 every gradient is the sum over the quorum, as under DDP, so ``clip_grad_norm_`` and any code that
-reads gradients see the same values on every group.
+reads gradients see the same values on every group. ``_sum_hook`` is the DDP communication hook
+of the other engine (``strategy.gradients = "ddp"``: torchft's DDP wrapper, kept for the benchmark).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 
 from towers.errors import user_error
 
-__all__ = ["GradientSync"]
+__all__ = ["GradientSync", "_sum_hook"]
 
 
 class GradientSync:
@@ -75,3 +76,31 @@ class GradientSync:
     def step_done(self) -> None:
         """Forget the step's sum: the next backward pass starts the next step."""
         self.synced = False
+
+
+def _sum_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """DDP communication hook: SUM the bucket over the live groups through torchft (errors end the step, not the job).
+
+    It waits for the all-reduce inside the hook, as torchft's own DDP does: returning torchft's
+    error-handling future unwaited instead made each step ~25x slower here (its completion goes
+    through torchft's timeout thread), so the all-reduce does not overlap the rest of backward.
+    When a peer dies during the all-reduce, torchft 0.2.0 reports the error to the manager (the step
+    will not commit) but leaves no future to return, and its own DDP hook then fails the backward
+    pass (an AssertionError): here the bucket is returned as it is instead, and the step is dropped.
+    """
+    from torch.distributed import ReduceOp
+
+    buffer = bucket.buffer()
+    work = state.allreduce(buffer, reduce_op=ReduceOp.SUM)
+    future = work.get_future() if work.wait() is not False else None
+    inner = getattr(future, "_fut", future)
+    if isinstance(inner, torch.futures.Future):
+        return inner
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(buffer)  # garbage or partial sums: should_commit is False for this step on every group
+    return done
+
+
+# DDP checks the hook's annotations against the real classes (this module's are strings).
+_sum_hook.__annotations__ = {"state": object, "bucket": torch.distributed.GradBucket,
+                             "return": torch.futures.Future[torch.Tensor]}
