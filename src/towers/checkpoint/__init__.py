@@ -4,8 +4,12 @@ Layers, each file using only those above it:
 
 - ``state.py``: the pieces as plain values (RNG streams, optimizer state by parameter name, paths);
 - ``integrity.py``: each file's SHA-256, computed while it is written, checked wherever it is read;
-- ``layout.py``: the format on disk (DCP tensor files + the chief's ``state.pt``, published atomically);
-- ``api.py``: ``save_checkpoint`` / ``load_checkpoint`` / ``restore_checkpoint`` through a strategy;
+- ``layout.py``: the format on disk (DCP tensor files + the chief's ``state.pt``, published atomically),
+  written there; ``files.py`` (where each file lies), ``manifest.py`` (``state.pt`` read back),
+  ``dcp_read.py`` (the tensors read through DCP, safely), ``dcp_support.py``, ``checkpoint_io.py``
+  (``CheckpointIO``: who writes the tensors);
+- ``api.py``: ``save_checkpoint`` / ``load_checkpoint`` / ``restore_checkpoint`` through a strategy, from
+  ``protocol.py`` (``CheckpointStrategy``), ``save.py``, ``fit.py`` (checks before a restore), ``restore.py``;
 - ``manager.py``: ``CheckpointManager`` (numbered, keep N, latest, preemption);
 - ``preemption.py``: a SIGTERM notice -> one agreed step -> a save -> a "restart me" exit;
 - ``export.py``: the plain module's full weights for inference.
