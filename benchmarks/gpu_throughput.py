@@ -145,7 +145,7 @@ def _trainer_waits_engine(model_name: str, mode: str, device: torch.device, data
                           steps: int) -> Callable[[], int]:
     """``trainer`` as it was before it stopped waiting for the GPU inside a step (--waits-variant): metrics
     reduced at every step (``log_every_n_steps=1``, what one replica did) and labels counted on the device."""
-    import towers.training.trainer as trainer_module
+    import towers.training._trainer_steps as trainer_module  # where the training step counts labels
 
     inner = _trainer_engine(model_name, mode, device, data, batch, steps, log_every_n_steps=1)
 

@@ -8,28 +8,21 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
-import inspect
-import math
-import os
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from towers import checkpoint
 from towers._logging import get_logger
 from towers._rng import fork_replica_stream, owns_stream
-from towers.checkpoint.api import load_plain_state_dict, plain_state_dict
-from towers.checkpoint.layout import CheckpointIO
-from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
-from towers.cluster.launch_notes import note_strategy_built
 from towers.data import BatchInfo, InputContext, find_batch_info
 from towers.errors import user_error
 from towers.strategies._compile import compile_module, compile_options
 from towers.strategies._loss_weights import UpdateWeights
+from towers.strategies._strategy_checkpoints import StrategyCheckpoints
+from towers.strategies.context import PeerLostError, ReplicaContext, check_max_norm
 from towers.strategies.precision import Precision
 
 __all__ = [
@@ -57,68 +50,6 @@ _current_strategy: contextvars.ContextVar["Strategy | None"] = contextvars.Conte
 _current_replica: contextvars.ContextVar["ReplicaContext | None"] = contextvars.ContextVar("towers_replica", default=None)
 
 
-class PeerLostError(RuntimeError):
-    """A collective over the live replicas failed: one of them was lost since the current step began.
-
-    Raised only by strategies that survive a lost replica (``FaultTolerantStrategy``): the caller
-    may go on, since the next step's replicas leave the lost one out. Other strategies end the job.
-    """
-
-
-def check_max_norm(max_norm: Any) -> None:
-    """Refuse a gradient-clipping bound that is not a positive finite number (torch clips everything to 0 then)."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
-        raise ValueError(f"max_norm must be a positive finite number. Received: max_norm={max_norm!r}. Use the "
-                         "largest gradient norm you accept, e.g. 1.0; to not clip, do not call clip_grad_norm_.")
-
-
-class ReplicaContext:
-    """What code inside ``strategy.run`` knows about its step: replica id, replica count, global batch size.
-
-    ``global_batch_size`` is the number of examples (over all replicas) whose mean gradient the
-    next optimizer update takes: the global batch, or under gradient accumulation the sum of the
-    update's micro-batches. It comes from the batch ``run`` was given (None when that batch did
-    not come from ``distribute_dataset``). ``num_padding_examples`` trailing examples of this
-    replica's batch are padding (weight zero). ``accumulation_steps`` is the number of
-    micro-batches in the current update (1 without accumulation); ``is_update_step`` is True on
-    the last of them. TF's names work too: ``replica_id_in_sync_group``, ``all_reduce``.
-    """
-
-    def __init__(self, strategy: "Strategy", *, global_batch_size: int | None = None,
-                 num_padding_examples: int = 0, accumulation_steps: int = 1, is_update_step: bool = True):
-        self.strategy = strategy
-        self.replica_id = strategy.replica_id
-        self.num_replicas_in_sync = strategy.num_replicas_in_sync
-        self.global_batch_size = global_batch_size
-        self.num_padding_examples = num_padding_examples
-        self.accumulation_steps = accumulation_steps
-        self.is_update_step = is_update_step
-
-    @property
-    def replica_id_in_sync_group(self) -> int:
-        """This replica's index (tf.distribute's name for ``replica_id``)."""
-        return self.replica_id
-
-    def all_reduce(self, op: str, value: Any) -> torch.Tensor:
-        """Return ``value`` combined across replicas with ``op`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``)."""
-        return self.strategy.reduce(op, value)
-
-    def __repr__(self) -> str:
-        return (f"ReplicaContext(replica_id={self.replica_id}, num_replicas_in_sync={self.num_replicas_in_sync}, "
-                f"global_batch_size={self.global_batch_size}, num_padding_examples={self.num_padding_examples}, "
-                f"accumulation_steps={self.accumulation_steps}, is_update_step={self.is_update_step})")
-
-
-def note_built(info: ProcessInfo, name: str) -> None:
-    """Tell ``towers launch`` (when it started this process with ``--strategy``) that strategy ``name`` was built.
-
-    Every strategy calls it while it is constructed, so the launcher can say when a job never
-    used the strategy it was started with (``ProcessInfo.launch_dir``; nothing outside it).
-    """
-    if info.launch_dir:
-        note_strategy_built(info.launch_dir, rank=info.rank, name=name)
-
-
 def current_strategy() -> "Strategy | None":
     """Return the strategy whose ``scope()`` or ``run()`` encloses this code, or None."""
     return _current_strategy.get()
@@ -129,7 +60,7 @@ def current_replica_context() -> ReplicaContext | None:
     return _current_replica.get()
 
 
-class Strategy(ABC):
+class Strategy(StrategyCheckpoints, ABC):
     """How replicas cooperate. Subclasses implement the abstract methods; user code calls only these.
 
     A strategy owns everything that depends on it: device placement, wrapping (``prepare``),
@@ -410,193 +341,18 @@ class Strategy(ABC):
         """Release processes, groups and servers this strategy started (idempotent)."""
 
     # --- state and checkpoints -----------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """Return ``{"model", "optimizer", "precision"}``: the training state of a prepared model and optimizer.
-
-        The model's is the user's module's ``state_dict()`` (full tensors, or this process's shards
-        as DTensors under a sharded strategy); the optimizer's is keyed by parameter NAME, not by
-        torch's position, so it loads under any strategy. Plain tensors, numbers, strings, lists and
-        dicts only. A collective where the state lives elsewhere (shards): every replica calls it.
-        """
-        return {**plain_state_dict(self.unwrap(model), optimizer), "precision": self.precision.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any], model: nn.Module,
-                        optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Restore what ``state_dict`` returned (under this or another strategy) into a prepared model and optimizer.
-
-        Every replica calls it. The optimizer loads first: torch checks its state before changing anything.
-        """
-        load_plain_state_dict(state, self.unwrap(model), optimizer)
-        self.precision.load_state_dict(state.get("precision") or {})
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """Return the user's module's full (unsharded) ``state_dict()``; a collective where it is sharded."""
-        return self.unwrap(model).state_dict()
-
-    def export_model(self, model: nn.Module, path: str | os.PathLike[str]) -> Any:
-        """Write the user's module's full weights to ``path`` for inference (safetensors or a torch file); every replica calls it.
-
-        The same as ``towers.checkpoint.export_model(model, path, strategy=self)``; returns the path.
-        """
-        return checkpoint.export_model(model, path, strategy=self)
-
-    def checkpoint_io(self) -> CheckpointIO:
-        """How this strategy's processes write checkpoint tensors (every process its part, by default)."""
-        return self.__dict__.setdefault("_checkpoint_io", CheckpointIO(collective=True))
-
-    def save_checkpoint(self, path: str | os.PathLike[str], state: Mapping[str, Any]) -> str:
-        """Write ``state`` (your dict: model, optimizer, data, values) as a checkpoint at ``path``; every replica calls it.
-
-        The same as ``towers.checkpoint.save_checkpoint(path, state, strategy=self)``; any strategy restores it.
-        """
-        return str(checkpoint.save_checkpoint(path, state, strategy=self))
-
-    def restore_checkpoint(self, path: str | os.PathLike[str], objects: Mapping[str, Any]) -> dict[str, Any]:
-        """Load the checkpoint at ``path`` into ``objects`` (``{"model": model, ...}``) and return all it holds.
-
-        The same as ``towers.checkpoint.restore_checkpoint(path, objects, strategy=self)``.
-        """
-        return checkpoint.restore_checkpoint(path, objects, strategy=self)
-
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Return the dict saved at ``path`` (tensors whole, on the CPU); every replica reads it."""
-        return checkpoint.load_checkpoint(path, strategy=self)
-
-    def checkpoint_exists(self, path: str | os.PathLike[str]) -> bool:
-        """Return True when a complete checkpoint is published at ``path``."""
-        return checkpoint.checkpoint_exists(path)
-
-    def delete_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the checkpoint at ``path`` and everything it holds; call it on the chief (nothing if absent)."""
-        checkpoint.delete_checkpoint(path)
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until an asynchronous checkpoint in flight (if any) is written and visible at its path."""
-        self.checkpoint_io().wait(is_chief=self.is_chief, broadcast_object=self.broadcast_object)
-
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(replica {self.replica_id}/{self.num_replicas_in_sync}, "
                 f"device={self.device})")
 
 
-# --- registry ---------------------------------------------------------------------------------
-# Built-in strategies are rows of towers.cluster.roles.STRATEGIES (imported when first built);
-# register_strategy adds a user's own at run time.
-_REGISTRY: dict[str, Callable[..., Strategy]] = {}
-
-
-def _key(name: str) -> str:
-    return str(name).strip().lower().replace("-", "_")
-
-
-def register_strategy(name: str, factory: Callable[..., Strategy], *, aliases: Sequence[str] = ()) -> None:
-    """Make ``factory`` available as ``get_strategy(name)`` (and under each alias), beside the built-in names."""
-    for key in (name, *aliases):
-        _REGISTRY[_key(key)] = factory
-
-
-def strategy_names() -> list[str]:
-    """Return every strategy name and alias (built-in and registered), sorted."""
-    return sorted({*roles.strategy_names(aliases=True), *_REGISTRY})
-
-
-def _factory(name: str) -> Callable[..., Strategy]:
-    factory = _REGISTRY.get(_key(name))
-    if factory is None:
-        module, _, attr = roles.strategy_entry(name).target.partition(":")
-        factory = getattr(importlib.import_module(module), attr)
-    return factory
-
-
-def get_strategy(name: str, **kwargs: Any) -> Strategy:
-    """Return a new strategy named ``name`` (e.g. ``"mirrored"``), built with ``kwargs``.
-
-    Raises:
-        ValueError: when no strategy has that name; the message lists the names.
-    """
-    strategy = _factory(name)(**kwargs)
-    note_built(strategy.process_info, name)  # a strategy registered from outside towers, too
-    return strategy
-
-
-def strategy_options(name: str) -> set[str] | None:
-    """Return the keyword options strategy ``name`` takes (None: any, its factory takes ``**kwargs``)."""
-    parameters = inspect.signature(_factory(name)).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    return {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {"self", "info"}
-
-
-def _takers(option: str) -> list[str]:
-    names = sorted({roles.canonical_strategy(n) if n in roles.strategy_names(aliases=True) else n
-                    for n in strategy_names()})
-    return [n for n in names if (taken := strategy_options(n)) is None or option in taken]
-
-
-def check_strategy_options(name: str, options: Mapping[str, Any]) -> None:
-    """Raise when strategy ``name`` does not take one of ``options`` (``--strategy-option``: it must take each one).
-
-    What ``strategy_from_env`` checks in every process of ``towers launch``; ``towers k8s`` checks the
-    same before it writes a manifest.
-
-    Raises:
-        ValueError: naming the option, the strategies that take it, and the options ``name`` takes; or when no
-            strategy is named ``name``.
-    """
-    taken = strategy_options(name)
-    if taken is None:
-        return
-    for key, value in options.items():
-        if key not in taken:
-            others = [n for n in _takers(key) if n != name]
-            raise ValueError(
-                f"Strategy {name!r} does not take the option {key!r}. Received: --strategy-option {key}={value!r} "
-                f"(TOWERS_STRATEGY_OPTIONS). {f'{key!r} is an option of {others}; ' if others else ''}{name!r} takes "
-                f"{sorted(taken)}. Drop it or pick another --strategy.")
-
-
-def _options_for(name: str, launcher: Mapping[str, Any], script: Mapping[str, Any]) -> dict[str, Any]:
-    """The options strategy ``name`` gets: the launcher's (which it must take) over the script's own."""
-    check_strategy_options(name, launcher)
-    taken = strategy_options(name)
-    if taken is None:
-        return {**script, **launcher}
-    options = {}
-    for key, value in script.items():
-        if key in taken:
-            options[key] = value
-            continue
-        others = _takers(key)
-        if not others:
-            raise TypeError(f"strategy_from_env() got an option no strategy takes. Received: {key}={value!r}. "
-                            f"{name!r} takes {sorted(taken)}.")
-        # The same script runs under every strategy: an option of another one is not this one's business.
-        log.debug("strategy %s does not take %s=%r (an option of %s): not passed", name, key, value, others)
-    return {**options, **launcher}
-
-
-def strategy_from_env(info: ProcessInfo | None = None, **kwargs: Any) -> Strategy:
-    """Return the strategy ``towers launch --strategy`` (or TF_CONFIG, torchrun, SLURM) asked for.
-
-    Without a request: ``one_device`` for a single process, ``mirrored`` on one host,
-    ``multi_worker_mirrored`` across hosts. ``kwargs`` are the script's options: each goes to the
-    strategy when it takes it, and is left out when only other strategies take it (so
-    ``strategy_from_env(mode="sync")`` runs under Mirrored too). Options from outside
-    (``towers launch --strategy-option``) win over them, and the strategy must take each one.
-
-    Raises:
-        ValueError: an option from outside that the strategy does not take (naming those that do).
-        TypeError: an option of the script that no strategy takes.
-    """
-    from towers import cluster
-
-    info = info or cluster.from_env()
-    name = info.strategy
-    if name is None:
-        if info.world_size == 1:
-            name = "one_device"
-        elif info.local_world_size == info.world_size:
-            name = "mirrored"
-        else:
-            name = "multi_worker_mirrored"
-    return get_strategy(name, info=info, **_options_for(name, info.strategy_options, kwargs))
+# The registry of strategy names (get_strategy, strategy_from_env, ...) lives in registry.py; re-exported here.
+from towers.strategies.registry import (  # noqa: E402
+    check_strategy_options,
+    get_strategy,
+    note_built,
+    register_strategy,
+    strategy_from_env,
+    strategy_names,
+    strategy_options,
+)

@@ -9,28 +9,26 @@ depends on which strategy runs it.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
-import warnings
-from typing import Any, Iterable, Iterator, Mapping, Sequence, Sized, cast
+from typing import Any, Iterable, Mapping, Sequence, Sized, cast
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from towers._logging import get_logger
 from towers.checkpoint import api as ckpt
 from towers.checkpoint import layout as ckpt_layout
-from towers.checkpoint.state import set_rng_state
-from towers.data import BatchInfo, DistributedBatches, FollowsJob, find_batch_info, global_batch_sizes, is_stream
+from towers.data import BatchInfo, is_stream
 from towers.diagnostics.throughput import ThroughputMeter
 from towers.errors import user_error
-from towers.strategies.base import PeerLostError, Strategy, check_max_norm
+from towers.strategies.base import Strategy, check_max_norm
 from towers.training._state import TrainingProgress, capture_state, restore_state
-from towers.training._steps import MetricSet, as_dataset, per_example, per_example_loss_fn
+from towers.training._steps import MetricSet, as_dataset, per_example_loss_fn
 from towers.training._throughput import epoch_throughput
-from towers.training.batches import BatchParts, call_model, label_count, loss_shifts_labels, model_loss, predictions
-from towers.training.batches import split as split_batch
+from towers.training._trainer_epochs import _Epochs
+from towers.training._trainer_inference import _Inference
+from towers.training._trainer_steps import _TrainingSteps
+from towers.training.batches import loss_shifts_labels
 from towers.training.callbacks.base import Callback, CallbackList
 from towers.training.callbacks.breakdown import with_step_breakdown
 from towers.training.history import History
@@ -40,7 +38,7 @@ __all__ = ["Trainer"]
 
 log = get_logger(__name__)
 
-class Trainer:
+class Trainer(_Epochs, _TrainingSteps, _Inference):
     """Train, evaluate and predict with ``model`` under ``strategy``, Keras-style.
 
     ``loss`` is called as ``loss(y_pred, y_true, reduction="none")`` (an ``nn`` loss module is
@@ -213,398 +211,6 @@ class Trainer:
         cbs.call("on_train_end", dict(epoch_logs))
         return self.history
 
-    def _train_epoch(self, train_set: Dataset, global_batch_size: int, steps_per_epoch: int | None,
-                     shuffle: bool, rng: Any) -> None:
-        p = self.progress
-        self._unsynced = None
-        if p.step == 0:  # a fresh epoch (a mid-epoch resume keeps the restored running sums)
-            self._train_metrics.reset()
-            self._last_train_logs = {}
-            if rng is not None:  # saved at an epoch boundary: before this epoch built its iterator
-                set_rng_state(rng)
-                rng = None
-        it = self._epoch_iterator(train_set, global_batch_size, shuffle, p.epoch, p.step)
-        batches = self._train_batches
-        if isinstance(batches, DistributedBatches):
-            batches.last_pass = None  # set again when this epoch's pass completes (parameter servers)
-        job = batches if isinstance(batches, FollowsJob) else None
-        if rng is not None:
-            # Saved mid-epoch, after the iterator was built (which may draw from the RNGs): restore
-            # only once this run's iterator is built and positioned.
-            set_rng_state(rng)
-        for batch_index, batch in enumerate(it, start=p.step):
-            if job is not None:  # the job's step: a step retried after one that did not commit has its index
-                self.progress = p = self._job_progress(train_set, global_batch_size, *job.job_position())
-                batch_index = p.step
-            if steps_per_epoch is not None and batch_index >= steps_per_epoch:
-                break
-            self._callbacks.call("on_train_batch_begin", batch_index, {})
-            with self.throughput.step(batch):
-                size, sums = self._train_step(batch)
-            if job is None:
-                self.progress = p = p.after_step(size)
-            else:
-                after = self._job_progress(train_set, global_batch_size, *job.job_position(), within=p.epoch)
-                if after == p:
-                    # Not committed (a group was lost mid-step): its update was dropped on every live group, which
-                    # all retry the same global batch next. It counts nowhere: no examples, metric sums or logs.
-                    continue
-                self.progress = p = after
-            self._unsynced = sums if self._unsynced is None else self._unsynced + sums
-            # Collectives only at every log_every_n_steps-th step of the epoch (its first included) and at its
-            # last step: in between, the logs hold the values of the last synchronisation. The step's place in
-            # the epoch decides, so a replica that joined a running job (FollowsJob) reduces at the same steps.
-            sync = (batch_index % self.log_every_n_steps == 0
-                    or _last_of_epoch(batch, batch_index, batches, steps_per_epoch)
-                    or (not self._last_train_logs and job is None)  # a resumed epoch's first logs
-                    or self._syncing_is_free)
-            logs = self._sync_train_metrics() if sync else dict(self._last_train_logs)
-            logs.update({"size": float(size), "examples": p.examples, "global_step": p.global_step})
-            self._callbacks.call("on_train_batch_end", batch_index, logs)
-            if sync:
-                self.stop_training = self._any_replica(self.stop_training)
-                self._warn_nonfinite(logs)
-                if self.stop_training:
-                    break
-        self._sync_train_metrics()  # the epoch's sums are complete before its logs are read
-
-    @property
-    def _syncing_is_free(self) -> bool:
-        """One replica on the CPU: reducing is free, so every step's logs are exact. On a GPU, reading the sums
-        every step would make the host wait for the device's queue at each step."""
-        return self.strategy.num_replicas_in_sync == 1 and self.strategy.device.type == "cpu"
-
-    def _epoch_examples(self, train_set: Dataset, global_batch_size: int) -> int:
-        """The examples this epoch trained on: as the parameter servers counted them, else its global batches'."""
-        batches = self._train_batches
-        counted = batches.last_pass if isinstance(batches, DistributedBatches) else None
-        if counted is not None:
-            if counted["examples"] != counted["expected"]:
-                log.warning("epoch %d trained on %d of its %d examples", self.progress.epoch, counted["examples"],
-                            counted["expected"])
-            return int(counted["examples"])
-        if is_stream(train_set):
-            return self.progress.examples  # every global batch of a stream is counted as it is trained
-        return sum(global_batch_sizes(len(cast(Sized, train_set)), global_batch_size)[:self.progress.step])
-
-    def _train_input(self, train_set: Dataset, global_batch_size: int, shuffle: bool) -> Any:
-        """The strategy's distributed training input of this fit (made on first use)."""
-        if self._train_batches is None:
-            self._train_batches = self.strategy.distribute_dataset(train_set, global_batch_size, shuffle=shuffle,
-                                                                   seed=self.seed, drop_remainder=False)
-            if hasattr(self._train_batches, "in_ledger"):  # handed out at run time: ps task 0 records what it applied
-                from towers.training.callbacks.ledger import ExampleLedger
-
-                self._train_batches.in_ledger = any(isinstance(cb, ExampleLedger) for cb in self._callbacks)
-        return self._train_batches
-
-    def _follow_job(self, train_set: Dataset, global_batch_size: int, shuffle: bool,
-                    steps_per_epoch: int | None) -> None:
-        """At an epoch's start, take the epoch and step from an input whose position is the job's (``FollowsJob``).
-
-        A replica group that joined a running job (started again after a failure, fault tolerance)
-        so continues in the job's epoch at the job's step, as the live groups do; ``initial_epoch``
-        and a restored position give way to the job's.
-
-        Raises:
-            ValueError: ``steps_per_epoch`` shorter than the input's epoch (the job's epochs are whole passes).
-        """
-        batches = self._train_input(train_set, global_batch_size, shuffle)
-        if not isinstance(batches, FollowsJob):
-            return
-        per_epoch = math.ceil(len(cast(Sized, train_set)) / global_batch_size)
-        if steps_per_epoch is not None and steps_per_epoch < per_epoch:
-            raise user_error(f"steps_per_epoch must cover the whole dataset under {type(self.strategy).__name__}, "
-                             f"whose epochs are the job's passes over it ({per_epoch} steps)",
-                             f"steps_per_epoch={steps_per_epoch}",
-                             "Leave steps_per_epoch=None, or pass a smaller dataset (e.g. a torch.utils.data.Subset).")
-        p = self.progress
-        self.progress = self._job_progress(train_set, global_batch_size, *batches.job_position())
-        if (self.progress.epoch, self.progress.step) != (p.epoch, p.step):
-            log.info("following the job: epoch %d, step %d (this replica was at epoch %d, step %d)",
-                     self.progress.epoch, self.progress.step, p.epoch, p.step)
-
-    def _job_progress(self, train_set: Dataset, global_batch_size: int, epoch: int, step: int, *,
-                      within: int | None = None) -> TrainingProgress:
-        """The progress at the job's ``(epoch, step)``; ``within``: clamped to the end of that epoch."""
-        size = len(cast(Sized, train_set))
-        per_epoch = math.ceil(size / global_batch_size)  # the Trainer keeps the last, partial global batch
-        if within is not None and epoch > within:  # the step committed was the epoch's last
-            epoch, step = within, per_epoch
-        return dataclasses.replace(self.progress, epoch=epoch, step=step, examples=min(step * global_batch_size, size),
-                                   global_step=epoch * per_epoch + step)
-
-    def _epoch_iterator(self, train_set: Dataset, global_batch_size: int, shuffle: bool, epoch: int,
-                        start: int) -> Iterator[Any]:
-        # An epoch's order is fixed by (seed, epoch), independent of the replica count, so a resumed
-        # run starts at batch `start` of the same order.
-        batches = self._train_input(train_set, global_batch_size, shuffle)
-        if isinstance(batches, DistributedBatches):
-            batches.set_epoch(epoch)  # order: seed + epoch
-            return iter(batches.iter_from(start))
-        # A strategy whose datasets know no epochs: a new one per epoch, seeded with seed + epoch
-        batches = self._train_batches = self.strategy.distribute_dataset(
-            train_set, global_batch_size, shuffle=shuffle, seed=self.seed + epoch, drop_remainder=False)
-        it = iter(batches)
-        for _ in range(start):
-            next(it, None)
-        return it
-
-    def _train_step(self, batch: Any) -> tuple[int, torch.Tensor]:
-        """Run one step; return the step's global batch size and this replica's metric sums of it."""
-        parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
-        y = parts.labels
-        from towers.losses import compute_average_loss
-
-        def step(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
-            if self.loss_fn is not None:
-                outputs = call_model(self.model, parts)  # the prepared model applies its precision policy
-                y_pred = predictions(outputs, self.prediction_key)
-                per_example = self.loss_fn(y_pred, _labels(parts, self.label_key))
-                if per_example.dim() == 0:  # a loss that returns its batch's mean: one device's mean over the labels
-                    return self._mean_loss_step(parts, per_example, outputs), y_pred.detach()
-                self.strategy.backward(compute_average_loss(per_example))  # fp16 scales the loss first
-                self._update()
-                return per_example.detach(), y_pred.detach()
-            return self._own_loss_step(parts)
-
-        try:  # the batch as distribute_dataset yielded it: run reads its accounting from its tensors
-            losses, y_pred = self.strategy.run(step, args=(batch,))
-        except RuntimeError as exc:
-            if "cannot be multiplied" not in str(exc) and "size mismatch" not in str(exc):
-                raise
-            x = parts.inputs
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(
-                f"The model cannot take this batch: its input has shape {shape} (batch first), and torch says: "
-                f"{str(exc).splitlines()[0]}. Make the data's feature shape match the model's first layer (e.g. "
-                "nn.Linear(in_features=...) equal to the last dimension of x), or reshape/flatten x.") from exc
-        if y is None:
-            y = torch.zeros(len(y_pred), device=y_pred.device)  # no labels: only the loss is a metric then
-        losses = per_example(losses, len(losses))
-        nonfinite = (~torch.isfinite(losses)).any().to(torch.float64).reshape(1)
-        local = torch.cat([self._train_metrics.local_state(losses, y_pred, y), nonfinite])
-        info = self.step_batch_info = find_batch_info((batch,))
-        size = info.global_batch_size if info is not None else parts.size() * self.strategy.num_replicas_in_sync
-        return size, local
-
-    def _update(self) -> None:
-        if self.clip_grad_norm is not None:  # once per update, on the complete gradient
-            self.strategy.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
-        self.optimizer.step()  # the prepared optimizer: all-reduced, accumulated or pushed to servers
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _own_loss_step(self, parts: BatchParts) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step on the model's own (token-mean) loss, normalised by the update's global label count."""
-        count = label_count(parts, self.ignore_index, shifted=self._shifted_labels)
-        # The model's loss is its mean over this batch's labels; times their count it is their sum. A model that
-        # takes num_items_in_batch (Hugging Face's) divides its sum by exactly that count, so the product is its
-        # sum of token losses whatever tokens it counts (a causal LM shifts its labels).
-        extra = {"num_items_in_batch": max(count, 1)} if self._passes_count else {}
-        outputs = call_model(self.model, parts, **extra)
-        shown = self._backward_mean(model_loss(outputs), count, outputs)
-        return shown.expand(count).clone(), _predictions_or(outputs, self.prediction_key, shown)
-
-    def _mean_loss_step(self, parts: BatchParts, mean: torch.Tensor, outputs: Any) -> torch.Tensor:
-        """A step on ``loss=`` that returned its batch's mean (it takes no ``reduction=``): weighted by its labels."""
-        count = label_count(parts, self.ignore_index)
-        return self._backward_mean(mean, count, outputs).expand(count).clone()
-
-    def _backward_mean(self, mean: torch.Tensor, count: int, outputs: Any) -> torch.Tensor:
-        """Backpropagate a loss that is the mean over ``count`` labels, normalised by the update's global label count.
-
-        Returns the mean, detached (one loss per label: the loss metric is label-weighted)."""
-        from towers.losses import compute_average_loss
-
-        if count == 0:  # no label here (an empty share): a zero gradient, not the NaN of a mean over nothing
-            mean = _zero_loss(outputs, mean)
-        # The strategy divides the update's gradient by the label count over every replica and micro-batch.
-        # The count lives on the host (compute_average_loss reads it there, without waiting for the device).
-        weights = torch.full((1,), float(count), device="cpu")
-        self.strategy.backward(compute_average_loss(mean.reshape(1), weights=weights))
-        self._update()
-        return mean.detach().float()
-
-    def _warn_nonfinite(self, logs: Mapping[str, Any]) -> None:
-        """Warn once, on the chief, when a loss was not finite and no callback stopped training for it."""
-        if self._nonfinite_warning != "due":
-            return
-        self._nonfinite_warning = "said"  # once per Trainer; every replica saw the same reduced value
-        if self.strategy.is_chief and not self.stop_training:
-            warnings.warn(
-                f"The training loss is not finite (NaN or inf) on {int(logs.get('nonfinite_replicas', 0))} "
-                "replica-step(s) reduced at this step; training goes on with it. Add "
-                "towers.callbacks.TerminateOnNaN() to fit's callbacks to stop, or lower the learning rate / check the "
-                "data.", RuntimeWarning, stacklevel=3)
-
-    def _warn_no_labels(self) -> None:
-        """Warn once, on the chief, that the batches reduced now had no label token (every replica decided alike)."""
-        if self._said_no_labels:
-            return
-        self._said_no_labels = True
-        if self.strategy.is_chief:
-            warnings.warn(
-                f"The training batches reduced at global step {self.progress.global_step} had no label token: every "
-                f"label equals ignore_index={self.ignore_index} on every replica, so their loss is a mean over nothing "
-                "(NaN in the logs while no batch of the epoch had a label) and they teach the model nothing. Check "
-                "how the batches are labelled: the collator (e.g. DataCollatorForLanguageModeling(tokenizer, "
-                "mlm=False) copies input_ids into labels), a prompt mask that covers whole sequences, truncation that "
-                "cuts off every answer; or pass Trainer(ignore_index=...) as your labels mark padding.",
-                RuntimeWarning, stacklevel=4)
-
-    def _sync_train_metrics(self) -> dict[str, float]:
-        """Reduce the metric sums kept since the last call (one collective); return the logs through this step.
-
-        When a peer was lost since the step began (``PeerLostError``, fault-tolerant strategies), the logs
-        stay those of the last synchronisation and this replica keeps its sums for the next one of the
-        epoch (at the epoch's end there is none: its logs then cover the steps up to the last one).
-        """
-        if self._unsynced is not None:
-            try:
-                reduced = self.strategy.reduce("sum", self._unsynced).detach().to("cpu", torch.float64)
-            except PeerLostError as exc:
-                log.warning("training metrics not reduced at global step %d (%s); the logs keep the values of the "
-                            "last reduction, and this replica's sums since are added at the next one of this epoch",
-                            self.progress.global_step, str(exc).splitlines()[0])
-                return dict(self._last_train_logs)
-            self._unsynced = None
-            self._train_metrics.accumulate(reduced)
-            self._last_train_logs = {**self._train_metrics.results(external=False),
-                                     "nonfinite_replicas": float(reduced[-1].item())}
-            if reduced[-1].item() > 0 and self._nonfinite_warning == "unseen":
-                self._nonfinite_warning = "due"  # said after the callbacks, unless one of them stops training
-            if reduced[1].item() == 0:  # the loss's count: no label token in any batch since the last reduction
-                self._warn_no_labels()
-        return dict(self._last_train_logs)
-
-    def _any_replica(self, flag: bool) -> bool:
-        """True when ``flag`` is set on any replica: a callback may decide on one replica only, and stopping must
-        still be a global decision. When a peer was lost since the step began (``PeerLostError``), nobody
-        decides now: False, and this replica's flag joins the next reduction."""
-        flag = flag or self._stop_pending
-        try:
-            decided = self.strategy.reduce("max", torch.tensor([float(flag)], device=self.strategy.device))
-        except PeerLostError as exc:
-            if flag:
-                log.warning("stop_training not decided at global step %d (%s): it is at the next reduction",
-                            self.progress.global_step, str(exc).splitlines()[0])
-            self._stop_pending = flag
-            return False
-        self._stop_pending = False
-        return bool(decided.item() > 0)
-
-    # --- evaluate and predict ----------------------------------------------------------------------
-    def evaluate(self, data: Any, global_batch_size: int | None = None, *,
-                 callbacks: Sequence[Callback] = ()) -> dict[str, float]:
-        """Return ``{"loss": ..., metric: ...}`` over ``data``, reduced across replicas (the same on every replica)."""
-        gbs = global_batch_size
-        if gbs is None:
-            gbs = self._last_global_batch_size or 32 * self.strategy.num_replicas_in_sync
-        if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs < 1:
-            raise ValueError(f"global_batch_size must be a positive integer (or None for fit's). Received: {gbs!r}.")
-        return self._evaluate(as_dataset(data, "data"), gbs, CallbackList(callbacks, trainer=self))
-
-    def _evaluate(self, dataset: Dataset, global_batch_size: int, cbs: CallbackList) -> dict[str, float]:
-        was_training = self.model.training
-        self.model.eval()
-        metrics = self._val_metrics
-        metrics.reset()
-        local = torch.zeros(metrics.size + 1, dtype=torch.float64, device=self.strategy.device)  # + examples
-        cbs.call("on_test_begin", {})
-        with torch.no_grad():
-            batches = self.strategy.distribute_dataset(dataset, global_batch_size, shuffle=False, drop_remainder=False)
-            for batch_index, batch in enumerate(batches):
-                cbs.call("on_test_batch_begin", batch_index, {})
-                parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
-
-                def step(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-                    parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
-                    outputs = call_model(self.model, parts)
-                    if self.loss_fn is not None:
-                        y_pred = predictions(outputs, self.prediction_key)
-                        losses = self.loss_fn(y_pred, _labels(parts, self.label_key)).detach()
-                        if losses.dim() == 0:  # a loss that returns its batch's mean: one per label, as in training
-                            losses = losses.float().expand(label_count(parts, self.ignore_index)).clone()
-                        return losses, y_pred.detach()
-                    count = label_count(parts, self.ignore_index, shifted=self._shifted_labels)  # one loss per label
-                    mean = model_loss(outputs).detach().float()
-                    return mean.expand(count).clone(), _predictions_or(outputs, self.prediction_key, mean)
-
-                losses, y_pred = self.strategy.run(step, args=(batch,))
-                y = parts.labels if parts.labels is not None else torch.zeros(len(y_pred), device=y_pred.device)
-                sums = metrics.local_state(per_example(losses, len(losses)), y_pred, y)  # reduced once, at the end
-                local += torch.cat([sums, torch.full((1,), float(parts.size()), dtype=torch.float64, device=sums.device)])
-                cbs.call("on_test_batch_end", batch_index, {})
-        reduced = self.strategy.reduce("sum", local)
-        metrics.accumulate(reduced[:-1])
-        logs = metrics.results()
-        logs["examples"] = float(reduced[-1].item())
-        size = logs["examples"] if is_stream(dataset) else len(cast(Sized, dataset))  # a stream: all it yielded
-        if logs["examples"] != size and self.strategy.is_chief:
-            warnings.warn(f"evaluate covered {int(logs['examples'])} of the {size} examples: a "
-                          "worker died after its share was handed out and before its results were combined. Evaluate "
-                          "again for a complete score.", RuntimeWarning, stacklevel=3)
-        cbs.call("on_test_end", dict(logs))
-        self.model.train(was_training)
-        return logs
-
-    def predict(self, x: Any, *, batch_size: int = 256, callbacks: Sequence[Callback] = ()) -> torch.Tensor:
-        """Return the model's outputs for ``x`` (a tensor or a dataset of ``(x, ...)`` items), on the CPU.
-
-        Every replica computes all of ``x`` with its own copy of the model (no communication), so
-        every replica returns the same tensor.
-        """
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer. Received: {batch_size!r}.")
-        if isinstance(x, Mapping):  # a dict of tensors: the model's keyword arguments (labels left out)
-            return self._predict_dicts({k: v for k, v in x.items() if k != self.label_key}, batch_size, callbacks)
-        if is_stream(x):
-            raise user_error("Trainer.predict takes tensors or a map-style dataset, not a stream",
-                             type(x).__name__, "Predict on a tensor of inputs (e.g. torch.stack of the examples), "
-                             "or run the model in your own loop over the stream.", cls=TypeError)
-        if not isinstance(x, torch.Tensor):
-            dataset = as_dataset(x, "x")
-            x = torch.stack([dataset[i][0] if isinstance(dataset[i], (tuple, list)) else dataset[i]
-                             for i in range(len(cast(Sized, dataset)))])
-        cbs = CallbackList(callbacks, trainer=self)
-        model = self.unwrapped_model
-        was_training = model.training
-        model.eval()
-        outputs = []
-        cbs.call("on_predict_begin", {})
-        with torch.no_grad():
-            for batch_index, start in enumerate(range(0, len(x), batch_size)):
-                cbs.call("on_predict_batch_begin", batch_index, {})
-                out = predictions(model(x[start:start + batch_size].to(self.strategy.device)),
-                                  self.prediction_key).float().cpu()
-                outputs.append(out)
-                cbs.call("on_predict_batch_end", batch_index, {"outputs": out})
-        cbs.call("on_predict_end", {})
-        model.train(was_training)
-        return torch.cat(outputs) if outputs else torch.empty(0)
-
-    def _predict_dicts(self, inputs: Mapping[str, torch.Tensor], batch_size: int,
-                       callbacks: Sequence[Callback]) -> torch.Tensor:
-        cbs = CallbackList(callbacks, trainer=self)
-        model = self.unwrapped_model
-        was_training = model.training
-        model.eval()
-        n = len(next(iter(inputs.values())))
-        outputs = []
-        cbs.call("on_predict_begin", {})
-        with torch.no_grad():
-            for batch_index, start in enumerate(range(0, n, batch_size)):
-                cbs.call("on_predict_batch_begin", batch_index, {})
-                chunk = {k: v[start:start + batch_size].to(self.strategy.device) for k, v in inputs.items()}
-                out = predictions(model(**chunk), self.prediction_key).float().cpu()
-                outputs.append(out)
-                cbs.call("on_predict_batch_end", batch_index, {"outputs": out})
-        cbs.call("on_predict_end", {})
-        model.train(was_training)
-        return torch.cat(outputs) if outputs else torch.empty(0)
-
-    # --- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Return the full training state in the checkpoint format (a collective: call it on every replica)."""
         return capture_state(self)
@@ -645,44 +251,6 @@ class Trainer:
         else:
             self.strategy.load_state_dict({"model": state["model"]}, self.model)
         return state
-
-
-def _labels(parts: BatchParts, label_key: str) -> torch.Tensor:
-    if parts.labels is None:
-        raise user_error("Trainer(loss=...) compares the predictions with the batch's labels, but this batch has none",
-                         f"a {'dict without ' + repr(label_key) if parts.as_kwargs else 'batch without a second item'}",
-                         "Give batches as (x, y) or dicts with the labels under label_key, or pass loss=None to train "
-                         "on the loss the model returns.")
-    return parts.labels
-
-
-def _last_of_epoch(batch: Any, index: int, batches: Any, steps_per_epoch: int | None) -> bool:
-    """True when step ``index`` (this batch) is the epoch's last: ``steps_per_epoch`` ends it here, it is the
-    last of the dataset's known number of batches, or (a stream, whose length is known only at its end) its
-    accounting says so. Every replica decides the same: the collectives it starts stay paired."""
-    if steps_per_epoch is not None and index + 1 >= steps_per_epoch:
-        return True
-    total = batches.batches_per_epoch if isinstance(batches, DistributedBatches) else None
-    if total is not None:
-        return index + 1 == total
-    info = find_batch_info((batch,))  # a stream's batches are split statically: the same index on every replica
-    return info is not None and info.num_batches == info.index + 1
-
-
-def _zero_loss(outputs: Any, loss: torch.Tensor) -> torch.Tensor:
-    """A zero loss connected to the model's outputs (its gradient is zero, never NaN)."""
-    try:
-        return predictions(outputs, None).sum() * 0.0
-    except ValueError:
-        return torch.nan_to_num(loss, nan=0.0) * 0.0
-
-
-def _predictions_or(outputs: Any, key: str | int | None, fallback: torch.Tensor) -> torch.Tensor:
-    """The model's predictions, or ``fallback`` when its output holds none (a model returning only its loss)."""
-    try:
-        return predictions(outputs, key).detach()
-    except ValueError:
-        return fallback.reshape(1)
 
 
 def _takes(model: nn.Module, name: str) -> bool:

@@ -1,0 +1,67 @@
+"""What code inside ``strategy.run`` knows about its step (``ReplicaContext``), and the errors and checks every
+strategy shares: ``PeerLostError`` (a fault-tolerant strategy lost a replica mid-step), ``check_max_norm``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from towers.strategies.base import Strategy
+
+__all__ = ["PeerLostError", "check_max_norm", "ReplicaContext"]
+
+
+class PeerLostError(RuntimeError):
+    """A collective over the live replicas failed: one of them was lost since the current step began.
+
+    Raised only by strategies that survive a lost replica (``FaultTolerantStrategy``): the caller
+    may go on, since the next step's replicas leave the lost one out. Other strategies end the job.
+    """
+
+
+def check_max_norm(max_norm: Any) -> None:
+    """Refuse a gradient-clipping bound that is not a positive finite number (torch clips everything to 0 then)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
+        raise ValueError(f"max_norm must be a positive finite number. Received: max_norm={max_norm!r}. Use the "
+                         "largest gradient norm you accept, e.g. 1.0; to not clip, do not call clip_grad_norm_.")
+
+
+class ReplicaContext:
+    """What code inside ``strategy.run`` knows about its step: replica id, replica count, global batch size.
+
+    ``global_batch_size`` is the number of examples (over all replicas) whose mean gradient the
+    next optimizer update takes: the global batch, or under gradient accumulation the sum of the
+    update's micro-batches. It comes from the batch ``run`` was given (None when that batch did
+    not come from ``distribute_dataset``). ``num_padding_examples`` trailing examples of this
+    replica's batch are padding (weight zero). ``accumulation_steps`` is the number of
+    micro-batches in the current update (1 without accumulation); ``is_update_step`` is True on
+    the last of them. TF's names work too: ``replica_id_in_sync_group``, ``all_reduce``.
+    """
+
+    def __init__(self, strategy: "Strategy", *, global_batch_size: int | None = None,
+                 num_padding_examples: int = 0, accumulation_steps: int = 1, is_update_step: bool = True):
+        self.strategy = strategy
+        self.replica_id = strategy.replica_id
+        self.num_replicas_in_sync = strategy.num_replicas_in_sync
+        self.global_batch_size = global_batch_size
+        self.num_padding_examples = num_padding_examples
+        self.accumulation_steps = accumulation_steps
+        self.is_update_step = is_update_step
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's index (tf.distribute's name for ``replica_id``)."""
+        return self.replica_id
+
+    def all_reduce(self, op: str, value: Any) -> torch.Tensor:
+        """Return ``value`` combined across replicas with ``op`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``)."""
+        return self.strategy.reduce(op, value)
+
+    def __repr__(self) -> str:
+        return (f"ReplicaContext(replica_id={self.replica_id}, num_replicas_in_sync={self.num_replicas_in_sync}, "
+                f"global_batch_size={self.global_batch_size}, num_padding_examples={self.num_padding_examples}, "
+                f"accumulation_steps={self.accumulation_steps}, is_update_step={self.is_update_step})")

@@ -1,0 +1,154 @@
+"""The registry of strategy names: ``get_strategy``, ``strategy_from_env`` and the options each strategy takes.
+
+Built-in strategies are rows of ``towers.cluster.roles.STRATEGIES`` (imported when first built);
+``register_strategy`` adds a user's own at run time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from towers._logging import get_logger
+from towers.cluster import roles
+from towers.cluster.info import ProcessInfo
+from towers.cluster.launch_notes import note_strategy_built
+
+if TYPE_CHECKING:
+    from towers.strategies.base import Strategy
+
+__all__ = ["note_built", "register_strategy", "strategy_names", "get_strategy", "strategy_options", "check_strategy_options",
+           "strategy_from_env"]
+
+log = get_logger(__name__)
+
+
+def note_built(info: ProcessInfo, name: str) -> None:
+    """Tell ``towers launch`` (when it started this process with ``--strategy``) that strategy ``name`` was built.
+
+    Every strategy calls it while it is constructed, so the launcher can say when a job never
+    used the strategy it was started with (``ProcessInfo.launch_dir``; nothing outside it).
+    """
+    if info.launch_dir:
+        note_strategy_built(info.launch_dir, rank=info.rank, name=name)
+
+
+_REGISTRY: dict[str, Callable[..., Strategy]] = {}
+
+
+def _key(name: str) -> str:
+    return str(name).strip().lower().replace("-", "_")
+
+
+def register_strategy(name: str, factory: Callable[..., Strategy], *, aliases: Sequence[str] = ()) -> None:
+    """Make ``factory`` available as ``get_strategy(name)`` (and under each alias), beside the built-in names."""
+    for key in (name, *aliases):
+        _REGISTRY[_key(key)] = factory
+
+
+def strategy_names() -> list[str]:
+    """Return every strategy name and alias (built-in and registered), sorted."""
+    return sorted({*roles.strategy_names(aliases=True), *_REGISTRY})
+
+
+def _factory(name: str) -> Callable[..., Strategy]:
+    factory = _REGISTRY.get(_key(name))
+    if factory is None:
+        module, _, attr = roles.strategy_entry(name).target.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+    return factory
+
+
+def get_strategy(name: str, **kwargs: Any) -> Strategy:
+    """Return a new strategy named ``name`` (e.g. ``"mirrored"``), built with ``kwargs``.
+
+    Raises:
+        ValueError: when no strategy has that name; the message lists the names.
+    """
+    strategy = _factory(name)(**kwargs)
+    note_built(strategy.process_info, name)  # a strategy registered from outside towers, too
+    return strategy
+
+
+def strategy_options(name: str) -> set[str] | None:
+    """Return the keyword options strategy ``name`` takes (None: any, its factory takes ``**kwargs``)."""
+    parameters = inspect.signature(_factory(name)).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {"self", "info"}
+
+
+def _takers(option: str) -> list[str]:
+    names = sorted({roles.canonical_strategy(n) if n in roles.strategy_names(aliases=True) else n
+                    for n in strategy_names()})
+    return [n for n in names if (taken := strategy_options(n)) is None or option in taken]
+
+
+def check_strategy_options(name: str, options: Mapping[str, Any]) -> None:
+    """Raise when strategy ``name`` does not take one of ``options`` (``--strategy-option``: it must take each one).
+
+    What ``strategy_from_env`` checks in every process of ``towers launch``; ``towers k8s`` checks the
+    same before it writes a manifest.
+
+    Raises:
+        ValueError: naming the option, the strategies that take it, and the options ``name`` takes; or when no
+            strategy is named ``name``.
+    """
+    taken = strategy_options(name)
+    if taken is None:
+        return
+    for key, value in options.items():
+        if key not in taken:
+            others = [n for n in _takers(key) if n != name]
+            raise ValueError(
+                f"Strategy {name!r} does not take the option {key!r}. Received: --strategy-option {key}={value!r} "
+                f"(TOWERS_STRATEGY_OPTIONS). {f'{key!r} is an option of {others}; ' if others else ''}{name!r} takes "
+                f"{sorted(taken)}. Drop it or pick another --strategy.")
+
+
+def _options_for(name: str, launcher: Mapping[str, Any], script: Mapping[str, Any]) -> dict[str, Any]:
+    """The options strategy ``name`` gets: the launcher's (which it must take) over the script's own."""
+    check_strategy_options(name, launcher)
+    taken = strategy_options(name)
+    if taken is None:
+        return {**script, **launcher}
+    options = {}
+    for key, value in script.items():
+        if key in taken:
+            options[key] = value
+            continue
+        others = _takers(key)
+        if not others:
+            raise TypeError(f"strategy_from_env() got an option no strategy takes. Received: {key}={value!r}. "
+                            f"{name!r} takes {sorted(taken)}.")
+        # The same script runs under every strategy: an option of another one is not this one's business.
+        log.debug("strategy %s does not take %s=%r (an option of %s): not passed", name, key, value, others)
+    return {**options, **launcher}
+
+
+def strategy_from_env(info: ProcessInfo | None = None, **kwargs: Any) -> Strategy:
+    """Return the strategy ``towers launch --strategy`` (or TF_CONFIG, torchrun, SLURM) asked for.
+
+    Without a request: ``one_device`` for a single process, ``mirrored`` on one host,
+    ``multi_worker_mirrored`` across hosts. ``kwargs`` are the script's options: each goes to the
+    strategy when it takes it, and is left out when only other strategies take it (so
+    ``strategy_from_env(mode="sync")`` runs under Mirrored too). Options from outside
+    (``towers launch --strategy-option``) win over them, and the strategy must take each one.
+
+    Raises:
+        ValueError: an option from outside that the strategy does not take (naming those that do).
+        TypeError: an option of the script that no strategy takes.
+    """
+    from towers import cluster
+
+    info = info or cluster.from_env()
+    name = info.strategy
+    if name is None:
+        if info.world_size == 1:
+            name = "one_device"
+        elif info.local_world_size == info.world_size:
+            name = "mirrored"
+        else:
+            name = "multi_worker_mirrored"
+    return get_strategy(name, info=info, **_options_for(name, info.strategy_options, kwargs))
