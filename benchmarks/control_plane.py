@@ -3,7 +3,9 @@
 What is real: one ``torch.distributed.TCPStore`` server (torch's default, libuv) in this process;
 towers' own ``Watchdog`` (``tick``: heartbeat, abort check, the reporter's answer collection and
 report), ``PreemptionHandler.should_save`` (notice, agreement on a step), ps task 0's
-``Dispatcher`` and torchft's lighthouse (``towers.strategies.fault_tolerant.start_lighthouse``).
+``Dispatcher``, torchft's lighthouse (``towers.launch.lighthouse.start_lighthouse``) and the start-up
+rendezvous (``towers.cluster.rendezvous``: the chief and a sample of members run the real ``join``, the
+others the real ``announce`` from the client processes).
 What is simulated: a rank is an object, not a process. ``--procs`` client processes each drive
 ``N / procs`` ranks through one store client, one at a time; no model, no collective, no network
 (loopback), no per-rank connection. Steady-state traffic runs in *virtual* time (each rank's
@@ -405,6 +407,62 @@ def quorum(groups: int, rounds: int = 3) -> dict[str, float]:
         lighthouse.shutdown()
 
 
+# --- start-up: the rendezvous -----------------------------------------------------------------------
+def _announce_worker(port: int, prefix: str, members: range, hosts: int, out: Any) -> None:
+    from towers.cluster.rendezvous import Member, announce
+
+    store = CountingStore(_client(port, prefix))
+    for i in members:  # what each member's own join writes before it waits (the real function)
+        announce(store, index=i, me=Member("sim", "", 100_000 + i, f"host{i % hosts}"), describe=str)
+    out.put(sum(store.counts.values()))
+
+
+def rendezvous(port: int, world: int, procs: int, *, waiting_sample: int = 32, per_host: int = 8) -> dict[str, float]:
+    """Start-up of ``world`` ranks: the chief and ``waiting_sample`` other members run the real ``join`` (threads);
+    ``procs`` client processes announce all the other members with the real ``announce``, as fast as the store takes
+    them. Reported: the store calls of the whole rendezvous, the time from the last arrival to the verdict seen by
+    every waiting member, and the calls per second the waiting members make (measured on the sample, scaled to N)."""
+    from towers.cluster.rendezvous import Member, join
+
+    prefix = f"rdzv{world}"
+    chief_store = CountingStore(_client(port, prefix))
+    sample = list(range(1, 1 + waiting_sample))
+    sample_stores = [CountingStore(_client(port, prefix)) for _ in sample]
+    done: dict[int, float] = {}
+
+    def member(i: int, store: Any, is_chief: bool) -> None:
+        join(store, index=i, count=world, is_chief=is_chief, timeout_s=600, where="sim", describe=str,
+             report=lambda line: None, me=Member("sim", "", 100_000 + i, f"host{i % (world // per_host)}"))
+        done[i] = time.perf_counter()
+
+    threads = [threading.Thread(target=member, args=(0, chief_store, True))]
+    threads += [threading.Thread(target=member, args=(i, s, False)) for i, s in zip(sample, sample_stores)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    rest = list(range(1 + waiting_sample, world))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    chunks = [range(rest[0] + k, rest[-1] + 1, procs) for k in range(procs)] if rest else []
+    ps = [ctx.Process(target=_announce_worker, args=(port, prefix, c, world // per_host, q)) for c in chunks]
+    for p in ps:
+        p.start()
+    announced = sum(q.get(timeout=600) for _ in ps)
+    last_arrival = time.perf_counter()
+    for p in ps:
+        p.join(30)
+    for t in threads:
+        t.join(600)
+    waited = max(done.values()) - started
+    sample_calls = sum(sum(s.counts.values()) for s in sample_stores)
+    per_member_per_s = sample_calls / max(len(sample), 1) / max(waited, 1e-9)
+    return {"ranks": world, "start_up_s": round(waited, 2),
+            "verdict_after_last_arrival_s": round(max(done.values()) - last_arrival, 2),
+            "chief_calls": sum(chief_store.counts.values()), "announce_calls": announced,
+            "waiting_calls_per_member": round(sample_calls / max(len(sample), 1), 1),
+            "waiting_calls_per_s_all_members": round(per_member_per_s * world)}
+
+
 # --- the command ------------------------------------------------------------------------------------
 def main() -> None:
     import torch.distributed as dist
@@ -419,12 +477,16 @@ def main() -> None:
     parser.add_argument("--no-stuck", action="store_true")
     parser.add_argument("--dispatch-workers", type=int, default=1024)
     parser.add_argument("--quorum-groups", type=int, default=256)
+    parser.add_argument("--no-rendezvous", action="store_true", help="leave out the start-up rendezvous runs")
     args = parser.parse_args()
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     port = server.port
     cap = capacity(port, args.procs)
     print(json.dumps({"store_capacity_ops_s": round(cap)}), flush=True)
+    if not args.no_rendezvous:
+        for n in args.ranks:
+            print(json.dumps({"rendezvous": rendezvous(port, n, args.procs)}), flush=True)
     for n in args.ranks:
         res = run_steady(port, n, args.procs, seconds=args.seconds, step_s=args.step_s, legacy=args.legacy,
                          notice_at_s=args.seconds * 0.75, prefix=f"steady{n}")

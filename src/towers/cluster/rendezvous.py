@@ -288,6 +288,26 @@ class _ArrivalLog:
         return found
 
 
+def announce(store: KeyValueStore, *, index: int, me: Member, describe: Callable[[int], str], where: str = "",
+             kind: str = "process") -> None:
+    """What member ``index`` writes to join (``join`` calls it first): its claim on the index, its record, and its
+    place in the arrival logs (all members', and its pid scope's).
+
+    Raises:
+        RendezvousError: when another member already claimed ``index``.
+    """
+    claims = store.add(f"join/claims/{index}", 1)
+    if claims > 1:
+        raise RendezvousError(
+            f"two {kind}s claim to be {describe(index)} at the rendezvous {where}: each {kind} needs its own rank "
+            f"(this one: {me}). Give every {kind} a different rank (--node-rank, RANK, TF_CONFIG's task index).")
+    store.set(f"join/member/{index}",
+              json.dumps({"host": me.host, "address": me.address, "pid": me.pid, "scope": me.scope}))
+    _ArrivalLog(store, "all").append(index)
+    if me.scope:
+        _ArrivalLog(store, f"scope/{me.scope}").append(index)
+
+
 def join(store: KeyValueStore, *, index: int, count: int, is_chief: bool, timeout_s: float, where: str,
          describe: Callable[[int], str], report: Callable[[str], None], me: Member | None = None,
          kind: str = "process", since: float | None = None, waited_s: float = 0.0,
@@ -312,25 +332,16 @@ def join(store: KeyValueStore, *, index: int, count: int, is_chief: bool, timeou
         RendezvousError: when two members claim the same index, or ``dead`` named a dead member.
     """
     me = me or Member(host=socket.gethostname(), address="", pid=os.getpid())
-    claims = store.add(f"join/claims/{index}", 1)
-    if claims > 1:
-        raise RendezvousError(
-            f"two {kind}s claim to be {describe(index)} at the rendezvous {where}: each {kind} needs its own rank "
-            f"(this one: {me}). Give every {kind} a different rank (--node-rank, RANK, TF_CONFIG's task index).")
-    store.set(f"join/member/{index}",
-              json.dumps({"host": me.host, "address": me.address, "pid": me.pid, "scope": me.scope}))
+    announce(store, index=index, me=me, describe=describe, where=where, kind=kind)
     everyone = _ArrivalLog(store, "all")
     neighbours = _ArrivalLog(store, f"scope/{me.scope}") if me.scope else None
-    everyone.append(index)
-    if neighbours is not None:
-        neighbours.append(index)
     start, wall_start = clock() - waited_s, time.time() - waited_s if since is None else since
     interval = report_interval_s(timeout_s)
     next_report = start + interval
     joined: dict[int, Member] = {}
-    # Each poll is O(1) store calls, but N members polling are N of them: a large job's members back off
-    # (up to count / 4096 s: 4 s at 16k, about 2 calls per member per poll, ~8k calls/s on the store).
-    poll_s, most_s = _POLL_S, max(_POLL_S, count / 4096)
+    # Each poll is O(1) store calls (about 2), but N members polling are N of them: members back off to one poll per
+    # count / 2048 s (at most 4096 calls/s on the store whatever N; the verdict is seen up to 8 s late at 16k).
+    poll_s, most_s = _POLL_S, max(_POLL_S, count / 2048)
     while True:
         log = everyone if is_chief else neighbours
         for i in log.new() if log is not None else []:
