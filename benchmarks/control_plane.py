@@ -455,12 +455,15 @@ def rendezvous(port: int, world: int, procs: int, *, waiting_sample: int = 32, p
         t.join(600)
     waited = max(done.values()) - started
     sample_calls = sum(sum(s.counts.values()) for s in sample_stores)
-    per_member_per_s = sample_calls / max(len(sample), 1) / max(waited, 1e-9)
+    per_waiting_member = sample_calls / max(len(sample), 1)  # its announce, its host's arrivals, its polls
+    # every member but the chief announces and waits as the sample did (the announcing processes' calls, ``announced``,
+    # are the announce part alone of the members that did not wait here)
+    total = sum(chief_store.counts.values()) + per_waiting_member * (world - 1)
     return {"ranks": world, "start_up_s": round(waited, 2),
             "verdict_after_last_arrival_s": round(max(done.values()) - last_arrival, 2),
-            "chief_calls": sum(chief_store.counts.values()), "announce_calls": announced,
-            "waiting_calls_per_member": round(sample_calls / max(len(sample), 1), 1),
-            "waiting_calls_per_s_all_members": round(per_member_per_s * world)}
+            "chief_calls": sum(chief_store.counts.values()), "calls_per_waiting_member": round(per_waiting_member, 1),
+            "announce_calls_per_member": round(announced / max(len(rest), 1), 1),
+            "total_calls": round(total), "calls_per_member": round(total / world, 1)}
 
 
 # --- the command ------------------------------------------------------------------------------------
