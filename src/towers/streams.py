@@ -26,14 +26,16 @@ or desynchronised epoch.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch.utils.data import default_collate
 
-from towers._batch import BatchInfo, attach_batch_info, global_batch_sizes, map_tensors, shard_bounds, to_device
+from towers._batch import BatchInfo, attach_batch_info, global_batch_sizes, shard_bounds, to_device
 from towers._dataloader_answers import DataLoaderNames, EpochSampler, StreamWithoutLength, stream_length_error
+from towers._input_context import InputContext
+from towers._input_context import positive_int as _positive_int
 from towers._loader import Loader, LoaderOptions
 from towers._logging import get_logger
 from towers._shard_files import (
@@ -43,20 +45,18 @@ from towers._shard_files import (
     as_state,
     check_agreement,
     check_resumed,
-    content_digest,
 )
+from towers._stream_dispatch import dispatched_batches
+from towers._stream_position import Position as _Position
+from towers._stream_position import position_from_state
+from towers._stream_reading import Transform as _Transform
+from towers._stream_reading import Work as _Work
 from towers._stream_sources import Shards, is_stream, make_source, sequence, shard_order
 from towers.errors import user_error
 
 __all__ = ["DistributedStream", "InputContext", "Shards", "ShardChangedError", "is_stream"]
 
 log = get_logger(__name__)
-
-
-def _positive_int(name: str, value: Any, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise user_error(f"{name} must be a positive integer", value, hint)
-    return value
 
 
 class DistributedStream(DataLoaderNames):
@@ -206,28 +206,8 @@ class DistributedStream(DataLoaderNames):
         Raises:
             ValueError: when the state was saved for another input, seed, V or shuffling, or is inconsistent.
         """
-        mine = self.state_dict()
-        for key, what in (("fingerprint", "input"), ("seed", "seed"), ("num_virtual_shards", "number of virtual "
-                          "shards"), ("shuffle", "shuffle setting"), ("shuffle_block", "shuffle_block")):
-            if key in state and state[key] != mine[key]:
-                raise user_error(f"This checkpoint's stream position was saved for another {what} ({key}="
-                                 f"{state[key]!r}); this stream ({self._source.description}) has {key}={mine[key]!r}",
-                                 {k: state.get(k) for k in ("epoch", "examples", key)},
-                                 "Resume with the same input, seed, num_virtual_shards and shuffle settings, or call "
-                                 "set_epoch(epoch) instead of load_state_dict to start that epoch over.")
-        cursors = [int(c) for c in state.get("cursors", [0] * self.num_virtual_shards)]
-        examples = int(state.get("examples", 0))
-        if len(cursors) != self.num_virtual_shards or sum(cursors) != examples or min(cursors, default=0) < 0:
-            raise user_error("A stream position needs one cursor per virtual shard, summing to the examples consumed",
-                             {"examples": examples, "cursors": cursors[:8]},
-                             "Pass the dict state_dict() returned, unchanged.")
-        files = state.get("files")
-        if files is not None and (not isinstance(files, (list, tuple)) or len(files) != self.num_virtual_shards):
-            raise user_error("A stream position's files need one entry per shard", type(files).__name__,
-                             "Pass the dict state_dict() returned, unchanged.")
-        self._epoch = int(state.get("epoch", 0))
-        self._position = self._resume = _Position(int(state.get("batch", 0)), examples, cursors,
-                                                  None if files is None else list(files))
+        self._epoch, position = position_from_state(state, self.state_dict(), self._source.description)
+        self._position = self._resume = position
 
     # --- iteration --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -339,52 +319,8 @@ class DistributedStream(DataLoaderNames):
 
     # --- handed out at run time (parameter servers) ------------------------------------------------
     def _dispatched(self, start: int, files: list[ShardFiles] | None) -> Iterator[Any]:
-        """Yield the units ps task 0 hands this replica (its own shares first, a dead replica's after).
-
-        The dispatcher needs the epoch's size: the stream is counted once (its records read, none
-        transformed), and again when its files changed (then every worker sends ps task 0, which
-        compares the workers' specs, the new count). A unit's records are read forward; a unit of an
-        earlier global batch (a dead replica's) reads the epoch again from its start.
-        """
-        B = self.global_batch_size
-        digest = None if files is None else content_digest(files)
-        if self._num_examples is None or digest != self._counted_files:
-            self._num_examples = sum(1 for _ in self._records(files))
-            self._counted_files = digest
-        n = self._num_examples
-        self._check_epoch(0, n, True)
-        sizes = global_batch_sizes(n, B, drop_remainder=self.drop_remainder)
-        spec: dict[str, Any] = {"num_examples": n, "global_batch_size": B, "drop_remainder": self.drop_remainder,
-                                "start": start, "epoch": self._epoch, "num_replicas": self.num_replicas}
-        if self.in_ledger:  # units are read in the stream's order: a position is a record's place in it
-            spec["order"] = {"seed": 0, "shuffle": False}
-        self._passes += 1
-        key = f"{self._dispatch.name}.{self._passes}"  # this pass's name, the same on every replica
-        reader = _BatchReader(lambda: self._records(files), B)
-        step = 0
-        while True:
-            answer = self._dispatch(key, step, spec)
-            if answer["kind"] == "stop":  # counted from `start`: a resumed epoch trained the batches before it
-                before = sum(sizes[:start])
-                self.last_pass = {"examples": int(answer["examples"]) + before,
-                                  "expected": int(answer["expected"]) + before}
-                break
-            units = [(int(g), int(r)) for g, r in answer["units"]] if answer["kind"] == "unit" else [(len(sizes) - 1, -1)]
-            for g, r in units:
-                records = reader.batch(g, sizes[g]) if r >= 0 else [reader.first()]
-                info = BatchInfo(g, len(sizes), sizes[g], 0, 0, sizes[g], 1, True,
-                                 unit=(key, g, r) if r >= 0 else None)
-                if r < 0:  # an empty step: no example, the same step count as the replicas still working
-                    work: _Work = ([records[0]], not self.pad_empty_batches)
-                    info = replace(info, num_padding_examples=1 if self.pad_empty_batches else 0)
-                else:
-                    work, info = self._share(records, info, r)
-                batch = self._transform(work)
-                step += 1
-                self._position.batch = max(self._position.batch, g + 1)
-                yield attach_batch_info(to_device(batch, self.device), replace(info, epoch=self._epoch))
-        self._epoch += 1
-        self._position = _Position.start(self.num_virtual_shards)
+        """Yield the units ps task 0 hands this replica (``towers._stream_dispatch``)."""
+        return dispatched_batches(self, start, files)
 
     def _records(self, files: list[ShardFiles] | None,
                  cursors: list[int] | None = None) -> Iterator[tuple[int, int, Any]]:
@@ -429,104 +365,3 @@ class DistributedStream(DataLoaderNames):
     def __repr__(self) -> str:
         return (f"DistributedStream({self._source.description}, global_batch_size={self.global_batch_size}, "
                 f"replica {self.replica_id}/{self.num_replicas}, epoch={self._epoch})")
-
-
-_Work = tuple[list[tuple[int, int, Any]], bool]  # (records (virtual shard, offset, record), keep 0 rows only)
-
-
-class _BatchReader:
-    """The records of global batch ``g`` of an epoch, read forward (from the start again for an earlier batch)."""
-
-    def __init__(self, records: Callable[[], Iterator[tuple[int, int, Any]]], global_batch_size: int):
-        self._open, self._b = records, global_batch_size
-        self._records = records()
-        self._next = 0  # the global batch the reader is at
-        self._first: tuple[int, int, Any] | None = None
-
-    def first(self) -> tuple[int, int, Any]:
-        """The epoch's first record (the structure of an empty step's batch)."""
-        if self._first is None:
-            self._first = next(self._open())
-        return self._first
-
-    def batch(self, g: int, size: int) -> list[tuple[int, int, Any]]:
-        if g < self._next:
-            self._records, self._next = self._open(), 0
-        for _ in range((g - self._next) * self._b):
-            next(self._records)
-        out = [next(self._records) for _ in range(size)]
-        self._next = g + 1
-        return out
-
-
-class _Transform:
-    """Makes a share's batch from its records: ``transform`` each, collate (in the training process or a worker)."""
-
-    def __init__(self, source: Any, collate: Callable[[list[Any]], Any]):
-        self.source, self.collate = source, collate
-
-    def __call__(self, work: _Work) -> Any:
-        records, structure_only = work
-        batch = self.collate([self._example(r) for r in records])
-        return map_tensors(batch, lambda t: t[:0]) if structure_only else batch
-
-    def _example(self, record: tuple[int, int, Any]) -> Any:
-        transform = self.source.transform
-        if transform is None:
-            return record[2]
-        try:
-            return transform(record[2])
-        except Exception as exc:
-            raise user_error(f"transform raised on {self.source.label(record[0], record[1])}",
-                             f"{type(exc).__name__}: {exc}", "Fix the record or the transform.",
-                             cls=RuntimeError) from exc
-
-
-@dataclass
-class _Position:
-    """Where an epoch stands: global batches and examples consumed, and records consumed per virtual shard.
-
-    ``files``: the portable fingerprints (``[[path, size, edges], ...]`` per shard) of the files the
-    cursors count records of; None for a stream without files, or before an iteration opened them.
-    """
-
-    batch: int
-    examples: int
-    cursors: list[int]
-    files: list[Any] | None = None
-
-    @classmethod
-    def start(cls, num_shards: int) -> _Position:
-        return cls(0, 0, [0] * num_shards)
-
-    def copy(self) -> _Position:
-        return _Position(self.batch, self.examples, list(self.cursors), self.files)  # files: never changed in place
-
-    def consume(self, shard: int) -> None:
-        self.cursors[shard] += 1
-        self.examples += 1
-
-
-@dataclass(frozen=True)
-class InputContext:
-    """What ``distribute_datasets_from_function`` tells the input function: its pipeline among all (tf.distribute's)."""
-
-    num_input_pipelines: int = 1
-    input_pipeline_id: int = 0
-    num_replicas_in_sync: int = 1
-    #: The replica's device (where its batches should end up).
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
-        """Return ``global_batch_size // num_replicas_in_sync``.
-
-        Raises:
-            ValueError: when the global batch does not divide evenly over the replicas.
-        """
-        _positive_int("global_batch_size", global_batch_size, "Pass the examples per step over all replicas.")
-        if global_batch_size % self.num_replicas_in_sync:
-            raise user_error(f"The global batch size must be divisible by the number of replicas "
-                             f"({self.num_replicas_in_sync})", global_batch_size,
-                             f"Use a multiple of {self.num_replicas_in_sync}, or strategy.distribute_dataset, "
-                             "which splits any global batch exactly.")
-        return global_batch_size // self.num_replicas_in_sync

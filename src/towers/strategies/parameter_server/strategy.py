@@ -30,7 +30,7 @@ from torch import nn
 
 from towers._logging import get_logger, set_rank
 from towers.checkpoint.layout import CheckpointIO
-from towers.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted, ServingPreemptionHandler, preemption_signals
+from towers.checkpoint.preemption import Preempted
 from towers.cluster.deaths import StartupWatch
 from towers.cluster.info import ProcessInfo
 from towers.cluster.launch_notes import note_started
@@ -39,20 +39,20 @@ from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import user_error
 from towers.process_group import (
     DEFAULT_TIMEOUT_S,
-    DistributedError,
     destroy_process_group,
     init_process_group,
     startup_watch,
 )
-from towers.strategies._collectives import as_tensor, check_op
-from towers.strategies.base import ReplicaContext, Strategy, note_built
+from towers.strategies.base import ReplicaContext, note_built
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
+from towers.strategies.parameter_server.collectives import _WorkerCollectives
 from towers.strategies.parameter_server.comm import PsComm
 from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.optimizer import ParameterServerOptimizer
+from towers.strategies.parameter_server.options import MODES, check_options
 from towers.strategies.parameter_server.roles import Roles, resolve_roles
-from towers.strategies.parameter_server.server import ParameterServer
+from towers.strategies.parameter_server.startup import connect_links, serve_links
 from towers.strategies.parameter_server.worker import BoundModel
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
 
@@ -60,11 +60,8 @@ __all__ = ["ParameterServerStrategy", "MODES"]
 
 log = get_logger(__name__)
 
-#: Update modes: ``async`` applies each gradient on arrival; ``sync`` one summed update per round.
-MODES = ("async", "sync")
 
-
-class ParameterServerStrategy(Strategy):
+class ParameterServerStrategy(_WorkerCollectives):
     """Parameters on ``num_ps`` ps tasks, gradients from every worker, ``async`` or ``sync`` updates.
 
     Args:
@@ -97,25 +94,8 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, num_ps: int | None = None, mode: str = "async", staleness: int | None = None, *,
                  info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
                  precision: str | int | None = "32", overlap: bool = False, shared_memory: bool = True):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}. Received: mode={mode!r}. Use 'async' to apply each "
-                             "gradient on arrival or 'sync' for one summed update per round.")
-        if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
-            raise ValueError(f"staleness must be None or an integer >= 0. Received: staleness={staleness!r}.")
-        if staleness is not None and mode == "sync":
-            raise ValueError(f"staleness bounds async updates; sync mode is never stale. Received: mode='sync', "
-                             f"staleness={staleness}. Drop staleness or use mode='async'.")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0 seconds. Received: {timeout_s}. Use e.g. timeout_s=300.")
-        if not isinstance(overlap, bool) or (overlap and mode == "sync"):
-            raise user_error("overlap is a bool, for async mode only (a sync round needs every reply before the "
-                             "next step)", f"overlap={overlap!r} with mode={mode!r}",
-                             "Pass overlap=True with mode='async', or leave it out.")
-        self.overlap = overlap
-        if not isinstance(shared_memory, bool):
-            raise user_error("shared_memory is a bool", f"shared_memory={shared_memory!r}",
-                             "Pass shared_memory=False to keep every byte on the wire, or leave it out.")
-        self.shared_memory = shared_memory
+        check_options(mode, staleness, timeout_s=timeout_s, overlap=overlap, shared_memory=shared_memory)
+        self.overlap, self.shared_memory = overlap, shared_memory
         if info is None:
             from towers import cluster
 
@@ -175,55 +155,12 @@ class ParameterServerStrategy(Strategy):
         """Hook: collectives every rank (ps tasks too) must join before the ps tasks start serving."""
 
     def _connect(self, watch: StartupWatch) -> list[transport.Link]:
-        store, generation, r = transport.rendezvous_store(), transport.next_generation(), self.roles
-        # One fixed global order of pairs (worker-major) so that no two processes wait on each other.
-        pairs = ([(w, r.index) for w in range(r.num_workers)] if r.is_ps
-                 else [(r.index, p) for p in range(r.num_ps)])
-        links = []
-        for w, p in pairs:
-            name = f"worker {w} (rank {w}) <-> ps task {p} (rank {r.ps_ranks[p]})"
-            watch.set_phase(f"connecting {name}")
-            try:
-                links.append(transport.open_link(store, worker=w, ps=p, is_ps=r.is_ps, bind_host=r.bind_host,
-                                                 timeout_s=self.timeout_s, generation=generation, name=name))
-            except transport.LinkError as exc:
-                if watch.failure is not None:
-                    raise DistributedError(f"[rank {self._info.rank}/{self._info.world_size}] {watch.failure}") \
-                        from None
-                raise DistributedError(f"[rank {self._info.rank}/{self._info.world_size}] connecting {name} failed: "
-                                       f"{exc}. Check that every process of the job started and uses the same "
-                                       "num_ps.") from exc
-        return links
+        return connect_links(self.roles, self._info, timeout_s=self.timeout_s, watch=watch)
 
     def _serve(self, links: list[transport.Link], exit_on_ps: bool) -> None:
-        server = ParameterServer(links, ps_index=self.roles.index, rank=self._info.rank,
-                                 worker_ranks=list(range(self.roles.num_workers)), mode=self.mode,
-                                 staleness=self.staleness, timeout_s=self.timeout_s, num_ps=self.num_ps,
-                                 shared_memory=self.shared_memory, ledger_dir=self._info.ledger_dir)
-        # A preemption notice must not end this process before the workers saved: their checkpoint fetches
-        # the state that lives here. It goes to the workers through the store; this process serves on.
-        signals = preemption_signals(self._info.preemption_signals)
-        preemption = ServingPreemptionHandler(signals=signals, rank=self._info.rank)
-        preemption.install()
-        log.info("ps task %d (rank %d) serving %d worker(s), mode %s", self.roles.index, self._info.rank,
-                 self.roles.num_workers, self.mode)
-        try:
-            self._stats = server.serve()
-        except RuntimeError as exc:
-            preemption.finish()  # a notice of its own nobody saved on is delivered again
-            # The links stay open: a hung worker's thread may still be blocked in one of them.
-            raise DistributedError(f"[rank {self._info.rank}/{self._info.world_size}] ps task {self.roles.index} "
-                                   f"stops: {exc}") from exc
-        preempted_at = preemption.finish()
-        if preempted_at is not None:
-            self._stats["preempted_at_step"] = preempted_at
-            log.warning("ps task %d: the workers saved at step %d on a preemption notice; %s", self.roles.index,
-                        preempted_at, "exiting for a restart" if exit_on_ps
-                        else f"exit with code {PREEMPTED_EXIT_CODE} for a restart")
-        for link in links:
-            link.close()
-        log.info("ps task %d done: %d update(s) applied, worker versions %s", self.roles.index,
-                 self._stats["version"], self._stats["worker_versions"])
+        self._stats, preempted_at = serve_links(links, self.roles, self._info, mode=self.mode, staleness=self.staleness,
+                                                timeout_s=self.timeout_s, shared_memory=self.shared_memory,
+                                                exit_on_ps=exit_on_ps)
         if exit_on_ps:
             destroy_process_group()
             if preempted_at is not None:
@@ -266,12 +203,6 @@ class ParameterServerStrategy(Strategy):
     def replica_id(self) -> int:
         """This worker's index (the chief is 0); -1 on a ps task."""
         return -1 if self.roles.is_ps else self.roles.index
-
-    def _require_worker(self, what: str) -> ParameterClient:
-        if self._client is None:
-            raise RuntimeError(f"{what} runs on workers; this process is ps task {self.roles.index} (rank "
-                               f"{self._info.rank}). Guard ps-task code with `if strategy.is_ps`.")
-        return self._client
 
     # --- preparation -------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -419,44 +350,6 @@ class ParameterServerStrategy(Strategy):
             device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
             pad_empty_batches=pad_empty_batches, collate_fn=collate_fn, dispatch=dispatch, num_workers=num_workers,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory=pin_memory)
-
-    # --- communication (met at ps task 0: see comm.py) ---------------------------------------------------
-    def _comm_or_fail(self, what: str) -> PsComm:
-        self._require_worker(what)
-        return self._comm  # type: ignore[return-value]  # set together with the client
-
-    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
-        """Combine ``value`` over the workers with ``op``; after a worker died: over the live ones.
-
-        Raises:
-            ValueError: on an unknown op or an axis the value does not have.
-        """
-        op = check_op(op)
-        tensor = as_tensor(value, torch.device("cpu"))
-        if axis is not None and (tensor.dim() == 0 or not -tensor.dim() <= axis < tensor.dim()):
-            raise ValueError(f"axis must be None or a dimension of the value (shape {list(tensor.shape)}). "
-                             f"Received: axis={axis}. Use axis=0 to reduce over the batch.")
-        if axis is not None and axis < 0:
-            axis += tensor.dim()
-        return self._comm_or_fail("reduce").reduce(op, tensor, axis)
-
-    def gather(self, value: torch.Tensor, axis: int = 0) -> torch.Tensor:
-        """Concatenate every live worker's ``value`` along ``axis``, in worker order."""
-        tensor = as_tensor(value, torch.device("cpu"))
-        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
-        return self._comm_or_fail("gather").gather(tensor, axis if axis >= 0 else axis + tensor.dim())
-
-    def barrier(self) -> None:
-        """Block until every live worker reaches this point (a round trip to ps task 0)."""
-        self._comm_or_fail("barrier").barrier()
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Return worker ``src``'s ``obj`` on every worker."""
-        return self._comm_or_fail("broadcast_object").broadcast_object(obj, src)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Return every live worker's ``obj``, in worker order."""
-        return self._comm_or_fail("all_gather_object").all_gather_object(obj)
 
     def checkpoint_io(self) -> CheckpointIO:
         """The chief writes every checkpoint tensor: the state lives on ps tasks, which do not run the script."""
