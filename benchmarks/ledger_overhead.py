@@ -20,29 +20,9 @@ import statistics
 import tempfile
 import time
 
-import torch
-import torch.nn.functional as F
+from _on_off import StepClock, ms, report, seed_cnn_trainer
 
 import towers
-from towers.datasets import synthetic_images
-from towers.models import SeedCNN
-
-
-class _StepClock(towers.callbacks.Callback):
-    """Records wall and process CPU time at the end of every training step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.wall: list[float] = []
-        self.cpu: list[float] = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.wall.append(time.perf_counter())
-        self.cpu.append(time.process_time())
-
-
-def _ms(times: list[float]) -> float:
-    return 1000.0 * (times[-1] - times[1]) / (len(times) - 2)  # from the end of step 2: start-up is out
 
 
 def main() -> None:
@@ -52,24 +32,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
     logging.getLogger("towers").setLevel(logging.WARNING)
-    torch.set_num_threads(1)
-    strategy = towers.OneDeviceStrategy("cpu")
-    data = synthetic_images(args.batch_size * args.steps, seed=0)
-    with strategy.scope():
-        torch.manual_seed(0)
-        net = SeedCNN()
-        optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
-    trainer = towers.Trainer(net, optimizer, F.cross_entropy, metrics=["accuracy"], strategy=strategy)
+    trainer, data = seed_cnn_trainer(args.steps, args.batch_size)
     results: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
     trainer.fit(data, epochs=1, global_batch_size=args.batch_size)  # warm-up
     with tempfile.TemporaryDirectory() as run_dir:
         for repeat in range(args.repeats):
             order = ("on", "off") if repeat % 2 == 0 else ("off", "on")
             for name in order:
-                clock = _StepClock()
+                clock = StepClock()
                 extra = [towers.callbacks.ExampleLedger(run_dir)] if name == "on" else []
                 trainer.fit(data, epochs=1, global_batch_size=args.batch_size, callbacks=[*extra, clock])
-                results[name].append((_ms(clock.wall), _ms(clock.cpu)))
+                results[name].append((ms(clock.wall), ms(clock.cpu)))
         ledger = towers.callbacks.ExampleLedger(run_dir)
         ledger.set_trainer(trainer)
         ledger.on_train_begin()
@@ -81,12 +54,7 @@ def main() -> None:
         ledger.on_train_end()
     print(f"seed CNN, batch {args.batch_size}, 1 thread, {args.steps} steps x {args.repeats} repeats, "
           "ExampleLedger (on) vs none (off)")
-    for i, what in enumerate(("wall", "CPU")):
-        on = [r[i] for r in results["on"]]
-        off = [r[i] for r in results["off"]]
-        ratios = [a / b for a, b in zip(on, off)]
-        print(f"{what:>4} ms/step: on {statistics.median(on):.2f}, off {statistics.median(off):.2f}; on/off "
-              f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]")
+    report(results)
     step_ms = statistics.median(r[0] for r in results["off"])
     print(f"the ledger alone: {per_step_us:.1f} us per step = {per_step_us / 10 / step_ms:.3f}% of a {step_ms:.2f} ms step")
 
