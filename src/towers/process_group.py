@@ -178,7 +178,7 @@ def init_process_group(
         if watch.failure is not None:
             raise DistributedError(f"{_rank_tag(info)} {watch.failure}")
     except BaseException:
-        watch.stop()  # this thread reports the failure: the watch must not end the process later
+        watch.stop(wait_s=2.0)  # this thread reports the failure: the watch must not end the process later
         raise
     if own_watch:
         watch.finish(store)

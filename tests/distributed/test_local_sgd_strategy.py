@@ -81,9 +81,6 @@ class LocalSGDStrategy(MirroredStrategy):
         return wrapped, prepared
 
 
-register_strategy("local_sgd", LocalSGDStrategy)
-
-
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(EXAMPLES, 6, generator=g), torch.randint(0, 3, (EXAMPLES,), generator=g)
@@ -113,6 +110,9 @@ def _plain_loop(strategy: towers.Strategy) -> list[dict[str, torch.Tensor]]:
 
 
 def _replica() -> dict[str, Any]:
+    # Registered in the job's processes only: a registration in the test process would outlive this test (a
+    # strategy taking **options "takes" every option, which other tests of strategy_from_env check against).
+    register_strategy("local_sgd", LocalSGDStrategy)
     every_step = towers.get_strategy("local_sgd", sync_every=1)
     every_third = towers.get_strategy("local_sgd", sync_every=3)
     net, optimizer = _model()

@@ -131,12 +131,17 @@ class StartupWatch:
         store.set(f"{_STARTED}{self.index}", "1")
         self.stop()
 
-    def stop(self) -> None:
+    def stop(self, *, wait_s: float = 0.0) -> None:
         """End the watch (start-up is over, or failed in this thread first); idempotent.
 
-        Does not wait for the thread (it may be in a slow store call): once stopped it reports and ends nothing.
+        Waits up to ``wait_s`` for the thread to end (by default not at all: it may be in a slow store call);
+        once stopped it reports and ends nothing. A process about to exit on a start-up error waits a moment, so
+        that the thread's store client is closed by the thread, not torn down at exit under a store call.
         """
         self._stop.set()
+        thread = self._thread
+        if wait_s > 0 and thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)
 
     def _dead(self, store: KeyValueStore | None) -> tuple[int, str] | None:
         with self._lock:
