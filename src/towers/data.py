@@ -290,12 +290,7 @@ class DistributedDataset(DataLoaderNames):
                to_worker: bool = False) -> Fetch:
         """Return which rows make this replica's share of ``info``'s global batch (``to_worker``: as a list, cheap to send)."""
         first = info.index * self.global_batch_size
-        if info.local_batch_size == 0:
-            start = stop = 0
-        else:
-            start, stop = shard_bounds(info.global_batch_size, self.num_replicas,
-                                       self.replica_id if replica_id is None else replica_id)
-        lo, hi = first + start, first + stop
+        lo, hi = self._rows(info, replica_id)
         if info.num_padding_examples:  # an empty share, padded with the batch's first example
             lo, hi = first, first + 1
         structure_only = not hi > lo and not isinstance(self._source, _TensorSource)

@@ -248,22 +248,24 @@ def prove_ledger(run_dir: str | os.PathLike[str]) -> LedgerProof:
         return (u.time < r.time and (u.epoch, u.lo) >= (r.epoch, r.position)
                 and (u.writer == r.writer or last[u.writer] < r.time))
 
-    kept: list[Update] = []
-    rolled_back = 0
-    for u in updates:
-        if any(rolls_back(r, u) for r in restores):
-            rolled_back += 1
-        else:
-            kept.append(u)
-    described: dict[tuple[int, int], list[_GoOn]] = {}
+    described: dict[tuple[int, int], list[_GoOn]] = {}  # the restores to one position (each process's line)
     for r in restores:
         described.setdefault((r.epoch, r.position), []).append(r)
+    lost = dict.fromkeys(described, 0)  # per restored position: the update lines it rolled back
+    kept: list[Update] = []
+    for u in updates:
+        by = [key for key, rs in described.items() if any(rolls_back(r, u) for r in rs)]
+        for key in by:
+            lost[key] += 1
+        if not by:
+            kept.append(u)
+    rolled_back = len(updates) - len(kept)
     restore_lines = []
     for (epoch, position), rs in sorted(described.items(), key=lambda kv: min(r.time for r in kv[1])):
-        lost = sum(1 for u in updates if any(rolls_back(r, u) for r in rs))
         where = "started at the beginning" if (epoch, position) == (0, 0) else \
             f"restored to epoch {epoch}, example {position} of its order"
-        restore_lines.append(f"{where} ({len(rs)} process(es)); {lost} update line(s) written before it rolled back")
+        restore_lines.append(f"{where} ({len(rs)} process(es)); {lost[(epoch, position)]} update line(s) written "
+                             "before it rolled back")
     by_epoch: dict[int, list[Update]] = {}
     for u in kept:
         by_epoch.setdefault(u.epoch, []).append(u)

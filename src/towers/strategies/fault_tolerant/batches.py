@@ -165,5 +165,5 @@ class FaultTolerantBatches:
                 index=index, num_batches=self.num_batches, global_batch_size=len(indices), local_batch_size=hi - lo,
                 num_padding_examples=padding, examples_per_update=len(indices), batches_per_update=1,
                 last_in_update=True, epoch=epoch,
-                rows=(index * self.global_batch_size + lo, index * self.global_batch_size + (hi if hi > lo else lo))))
+                rows=(index * self.global_batch_size + lo, index * self.global_batch_size + hi)))
         self._epoch = max(epoch, strategy.current_step // self.num_batches)
