@@ -46,6 +46,14 @@ _EXPORTS: dict[str, str] = {
     "History": "towers.training",
     # diagnostics
     "ThroughputMeter": "towers.diagnostics.throughput",
+    # errors: `except towers.TowersError` catches every error towers raises for a person to act on
+    "TowersError": "towers.errors",
+    "InvalidArgumentError": "towers.errors",
+    "InvalidTypeError": "towers.errors",
+    "FailedPreconditionError": "towers.errors",
+    "UnimplementedError": "towers.errors",
+    "NotFoundError": "towers.errors",
+    "DeadlineExceededError": "towers.errors",
 }
 
 _SUBMODULES = {

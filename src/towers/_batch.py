@@ -11,6 +11,8 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime
 
 import torch
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["BatchInfo", "shard_bounds", "global_batch_sizes", "batch_info", "find_batch_info", "attach_batch_info",
            "host_copy", "map_tensors", "to_device", "DistributedBatches", "FollowsJob"]
 
@@ -84,7 +86,7 @@ def find_batch_info(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
         if info is None or info == found:
             continue
         if found is not None and _accounting(info) != _accounting(found):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"strategy.run got tensors of two different batches: global batch {found.index} "
                 f"({found.global_batch_size} examples) and global batch {info.index} ({info.global_batch_size} "
                 "examples), so the step's global batch size is ambiguous. Pass the tensors of one batch from "

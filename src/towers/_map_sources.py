@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import IterableDataset, TensorDataset, default_collate
 
 from towers._batch import map_tensors
+from towers.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["Fetch", "MapSource", "TensorDictDataset", "TensorSource", "as_user_dataset", "map_source", "run_fetch"]
 
@@ -20,7 +21,7 @@ class TensorSource:
         sizes = {int(t.shape[0]) if t.dim() else -1 for t in tensors}
         if len(sizes) != 1 or -1 in sizes:
             shapes = dict(zip(keys, (tuple(t.shape) for t in tensors))) if keys else [tuple(t.shape) for t in tensors]
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"distribute_dataset needs tensors with the same first (example) dimension. Received shapes: {shapes}. "
                 "Make every tensor hold one row per example.")
         self.tensors, self.single, self.size = tuple(tensors), single, sizes.pop()
@@ -39,8 +40,8 @@ class TensorDictDataset(torch.utils.data.Dataset):
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
         bad = [k for k, v in tensors.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
         if not tensors or bad:
-            raise ValueError(f"A dict dataset needs str keys and tensor values, one row per example. Received: "
-                             f"{bad or 'an empty dict'}. Example: {{'input_ids': ids, 'labels': labels}}.")
+            raise InvalidArgumentError(f"A dict dataset needs str keys and tensor values, one row per example. Received: "
+                                       f"{bad or 'an empty dict'}. Example: {{'input_ids': ids, 'labels': labels}}.")
         self.tensors = dict(tensors)
         TensorSource(list(self.tensors.values()), single=False, keys=list(self.tensors))  # same row counts
         self._size = len(next(iter(self.tensors.values())))
@@ -93,7 +94,7 @@ def map_source(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> T
     if isinstance(dataset, TensorDictDataset) and collate_fn is None:
         return TensorSource(list(dataset.tensors.values()), single=False, keys=list(dataset.tensors))
     if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise TypeError(
+        raise InvalidTypeError(
             f"distribute_dataset needs a map-style dataset (with __len__ and __getitem__), a tensor, a tuple of "
             f"tensors or a dict of tensors. Received: {type(dataset).__name__}. Wrap your data in a torch.utils.data.Dataset or "
             "TensorDataset; for streams (IterableDataset, towers.data.Shards) use towers.data.distribute_dataset or "

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from towers.errors import user_error
+from towers.errors import TowersError, user_error
 
 __all__ = ["ShardChangedError", "FileFingerprint", "ShardFiles", "names_files", "shard_files", "check_read",
            "as_state", "check_resumed", "agreement_vector", "check_agreement", "content_digest"]
@@ -44,7 +44,7 @@ __all__ = ["ShardChangedError", "FileFingerprint", "ShardFiles", "names_files", 
 EDGE_BYTES = 4096  # hashed at the start and at the end of each file
 
 
-class ShardChangedError(RuntimeError):
+class ShardChangedError(TowersError, RuntimeError):
     """A file shard of a stream changed while read, between a save and its resume, or differs between replicas."""
 
 

@@ -54,7 +54,7 @@ from towers._map_sources import TensorSource as _TensorSource
 from towers._map_sources import as_user_dataset as _as_user_dataset
 from towers._map_sources import map_source as _source
 from towers._map_sources import run_fetch as _run_fetch
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 from towers.ledger.record import OrderSpec
 from towers.streams import DistributedStream, InputContext, ShardChangedError, Shards, is_stream
 
@@ -97,11 +97,11 @@ class DistributedDataset(DataLoaderNames):
         options = LoaderOptions(num_workers=num_workers, prefetch_factor=prefetch_factor,
                                 persistent_workers=persistent_workers, pin_memory=pin_memory)
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"global_batch_size must be a positive integer. Received: {global_batch_size!r}. "
                 "It is the number of examples per step summed over all replicas, e.g. 64 * num_replicas.")
         if global_batch_size < num_replicas:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"global_batch_size must be >= the number of replicas ({num_replicas}), so that every replica "
                 f"gets at least one example per full batch. Received: {global_batch_size}. "
                 "Use a larger global batch or fewer replicas.")
@@ -110,12 +110,12 @@ class DistributedDataset(DataLoaderNames):
         self.dataset = _as_user_dataset(dataset)
         n = self._source.size
         if n < num_replicas:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"The dataset has {n} example(s), fewer than the {num_replicas} replicas: some replica would never "
                 "get data. Use a larger dataset or fewer replicas.")
         sizes = global_batch_sizes(n, global_batch_size, drop_remainder=drop_remainder)
         if not sizes:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"The dataset has {n} example(s), fewer than one global batch of {global_batch_size} with "
                 "drop_remainder=True, so an epoch would be empty. Use a smaller global_batch_size or "
                 "drop_remainder=False.")
@@ -128,8 +128,8 @@ class DistributedDataset(DataLoaderNames):
         self._sizes, self._k = sizes, max(1, int(accumulation_steps))
         self._infos = self._batch_infos(sizes, self._k)
         if dispatch is not None and self._k != 1:
-            raise ValueError("Batches handed out one at a time (parameter servers) cannot be accumulated. Received: "
-                             f"accumulation_steps={accumulation_steps}. Use accumulation_steps=1.")
+            raise InvalidArgumentError("Batches handed out one at a time (parameter servers) cannot be accumulated. Received: "
+                                       f"accumulation_steps={accumulation_steps}. Use accumulation_steps=1.")
         if dispatch is not None and options.num_workers:
             raise user_error("Batches handed out one at a time by ps task 0 are fetched in the training process",
                              f"num_workers={num_workers}", "Use num_workers=0 under ParameterServerStrategy, or "
@@ -176,7 +176,7 @@ class DistributedDataset(DataLoaderNames):
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration cover ``epoch`` from its first batch."""
         if epoch < 0:
-            raise ValueError(f"epoch must be >= 0. Received: {epoch}.")
+            raise InvalidArgumentError(f"epoch must be >= 0. Received: {epoch}.")
         self._epoch, self._position, self._resume_at = int(epoch), 0, 0
 
     def state_dict(self) -> dict[str, int]:
@@ -192,12 +192,12 @@ class DistributedDataset(DataLoaderNames):
         """
         for key in ("seed", "global_batch_size", "num_examples"):
             if key in state and int(state[key]) != getattr(self, key):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"This checkpoint's data position was saved with {key}={state[key]}, but this dataset has "
                     f"{key}={getattr(self, key)}. Resume with the same dataset, global_batch_size and seed.")
         batch = int(state.get("batch", 0))
         if not 0 <= batch <= len(self):
-            raise ValueError(f"batch must be in [0, {len(self)}]. Received: {batch}.")
+            raise InvalidArgumentError(f"batch must be in [0, {len(self)}]. Received: {batch}.")
         self._epoch = int(state.get("epoch", 0))
         self._position = self._resume_at = batch
 
@@ -216,7 +216,7 @@ class DistributedDataset(DataLoaderNames):
     def iter_from(self, batch: int) -> Iterator[Any]:
         """Yield this replica's batches of the current epoch from global batch ``batch`` on."""
         if not 0 <= batch <= len(self):
-            raise ValueError(f"batch must be in [0, {len(self)}]. Received: {batch}.")
+            raise InvalidArgumentError(f"batch must be in [0, {len(self)}]. Received: {batch}.")
         order = self.order() if self.shuffle else None
         self._position = batch
         self._passes += 1

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from towers.errors import InvalidArgumentError, NotFoundError
+
 __all__ = ["load_digits", "load_digits_arrays", "DIGITS_FILE", "load_mnist_idx", "read_idx", "write_idx",
            "synthetic_images", "load_data_spec"]
 
@@ -35,7 +37,7 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
         with resource.open("rb") as f, np.load(f, allow_pickle=False) as data:
             return data["images"].copy(), data["labels"].copy()
     except FileNotFoundError as exc:
-        raise FileNotFoundError(
+        raise NotFoundError(
             f"towers' bundled digits ({DIGITS_FILE} inside the package) are missing. The package was built "
             "without its data: reinstall towers from a wheel or the repository (pip install -e .).") from exc
 
@@ -47,9 +49,9 @@ def load_digits(*, size: int = 28, test_fraction: float = 0.2, seed: int = 0) ->
     not stratified but deterministic for a given ``seed``.
     """
     if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1). Received: {test_fraction}.")
+        raise InvalidArgumentError(f"test_fraction must be in (0, 1). Received: {test_fraction}.")
     if size < 8:
-        raise ValueError(f"size must be >= 8 pixels. Received: {size}.")
+        raise InvalidArgumentError(f"size must be >= 8 pixels. Received: {size}.")
     raw_images, raw_labels = load_digits_arrays()
     images = torch.from_numpy(raw_images.astype(np.float32) / 16.0).unsqueeze(1)
     if size != 8:
@@ -80,7 +82,7 @@ def read_idx(path: str | Path) -> np.ndarray:
     with _open(path) as f:
         header = f.read(4)
         if len(header) != 4 or header[0] != 0 or header[1] != 0 or header[2] not in _IDX_DTYPES:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{path} is not an IDX file: its first bytes are {header!r}, expected 00 00 <type> <ndim>. "
                 "Pass MNIST's train-images-idx3-ubyte style files (optionally .gz).")
         dtype, ndim = np.dtype(_IDX_DTYPES[header[2]]), header[3]
@@ -88,7 +90,7 @@ def read_idx(path: str | Path) -> np.ndarray:
         data = f.read()
     expected = int(np.prod(dims)) * dtype.itemsize
     if len(data) != expected:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{path} is truncated or corrupt: header says shape {dims} ({expected} bytes of data), "
             f"found {len(data)} bytes. Download the file again.")
     return np.frombuffer(data, dtype=dtype).reshape(dims).astype(dtype.newbyteorder("="))
@@ -101,7 +103,7 @@ def write_idx(path: str | Path, array: np.ndarray) -> Path:
              np.dtype(np.int32): 0x0C, np.dtype(np.float32): 0x0D, np.dtype(np.float64): 0x0E}
     array = np.asarray(array)
     if array.dtype not in codes:
-        raise ValueError(f"IDX cannot hold dtype {array.dtype}. Use one of {sorted(str(d) for d in codes)}.")
+        raise InvalidArgumentError(f"IDX cannot hold dtype {array.dtype}. Use one of {sorted(str(d) for d in codes)}.")
     header = bytes([0, 0, codes[array.dtype], array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
     body = array.astype(array.dtype.newbyteorder(">")).tobytes()
     opener = gzip.open if path.suffix == ".gz" else open
@@ -119,13 +121,13 @@ def load_mnist_idx(root: str | Path) -> tuple[TensorDataset, TensorDataset]:
     """
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"MNIST directory {str(root)!r} does not exist. Pass the folder holding the IDX files.")
+        raise NotFoundError(f"MNIST directory {str(root)!r} does not exist. Pass the folder holding the IDX files.")
 
     def find(stem: str) -> Path:
         for name in (stem, stem + ".gz", stem.replace("-idx", ".idx"), stem.replace("-idx", ".idx") + ".gz"):
             if (root / name).is_file():
                 return root / name
-        raise FileNotFoundError(
+        raise NotFoundError(
             f"No {stem}[.gz] in {root}. Expected MNIST's four files: train-images-idx3-ubyte, "
             "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (optionally .gz).")
 
@@ -133,7 +135,7 @@ def load_mnist_idx(root: str | Path) -> tuple[TensorDataset, TensorDataset]:
         images = read_idx(find(f"{prefix}-images-idx3-ubyte"))
         labels = read_idx(find(f"{prefix}-labels-idx1-ubyte"))
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"MNIST {prefix} files disagree: images {images.shape}, labels {labels.shape}; expected "
                 "[N, H, W] images and [N] labels.")
         x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
@@ -159,4 +161,4 @@ def load_data_spec(spec: str) -> tuple[TensorDataset, TensorDataset]:
         return load_digits()
     if spec.startswith("mnist:") and len(spec) > len("mnist:"):
         return load_mnist_idx(spec[len("mnist:"):])
-    raise ValueError(f"Unknown data {spec!r}. Expected 'digits' or 'mnist:/path/to/idx/folder'.")
+    raise InvalidArgumentError(f"Unknown data {spec!r}. Expected 'digits' or 'mnist:/path/to/idx/folder'.")

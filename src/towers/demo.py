@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from towers._logging import get_logger
 from towers.cluster import roles
+from towers.errors import InvalidArgumentError
 
 __all__ = ["DemoSpec", "DemoRun", "train", "run_replicated", "measure_scaling", "write_history_csv", "plot_losses",
            "summary_rows", "summary_lines"]
@@ -52,28 +53,28 @@ class DemoSpec:
     def __post_init__(self) -> None:
         strategy = self.strategy.lower().replace("-", "_")
         if strategy not in _MULTI_STRATEGIES:
-            raise ValueError(f"--strategy must be one of {', '.join(_MULTI_STRATEGIES)}. Received: {self.strategy!r}.")
+            raise InvalidArgumentError(f"--strategy must be one of {', '.join(_MULTI_STRATEGIES)}. Received: {self.strategy!r}.")
         object.__setattr__(self, "strategy", strategy)
         if not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ValueError(f"--replicas must be a positive integer. Received: {self.replicas!r}.")
+            raise InvalidArgumentError(f"--replicas must be a positive integer. Received: {self.replicas!r}.")
         if not isinstance(self.epochs, int) or self.epochs < 1:
-            raise ValueError(f"--epochs must be a positive integer. Received: {self.epochs!r}.")
+            raise InvalidArgumentError(f"--epochs must be a positive integer. Received: {self.epochs!r}.")
         if not isinstance(self.global_batch_size, int) or self.global_batch_size < self.replicas:
-            raise ValueError(f"--global-batch-size must be >= the number of replicas ({self.replicas}). "
-                             f"Received: {self.global_batch_size!r}. Use a larger batch or fewer replicas.")
+            raise InvalidArgumentError(f"--global-batch-size must be >= the number of replicas ({self.replicas}). "
+                                       f"Received: {self.global_batch_size!r}. Use a larger batch or fewer replicas.")
         if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0. Received: {self.learning_rate!r}.")
+            raise InvalidArgumentError(f"learning_rate must be > 0. Received: {self.learning_rate!r}.")
         if not 0 < self.lr_decay <= 1:
-            raise ValueError(f"lr_decay must be in (0, 1]. Received: {self.lr_decay!r}.")
+            raise InvalidArgumentError(f"lr_decay must be in (0, 1]. Received: {self.lr_decay!r}.")
         if self.data != "digits" and not (self.data.startswith("mnist:") and len(self.data) > len("mnist:")):
-            raise ValueError(f"--data must be 'digits' or 'mnist:/path/to/idx/folder'. Received: {self.data!r}.")
+            raise InvalidArgumentError(f"--data must be 'digits' or 'mnist:/path/to/idx/folder'. Received: {self.data!r}.")
         if not isinstance(self.scaling_steps, int) or self.scaling_steps < 1:
-            raise ValueError(f"--scaling-steps must be a positive integer. Received: {self.scaling_steps!r}.")
+            raise InvalidArgumentError(f"--scaling-steps must be a positive integer. Received: {self.scaling_steps!r}.")
         if not isinstance(self.scaling_repeats, int) or self.scaling_repeats < 0:
-            raise ValueError(f"--scaling-repeats must be an integer >= 0 (0 skips the speed measurement). "
-                             f"Received: {self.scaling_repeats!r}.")
+            raise InvalidArgumentError(f"--scaling-repeats must be an integer >= 0 (0 skips the speed measurement). "
+                                       f"Received: {self.scaling_repeats!r}.")
         if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0 seconds. Received: {self.timeout_s!r}.")
+            raise InvalidArgumentError(f"timeout_s must be > 0 seconds. Received: {self.timeout_s!r}.")
         object.__setattr__(self, "out_dir", Path(self.out_dir))
 
 

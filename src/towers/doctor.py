@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from towers import network
 from towers.cluster.info import ProcessInfo
+from towers.errors import InvalidArgumentError
 
 __all__ = ["DoctorSpec", "Check", "DoctorReport", "run_doctor", "format_report"]
 
@@ -43,9 +44,9 @@ class DoctorSpec:
     def __post_init__(self) -> None:
         for name, value in (("timeout_s", self.timeout_s), ("size_mb", self.size_mb)):
             if not value > 0:
-                raise ValueError(f"{name} must be > 0. Received: {value!r}. Example: --{name.replace('_', '-')} 4.")
+                raise InvalidArgumentError(f"{name} must be > 0. Received: {value!r}. Example: --{name.replace('_', '-')} 4.")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
-            raise ValueError(f"repeats must be an integer >= 1. Received: {self.repeats!r}. Example: --repeats 5.")
+            raise InvalidArgumentError(f"repeats must be an integer >= 1. Received: {self.repeats!r}. Example: --repeats 5.")
 
 
 @dataclass(frozen=True)

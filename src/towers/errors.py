@@ -1,12 +1,77 @@
-"""One shape for user-facing errors: what was wrong, the value received, and what to do."""
+"""towers' errors: one base class for all of them, and one shape for the message (what was wrong, the value
+received, and what to do).
+
+``except towers.TowersError`` catches every error towers raises for a person to act on. Each is also the
+builtin it was before towers had its own classes (an ``InvalidArgumentError`` is a ``ValueError``), so code
+that catches the builtin keeps working. The names are TensorFlow's (``tf.errors.InvalidArgumentError``, ...).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["user_error"]
+__all__ = [
+    "DeadlineExceededError",
+    "FailedPreconditionError",
+    "InvalidArgumentError",
+    "InvalidTypeError",
+    "NotFoundError",
+    "TowersError",
+    "UnimplementedError",
+    "user_error",
+]
 
 _MAX_SHOWN = 300
+
+
+class TowersError(Exception):
+    """The base of every error towers raises for a person to act on: ``except towers.TowersError`` catches them all.
+
+    Every subclass also derives from the builtin exception that describes it (``ValueError``,
+    ``RuntimeError``, ...), so ``except ValueError`` catches towers' ``ValueError`` s as before.
+    """
+
+
+class InvalidArgumentError(TowersError, ValueError):
+    """A value given to towers (an argument, an option, a file's content) is wrong; also a ``ValueError``."""
+
+
+class InvalidTypeError(TowersError, TypeError):
+    """An object of the wrong type was given to towers, or does not support what was asked; also a ``TypeError``."""
+
+
+class FailedPreconditionError(TowersError, RuntimeError):
+    """The call is refused in the current state (e.g. a step before ``prepare``); also a ``RuntimeError``."""
+
+
+class UnimplementedError(TowersError, NotImplementedError):
+    """towers does not support this (yet); the message says what to use instead. Also a ``NotImplementedError``."""
+
+
+class NotFoundError(TowersError, FileNotFoundError):
+    """A file or directory towers needs does not exist; also a ``FileNotFoundError``."""
+
+
+class DeadlineExceededError(TowersError, TimeoutError):
+    """An operation did not finish within its timeout; also a ``TimeoutError``."""
+
+
+# A traceback prints "<module>.<class>: <message>": show the name users catch ("towers.InvalidArgumentError: ..."),
+# not this file's. towers exports each name, so pickling (errors sent between processes) finds them there.
+for _cls in (TowersError, InvalidArgumentError, InvalidTypeError, FailedPreconditionError, UnimplementedError,
+             NotFoundError, DeadlineExceededError):
+    _cls.__module__ = "towers"
+del _cls
+
+# The builtin each towers class stands for: user_error(cls=<builtin>) returns the towers class.
+_TOWERS_CLASS: dict[type[Exception], type[TowersError]] = {
+    ValueError: InvalidArgumentError,
+    TypeError: InvalidTypeError,
+    RuntimeError: FailedPreconditionError,
+    NotImplementedError: UnimplementedError,
+    FileNotFoundError: NotFoundError,
+    TimeoutError: DeadlineExceededError,
+}
 
 
 def user_error(what: str, received: Any, fix: str, *, cls: type[Exception] = ValueError) -> Exception:
@@ -14,8 +79,14 @@ def user_error(what: str, received: Any, fix: str, *, cls: type[Exception] = Val
 
     ``received`` is shown with ``repr`` unless it is already a string describing it (pass ``str``
     values through ``repr`` yourself when the quotes matter).
+
+    ``cls`` picks the class: a builtin towers has its own class for (``ValueError``, ``TypeError``,
+    ``RuntimeError``, ``NotImplementedError``, ``FileNotFoundError``, ``TimeoutError``) gives that
+    ``TowersError`` subclass (``ValueError`` -> ``InvalidArgumentError``, still a ``ValueError``); a
+    ``TowersError`` subclass is used as it is; any other class (``OSError``, ``ImportError``, ...) is
+    used as it is too, and is then not a ``TowersError``.
     """
     shown = received if isinstance(received, str) else repr(received)
     if len(shown) > _MAX_SHOWN:
         shown = shown[:_MAX_SHOWN] + "..."
-    return cls(f"{what.rstrip('.')}. Received: {shown}. {fix}")
+    return _TOWERS_CLASS.get(cls, cls)(f"{what.rstrip('.')}. Received: {shown}. {fix}")

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 from towers.strategies._loss_weights import note_normalised
 from towers.strategies.base import ReplicaContext, current_replica_context, current_strategy
 
@@ -50,7 +50,7 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
         return _weighted_loss(per_example_loss, weights, global_batch_size, sample_weight)
     if not isinstance(per_example_loss, torch.Tensor) or per_example_loss.dim() == 0:
         shape = tuple(per_example_loss.shape) if isinstance(per_example_loss, torch.Tensor) else type(per_example_loss).__name__
-        raise ValueError(
+        raise InvalidArgumentError(
             f"compute_average_loss expects one loss per example (shape [batch, ...]). Received: {shape}. "
             "Compute the loss with reduction='none', e.g. F.cross_entropy(logits, y, reduction='none').")
     ctx = current_replica_context()
@@ -62,7 +62,7 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
     if global_batch_size is None:
         global_batch_size = _known_global_batch_size(ctx, per_example_loss.shape[0])
     elif isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"global_batch_size must be a positive integer. Received: {global_batch_size!r}. "
             "Pass the number of examples in the step over all replicas, or leave it out inside strategy.run.")
     if per_example_loss.requires_grad:
@@ -161,13 +161,13 @@ def _known_global_batch_size(ctx: ReplicaContext | None, local_batch_size: int) 
     if replicas == 1 and accumulation == 1:
         return max(local_batch_size, 1)  # an empty batch on one device: loss 0
     if ctx is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"compute_average_loss was called outside strategy.run while {replicas} replicas train in sync, so it "
             f"cannot know the global batch size (this replica holds {local_batch_size} example(s) of it). Call it "
             "inside the step function given to strategy.run(step, args=(x, y)) with the batch from "
             "strategy.distribute_dataset, or pass global_batch_size=N explicitly.")
     what = f"{replicas} replicas" if replicas > 1 else f"{accumulation} accumulated micro-batches"
-    raise ValueError(
+    raise InvalidArgumentError(
         f"compute_average_loss cannot know the global batch size: strategy.run was not given a batch from "
         f"strategy.distribute_dataset (this replica's batch has {local_batch_size} example(s); {what} share the "
         "step). Pass the batch exactly as distribute_dataset yielded it to strategy.run(step, args=(x, y)) and "

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["GPTConfig", "GPT", "Block", "random_tokens"]
 
 
@@ -35,13 +37,13 @@ class GPTConfig:
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{field} must be a positive integer. Received: {value!r}.")
+                raise InvalidArgumentError(f"GPTConfig.{field} must be a positive integer. Received: {value!r}.")
         if self.n_embd % self.n_head:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"GPTConfig.n_embd must be a multiple of n_head. Received: n_embd={self.n_embd}, n_head={self.n_head}. "
                 "Pick n_embd = n_head * head_size.")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1). Received: {self.dropout!r}.")
+            raise InvalidArgumentError(f"GPTConfig.dropout must be in [0, 1). Received: {self.dropout!r}.")
 
     @classmethod
     def tiny(cls) -> "GPTConfig":
@@ -125,7 +127,7 @@ class GPT(nn.Module):
         """Return the logits; given ``targets`` (nanoGPT's convention, ``-1`` ignored), ``(logits, mean token loss)``."""
         t = idx.size(1)
         if t > self.config.block_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"GPT input has {t} tokens per row; this model's context is block_size={self.config.block_size}. "
                 "Cut the sequences or build the model with a larger block_size.")
         pos = torch.arange(t, device=idx.device)

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
+from towers.errors import TowersError
 
 __all__ = [
     "NetworkError",
@@ -52,7 +53,7 @@ _IFF_UP, _IFF_LOOPBACK = 0x1, 0x8
 _HINT = "Pass --interface NAME to towers launch (or set TOWERS_INTERFACE=NAME) on every host"
 
 
-class NetworkError(ValueError):
+class NetworkError(TowersError, ValueError):
     """An interface or address cannot be used; the message says what was received and what to do."""
 
 

@@ -39,6 +39,7 @@ from towers.cluster.rendezvous import (
     visible_warning,
 )
 from towers.diagnostics import enable_flight_recorder, start_watchdog, stop_watchdog
+from towers.errors import InvalidArgumentError, TowersError
 from towers.network import spans_hosts, use_interface, use_loopback
 
 __all__ = [
@@ -63,7 +64,7 @@ log = get_logger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
 
 
-class DistributedError(RuntimeError):
+class DistributedError(TowersError, RuntimeError):
     """A process-group operation failed; the message names this rank and the operation."""
 
 
@@ -134,9 +135,9 @@ def init_process_group(
             the rendezvous address and what to check, or the rank that died during start-up.
     """
     if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0 seconds. Received: {timeout_s}.")
+        raise InvalidArgumentError(f"timeout_s must be > 0 seconds. Received: {timeout_s}.")
     if backend not in ("auto", "gloo", "nccl", "mpi"):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"backend must be 'auto', 'gloo', 'nccl' or 'mpi'. Received: {backend!r}. "
             "Use 'auto' to pick NCCL on GPU hosts and Gloo otherwise.")
     set_rank(info.rank, info.world_size)

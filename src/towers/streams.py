@@ -52,7 +52,7 @@ from towers._stream_position import position_from_state
 from towers._stream_reading import Transform as _Transform
 from towers._stream_reading import Work as _Work
 from towers._stream_sources import Shards, is_stream, make_source, sequence, shard_order
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 
 __all__ = ["DistributedStream", "InputContext", "Shards", "ShardChangedError", "is_stream"]
 
@@ -183,7 +183,7 @@ class DistributedStream(DataLoaderNames):
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration cover ``epoch`` from its first batch."""
         if epoch < 0:
-            raise ValueError(f"epoch must be >= 0. Received: {epoch}.")
+            raise InvalidArgumentError(f"epoch must be >= 0. Received: {epoch}.")
         self._epoch, self._resume = int(epoch), None
         self._position = _Position.start(self.num_virtual_shards)
 

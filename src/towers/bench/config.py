@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from towers.cluster import roles
+from towers.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from towers.bench.workloads import WorkloadSpec
@@ -82,44 +83,44 @@ class BenchConfig:
     def __post_init__(self) -> None:
         replicas = tuple(self.replicas)
         if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas):
-            raise ValueError(f"replicas must be positive integers, e.g. (1, 2). Received: {self.replicas!r}. "
-                             "Pass --replicas 1,2.")
+            raise InvalidArgumentError(f"replicas must be positive integers, e.g. (1, 2). Received: {self.replicas!r}. "
+                                       "Pass --replicas 1,2.")
         if len(set(replicas)) != len(replicas):
-            raise ValueError(f"replicas must not repeat a count. Received: {self.replicas!r}. Pass each count once.")
+            raise InvalidArgumentError(f"replicas must not repeat a count. Received: {self.replicas!r}. Pass each count once.")
         object.__setattr__(self, "replicas", tuple(sorted(replicas)))
         strategies = tuple(s.lower().replace("-", "_") for s in self.strategies)
         unknown = [s for s in strategies if s not in STRATEGIES]
         if not strategies or unknown:
-            raise ValueError(f"strategies must be among {', '.join(STRATEGIES)}. Received: {self.strategies!r}. "
-                             "Pass e.g. --strategies mirrored,ps_async (raw DDP is always measured beside them).")
+            raise InvalidArgumentError(f"strategies must be among {', '.join(STRATEGIES)}. Received: {self.strategies!r}. "
+                                       "Pass e.g. --strategies mirrored,ps_async (raw DDP is always measured beside them).")
         object.__setattr__(self, "strategies", tuple(dict.fromkeys(strategies)))
         for name, low in (("steps", 1), ("warmup", 0), ("repeats", 1), ("interleave_steps", 0), ("batch_size", 1),
                           ("threads", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}. Received: {value!r}. "
-                                 f"Pass --{name.replace('_', '-')} {max(low, 1)} or more.")
+                raise InvalidArgumentError(f"{name} must be an integer >= {low}. Received: {value!r}. "
+                                           f"Pass --{name.replace('_', '-')} {max(low, 1)} or more.")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}. Received: {self.optimizer!r}.")
+            raise InvalidArgumentError(f"optimizer must be one of {OPTIMIZERS}. Received: {self.optimizer!r}.")
         if self.timeout_s is not None and self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0 seconds (or None for automatic). Received: {self.timeout_s}.")
+            raise InvalidArgumentError(f"timeout_s must be > 0 seconds (or None for automatic). Received: {self.timeout_s}.")
         for name in ("model", "dataset"):
             ref = getattr(self, name)
             if ref is not None and (not isinstance(ref, str) or ref.count(":") != 1 or not all(ref.split(":"))):
-                raise ValueError(f"{name} must be 'module:factory' (e.g. mypkg.models:build) or 'file.py:factory'. "
-                                 f"Received: {ref!r}. Pass --{name} module:factory.")
+                raise InvalidArgumentError(f"{name} must be 'module:factory' (e.g. mypkg.models:build) or 'file.py:factory'. "
+                                           f"Received: {ref!r}. Pass --{name} module:factory.")
         if self.dataset is not None and self.model is None:
-            raise ValueError("--dataset needs --model: the seed CNN trains on its own synthetic images. "
-                             f"Received: --dataset {self.dataset!r} without --model.")
+            raise InvalidArgumentError("--dataset needs --model: the seed CNN trains on its own synthetic images. "
+                                       f"Received: --dataset {self.dataset!r} without --model.")
         shape = tuple(self.input_shape)
         if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
-            raise ValueError(f"input_shape must be positive integers, e.g. (3, 32, 32). Received: {self.input_shape!r}. "
-                             "Pass --input-shape 3,32,32.")
+            raise InvalidArgumentError("input_shape must be positive integers, e.g. (3, 32, 32). "
+                                       f"Received: {self.input_shape!r}. Pass --input-shape 3,32,32.")
         object.__setattr__(self, "input_shape", shape)
         if not isinstance(self.num_classes, int) or self.num_classes < 1:
-            raise ValueError(f"num_classes must be an integer >= 1. Received: {self.num_classes!r}.")
+            raise InvalidArgumentError(f"num_classes must be an integer >= 1. Received: {self.num_classes!r}.")
         if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}. Received: {self.loss!r}.")
+            raise InvalidArgumentError(f"loss must be one of {LOSSES}. Received: {self.loss!r}.")
 
     def workload_spec(self) -> "WorkloadSpec":
         """Return the workload every engine runs: one pass holds the warm-up and the timed steps."""
@@ -152,8 +153,8 @@ def parse_replicas(text: str) -> tuple[int, ...]:
     except ValueError:
         counts = ()
     if not counts or any(n < 1 for n in counts):
-        raise ValueError(f"--replicas must be a comma-separated list of positive integers. Received: {text!r}. "
-                         "Pass e.g. --replicas 1,2.")
+        raise InvalidArgumentError(f"--replicas must be a comma-separated list of positive integers. Received: {text!r}. "
+                                   "Pass e.g. --replicas 1,2.")
     return counts
 
 
@@ -166,8 +167,8 @@ def parse_strategies(text: str) -> tuple[str, ...]:
     names = tuple(p.strip().lower().replace("-", "_") for p in str(text).split(",") if p.strip())
     unknown = [n for n in names if n not in STRATEGIES]
     if not names or unknown:
-        raise ValueError(f"--strategies must be a comma-separated list of {', '.join(STRATEGIES)}. "
-                         f"Received: {text!r}. Pass e.g. --strategies mirrored (raw DDP is always measured).")
+        raise InvalidArgumentError(f"--strategies must be a comma-separated list of {', '.join(STRATEGIES)}. "
+                                   f"Received: {text!r}. Pass e.g. --strategies mirrored (raw DDP is always measured).")
     return names
 
 
@@ -183,6 +184,6 @@ def parse_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         dims = ()
     if not dims or any(d < 1 for d in dims):
-        raise ValueError(f"--input-shape must be positive integers separated by commas, one example's shape without "
-                         f"the batch dimension. Received: {text!r}. Example: --input-shape 3,32,32.")
+        raise InvalidArgumentError(f"--input-shape must be positive integers separated by commas, one example's shape without "
+                                   f"the batch dimension. Received: {text!r}. Example: --input-shape 3,32,32.")
     return dims

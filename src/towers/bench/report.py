@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["RAW", "Measurement", "Row", "BenchReport", "summarize"]
 
 #: Strategy name of the hand-written baseline (plain torch on 1 replica, DDP on more).
@@ -35,12 +37,12 @@ class Measurement:
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1. Received: {self.replicas}.")
+            raise InvalidArgumentError(f"replicas must be >= 1. Received: {self.replicas}.")
         if not self.examples_per_s:
-            raise ValueError(f"{self.strategy} at {self.replicas} replicas has no repeats; expected at least one.")
+            raise InvalidArgumentError(f"{self.strategy} at {self.replicas} replicas has no repeats; expected at least one.")
         if self.cpu_ms_per_step and len(self.cpu_ms_per_step) != len(self.examples_per_s):
-            raise ValueError(f"{self.strategy} at {self.replicas} replicas has {len(self.examples_per_s)} throughputs "
-                             f"but {len(self.cpu_ms_per_step)} CPU times; expected one of each per repeat.")
+            raise InvalidArgumentError(f"{self.strategy} at {self.replicas} replicas has {len(self.examples_per_s)} throughputs "
+                                       f"but {len(self.cpu_ms_per_step)} CPU times; expected one of each per repeat.")
         for name in _SERIES:
             object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
 

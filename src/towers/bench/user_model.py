@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from towers.errors import InvalidArgumentError, NotFoundError
+
 __all__ = ["load_factory", "check_user_workload"]
 
 
@@ -25,14 +27,14 @@ def load_factory(ref: str, what: str = "--model") -> Callable[[], Any]:
         ValueError: naming the reference, what went wrong and the expected form.
     """
     if not isinstance(ref, str) or ref.count(":") != 1 or not all(ref.split(":")):
-        raise ValueError(f"{what} must be 'module:factory' (e.g. mypkg.models:build_model) or "
-                         f"'path/to/file.py:factory'. Received: {ref!r}.")
+        raise InvalidArgumentError(f"{what} must be 'module:factory' (e.g. mypkg.models:build_model) or "
+                                   f"'path/to/file.py:factory'. Received: {ref!r}.")
     module_name, attr = ref.split(":")
     try:
         if module_name.endswith(".py"):
             path = Path(module_name).resolve()
             if not path.is_file():
-                raise FileNotFoundError(f"no file {path}")
+                raise NotFoundError(f"no file {path}")
             spec = importlib.util.spec_from_file_location(f"towers_user_{path.stem}", path)
             if spec is None or spec.loader is None:
                 raise ImportError(f"cannot load {path} as a module")
@@ -44,18 +46,18 @@ def load_factory(ref: str, what: str = "--model") -> Callable[[], Any]:
                 sys.path.insert(0, os.getcwd())  # as `python -m` does: the user's own modules are found
             module = importlib.import_module(module_name)
     except Exception as exc:
-        raise ValueError(f"{what} {ref!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc}). Run from the "
-                         "folder that holds it, or install its package, or pass a file path: "
-                         "path/to/file.py:factory.") from exc
+        raise InvalidArgumentError(f"{what} {ref!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc}). Run from the "
+                                   "folder that holds it, or install its package, or pass a file path: "
+                                   "path/to/file.py:factory.") from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
             names = sorted(n for n in dir(module) if not n.startswith("_"))[:12]
-            raise ValueError(f"{what} {ref!r}: {module_name!r} has no attribute {attr!r}. Public names there: {names}.")
+            raise InvalidArgumentError(f"{what} {ref!r}: {module_name!r} has no attribute {attr!r}. Public names there: {names}.")
         target = getattr(target, part)
     if not callable(target):
-        raise ValueError(f"{what} {ref!r} is a {type(target).__name__}, not a callable. Name a function or class "
-                         "that returns the object when called with no arguments.")
+        raise InvalidArgumentError(f"{what} {ref!r} is a {type(target).__name__}, not a callable. Name a function or class "
+                                   "that returns the object when called with no arguments.")
     return target
 
 
@@ -77,7 +79,7 @@ def check_user_workload(spec: Any) -> str:
         loss = spec.loss_value(out, y)
         loss.backward()
     except Exception as exc:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"The model from {spec.model} fails on a batch of 2 inputs of shape {tuple(x.shape[1:])} "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Pass the shape it takes with "
             "--input-shape C,H,W (and --num-classes), or your data with --dataset module:factory.") from exc

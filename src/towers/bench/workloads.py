@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from towers.bench.config import LOSSES, OPTIMIZERS
+from towers.errors import InvalidArgumentError
 from towers.models import SeedCNN
 
 __all__ = ["OPTIMIZERS", "WorkloadSpec", "Workload", "IdleWorkload", "RawTorchWorkload", "TowersWorkload",
@@ -56,15 +57,15 @@ class WorkloadSpec:
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
-            raise ValueError(f"batch_size (per replica) must be >= 1. Received: {self.batch_size}.")
+            raise InvalidArgumentError(f"batch_size (per replica) must be >= 1. Received: {self.batch_size}.")
         if self.steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch must be >= 1. Received: {self.steps_per_epoch}.")
+            raise InvalidArgumentError(f"steps_per_epoch must be >= 1. Received: {self.steps_per_epoch}.")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}. Received: {self.optimizer!r}.")
+            raise InvalidArgumentError(f"optimizer must be one of {OPTIMIZERS}. Received: {self.optimizer!r}.")
         if self.lr <= 0:
-            raise ValueError(f"lr must be > 0. Received: {self.lr}.")
+            raise InvalidArgumentError(f"lr must be > 0. Received: {self.lr}.")
         if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}. Received: {self.loss!r}.")
+            raise InvalidArgumentError(f"loss must be one of {LOSSES}. Received: {self.loss!r}.")
         object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
 
     def make_optimizer(self, params: Any) -> torch.optim.Optimizer:
@@ -89,10 +90,10 @@ class WorkloadSpec:
         except ValueError:
             raise
         except Exception as exc:
-            raise ValueError(f"--model {self.model!r} raised {type(exc).__name__}: {exc}. It is called with no "
-                             "arguments; wrap it in a function that passes yours.") from exc
+            raise InvalidArgumentError(f"--model {self.model!r} raised {type(exc).__name__}: {exc}. It is called with no "
+                                       "arguments; wrap it in a function that passes yours.") from exc
         if not isinstance(model, nn.Module):
-            raise ValueError(f"--model {self.model!r} must return a torch.nn.Module. Received: {type(model).__name__}.")
+            raise InvalidArgumentError(f"--model {self.model!r} must return a torch.nn.Module. Received: {type(model).__name__}.")
         return model
 
     def make_raw_dataset(self, n: int) -> Any:
@@ -106,8 +107,8 @@ class WorkloadSpec:
                 size = len(data)
                 x0, _ = data[0]
             except Exception as exc:
-                raise ValueError(f"--dataset {self.dataset!r} must return a dataset of (input, target) pairs with a "
-                                 f"length. Received: {type(data).__name__} ({type(exc).__name__}: {exc}).") from exc
+                raise InvalidArgumentError(f"--dataset {self.dataset!r} must return a dataset of (input, target) pairs with a "
+                                           f"length. Received: {type(data).__name__} ({type(exc).__name__}: {exc}).") from exc
             index = torch.arange(n) % size
             xs = torch.stack([torch.as_tensor(data[int(i)][0]) for i in index[:min(n, size)]])
             ys = torch.stack([torch.as_tensor(data[int(i)][1]) for i in index[:min(n, size)]])

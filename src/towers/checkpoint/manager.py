@@ -33,6 +33,7 @@ from towers.checkpoint import api, layout
 from towers.checkpoint.preemption import Preempted, PreemptionHandler, preemption_signals
 from towers.checkpoint.state import CheckpointError, CorruptCheckpointError, rng_state, set_rng_state
 from towers.cluster.environ import read_environ
+from towers.errors import InvalidArgumentError
 
 __all__ = ["CheckpointManager", "DirectoryClaim"]
 
@@ -113,11 +114,11 @@ class CheckpointManager:
                  strategy: "api.CheckpointStrategy | None" = None, preemption: bool = True):
         if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
                                         or max_to_keep < 1):
-            raise ValueError(f"max_to_keep must be a positive integer, or None to keep every checkpoint. "
-                             f"Received: {max_to_keep!r}.")
+            raise InvalidArgumentError(f"max_to_keep must be a positive integer, or None to keep every checkpoint. "
+                                       f"Received: {max_to_keep!r}.")
         if not isinstance(prefix, str) or not _PREFIX.match(prefix):
-            raise ValueError(f"prefix must be letters, digits, '_', '.' or '-' (it starts each checkpoint's name). "
-                             f"Received: {prefix!r}. Example: 'ckpt'.")
+            raise InvalidArgumentError(f"prefix must be letters, digits, '_', '.' or '-' (it starts each checkpoint's name). "
+                                       f"Received: {prefix!r}. Example: 'ckpt'.")
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"CheckpointManager's directory {self.directory} is a file. Pass a folder path.")
@@ -167,7 +168,7 @@ class CheckpointManager:
         """
         if checkpoint_number is not None and (isinstance(checkpoint_number, bool) or not isinstance(checkpoint_number, int)
                                               or checkpoint_number < 0):
-            raise ValueError(f"checkpoint_number must be an integer >= 0. Received: {checkpoint_number!r}.")
+            raise InvalidArgumentError(f"checkpoint_number must be an integer >= 0. Received: {checkpoint_number!r}.")
         number, claim_error = checkpoint_number, None
         if self._is_chief():
             try:

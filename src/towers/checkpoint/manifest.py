@@ -14,6 +14,7 @@ from towers.checkpoint import integrity
 from towers.checkpoint.dcp_support import one_line
 from towers.checkpoint.files import FORMAT, FORMAT_VERSION, STATE_FILE
 from towers.checkpoint.state import CheckpointError
+from towers.errors import NotFoundError
 
 __all__ = ["read_manifest"]
 
@@ -23,9 +24,9 @@ log = get_logger(__name__)
 def _check(path: Path) -> None:
     if not path.exists():
         if path.is_symlink():
-            raise FileNotFoundError(f"Checkpoint {path} points to a directory that is gone ({os.readlink(path)}). "
+            raise NotFoundError(f"Checkpoint {path} points to a directory that is gone ({os.readlink(path)}). "
                                     "Restore an older checkpoint, or delete the link to start over.")
-        raise FileNotFoundError(f"No checkpoint at {path}. Check the path (or that a save finished).")
+        raise NotFoundError(f"No checkpoint at {path}. Check the path (or that a save finished).")
     if path.is_dir() and not (path / STATE_FILE).is_file() and (path / integrity.DIGESTS).is_file():
         raise integrity.damaged(path, STATE_FILE, "is missing")
     if path.is_dir() and not (path / STATE_FILE).is_file():

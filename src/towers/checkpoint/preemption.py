@@ -37,6 +37,7 @@ import time
 from typing import Any, Sequence
 
 from towers._logging import get_logger
+from towers.errors import InvalidArgumentError
 from towers.launch.exits import PREEMPTED_EXIT_CODE  # defined there: the ps supervisor must not import torch
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "PreemptionHandler", "ServingPreemptionHandler",
@@ -88,8 +89,8 @@ def preemption_signals(names: str | None) -> tuple[signal.Signals, ...]:
     for raw in names.replace(" ", "").split(","):
         name = raw.upper() if raw.upper().startswith("SIG") else f"SIG{raw.upper()}"
         if not hasattr(signal, name) or name in ("SIGKILL", "SIGSTOP"):
-            raise ValueError(f"TOWERS_PREEMPTION_SIGNALS names {raw!r}, which is not a signal that can be caught. "
-                             f"Received: {names!r}. Use names such as TERM,USR1 (SLURM: the signal of --signal).")
+            raise InvalidArgumentError(f"TOWERS_PREEMPTION_SIGNALS names {raw!r}, which is not a signal that can be caught. "
+                                       f"Received: {names!r}. Use names such as TERM,USR1 (SLURM: the signal of --signal).")
         out.append(getattr(signal, name))
     return tuple(out)
 
@@ -123,7 +124,7 @@ class PreemptionHandler:
     def __init__(self, *, signals: Sequence[signal.Signals] | None = None, store: Any = None,
                  boundary_timeout_s: float = 10.0, rank: int = 0, every_steps: int | None = None):
         if every_steps is not None and int(every_steps) < 1:
-            raise ValueError(f"every_steps must be >= 1 (every process of the job the same). Received: {every_steps}.")
+            raise InvalidArgumentError(f"every_steps must be >= 1 (every process of the job the same). Received: {every_steps}.")
         self.every_steps = int(every_steps) if every_steps is not None else None
         self.signals = tuple(signals) if signals is not None else (signal.SIGTERM, signal.SIGUSR1)
         self._store = store

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from towers._rng import fork_replica_stream
+from towers.errors import TowersError
 
 __all__ = ["CheckpointError", "CorruptCheckpointError", "rng_state", "set_rng_state", "optimizer_by_name",
            "optimizer_by_index", "is_by_name", "flatten", "set_path", "flat_key", "is_dtensor", "global_shape"]
@@ -24,7 +25,7 @@ __all__ = ["CheckpointError", "CorruptCheckpointError", "rng_state", "set_rng_st
 Path = tuple[Any, ...]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TowersError, ValueError):
     """A checkpoint is torn, foreign or does not fit; the message names the checkpoint, the key and the fix."""
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["add_bench_parser", "run_bench"]
 
 
@@ -65,8 +67,8 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"towers bench: {check_user_workload(config.workload_spec())}", file=sys.stderr)
         out_dir = Path(args.out_dir)
         if out_dir.exists() and not out_dir.is_dir():
-            raise ValueError(f"--out-dir must be a directory. Received: {str(out_dir)!r}, which is a file. "
-                             "Pass another path.")
+            raise InvalidArgumentError(f"--out-dir must be a directory. Received: {str(out_dir)!r}, which is a file. "
+                                       "Pass another path.")
     except ValueError as exc:
         print(f"towers bench: error: {exc}", file=sys.stderr)
         return 2

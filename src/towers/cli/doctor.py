@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["add_doctor_parser", "run_doctor"]
 
 
@@ -42,8 +44,8 @@ def run_doctor(args: argparse.Namespace) -> int:
             if args.nnodes > 1 and args.master_port is None:
                 explicit["master_port"] = 29500
         elif args.node_rank is not None:
-            raise ValueError(f"--node-rank needs --nnodes. Received: --node-rank {args.node_rank}. "
-                             "Example: towers doctor --nnodes 2 --node-rank 1 --master-addr NODE0.")
+            raise InvalidArgumentError(f"--node-rank needs --nnodes. Received: --node-rank {args.node_rank}. "
+                                       "Example: towers doctor --nnodes 2 --node-rank 1 --master-addr NODE0.")
         if args.master_addr:
             explicit["master_addr"] = args.master_addr
         if args.master_port is not None:

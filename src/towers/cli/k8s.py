@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["add_k8s_parser", "run_k8s"]
 
 
@@ -66,7 +68,7 @@ def run_k8s(args: argparse.Namespace) -> int:
     try:
         env = dict(item.split("=", 1) for item in args.env if "=" in item)
         if len(env) != len(args.env):
-            raise ValueError(f"--env expects KEY=VALUE. Received: {args.env!r}. Example: --env NCCL_DEBUG=INFO.")
+            raise InvalidArgumentError(f"--env expects KEY=VALUE. Received: {args.env!r}. Example: --env NCCL_DEBUG=INFO.")
         spec = DeploySpec(
             name=args.name, image=args.image, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
             gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node, memory_per_node=args.memory_per_node,

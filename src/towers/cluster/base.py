@@ -7,6 +7,7 @@ from typing import Mapping
 
 from towers.cluster import roles
 from towers.cluster.info import DEFAULT_JOIN_TIMEOUT_S, ProcessInfo, TaskInfo
+from towers.errors import TowersError
 
 __all__ = ["ClusterConfigError", "ClusterEnvironment", "env_int", "launch_options", "role_of_rank",
            "JOIN_TIMEOUT_VARIABLE", "read_join_timeout", "STUCK_TIMEOUT_VARIABLE", "read_stuck_timeout"]
@@ -17,7 +18,7 @@ JOIN_TIMEOUT_VARIABLE = "TOWERS_JOIN_TIMEOUT_S"
 STUCK_TIMEOUT_VARIABLE = "TOWERS_STUCK_TIMEOUT_S"
 
 
-class ClusterConfigError(ValueError):
+class ClusterConfigError(TowersError, ValueError):
     """The environment describes the cluster wrongly; the message names the variable and the fix."""
 
 

@@ -25,6 +25,7 @@ from towers.cluster.strategy_options import ENV as STRATEGY_OPTIONS_ENV
 from towers.cluster.strategy_options import decode_strategy_options
 from towers.cluster.tf_config import TFConfigEnvironment
 from towers.cluster.torchrun import TorchrunEnvironment
+from towers.errors import InvalidTypeError
 
 __all__ = ["ENVIRONMENTS", "VERIFY_DIR_VARIABLE", "VERIFY_STEPS_VARIABLE", "detect_environment", "from_env",
            "describe"]
@@ -98,7 +99,7 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     """
     unknown = sorted(set(explicit) - set(_FIELDS))
     if unknown:
-        raise TypeError(f"from_env() got unknown field(s) {unknown}. Expected ProcessInfo fields: {', '.join(_FIELDS)}.")
+        raise InvalidTypeError(f"from_env() got unknown field(s) {unknown}. Expected ProcessInfo fields: {', '.join(_FIELDS)}.")
     environ = read_environ() if environ is None else environ
     info = detect_environment(environ).process_info(environ)
     _check_no_conflict(info, environ)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["TASK_TYPES", "DEFAULT_JOIN_TIMEOUT_S", "ClusterSpec", "TaskInfo", "ProcessInfo"]
 
 #: Task types, as tf.distribute names them. ``chief`` is worker 0 when no chief is listed.
@@ -28,11 +30,11 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         for task_type, addresses in self.jobs.items():
             if task_type not in TASK_TYPES:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Unknown task type {task_type!r} in cluster spec. Expected one of {TASK_TYPES}. "
                     "Rename the job or remove it.")
             if isinstance(addresses, str):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Cluster job {task_type!r} must list addresses, received the string {addresses!r}. "
                     f"Write it as a list: [{addresses!r}].")
         frozen = {k: tuple(v) for k, v in self.jobs.items()}
@@ -65,9 +67,9 @@ class TaskInfo:
 
     def __post_init__(self) -> None:
         if self.type not in TASK_TYPES:
-            raise ValueError(f"Unknown task type {self.type!r}. Expected one of {TASK_TYPES}.")
+            raise InvalidArgumentError(f"Unknown task type {self.type!r}. Expected one of {TASK_TYPES}.")
         if self.index < 0:
-            raise ValueError(f"Task index must be >= 0. Received: {self.index}.")
+            raise InvalidArgumentError(f"Task index must be >= 0. Received: {self.index}.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,28 +134,28 @@ class ProcessInfo:
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1. Received: {self.world_size}.")
+            raise InvalidArgumentError(f"world_size must be >= 1. Received: {self.world_size}.")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"rank must be in [0, world_size={self.world_size}). Received: rank={self.rank}. "
                 "Check RANK/WORLD_SIZE (or TF_CONFIG's task index).")
         if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"local_rank must be in [0, local_world_size={self.local_world_size}). "
                 f"Received: local_rank={self.local_rank}.")
         if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise ValueError(f"master_port must be in 1..65535. Received: {self.master_port}.")
+            raise InvalidArgumentError(f"master_port must be in 1..65535. Received: {self.master_port}.")
         if self.restart_count < 0:
-            raise ValueError(f"restart_count must be >= 0. Received: {self.restart_count}.")
+            raise InvalidArgumentError(f"restart_count must be >= 0. Received: {self.restart_count}.")
         if self.num_ps < 0:
-            raise ValueError(f"num_ps must be >= 0. Received: {self.num_ps}.")
+            raise InvalidArgumentError(f"num_ps must be >= 0. Received: {self.num_ps}.")
         if self.verify_steps < 0:
-            raise ValueError(f"verify_steps must be >= 0. Received: {self.verify_steps}.")
+            raise InvalidArgumentError(f"verify_steps must be >= 0. Received: {self.verify_steps}.")
         if not self.join_timeout_s > 0:
-            raise ValueError(f"join_timeout_s must be > 0 seconds. Received: {self.join_timeout_s}.")
+            raise InvalidArgumentError(f"join_timeout_s must be > 0 seconds. Received: {self.join_timeout_s}.")
         if self.stuck_timeout_s is not None and not 0 <= self.stuck_timeout_s < float("inf"):
-            raise ValueError(f"stuck_timeout_s must be None or a number of seconds >= 0 (0 turns the stuck-job "
-                             f"watchdog off). Received: {self.stuck_timeout_s}.")
+            raise InvalidArgumentError(f"stuck_timeout_s must be None or a number of seconds >= 0 (0 turns the stuck-job "
+                                       f"watchdog off). Received: {self.stuck_timeout_s}.")
 
     @property
     def is_chief(self) -> bool:
@@ -191,7 +193,7 @@ class ProcessInfo:
     def init_method(self) -> str:
         """``tcp://addr:port`` of the rendezvous; raises when the port is unknown."""
         if self.master_port is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "No rendezvous port is known for this process (MASTER_PORT is unset). "
                 "Start the job with `towers launch` or torchrun, or pass master_port.")
         host = self.master_addr

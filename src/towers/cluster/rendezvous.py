@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from towers.errors import TowersError
+
 __all__ = [
     "RendezvousError",
     "JoinTimeoutError",
@@ -51,7 +53,7 @@ _POLL_S = 0.25
 _PROBE_TIMEOUT_S = 3.0
 
 
-class RendezvousError(RuntimeError):
+class RendezvousError(TowersError, RuntimeError):
     """The rendezvous cannot happen (bad host, unreachable address, members missing); the message is one line."""
 
 

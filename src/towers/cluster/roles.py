@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from towers.errors import InvalidArgumentError
+
 __all__ = [
     "LAYOUTS",
     "StrategyEntry",
@@ -55,9 +57,10 @@ class StrategyEntry:
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
-            raise ValueError(f"StrategyEntry {self.name!r}: layout must be one of {LAYOUTS}. Received: {self.layout!r}.")
+            raise InvalidArgumentError(f"StrategyEntry {self.name!r}: layout must be one of {LAYOUTS}. Received: "
+                                       f"{self.layout!r}.")
         if ":" not in self.target:
-            raise ValueError(f"StrategyEntry {self.name!r}: target must be 'module:Class'. Received: {self.target!r}.")
+            raise InvalidArgumentError(f"StrategyEntry {self.name!r}: target must be 'module:Class'. Received: {self.target!r}.")
 
     @property
     def has_ps(self) -> bool:
@@ -110,7 +113,7 @@ def strategy_entry(name: str) -> StrategyEntry:
     entry = _BY_KEY.get(_key(name))
     if entry is None:
         aliases = sorted(a for e in STRATEGIES for a in e.aliases)
-        raise ValueError(
+        raise InvalidArgumentError(
             f"Unknown strategy {name!r}. Expected one of: {', '.join(strategy_names())} (aliases: "
             f"{', '.join(aliases)}). Pick one of these, e.g. `towers launch --strategy mirrored`.")
     return entry
@@ -135,9 +138,9 @@ def check_num_ps(num_ps: int, world_size: int, *, source: str = "num_ps",
         ValueError: when ``num_ps`` is not an integer >= 0 or leaves no worker.
     """
     if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
-        raise ValueError(f"{source} must be an integer >= 0. Received: {num_ps!r}. Example: {source}=1.")
+        raise InvalidArgumentError(f"{source} must be an integer >= 0. Received: {num_ps!r}. Example: {source}=1.")
     if num_ps >= world_size:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{source}={num_ps} leaves no worker: the job has {world_size} process(es) and the last {num_ps} would "
             f"all be ps tasks. Expected {source} < {world_size} (the number of processes). Received: {num_ps}. Use "
             f"fewer ps tasks or start more processes, e.g. `{hint}`.")

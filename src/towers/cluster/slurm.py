@@ -25,6 +25,7 @@ from typing import Mapping
 from towers.cluster.base import ClusterConfigError, ClusterEnvironment, env_int, launch_options, role_of_rank
 from towers.cluster.info import ProcessInfo
 from towers.cluster.torchrun import read_master
+from towers.errors import InvalidArgumentError
 
 __all__ = ["SlurmEnvironment", "expand_hostlist", "port_from_job_id", "is_srun_task", "SLURM_PORT_BASE",
            "SLURM_PORT_SPAN"]
@@ -67,7 +68,7 @@ def _expand_one(pattern: str) -> list[str]:
     for item in match.group(1).split(","):
         lo, _, hi = item.partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise ValueError(f"bad range {item!r} in {pattern!r}")
+            raise InvalidArgumentError(f"bad range {item!r} in {pattern!r}")
         width = len(lo)
         for n in range(int(lo), int(hi or lo) + 1):
             names.extend(_expand_one(f"{head}{n:0{width}d}{tail}"))

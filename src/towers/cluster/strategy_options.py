@@ -13,6 +13,8 @@ import json
 import re
 from typing import Any, Mapping, Sequence
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["ENV", "parse_strategy_options", "encode_strategy_options", "decode_strategy_options"]
 
 #: The environment variable that carries the options to every worker.
@@ -40,10 +42,10 @@ def parse_strategy_options(items: Sequence[str]) -> dict[str, Any]:
         key, sep, text = str(item).partition("=")
         key = key.strip()
         if not sep or not _KEY.match(key) or key in _RESERVED:
-            raise ValueError(f"--strategy-option expects KEY=VALUE with KEY an option name of the strategy. Received: "
-                             f"{item!r}. Example: --strategy-option mode=async --strategy-option staleness=2.")
+            raise InvalidArgumentError(f"--strategy-option expects KEY=VALUE with KEY an option name of the strategy. Received: "
+                                       f"{item!r}. Example: --strategy-option mode=async --strategy-option staleness=2.")
         if key in options:
-            raise ValueError(f"--strategy-option {key} is given twice. Received: {list(items)}. Give each option once.")
+            raise InvalidArgumentError(f"--strategy-option {key} is given twice. Received: {list(items)}. Give each option once.")
         options[key] = _value(text.strip())
     return options
 
@@ -64,6 +66,6 @@ def decode_strategy_options(text: str) -> dict[str, Any]:
     except ValueError:
         value = None
     if not isinstance(value, dict) or not all(isinstance(k, str) and _KEY.match(k) for k in value):
-        raise ValueError(f"{ENV} must be a JSON object of strategy options. Received: {text!r}. "
-                         'Example: {"mode": "async", "staleness": 2} (towers launch --strategy-option sets it).')
+        raise InvalidArgumentError(f"{ENV} must be a JSON object of strategy options. Received: {text!r}. "
+                                   'Example: {"mode": "async", "staleness": 2} (towers launch --strategy-option sets it).')
     return value

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from towers.cluster.base import ClusterConfigError, ClusterEnvironment, launch_options
 from towers.cluster.info import TASK_TYPES, ClusterSpec, ProcessInfo, TaskInfo
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 
 __all__ = ["TFConfigEnvironment", "TRAINING_ORDER", "parse_tf_config", "split_host_port"]
 
@@ -43,17 +43,17 @@ def split_host_port(address: str) -> tuple[str, int]:
         ValueError: when the address has no host or no port in 1..65535.
     """
     if not isinstance(address, str) or ":" not in address:
-        raise ValueError(f"expected 'host:port', received {address!r}")
+        raise InvalidArgumentError(f"expected 'host:port', received {address!r}")
     if address.startswith("["):
         host, sep, port_text = address[1:].partition("]:")
         if not sep:
-            raise ValueError(f"expected '[ipv6]:port', received {address!r}")
+            raise InvalidArgumentError(f"expected '[ipv6]:port', received {address!r}")
     else:
         host, _, port_text = address.rpartition(":")
         if ":" in host:
-            raise ValueError(f"an IPv6 host must be bracketed, e.g. '[::1]:2222'; received {address!r}")
+            raise InvalidArgumentError(f"an IPv6 host must be bracketed, e.g. '[::1]:2222'; received {address!r}")
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"expected 'host:port' with a port in 1..65535, received {address!r}")
+        raise InvalidArgumentError(f"expected 'host:port' with a port in 1..65535, received {address!r}")
     return host, int(port_text)
 
 

@@ -6,6 +6,7 @@ from towers.deploy.kubernetes import render_indexed_job, render_kubernetes, rend
 from towers.deploy.slurm import render_sbatch
 from towers.deploy.spec import ACCESS_MODES, KINDS, DeploySpec, check_dns1123_label, check_dns1123_subdomain
 from towers.deploy.yaml import to_yaml, to_yaml_documents
+from towers.errors import InvalidArgumentError
 
 __all__ = [
     "DeploySpec",
@@ -33,5 +34,5 @@ def render(spec: DeploySpec, kind: str = "pytorchjob") -> str:
     if kind == "slurm":
         return render_sbatch(spec)
     if kind not in KINDS:
-        raise ValueError(f"--kind must be one of {', '.join(KINDS)}. Received: {kind!r}.")
+        raise InvalidArgumentError(f"--kind must be one of {', '.join(KINDS)}. Received: {kind!r}.")
     return render_kubernetes(spec, kind)

@@ -24,6 +24,7 @@ from typing import Any
 
 from towers.deploy.spec import DeploySpec
 from towers.deploy.yaml import to_yaml_documents
+from towers.errors import InvalidArgumentError
 
 __all__ = ["render_trainjob", "render_pytorchjob", "render_indexed_job", "render_kubernetes", "KUBEFLOW_PORT",
            "RDZV_PORT", "CHECKPOINT_MOUNT", "TRAINER_API"]
@@ -50,8 +51,8 @@ def _metadata(spec: DeploySpec, name: str | None = None) -> dict[str, Any]:
 
 def _require_image(spec: DeploySpec, kind: str) -> str:
     if not spec.image:
-        raise ValueError(f"--image is required for --kind {kind}: the pods need a container image with towers and "
-                         "your script installed. Received: no --image. Example: --image ghcr.io/me/train:1.0.")
+        raise InvalidArgumentError(f"--image is required for --kind {kind}: the pods need a container image with towers and "
+                                   "your script installed. Received: no --image. Example: --image ghcr.io/me/train:1.0.")
     return spec.image
 
 
@@ -148,8 +149,8 @@ def render_trainjob(spec: DeploySpec) -> list[dict[str, Any]]:
     """Return the manifests (checkpoint claim, Kubeflow Trainer v2 ``TrainJob``) as plain dicts."""
     image = _require_image(spec, "trainjob")
     if spec.port is not None:
-        raise ValueError(f"--port does not apply to --kind trainjob: the Kubeflow Trainer runtime picks the rendezvous "
-                         f"port (PET_MASTER_PORT). Received: --port {spec.port}. Drop --port.")
+        raise InvalidArgumentError(f"--port does not apply to --kind trainjob: the Kubeflow Trainer runtime picks the rendezvous "
+                                   f"port (PET_MASTER_PORT). Received: --port {spec.port}. Drop --port.")
     command = "exec " + spec.launch_command(nnodes='"${PET_NNODES}"',
                                             rdzv_endpoint='"${PET_MASTER_ADDR}:${PET_MASTER_PORT}"',
                                             rdzv_id=shlex.quote(spec.name))
@@ -213,7 +214,7 @@ def render_kubernetes(spec: DeploySpec, kind: str = "pytorchjob") -> str:
     """
     renderers = {"trainjob": render_trainjob, "pytorchjob": render_pytorchjob, "indexed-job": render_indexed_job}
     if kind not in renderers:
-        raise ValueError(f"--kind must be one of {', '.join(renderers)} for Kubernetes. Received: {kind!r}.")
+        raise InvalidArgumentError(f"--kind must be one of {', '.join(renderers)} for Kubernetes. Received: {kind!r}.")
     header = (f"# {kind} {spec.name!r}: {spec.nnodes} node(s) x {spec.nproc_per_node} process(es), rendered by "
               f"`towers k8s`.\n# Apply with: kubectl apply -f <this file>\n")
     if spec.checkpoint_pvc is None:

@@ -14,6 +14,7 @@ import shlex
 
 from towers.cluster.slurm import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from towers.deploy.spec import DeploySpec
+from towers.errors import InvalidArgumentError
 
 __all__ = ["render_sbatch"]
 
@@ -22,8 +23,8 @@ def _slurm_memory(quantity: str) -> str:
     # Kubernetes "32Gi" -> SLURM "32G"; SLURM takes K/M/G/T suffixes (binary units).
     match = re.fullmatch(r"([0-9]+)(k|Ki|M|Mi|G|Gi|T|Ti)?", quantity)
     if match is None:
-        raise ValueError(f"--memory-per-node for SLURM must be a whole amount such as '64Gi' or '64G'. "
-                         f"Received: {quantity!r}.")
+        raise InvalidArgumentError(f"--memory-per-node for SLURM must be a whole amount such as '64Gi' or '64G'. "
+                                   f"Received: {quantity!r}.")
     number, unit = match.groups()
     return number + (unit[0].upper() if unit else "M")
 
@@ -42,7 +43,8 @@ def render_sbatch(spec: DeploySpec) -> str:
         directives.append(f"--gpus-per-node={spec.gpus_per_node}")
     if spec.cpus_per_node:
         if not spec.cpus_per_node.isdigit():
-            raise ValueError(f"--cpus-per-node for SLURM must be a whole number of CPUs. Received: {spec.cpus_per_node!r}.")
+            raise InvalidArgumentError("--cpus-per-node for SLURM must be a whole number of CPUs. Received: "
+                                       f"{spec.cpus_per_node!r}.")
         directives.append(f"--cpus-per-task={spec.cpus_per_node}")
     if spec.memory_per_node:
         directives.append(f"--mem={_slurm_memory(spec.memory_per_node)}")

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from towers.cluster.roles import strategy_entry
+from towers.errors import InvalidArgumentError
 from towers.launch.spec import LaunchSpec
 
 __all__ = ["DeploySpec", "KINDS", "ACCESS_MODES", "check_dns1123_label", "check_dns1123_subdomain", "MAX_NAME_LENGTH"]
@@ -38,7 +39,7 @@ def check_dns1123_label(value: str, what: str, *, max_length: int = 63) -> str:
     """
     if not isinstance(value, str) or not _LABEL.match(value) or len(value) > max_length:
         suggestion = re.sub(r"[^a-z0-9-]+", "-", str(value).lower()).strip("-")[:max_length].strip("-") or "my-job"
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what} must be a DNS-1123 label: lower-case letters, digits and '-', starting and ending with a "
             f"letter or digit, at most {max_length} characters. Received: {value!r}. Example: {suggestion!r}.")
     return value
@@ -51,14 +52,14 @@ def check_dns1123_subdomain(value: str, what: str) -> str:
         ValueError: naming ``what``, the value received and the rule.
     """
     if not isinstance(value, str) or len(value) > 253 or not all(_LABEL.match(p) for p in value.split(".")):
-        raise ValueError(f"{what} must be a DNS-1123 subdomain (lower-case letters, digits, '-' and '.'). "
-                         f"Received: {value!r}. Example: 'train-checkpoints'.")
+        raise InvalidArgumentError(f"{what} must be a DNS-1123 subdomain (lower-case letters, digits, '-' and '.'). "
+                                   f"Received: {value!r}. Example: 'train-checkpoints'.")
     return value
 
 
 def _check_quantity(value: str | None, what: str) -> None:
     if value is not None and not _QUANTITY.match(str(value)):
-        raise ValueError(f"{what} must be a Kubernetes quantity such as '8', '500m' or '32Gi'. Received: {value!r}.")
+        raise InvalidArgumentError(f"{what} must be a Kubernetes quantity such as '8', '500m' or '32Gi'. Received: {value!r}.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,25 +113,25 @@ class DeploySpec:
         set_("nproc_per_node", str(self.nproc_per_node).strip().lower())
         set_("env", MappingProxyType({str(k): str(v) for k, v in dict(self.env).items()}))
         if self.image is not None and (not self.image.strip() or any(c.isspace() for c in self.image)):
-            raise ValueError(f"--image must be a container image reference without spaces. Received: {self.image!r}. "
-                             "Example: ghcr.io/me/train:1.0.")
+            raise InvalidArgumentError(f"--image must be a container image reference without spaces. Received: {self.image!r}. "
+                                       "Example: ghcr.io/me/train:1.0.")
         for what, value, low in (("--nnodes", self.nnodes, 1), ("--gpus-per-node", self.gpus_per_node, 0),
                                  ("--max-restarts", self.max_restarts, 0), ("--backoff-limit", self.backoff_limit, 0),
                                  ("--grace-period", self.grace_period_s, 10)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{what} must be an integer >= {low}. Received: {value!r}.")
+                raise InvalidArgumentError(f"{what} must be an integer >= {low}. Received: {value!r}.")
         if self.nproc_per_node.isdigit():
             nproc = int(self.nproc_per_node)
             if self.gpus_per_node and nproc > self.gpus_per_node:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"--nproc-per-node {nproc} is more than --gpus-per-node {self.gpus_per_node}: each replica owns "
                     "one GPU. Use --nproc-per-node gpu, or request more GPUs.")
         elif self.nproc_per_node not in ("auto", "gpu", "cpu"):
-            raise ValueError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu'. "
-                             f"Received: {self.nproc_per_node!r}.")
+            raise InvalidArgumentError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu'. "
+                                       f"Received: {self.nproc_per_node!r}.")
         if self.nproc_per_node == "gpu" and not self.gpus_per_node:
-            raise ValueError("--nproc-per-node gpu needs --gpus-per-node > 0, else the pods get no GPU. "
-                             "Set --gpus-per-node, or use a number of processes.")
+            raise InvalidArgumentError("--nproc-per-node gpu needs --gpus-per-node > 0, else the pods get no GPU. "
+                                       "Set --gpus-per-node, or use a number of processes.")
         # The launch flags must pass the same checks `towers launch` will apply on every node.
         # (auto/gpu/cpu are resolved on the node; assume enough processes for the parameter servers.)
         nproc = int(self.nproc_per_node) if self.nproc_per_node.isdigit() else (self.num_ps or 0) + 1
@@ -140,7 +141,7 @@ class DeploySpec:
         set_("strategy", launch.strategy)
         set_("num_ps", launch.num_ps)
         if self.port is not None and not 1024 <= self.port < 65536:
-            raise ValueError(f"--port must be in 1024..65535. Received: {self.port}.")
+            raise InvalidArgumentError(f"--port must be in 1024..65535. Received: {self.port}.")
         _check_quantity(self.cpus_per_node, "--cpus-per-node")
         _check_quantity(self.memory_per_node, "--memory-per-node")
         _check_quantity(self.checkpoint_size, "--checkpoint-size")
@@ -149,10 +150,10 @@ class DeploySpec:
         if self.checkpoint_access_mode is None:
             set_("checkpoint_access_mode", "ReadWriteOnce" if self.nnodes == 1 else "ReadWriteMany")
         elif self.checkpoint_access_mode not in ACCESS_MODES:
-            raise ValueError(f"--checkpoint-access-mode must be one of {', '.join(ACCESS_MODES)}. "
-                             f"Received: {self.checkpoint_access_mode!r}.")
+            raise InvalidArgumentError(f"--checkpoint-access-mode must be one of {', '.join(ACCESS_MODES)}. "
+                                       f"Received: {self.checkpoint_access_mode!r}.")
         if self.nnodes > 1 and self.checkpoint_access_mode != "ReadWriteMany" and self.checkpoint_pvc is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"--checkpoint-access-mode {self.checkpoint_access_mode} cannot serve {self.nnodes} nodes: every pod "
                 "reads the checkpoint, so pods on different nodes need ReadWriteMany (a shared-file storage class "
                 "such as NFS, CephFS, EFS, Filestore or Azure Files: --checkpoint-storage-class NAME). Use "
@@ -162,26 +163,26 @@ class DeploySpec:
         check_dns1123_subdomain(self.runtime, "--runtime")
         if self.checkpoint_dir is not None and (not self.checkpoint_dir.startswith("/")
                                                 or any(c in self.checkpoint_dir for c in "\"'`\\ ")):
-            raise ValueError(f"--checkpoint-dir must be an absolute path without spaces or quotes. "
-                             f"Received: {self.checkpoint_dir!r}. Example: /checkpoints.")
+            raise InvalidArgumentError(f"--checkpoint-dir must be an absolute path without spaces or quotes. "
+                                       f"Received: {self.checkpoint_dir!r}. Example: /checkpoints.")
         if self.time_limit is not None and not _SLURM_TIME.match(str(self.time_limit)):
-            raise ValueError(f"--time must be a SLURM time limit: MINUTES, HH:MM:SS, DAYS-HH, DAYS-HH:MM:SS or "
-                             f"UNLIMITED. Received: {self.time_limit!r}. Example: --time 24:00:00.")
+            raise InvalidArgumentError(f"--time must be a SLURM time limit: MINUTES, HH:MM:SS, DAYS-HH, DAYS-HH:MM:SS or "
+                                       f"UNLIMITED. Received: {self.time_limit!r}. Example: --time 24:00:00.")
         if self.partition is not None and not _PARTITION.match(str(self.partition)):
-            raise ValueError(f"--partition must be a SLURM partition name (letters, digits, '_', '.', '-'; several "
-                             f"separated by ','). Received: {self.partition!r}. Example: --partition gpu.")
+            raise InvalidArgumentError(f"--partition must be a SLURM partition name (letters, digits, '_', '.', '-'; several "
+                                       f"separated by ','). Received: {self.partition!r}. Example: --partition gpu.")
         if not str(self.script).strip() or any(c in str(self.script) for c in "\n\r\0"):
-            raise ValueError(f"the training script must be a path or module name on one line. Received: "
-                             f"{self.script!r}. Example: train.py.")
+            raise InvalidArgumentError(f"the training script must be a path or module name on one line. Received: "
+                                       f"{self.script!r}. Example: train.py.")
         if self.nproc_per_node.isdigit() and int(self.nproc_per_node) < 1:
-            raise ValueError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu'. "
-                             f"Received: {self.nproc_per_node!r}.")
+            raise InvalidArgumentError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu'. "
+                                       f"Received: {self.nproc_per_node!r}.")
         for key, text in self.env.items():
             if "\0" in text:
-                raise ValueError(f"--env {key}: a value cannot contain a NUL character. Received: {text!r}.")
+                raise InvalidArgumentError(f"--env {key}: a value cannot contain a NUL character. Received: {text!r}.")
         for key in self.env:
             if not _ENV_NAME.match(key):
-                raise ValueError(f"--env names must be shell variable names (letters, digits, '_'). Received: {key!r}.")
+                raise InvalidArgumentError(f"--env names must be shell variable names (letters, digits, '_'). Received: {key!r}.")
 
     @property
     def claim_name(self) -> str:

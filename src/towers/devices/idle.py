@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from towers._logging import get_logger
 from towers.devices.listing import gpu_count
 from towers.devices.names import Device, DeviceLike
+from towers.errors import InvalidArgumentError
 
 __all__ = ["check_idle_gpus", "warn_if_gpus_idle"]
 
@@ -43,18 +44,18 @@ def check_idle_gpus(
         ValueError: ``num_local_replicas`` < 1, ``visible_gpus`` < 0, no used device, or a bad device name.
     """
     if not isinstance(num_local_replicas, int) or num_local_replicas < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"num_local_replicas must be an integer >= 1. Received: {num_local_replicas!r}. "
             "Pass the number of replicas this host runs.")
     if visible_gpus is None:
         visible_gpus = gpu_count()
     if not isinstance(visible_gpus, int) or visible_gpus < 0:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"visible_gpus must be an integer >= 0. Received: {visible_gpus!r}. "
             "Pass torch.cuda.device_count(), or leave it out.")
     used = sorted({Device(d) for d in used_devices})
     if not used:
-        raise ValueError(
+        raise InvalidArgumentError(
             "used_devices must name at least one device. Received none. "
             "Pass the devices this host's replicas run on, e.g. ['/gpu:0'].")
     if visible_gpus == 0:

@@ -25,6 +25,8 @@ from typing import Union
 
 import torch
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["Device", "DeviceLike", "ACCEPTED_FORMS"]
 
 #: What ``Device`` accepts; quoted by every parse error.
@@ -124,7 +126,7 @@ def _parse(spec: object) -> tuple[str, int, str | None, int | None, int | None]:
             return _from_string(spec)
         raise _ParseError(f"expected a str, torch.device or towers.Device, got {type(spec).__name__}")
     except _ParseError as err:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"Invalid device name {spec!r}: {err}. Received: {spec!r}. Accepted forms: {ACCEPTED_FORMS}."
         ) from None
 

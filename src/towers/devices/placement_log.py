@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import (
 
 from towers._logging import get_logger
 from towers.devices.names import Device
+from towers.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["PlacementRecord", "PlacementLog", "log_device_placement", "get_log_device_placement"]
 
@@ -179,9 +180,9 @@ def log_device_placement(
     ``to_logger=False`` collects without logging.
     """
     if not isinstance(enabled, bool):
-        raise TypeError(f"log_device_placement expects True or False. Received: {enabled!r}.")
+        raise InvalidTypeError(f"log_device_placement expects True or False. Received: {enabled!r}.")
     if not enabled and records is not None:
-        raise ValueError("log_device_placement(False) collects nothing; drop records= or pass True.")
+        raise InvalidArgumentError("log_device_placement(False) collects nothing; drop records= or pass True.")
     return PlacementLog(enabled, records, to_logger)
 
 

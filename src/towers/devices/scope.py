@@ -24,6 +24,7 @@ import torch
 from towers._logging import get_logger
 from towers.devices.listing import is_available, list_devices
 from towers.devices.names import Device, DeviceLike
+from towers.errors import InvalidTypeError, TowersError
 
 __all__ = [
     "SoftPlacementWarning",
@@ -56,7 +57,7 @@ class SoftPlacementWarning(UserWarning):
     """A requested device does not exist here, and soft placement put the work on the CPU."""
 
 
-class DeviceUnavailableError(ValueError):
+class DeviceUnavailableError(TowersError, ValueError):
     """A requested device does not exist here and soft placement is off."""
 
 
@@ -64,7 +65,7 @@ def set_soft_device_placement(enabled: bool) -> None:
     """Turn soft placement on (a missing device falls back to ``/cpu:0``) or off (it raises)."""
     global _soft_placement
     if not isinstance(enabled, bool):
-        raise TypeError(f"set_soft_device_placement expects True or False. Received: {enabled!r}.")
+        raise InvalidTypeError(f"set_soft_device_placement expects True or False. Received: {enabled!r}.")
     _soft_placement = enabled
     logger.debug("soft device placement %s", "on" if enabled else "off")
 

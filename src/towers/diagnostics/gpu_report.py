@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from towers._logging import get_logger
+from towers.errors import InvalidArgumentError
 
 __all__ = ["OUTCOMES", "CheckResult", "Figure", "GpuReport", "collect_environment", "checks_from_junit",
            "driver_version"]
@@ -43,9 +44,9 @@ class CheckResult:
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
-            raise ValueError(f"outcome must be one of {OUTCOMES}. Received: {self.outcome!r}.")
+            raise InvalidArgumentError(f"outcome must be one of {OUTCOMES}. Received: {self.outcome!r}.")
         if not self.duration_s >= 0:
-            raise ValueError(f"duration_s must be >= 0 seconds. Received: {self.duration_s!r}.")
+            raise InvalidArgumentError(f"duration_s must be >= 0 seconds. Received: {self.duration_s!r}.")
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ def checks_from_junit(path: str | os.PathLike[str]) -> list[CheckResult]:
     try:
         root = ET.parse(path).getroot()
     except ET.ParseError as exc:
-        raise ValueError(f"{path} is not JUnit XML ({exc}). Expected the file of pytest --junitxml.") from None
+        raise InvalidArgumentError(f"{path} is not JUnit XML ({exc}). Expected the file of pytest --junitxml.") from None
     results = []
     for case in root.iter("testcase"):
         where = case.get("file") or case.get("classname") or "?"

@@ -30,6 +30,7 @@ from towers._logging import get_logger
 from towers.data import find_batch_info
 from towers.diagnostics.flops import BatchShape, batch_shape, counting_flops
 from towers.diagnostics.peak import PeakFlops, device_peak
+from towers.errors import InvalidArgumentError
 
 __all__ = ["ThroughputMeter", "THROUGHPUT_KEYS"]
 
@@ -68,8 +69,8 @@ class ThroughputMeter:
     def __init__(self, strategy: StrategyLike | None = None, *, peak_flops: float | None = None):
         if peak_flops is not None and (isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float))
                                        or not math.isfinite(peak_flops) or peak_flops <= 0):
-            raise ValueError(f"peak_flops must be one device's peak in FLOP/s, a positive number (e.g. 989.5e12 for an "
-                             f"H100 SXM in bf16). Received: {peak_flops!r}.")
+            raise InvalidArgumentError(f"peak_flops must be one device's peak in FLOP/s, a positive number (e.g. 989.5e12 for an "
+                                       f"H100 SXM in bf16). Received: {peak_flops!r}.")
         self.device = torch.device(strategy.device) if strategy is not None else torch.device("cpu")
         self.num_devices = int(strategy.num_replicas_in_sync) if strategy is not None else 1
         self.precision = str(getattr(getattr(strategy, "precision", None), "name", "32"))

@@ -35,6 +35,7 @@ from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.diagnostics import progress as _progress
 from towers.diagnostics.report import STUCK_EXIT_CODE, build_report
+from towers.errors import DeadlineExceededError, InvalidArgumentError
 
 __all__ = ["Watchdog", "python_stacks", "DEFAULT_MIN_S", "DEFAULT_FACTOR", "STARTUP_FACTOR", "CHECK_S", "BEAT_S"]
 
@@ -90,9 +91,9 @@ class Watchdog:
                  progress: _progress.Progress = _progress.PROGRESS,
                  exit: Callable[[int], Any] = os._exit, hold_main_thread: bool = True):
         if not min_s > 0:
-            raise ValueError(f"min_s must be > 0 seconds. Received: {min_s}.")
+            raise InvalidArgumentError(f"min_s must be > 0 seconds. Received: {min_s}.")
         if not factor > 0:
-            raise ValueError(f"factor must be > 0. Received: {factor}.")
+            raise InvalidArgumentError(f"factor must be > 0. Received: {factor}.")
         self.info, self.store, self.min_s, self.factor = info, store, float(min_s), float(factor)
         self.poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, self.min_s / 10))
         self.answer_s = answer_s if answer_s is not None else min(20.0, max(2.0, self.min_s / 3))
@@ -218,7 +219,7 @@ class Watchdog:
             polls = 0
             while not self.store.check(["report"]):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no report within {self.answer_s + 10.0:g} s")
+                    raise DeadlineExceededError(f"no report within {self.answer_s + 10.0:g} s")
                 self._pause(polls)
                 polls += 1
             report = json.loads(self.store.get("report"))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from towers.errors import TowersError
+
 __all__ = ["LaunchError"]
 
 
-class LaunchError(RuntimeError):
+class LaunchError(TowersError, RuntimeError):
     """The job could not start, or a worker failed; ``exit_code`` is what ``towers launch`` exits with."""
 
     def __init__(self, message: str, *, exit_code: int = 1, failed_rank: int | None = None):

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from towers.cluster import roles as _roles
+from towers.errors import InvalidArgumentError
 
 __all__ = [
     "STRATEGY_NAMES",
@@ -55,7 +56,7 @@ def canonical_strategy(name: str) -> str:
     key = str(name).strip().lower().replace("-", "_")
     key = STRATEGY_ALIASES.get(key, key)
     if key not in STRATEGY_NAMES:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"Unknown strategy: --strategy must be one of {', '.join(STRATEGY_NAMES)} "
             f"(aliases: {', '.join(sorted(STRATEGY_ALIASES))}). Received: {name!r}. Pick one of those names.")
     return key
@@ -75,18 +76,18 @@ def resolve_nproc_per_node(value: str | int, *, gpu_count: int, cpu_count: int) 
         count = int(text)
     elif text == "gpu":
         if gpu_count < 1:
-            raise ValueError("--nproc-per-node gpu needs a CUDA GPU, and none is visible. "
-                             "Use --nproc-per-node cpu (or a number) on a CPU host.")
+            raise InvalidArgumentError("--nproc-per-node gpu needs a CUDA GPU, and none is visible. "
+                                       "Use --nproc-per-node cpu (or a number) on a CPU host.")
         count = gpu_count
     elif text == "cpu":
         count = cpu_count
     elif text == "auto":
         count = gpu_count if gpu_count > 0 else cpu_count
     else:
-        raise ValueError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu'. "
-                         f"Received: {value!r}. Example: --nproc-per-node 2.")
+        raise InvalidArgumentError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu'. "
+                                   f"Received: {value!r}. Example: --nproc-per-node 2.")
     if count < 1:
-        raise ValueError(f"--nproc-per-node must be >= 1. Received: {value!r}. Example: --nproc-per-node 2.")
+        raise InvalidArgumentError(f"--nproc-per-node must be >= 1. Received: {value!r}. Example: --nproc-per-node 2.")
     return count
 
 
@@ -102,9 +103,10 @@ def parse_nnodes(value: str | int) -> tuple[int, int]:
             raise ValueError
         low, high = int(parts[0]), int(parts[-1])
     except ValueError:
-        raise ValueError(f"--nnodes must be N or MIN:MAX. Received: {value!r}. Example: --nnodes 2 or --nnodes 1:4.") from None
+        raise InvalidArgumentError(f"--nnodes must be N or MIN:MAX. Received: {value!r}. "
+                                   "Example: --nnodes 2 or --nnodes 1:4.") from None
     if not 1 <= low <= high:
-        raise ValueError(f"--nnodes needs 1 <= MIN <= MAX. Received: {value!r}. Example: --nnodes 2 or --nnodes 1:4.")
+        raise InvalidArgumentError(f"--nnodes needs 1 <= MIN <= MAX. Received: {value!r}. Example: --nnodes 2 or --nnodes 1:4.")
     return low, high
 
 
@@ -182,8 +184,8 @@ def with_mesh(options: dict[str, Any], mesh: str | None) -> dict[str, Any]:
     if mesh is None:
         return options
     if "mesh" in options:
-        raise ValueError(f"The mesh is given twice: --mesh {mesh} and --strategy-option mesh={options['mesh']}. "
-                         "Give it once.")
+        raise InvalidArgumentError(f"The mesh is given twice: --mesh {mesh} and --strategy-option mesh={options['mesh']}. "
+                                   "Give it once.")
     from towers.cluster.mesh import parse_mesh
 
     parse_mesh(mesh)  # a typo fails here, before any process starts

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 
 from towers._logging import get_logger
 from towers.cluster.rendezvous import Member, bound_listener, join, resolve, wait_reachable
+from towers.errors import InvalidArgumentError
 from towers.launch.spec import LaunchSpec
 
 __all__ = ["rendezvous_address", "joined_nodes", "rendezvous_timeouts", "open_store", "DEFAULT_C10D_PORT"]
@@ -48,15 +49,15 @@ def rendezvous_address(spec: LaunchSpec) -> tuple[str, int, str]:
             host, port_text = text, ""
         host = host.strip("[]")
         if port_text and not port_text.isdigit():
-            raise ValueError(f"--rdzv-endpoint must be HOST:PORT. Received: {text!r}. Example: --rdzv-endpoint "
-                             "node0.example.com:29500.")
+            raise InvalidArgumentError(f"--rdzv-endpoint must be HOST:PORT. Received: {text!r}. Example: --rdzv-endpoint "
+                                       "node0.example.com:29500.")
         port = int(port_text) if port_text else (DEFAULT_C10D_PORT if spec.rdzv_backend != "static" else 0)
         if not host or not 0 < port < 65536:
-            raise ValueError(f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535. Received: {text!r}. "
-                             "Example: --rdzv-endpoint node0.example.com:29500.")
+            raise InvalidArgumentError(f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535. Received: {text!r}. "
+                                       "Example: --rdzv-endpoint node0.example.com:29500.")
         return host, port, "--rdzv-endpoint"
     if spec.master_port is None:
-        raise ValueError("No rendezvous port is known. Pass --master-port (or --rdzv-endpoint HOST:PORT).")
+        raise InvalidArgumentError("No rendezvous port is known. Pass --master-port (or --rdzv-endpoint HOST:PORT).")
     return spec.master_addr, spec.master_port, "--master-addr/--master-port"
 
 

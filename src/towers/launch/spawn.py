@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
 
 from towers._logging import get_logger
+from towers.errors import InvalidArgumentError, InvalidTypeError, TowersError
 
 __all__ = ["spawn", "SpawnError", "RankState", "free_port", "cpu_threads_per_process"]
 
@@ -42,7 +43,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def cpu_threads_per_process(nprocs: int, cores: int | None = None) -> int:
     """Return how many intra-op threads each of ``nprocs`` CPU replicas gets, so they do not oversubscribe."""
     if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1. Received: {nprocs}.")
+        raise InvalidArgumentError(f"nprocs must be >= 1. Received: {nprocs}.")
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // nprocs)
@@ -57,7 +58,7 @@ class RankState:
     detail: str = ""
 
 
-class SpawnError(RuntimeError):
+class SpawnError(TowersError, RuntimeError):
     """A spawned job failed or ran out of time; ``states`` holds every rank's final state."""
 
     def __init__(self, message: str, states: Sequence[RankState]):
@@ -138,13 +139,13 @@ def spawn(
         SpawnError: when a rank fails, dies, or the deadline passes; the message shows every rank.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive integer. Received: {nprocs!r}.")
+        raise InvalidArgumentError(f"nprocs must be a positive integer. Received: {nprocs!r}.")
     if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0 seconds. Received: {timeout_s}.")
+        raise InvalidArgumentError(f"timeout_s must be > 0 seconds. Received: {timeout_s}.")
     try:
         payload = _pickler.dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as exc:
-        raise TypeError(
+        raise InvalidTypeError(
             f"towers.spawn could not send {getattr(fn, '__qualname__', fn)!r} and its arguments to child "
             f"processes: {exc}. Define the function at module top level (or install cloudpickle) and pass "
             "picklable arguments.") from exc

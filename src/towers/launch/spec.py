@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 from towers.cluster import roles as _roles
 from towers.cluster.strategy_options import ENV as STRATEGY_OPTIONS_ENV
 from towers.cluster.strategy_options import encode_strategy_options, parse_strategy_options
+from towers.errors import InvalidArgumentError
 from towers.launch.flags import (
     DEFAULT_GROUP_RESTARTS,
     DEFAULT_MONITOR_INTERVAL_S,
@@ -93,80 +94,81 @@ class LaunchSpec:
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen dataclass
         if not isinstance(self.script, str) or not self.script.strip():
-            raise ValueError("towers launch needs a script to run. Received: nothing. "
-                             "Usage: towers launch --nproc-per-node 2 train.py [args ...]")
+            raise InvalidArgumentError("towers launch needs a script to run. Received: nothing. "
+                                       "Usage: towers launch --nproc-per-node 2 train.py [args ...]")
         set_("script_args", tuple(str(a) for a in self.script_args))
         set_("torchrun_options", MappingProxyType(dict(self.torchrun_options)))
         set_("strategy_options", MappingProxyType(dict(self.strategy_options)))
         if self.module and self.no_python:
-            raise ValueError("--module and --no-python exclude each other: a module needs Python. Drop one of them.")
+            raise InvalidArgumentError("--module and --no-python exclude each other: a module needs Python. Drop one of them.")
         if self.module and self.run_path:
-            raise ValueError("--module and --run-path exclude each other. Drop one of them.")
+            raise InvalidArgumentError("--module and --run-path exclude each other. Drop one of them.")
         for name, value, low in (("nproc_per_node", self.nproc_per_node, 1), ("min_nodes", self.min_nodes, 1),
                                  ("node_rank", self.node_rank, 0), ("max_restarts", self.max_restarts, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}. Received: {value!r}. "
-                                 f"Fix --{name.replace('_', '-')}.")
+                raise InvalidArgumentError(f"{name} must be an integer >= {low}. Received: {value!r}. "
+                                           f"Fix --{name.replace('_', '-')}.")
         if not isinstance(self.max_nodes, int) or self.max_nodes < self.min_nodes:
-            raise ValueError(f"max_nodes must be >= min_nodes={self.min_nodes}. Received: {self.max_nodes!r}. "
-                             "Use --nnodes N or --nnodes MIN:MAX.")
+            raise InvalidArgumentError(f"max_nodes must be >= min_nodes={self.min_nodes}. Received: {self.max_nodes!r}. "
+                                       "Use --nnodes N or --nnodes MIN:MAX.")
         if self.rdzv_backend == "static" and self.node_rank >= self.max_nodes:
-            raise ValueError(f"--node-rank must be < --nnodes ({self.max_nodes}). Received: {self.node_rank}. "
-                             "Number the nodes 0..nnodes-1.")
+            raise InvalidArgumentError(f"--node-rank must be < --nnodes ({self.max_nodes}). Received: {self.node_rank}. "
+                                       "Number the nodes 0..nnodes-1.")
         if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise ValueError(f"--master-port must be in 1..65535. Received: {self.master_port}. "
-                             "Omit it on one node to get a free port.")
+            raise InvalidArgumentError(f"--master-port must be in 1..65535. Received: {self.master_port}. "
+                                       "Omit it on one node to get a free port.")
         if not self.master_addr:
-            raise ValueError("--master-addr must not be empty. Use the chief node's host name or IP (127.0.0.1 on one node).")
+            raise InvalidArgumentError("--master-addr must not be empty. Use the chief node's host name or IP "
+                                       "(127.0.0.1 on one node).")
         if not self.rdzv_backend:
-            raise ValueError("--rdzv-backend must not be empty. Use 'static' (default) or 'c10d'.")
+            raise InvalidArgumentError("--rdzv-backend must not be empty. Use 'static' (default) or 'c10d'.")
         if not self.monitor_interval_s > 0:
-            raise ValueError(f"--monitor-interval must be > 0 seconds. Received: {self.monitor_interval_s}. "
-                             f"Example: --monitor-interval {DEFAULT_MONITOR_INTERVAL_S}.")
+            raise InvalidArgumentError(f"--monitor-interval must be > 0 seconds. Received: {self.monitor_interval_s}. "
+                                       f"Example: --monitor-interval {DEFAULT_MONITOR_INTERVAL_S}.")
         if self.interface is not None and (not self.interface.strip() or any(c.isspace() for c in self.interface)):
-            raise ValueError(f"--interface must name one network interface of this host, e.g. --interface eth0. "
-                             f"Received: {self.interface!r}. `towers doctor` lists this host's interfaces.")
+            raise InvalidArgumentError(f"--interface must name one network interface of this host, e.g. --interface eth0. "
+                                       f"Received: {self.interface!r}. `towers doctor` lists this host's interfaces.")
         if self.join_timeout_s is not None and not 0 < self.join_timeout_s < float("inf"):
-            raise ValueError(f"--join-timeout must be a number of seconds > 0. Received: {self.join_timeout_s}. "
-                             "Example: --join-timeout 600, or omit it for the default (TOWERS_JOIN_TIMEOUT_S, else "
-                             "300 s).")
+            raise InvalidArgumentError(f"--join-timeout must be a number of seconds > 0. Received: {self.join_timeout_s}. "
+                                       "Example: --join-timeout 600, or omit it for the default (TOWERS_JOIN_TIMEOUT_S, else "
+                                       "300 s).")
         self._resolve_strategy(set_)
 
     def _resolve_strategy(self, set_: Any) -> None:
         strategy = canonical_strategy(self.strategy) if self.strategy is not None else None
         num_ps = self.num_ps
         if num_ps is not None and (isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0):
-            raise ValueError(f"--num-ps must be an integer >= 0. Received: {num_ps!r}. Example: --num-ps 1.")
+            raise InvalidArgumentError(f"--num-ps must be an integer >= 0. Received: {num_ps!r}. Example: --num-ps 1.")
         if strategy is None and num_ps:
             strategy = "ps"
         entry = _roles.strategy_entry(strategy) if strategy is not None else None
         if entry is not None and entry.has_ps:
             num_ps = 1 if num_ps is None else num_ps
             if num_ps < 1:
-                raise ValueError(f"--strategy {strategy} needs at least one parameter server. Received: --num-ps 0. "
-                                 "Use --num-ps 1 (or more).")
+                raise InvalidArgumentError(f"--strategy {strategy} needs at least one parameter server. Received: --num-ps 0. "
+                                           "Use --num-ps 1 (or more).")
         elif num_ps:
-            raise ValueError(f"--num-ps only applies to strategies with parameter servers. Received: --strategy "
-                             f"{strategy} --num-ps {num_ps}. Drop --num-ps or use --strategy ps.")
+            raise InvalidArgumentError(f"--num-ps only applies to strategies with parameter servers. Received: --strategy "
+                                       f"{strategy} --num-ps {num_ps}. Drop --num-ps or use --strategy ps.")
         num_ps = num_ps or 0
         _roles.check_num_ps(num_ps, self.min_world_size, source="--num-ps",
                             hint=f"towers launch --num-ps {num_ps} --nproc-per-node {num_ps + 1} ...")
         if entry is not None and not entry.multi_process and self.max_world_size > 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"--strategy one_device trains one replica, but the job starts {self.max_world_size} processes. "
                 "Use --nproc-per-node 1 --nnodes 1, or --strategy mirrored / multi_worker_mirrored.")
         tolerate = self.tolerate_worker_failures
         if tolerate is not None and not isinstance(tolerate, bool):
-            raise ValueError(f"tolerate_worker_failures must be True, False or None. Received: {tolerate!r}.")
+            raise InvalidArgumentError(f"tolerate_worker_failures must be True, False or None. Received: {tolerate!r}.")
         survives = bool(entry is not None and entry.survives_dead_worker)
         if tolerate and not survives:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"--tolerate-worker-failures only applies to --strategy ps (parameter servers go on without a "
                 f"dead worker; every other strategy needs all of them). Received: --strategy {strategy}. Drop the "
                 "flag or use --strategy ps.")
         if self.strategy_options and strategy is None:
-            raise ValueError(f"--strategy-option needs --strategy: the options belong to one strategy. Received: "
-                             f"{dict(self.strategy_options)} without --strategy. Add e.g. --strategy ps.")
+            raise InvalidArgumentError(f"--strategy-option needs --strategy: the options belong to one strategy. Received: "
+                                       f"{dict(self.strategy_options)} without --strategy. Add e.g. --strategy ps.")
         mesh = self.strategy_options.get("mesh")
         if mesh is not None and self.min_nodes == self.max_nodes:
             from towers.cluster.mesh import parse_mesh
@@ -177,10 +179,10 @@ class LaunchSpec:
         restarts = self.group_restarts
         alone = bool(entry is not None and entry.restarts_lost_replica)
         if restarts is not None and (isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0):
-            raise ValueError(f"--group-restarts must be an integer >= 0. Received: {restarts!r}. "
-                             f"Example: --group-restarts {DEFAULT_GROUP_RESTARTS}.")
+            raise InvalidArgumentError(f"--group-restarts must be an integer >= 0. Received: {restarts!r}. "
+                                       f"Example: --group-restarts {DEFAULT_GROUP_RESTARTS}.")
         if restarts and not alone:  # 0 is what every other strategy resolves to (dataclasses.replace passes it on)
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"--group-restarts only applies to --strategy fault_tolerant (a lost replica group is restarted alone "
                 f"while the others train on; every other strategy needs all of its processes). Received: --strategy "
                 f"{strategy} --group-restarts {restarts}. Drop the flag, or use --max-restarts to restart the whole "
@@ -191,14 +193,15 @@ class LaunchSpec:
         set_("group_restarts", (DEFAULT_GROUP_RESTARTS if restarts is None else restarts) if alone else 0)
         size = self.group_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"--group-size must be an integer >= 1. Received: {size!r}. Example: --group-size 2.")
+            raise InvalidArgumentError(f"--group-size must be an integer >= 1. Received: {size!r}. Example: --group-size 2.")
         if size > 1 and not alone:
-            raise ValueError(f"--group-size only applies to --strategy fault_tolerant (processes per replica group). "
-                             f"Received: --strategy {strategy} --group-size {size}. Drop the flag or use --strategy ft.")
+            raise InvalidArgumentError("--group-size only applies to --strategy fault_tolerant (processes per replica "
+                                       f"group). Received: --strategy {strategy} --group-size {size}. Drop the flag or use "
+                                       "--strategy ft.")
         if self.nproc_per_node % size:
-            raise ValueError(f"--nproc-per-node must be a multiple of --group-size: a replica group's processes run on "
-                             f"one node. Received: --nproc-per-node {self.nproc_per_node} --group-size {size}. Use e.g. "
-                             f"--nproc-per-node {size * max(1, self.nproc_per_node // size)}.")
+            raise InvalidArgumentError("--nproc-per-node must be a multiple of --group-size: a replica group's processes "
+                                       f"run on one node. Received: --nproc-per-node {self.nproc_per_node} --group-size "
+                                       f"{size}. Use e.g. --nproc-per-node {size * max(1, self.nproc_per_node // size)}.")
 
     @property
     def restarts_lost_replica(self) -> bool:
@@ -242,9 +245,9 @@ class LaunchSpec:
 
             # on this host; raises NetworkError (a ValueError) listing the choices
             if find_interface(self.interface).is_loopback and not self.is_single_node:
-                raise ValueError(f"--interface {self.interface} is loopback, but the job spans {self.max_nodes} "
-                                 "nodes that cannot reach it. Name the interface that reaches the other nodes, "
-                                 "or leave --interface out to have it detected.")
+                raise InvalidArgumentError(f"--interface {self.interface} is loopback, but the job spans {self.max_nodes} "
+                                           "nodes that cannot reach it. Name the interface that reaches the other nodes, "
+                                           "or leave --interface out to have it detected.")
             updates.update(GLOO_SOCKET_IFNAME=self.interface, NCCL_SOCKET_IFNAME=self.interface,
                            TOWERS_INTERFACE=self.interface)
         if self.join_timeout_s is not None:

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 from towers.ledger.record import LEDGER_SUBDIR, OrderSpec
 
 __all__ = ["Update", "EpochProof", "LedgerProof", "prove_ledger", "read_ledger"]
@@ -161,7 +161,7 @@ def read_ledger(run_dir: str | os.PathLike[str]) -> tuple[list[Update], list[_Go
                                       bool(h["shuffle"]))
                 elif parts[0] == "U":
                     if order is None:
-                        raise ValueError("an update line before any header")
+                        raise InvalidArgumentError("an update line before any header")
                     t, step, epoch, batch, lo, hi = parts[1:7]
                     updates.append(Update(float(t), int(step), int(epoch), int(batch), int(lo), int(hi), order,
                                           path.stem))
@@ -171,7 +171,7 @@ def read_ledger(run_dir: str | os.PathLike[str]) -> tuple[list[Update], list[_Go
                     go_ons.append(_GoOn(float(t), int(epoch), int(position), how, path.stem))
                     last[path.stem] = max(last.get(path.stem, 0.0), float(t))
                 else:
-                    raise ValueError(f"unknown line kind {parts[0]!r}")
+                    raise InvalidArgumentError(f"unknown line kind {parts[0]!r}")
             except (ValueError, KeyError, IndexError, json.JSONDecodeError) as exc:
                 raise user_error(f"{path} line {number} is not a ledger line ({exc})", line[:120],
                                  "Pass a directory holding only the ledger files towers wrote.") from None

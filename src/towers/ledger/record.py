@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from towers._logging import get_logger
+from towers.errors import InvalidArgumentError
 
 __all__ = ["LEDGER_SUBDIR", "OrderSpec", "LedgerWriter"]
 
@@ -83,7 +84,7 @@ class LedgerWriter:
     def went_on(self, epoch: int, step: int, how: str) -> None:
         """Record that the job went on from global batch ``step`` of ``epoch`` (``how``: ``restore`` or ``join``)."""
         if how not in ("restore", "join"):
-            raise ValueError(f"how must be 'restore' or 'join'. Received: {how!r}.")
+            raise InvalidArgumentError(f"how must be 'restore' or 'join'. Received: {how!r}.")
         self._write(f"R\t{time.time():.6f}\t{epoch}\t{step}\t{how}\n")
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from towers.diagnostics import track
+from towers.errors import InvalidArgumentError, InvalidTypeError, TowersError
 from towers.process_group import collective, first_line
 from towers.strategies.base import REDUCE_OPS
 
@@ -34,7 +35,7 @@ def check_op(op: str) -> str:
     """
     key = str(op).lower()
     if key not in REDUCE_OPS:
-        raise ValueError(f"reduce op must be one of {REDUCE_OPS}. Received: {op!r}. Use 'sum' or 'mean' for losses.")
+        raise InvalidArgumentError(f"reduce op must be one of {REDUCE_OPS}. Received: {op!r}. Use 'sum' or 'mean' for losses.")
     return key
 
 
@@ -44,7 +45,7 @@ def as_tensor(value: Any, device: torch.device) -> torch.Tensor:
         return value.detach().to(device)
     if isinstance(value, (int, float, bool)):
         return torch.tensor(value, device=device)
-    raise TypeError(
+    raise InvalidTypeError(
         f"strategy.reduce expects a tensor or a number (what strategy.run returned). Received: {type(value).__name__}. "
         "Return a tensor from the step function, or reduce each tensor of a structure separately.")
 
@@ -69,11 +70,11 @@ def _float_for_mean(value: torch.Tensor) -> torch.Tensor:
     return value if value.is_floating_point() or value.is_complex() else value.double()
 
 
-class MismatchedStepsError(RuntimeError):
+class MismatchedStepsError(TowersError, RuntimeError):
     """Replicas ran different numbers of steps before a collective; the message names the ranks and their counts."""
 
 
-class PartialCollectiveError(RuntimeError):
+class PartialCollectiveError(TowersError, RuntimeError):
     """A named collective (``named_collective``) that not every replica called: the message names it and the fix."""
 
 

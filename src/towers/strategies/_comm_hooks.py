@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from towers._logging import get_logger
+from towers.errors import InvalidArgumentError
 from towers.strategies._step_check import StepCheck, folded_sum
 
 __all__ = ["COMPRESSIONS", "register_sum_hook"]
@@ -93,7 +94,7 @@ def check_compression(name: str | None) -> str:
     """
     key = "none" if name in (None, False) else str(name).lower()
     if key not in COMPRESSIONS:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"gradient_compression must be one of {COMPRESSIONS[1:]} or None. Received: {name!r}. "
             "'fp16'/'bf16' halve the bytes sent; 'powersgd' sends a low-rank approximation.")
     return key

@@ -15,6 +15,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from towers.errors import FailedPreconditionError, InvalidTypeError
+
 __all__ = ["compile_options", "compile_module"]
 
 _COMPILERS = ("c++", "g++", "clang++")
@@ -32,8 +34,8 @@ def compile_options(compile: bool | Mapping[str, Any] | None) -> dict[str, Any] 
         return {}
     if isinstance(compile, Mapping):
         return dict(compile)
-    raise TypeError(f"compile must be True, False or a dict of torch.compile options (e.g. {{'mode': "
-                    f"'max-autotune'}}). Received: {compile!r}.")
+    raise InvalidTypeError(f"compile must be True, False or a dict of torch.compile options (e.g. {{'mode': "
+                           f"'max-autotune'}}). Received: {compile!r}.")
 
 
 def compile_module(module: nn.Module, options: Mapping[str, Any], device: torch.device) -> nn.Module:
@@ -44,7 +46,7 @@ def compile_module(module: nn.Module, options: Mapping[str, Any], device: torch.
     """
     backend = options.get("backend", "inductor")
     if backend == "inductor" and device.type == "cpu" and not any(shutil.which(c) for c in _COMPILERS):
-        raise RuntimeError(
+        raise FailedPreconditionError(
             "prepare(..., compile=True) needs a C++ compiler for torch.compile's default backend (inductor) on the "
             f"CPU, and none of {', '.join(_COMPILERS)} is on PATH. Install one (e.g. `apt-get install g++`), pass "
             "compile={'backend': 'aot_eager'} (traced, no C++ kernels), or leave compile=False.")

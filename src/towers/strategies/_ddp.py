@@ -7,6 +7,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from towers.errors import InvalidArgumentError
 from towers.strategies.precision import Precision, precision_forward
 
 __all__ = ["TowersDDP", "check_same_parameters", "unused_parameters_error", "UNUSED_FIX"]
@@ -40,17 +41,17 @@ def check_same_parameters(module: nn.Module, all_gather_object: Callable[[Any], 
         def describe(entry: tuple[str, tuple[int, ...], str] | None) -> str:
             return "no parameter" if entry is None else f"{entry[0]!r} with shape {list(entry[1])} ({entry[2]})"
 
-        raise ValueError(
+        raise InvalidArgumentError(
             f"The model differs across replicas: parameter #{i} is {describe(ours)} on rank 0 but "
             f"{describe(theirs)} on rank {rank} ({len(reference)} vs {len(signature)} parameters). "
             "Every replica must build the same model: do not make layer sizes depend on the rank or on "
             "per-replica data.")
 
 
-def unused_parameters_error(names: list[str]) -> ValueError:
+def unused_parameters_error(names: list[str]) -> InvalidArgumentError:
     """Return the error for parameters that got no gradient in a step."""
     shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-    return ValueError(
+    return InvalidArgumentError(
         f"{len(names)} parameter(s) received no gradient in this step: {shown}. DDP (MirroredStrategy) "
         f"all-reduces every parameter's gradient each step and waits for all of them. {UNUSED_FIX}")
 
@@ -77,6 +78,6 @@ class TowersDDP(DistributedDataParallel):
                 raise
             names = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
             detail = f" Parameters without a gradient here: {', '.join(names[:10])}." if names else ""
-            raise ValueError(
+            raise InvalidArgumentError(
                 "The previous step left some parameters without a gradient, so DDP (MirroredStrategy) could not "
                 f"finish its gradient all-reduce.{detail} {UNUSED_FIX}") from None

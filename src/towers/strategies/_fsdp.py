@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from towers._logging import get_logger
+from towers.errors import InvalidArgumentError
 
 __all__ = ["ShardUnits", "DEFAULT_MIN_NUM_PARAMS", "select_units", "build_mesh", "mixed_precision_policy",
            "shard_model", "fsdp_modules"]
@@ -112,7 +113,7 @@ def select_units(model: nn.Module, shard_units: ShardUnits = "auto") -> list[nn.
     """
     if isinstance(shard_units, str):
         if shard_units != "auto":
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"shard_units must be 'auto', a module class (or tuple of classes) or a parameter count. "
                 f"Received: {shard_units!r}. Example: shard_units=MyBlock or shard_units=1_000_000.")
         blocks = _repeated_blocks(model)
@@ -132,11 +133,11 @@ def select_units(model: nn.Module, shard_units: ShardUnits = "auto") -> list[nn.
         return units
     if isinstance(shard_units, int) and not isinstance(shard_units, bool):
         if shard_units < 1:
-            raise ValueError(f"shard_units as a parameter count must be >= 1. Received: {shard_units}.")
+            raise InvalidArgumentError(f"shard_units as a parameter count must be >= 1. Received: {shard_units}.")
         return _by_size(model, shard_units)
     classes = (shard_units,) if isinstance(shard_units, type) else tuple(shard_units)  # type: ignore[arg-type]
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"shard_units must be 'auto', an nn.Module subclass (or tuple of them) or a parameter count. "
             f"Received: {shard_units!r}.")
     ordered: list[nn.Module] = []
@@ -161,7 +162,7 @@ def build_mesh(world_size: int, device_type: str, shard_group_size: int | None =
 
     group = world_size if shard_group_size is None else int(shard_group_size)
     if group < 1 or world_size % group:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"shard_group_size must divide the number of processes ({world_size}). Received: {shard_group_size!r}. "
             "Use the processes per node (HSDP: shard within a node, replicate across nodes) or None for one group.")
     if group == world_size:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from towers.data import BatchInfo
+from towers.errors import InvalidArgumentError
 from towers.strategies.precision import Precision
 from towers.verify_capture import before_update
 
@@ -41,7 +42,7 @@ class StepTracker:
 
     def __init__(self, accumulation_steps: int = 1):
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"gradient_accumulation_steps must be a positive integer. Received: {accumulation_steps!r}. "
                 "Use 1 for no accumulation.")
         self.accumulation_steps = accumulation_steps

@@ -17,7 +17,7 @@ from torch import nn
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset, DistributedStream, find_batch_info, is_stream
-from towers.errors import user_error
+from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
 from towers.strategies._steps import StepTracker, StrategyOptimizer
 from towers.strategies.base import ReplicaContext, Strategy, current_replica_context, note_built
@@ -89,12 +89,12 @@ class SyncStrategy(Strategy):
             RuntimeError: ``compile`` with inductor on a CPU without a C++ compiler.
         """
         if not isinstance(model, nn.Module):
-            raise TypeError(f"prepare expects an nn.Module as model. Received: {type(model).__name__}.")
+            raise InvalidTypeError(f"prepare expects an nn.Module as model. Received: {type(model).__name__}.")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"prepare expects a torch.optim.Optimizer (or None) as optimizer. Received: {type(optimizer).__name__}.")
         if any(model is m for m in (*self._user_modules, *self._wrapped)):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"This {type(model).__name__} was already prepared by this strategy. Call prepare once per model "
                 "and keep using the model it returned.")
         if isinstance(optimizer, StrategyOptimizer) or any(optimizer is o for o in self._optimizers):
@@ -215,7 +215,7 @@ class SyncStrategy(Strategy):
             ValueError: when the arguments mix tensors of different batches.
         """
         if not self._wrapped:
-            raise RuntimeError(
+            raise FailedPreconditionError(
                 f"strategy.run was called before any model was prepared. Expected `model, optimizer = "
                 f"strategy.prepare(model, optimizer)` first (under {type(self).__name__} gradients are only "
                 "combined across replicas for prepared models); then call the returned model inside the step.")
@@ -235,7 +235,7 @@ class SyncStrategy(Strategy):
             batch = run.batch
             if batch is None or batch.local_batch_size or batch.num_padding_examples:
                 raise
-            raise RuntimeError(
+            raise FailedPreconditionError(
                 f"Replica {self.replica_id} got an empty share of global batch {batch.index} ({batch.global_batch_size} "
                 f"example(s) over {self.num_replicas_in_sync} replicas) and the step failed on it: "
                 f"{type(exc).__name__}: {exc}. Expected the model to accept a batch of 0 examples; otherwise use "
@@ -256,11 +256,11 @@ class SyncStrategy(Strategy):
         op = check_op(op)
         tensor = as_tensor(value, self._device)
         if axis is not None and not -tensor.dim() <= axis < max(tensor.dim(), 1):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"axis must be None or a dimension of the value (shape {list(tensor.shape)}). Received: axis={axis}. "
                 "Use axis=0 to reduce over the batch.")
         if axis is not None and tensor.dim() == 0:
-            raise ValueError("axis must be None for a scalar value. Received: axis=0 with a 0-d tensor.")
+            raise InvalidArgumentError("axis must be None for a scalar value. Received: axis=0 with a 0-d tensor.")
         if axis is not None and axis < 0:
             axis += tensor.dim()
         return self._comm.reduce(op, tensor, axis)

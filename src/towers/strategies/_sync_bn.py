@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["CpuSyncBatchNorm", "convert_sync_batchnorm"]
 
 
@@ -34,7 +36,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dist.all_reduce(stats, group=group)  # every replica, even one with an empty batch, joins
         count = float(stats[-1])
         if count <= 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"BatchNorm needs more than 1 value per channel over all replicas when training. Received: {count:g}. "
                 "Use a larger global batch (or drop_remainder=True).")
         mean = stats[:channels] / count
@@ -90,8 +92,9 @@ class CpuSyncBatchNorm(_BatchNorm):
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
-            raise ValueError(f"SyncBatchNorm expects input of at least 2 dimensions [batch, channels, ...]. Received: "
-                             f"{input.dim()}-D input of shape {list(input.shape)}. Pass batches with a channel dimension.")
+            raise InvalidArgumentError(f"SyncBatchNorm expects input of at least 2 dimensions [batch, channels, ...]. Received: "
+                                       f"{input.dim()}-D input of shape {list(input.shape)}. Pass batches with a channel "
+                                       "dimension.")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Return batch-normalised ``input`` with statistics over every replica's batch (in training)."""

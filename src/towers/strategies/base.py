@@ -18,7 +18,7 @@ from towers._logging import get_logger
 from towers._rng import fork_replica_stream, owns_stream
 from towers.cluster.info import ProcessInfo
 from towers.data import BatchInfo, InputContext, find_batch_info
-from towers.errors import user_error
+from towers.errors import InvalidTypeError, user_error
 from towers.strategies._compile import compile_module, compile_options
 from towers.strategies._loss_weights import UpdateWeights
 from towers.strategies._strategy_checkpoints import StrategyCheckpoints
@@ -163,9 +163,9 @@ class Strategy(StrategyCheckpoints, ABC):
             TypeError: when ``dataset_fn`` is not callable.
         """
         if not callable(dataset_fn):
-            raise TypeError(f"distribute_datasets_from_function expects a function of an InputContext. Received: "
-                            f"{type(dataset_fn).__name__}. Example: strategy.distribute_datasets_from_function("
-                            "lambda ctx: my_batches(shard=ctx.input_pipeline_id, num_shards=ctx.num_input_pipelines)).")
+            raise InvalidTypeError(f"distribute_datasets_from_function expects a function of an InputContext. Received: "
+                                   f"{type(dataset_fn).__name__}. Example: strategy.distribute_datasets_from_function("
+                                   "lambda ctx: my_batches(shard=ctx.input_pipeline_id, num_shards=ctx.num_input_pipelines)).")
         n = self.num_replicas_in_sync
         return dataset_fn(InputContext(num_input_pipelines=n, input_pipeline_id=self.replica_id,
                                        num_replicas_in_sync=n, device=self.device))

@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from towers.errors import InvalidArgumentError, TowersError
+
 if TYPE_CHECKING:
     from towers.strategies.base import Strategy
 
 __all__ = ["PeerLostError", "check_max_norm", "ReplicaContext"]
 
 
-class PeerLostError(RuntimeError):
+class PeerLostError(TowersError, RuntimeError):
     """A collective over the live replicas failed: one of them was lost since the current step began.
 
     Raised only by strategies that survive a lost replica (``FaultTolerantStrategy``): the caller
@@ -26,8 +28,8 @@ class PeerLostError(RuntimeError):
 def check_max_norm(max_norm: Any) -> None:
     """Refuse a gradient-clipping bound that is not a positive finite number (torch clips everything to 0 then)."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
-        raise ValueError(f"max_norm must be a positive finite number. Received: max_norm={max_norm!r}. Use the "
-                         "largest gradient norm you accept, e.g. 1.0; to not clip, do not call clip_grad_norm_.")
+        raise InvalidArgumentError(f"max_norm must be a positive finite number. Received: max_norm={max_norm!r}. Use the "
+                                   "largest gradient norm you accept, e.g. 1.0; to not clip, do not call clip_grad_norm_.")
 
 
 class ReplicaContext:

@@ -16,6 +16,7 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
+from towers.errors import FailedPreconditionError, InvalidArgumentError
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._comm_hooks import check_compression, register_sum_hook
@@ -62,7 +63,7 @@ class MirroredStrategy(SyncStrategy):
         from towers.devices import warn_if_gpus_idle
 
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0 (or None for DDP's default). Received: {bucket_cap_mb}.")
+            raise InvalidArgumentError(f"bucket_cap_mb must be > 0 (or None for DDP's default). Received: {bucket_cap_mb}.")
         self._compression = check_compression(gradient_compression)
         self._sync_batchnorm = bool(sync_batchnorm)
         # Passed to DDP only when set: an explicit value also drops DDP's small first bucket.
@@ -120,7 +121,7 @@ class MirroredStrategy(SyncStrategy):
 
         def check() -> None:
             if wrapped.towers_forward_calls == seen["calls"]:
-                raise RuntimeError(
+                raise FailedPreconditionError(
                     "optimizer.step() ran, but the model returned by strategy.prepare was not called since the last "
                     "update, so no gradient was all-reduced and the replicas would drift apart. Expected the step to "
                     "call the prepared model: `model, optimizer = strategy.prepare(model, optimizer)` and then "

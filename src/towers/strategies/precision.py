@@ -25,6 +25,7 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.data import map_tensors
+from towers.errors import FailedPreconditionError, InvalidArgumentError
 
 __all__ = ["PRECISIONS", "Precision", "resolve_precision", "MixedPrecisionModule", "precision_forward"]
 
@@ -49,8 +50,8 @@ class Precision:
     def __init__(self, name: str = "32", device_type: str = "cpu", *, init_scale: float = 2.0 ** 16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000):
         if name not in _DTYPES:
-            raise ValueError(f"Precision name must be one of {sorted(_DTYPES)}. Received: {name!r}. "
-                             "Build it with towers.strategies.precision.resolve_precision(...).")
+            raise InvalidArgumentError(f"Precision name must be one of {sorted(_DTYPES)}. Received: {name!r}. "
+                                       "Build it with towers.strategies.precision.resolve_precision(...).")
         self.name = name
         self.device_type = device_type
         self.scale = float(init_scale)
@@ -130,10 +131,10 @@ class Precision:
                 optimizer.step()
             return True
         if closure is not None:
-            raise ValueError("optimizer.step(closure) is not supported with precision='fp16'. Call step() without a "
-                             "closure, after strategy.backward(loss).")
+            raise InvalidArgumentError("optimizer.step(closure) is not supported with precision='fp16'. Call step() without a "
+                                       "closure, after strategy.backward(loss).")
         if not self._scaled_backward:
-            raise RuntimeError(
+            raise FailedPreconditionError(
                 "precision='fp16' scales the loss before backward, but no strategy.backward(loss) ran since the last "
                 "optimizer step, so the gradients were never scaled (and small ones underflow). Expected "
                 "`strategy.backward(loss)` instead of `loss.backward()` in the step function.")
@@ -190,7 +191,7 @@ def resolve_precision(precision: str | int | Precision | None, device: torch.dev
     text = "32" if precision is None else str(precision).strip().lower()
     name = next((canon for canon, spellings in PRECISIONS.items() if text in spellings), None)
     if name is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"precision must be one of '32', 'bf16' or 'fp16'. Received: {precision!r}. "
             "Use 'bf16' for mixed precision on CPUs and recent GPUs, 'fp16' (with loss scaling) on older GPUs.")
     result = Precision(name, device.type)
@@ -203,11 +204,11 @@ def _check_autocast(precision: Precision) -> None:
     device_type, dtype = precision.device_type, precision.autocast_dtype
     is_available = getattr(torch.amp, "is_autocast_available", lambda _: True)
     if not is_available(device_type):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"precision={precision.name!r} needs torch.autocast on {device_type!r}, which this torch build lacks. "
             "Use precision='32' on this device.")
     if device_type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ValueError(
+        raise InvalidArgumentError(
             "precision='bf16' needs a GPU with bfloat16 support (Ampere or newer); this one has none. "
             "Use precision='fp16' (with loss scaling) or '32'.")
     # Older torch builds warn "target dtype is not supported" and quietly disable autocast; probe for it.
@@ -220,7 +221,7 @@ def _check_autocast(precision: Precision) -> None:
                 enabled = True
     if not enabled or any("not supported" in str(w.message) for w in caught):
         other = "'bf16'" if precision.name == "fp16" else "'32'"
-        raise ValueError(
+        raise InvalidArgumentError(
             f"precision={precision.name!r}: torch {torch.__version__} cannot autocast to {dtype} on {device_type!r}. "
             f"Use precision={other} on this device, or upgrade torch.")
 

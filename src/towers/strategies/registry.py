@@ -14,6 +14,7 @@ from towers._logging import get_logger
 from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
 from towers.cluster.launch_notes import note_strategy_built
+from towers.errors import InvalidArgumentError, InvalidTypeError
 
 if TYPE_CHECKING:
     from towers.strategies.base import Strategy
@@ -101,7 +102,7 @@ def check_strategy_options(name: str, options: Mapping[str, Any]) -> None:
     for key, value in options.items():
         if key not in taken:
             others = [n for n in _takers(key) if n != name]
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Strategy {name!r} does not take the option {key!r}. Received: --strategy-option {key}={value!r} "
                 f"(TOWERS_STRATEGY_OPTIONS). {f'{key!r} is an option of {others}; ' if others else ''}{name!r} takes "
                 f"{sorted(taken)}. Drop it or pick another --strategy.")
@@ -120,8 +121,8 @@ def _options_for(name: str, launcher: Mapping[str, Any], script: Mapping[str, An
             continue
         others = _takers(key)
         if not others:
-            raise TypeError(f"strategy_from_env() got an option no strategy takes. Received: {key}={value!r}. "
-                            f"{name!r} takes {sorted(taken)}.")
+            raise InvalidTypeError(f"strategy_from_env() got an option no strategy takes. Received: {key}={value!r}. "
+                                   f"{name!r} takes {sorted(taken)}.")
         # The same script runs under every strategy: an option of another one is not this one's business.
         log.debug("strategy %s does not take %s=%r (an option of %s): not passed", name, key, value, others)
     return {**options, **launcher}

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from towers.data import TensorDictDataset, is_stream
+from towers.errors import InvalidArgumentError, InvalidTypeError
 from towers.training.metrics import ExternalMetric, Mean, Metric
 
 __all__ = ["per_example_loss_fn", "as_dataset", "split_batch", "MetricSet"]
@@ -26,7 +27,7 @@ def per_example_loss_fn(loss: Any) -> Callable[[torch.Tensor, torch.Tensor], tor
         if not _takes_reduction(loss):  # the loss reduces itself (a mean): the Trainer weighs it by its labels
             return loss
         return lambda y_pred, y_true: loss(y_pred, y_true, reduction="none")
-    raise TypeError(f"loss must be a callable like torch.nn.functional.cross_entropy. Received: {loss!r}.")
+    raise InvalidTypeError(f"loss must be a callable like torch.nn.functional.cross_entropy. Received: {loss!r}.")
 
 
 def _takes_reduction(fn: Callable[..., Any]) -> bool:
@@ -42,37 +43,37 @@ def as_dataset(data: Any, what: str) -> Dataset:
     """Return ``data`` as a map-style dataset (a tuple ``(x, y)`` of tensors becomes a ``TensorDataset``)."""
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
         if len(data[0]) != len(data[1]):
-            raise ValueError(f"{what}: x and y must have the same length. Received: {len(data[0])} and {len(data[1])}.")
+            raise InvalidArgumentError(f"{what}: x and y must have the same length. Received: {len(data[0])} and {len(data[1])}.")
         return TensorDataset(data[0], data[1])
     if isinstance(data, Mapping):  # {"input_ids": ..., "attention_mask": ..., "labels": ...}
         try:
             return TensorDictDataset(data)
         except ValueError as exc:
-            raise ValueError(f"{what}: {exc}") from None
+            raise InvalidArgumentError(f"{what}: {exc}") from None
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
         return data
     if is_stream(data):  # towers.data.Shards, a torch IterableDataset, a Hugging Face stream
         return data
-    raise TypeError(f"{what} must be a map-style Dataset (e.g. TensorDataset), a tuple (x, y) of tensors, a dict of "
-                    "tensors, or a stream (towers.data.Shards, a torch IterableDataset). "
-                    f"Received: {type(data).__name__}.")
+    raise InvalidTypeError(f"{what} must be a map-style Dataset (e.g. TensorDataset), a tuple (x, y) of tensors, a dict of "
+                           "tensors, or a stream (towers.data.Shards, a torch IterableDataset). "
+                           f"Received: {type(data).__name__}.")
 
 
 def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(x, y)`` of a batch; extra items are ignored."""
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         return batch[0], batch[1]
-    raise ValueError(f"Each batch must be (x, y). Received: {type(batch).__name__}"
-                     f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. "
-                     "Use a dataset whose items are (input, label) pairs, e.g. TensorDataset(x, y).")
+    raise InvalidArgumentError(f"Each batch must be (x, y). Received: {type(batch).__name__}"
+                               f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. "
+                               "Use a dataset whose items are (input, label) pairs, e.g. TensorDataset(x, y).")
 
 
 def per_example(values: torch.Tensor, batch_size: int) -> torch.Tensor:
     """Return one loss per example: ``values`` with extra dimensions (e.g. per pixel) averaged."""
     if values.ndim == 0 and batch_size > 0:
-        raise ValueError(f"loss must return one value per example when called with reduction='none'; it returned "
-                         f"a scalar for a batch of {batch_size}. Pass e.g. F.cross_entropy, or a function that "
-                         "accepts reduction=.")
+        raise InvalidArgumentError(f"loss must return one value per example when called with reduction='none'; it returned "
+                                   f"a scalar for a batch of {batch_size}. Pass e.g. F.cross_entropy, or a function that "
+                                   "accepts reduction=.")
     return values.reshape(batch_size, -1).mean(dim=1) if values.ndim > 1 else values
 
 

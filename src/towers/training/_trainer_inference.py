@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 
 from towers._logging import get_logger
 from towers.data import is_stream
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 from towers.training._steps import as_dataset, per_example
 from towers.training._trainer_attributes import TrainerAttributes
 from towers.training._trainer_steps import _labels, _predictions_or
@@ -37,7 +37,7 @@ class _Inference(TrainerAttributes):
         if gbs is None:
             gbs = self._last_global_batch_size or 32 * self.strategy.num_replicas_in_sync
         if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs < 1:
-            raise ValueError(f"global_batch_size must be a positive integer (or None for fit's). Received: {gbs!r}.")
+            raise InvalidArgumentError(f"global_batch_size must be a positive integer (or None for fit's). Received: {gbs!r}.")
         return self._evaluate(as_dataset(data, "data"), gbs, CallbackList(callbacks, trainer=cast("Trainer", self)))
 
     def _evaluate(self, dataset: Dataset, global_batch_size: int, cbs: CallbackList) -> dict[str, float]:
@@ -91,7 +91,7 @@ class _Inference(TrainerAttributes):
         every replica returns the same tensor.
         """
         if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer. Received: {batch_size!r}.")
+            raise InvalidArgumentError(f"batch_size must be a positive integer. Received: {batch_size!r}.")
         if isinstance(x, Mapping):  # a dict of tensors: the model's keyword arguments (labels left out)
             return self._predict_dicts({k: v for k, v in x.items() if k != self.label_key}, batch_size, callbacks)
         if is_stream(x):

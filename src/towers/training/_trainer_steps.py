@@ -9,7 +9,7 @@ import torch
 
 from towers._logging import get_logger
 from towers.data import find_batch_info
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 from towers.strategies.base import PeerLostError
 from towers.training._steps import per_example
 from towers.training._trainer_attributes import TrainerAttributes
@@ -51,7 +51,7 @@ class _TrainingSteps(TrainerAttributes):
                 raise
             x = parts.inputs
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"The model cannot take this batch: its input has shape {shape} (batch first), and torch says: "
                 f"{str(exc).splitlines()[0]}. Make the data's feature shape match the model's first layer (e.g. "
                 "nn.Linear(in_features=...) equal to the last dimension of x), or reshape/flatten x.") from exc

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from towers.errors import InvalidArgumentError, InvalidTypeError
+
 __all__ = [
     "Metric", "Mean", "MeanMetricWrapper", "Accuracy", "SparseCategoricalAccuracy", "TopKAccuracy", "ExternalMetric",
     "accuracy", "top_k_accuracy", "get_metric", "build_metrics",
@@ -40,7 +42,7 @@ class Metric(ABC):
     def __init__(self, name: str | None = None):
         name = _snake(type(self).__name__) if name is None else name
         if not name or not isinstance(name, str):
-            raise ValueError(f"A metric needs a non-empty string name. Received: {name!r}.")
+            raise InvalidArgumentError(f"A metric needs a non-empty string name. Received: {name!r}.")
         self.name = name
         self._totals = torch.zeros(self.num_states, dtype=torch.float64)
         self._pending: torch.Tensor | None = None  # update()'s sums on this replica, not yet combined
@@ -120,7 +122,8 @@ class Metric(ABC):
         """Restore sums from ``state_dict``."""
         totals = torch.as_tensor(state["totals"], dtype=torch.float64)
         if totals.shape != self._totals.shape:
-            raise ValueError(f"Metric {self.name!r} expects {self.num_states} sums, received shape {tuple(totals.shape)}.")
+            raise InvalidArgumentError(f"Metric {self.name!r} expects {self.num_states} sums, received shape "
+                                       f"{tuple(totals.shape)}.")
         self._totals = totals.clone()
 
     def __repr__(self) -> str:
@@ -149,8 +152,8 @@ class MeanMetricWrapper(Mean):
         """Return ``[sum, count]`` of ``fn``'s per-example values on this batch."""
         with torch.no_grad():
             if y_true is None:
-                raise ValueError(f"Metric {self.name!r} compares predictions with labels. Received: y_true=None. "
-                                 "Pass the labels of the batch.")
+                raise InvalidArgumentError(f"Metric {self.name!r} compares predictions with labels. Received: y_true=None. "
+                                           "Pass the labels of the batch.")
             return super().local_state(self.fn(y_pred, y_true))
 
 
@@ -160,7 +163,7 @@ def accuracy(y_pred: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor:
         return (y_pred.argmax(dim=-1) == y_true).to(torch.float32)
     if y_pred.shape == y_true.shape:
         return ((y_pred > 0.5).to(y_true.dtype) == y_true).to(torch.float32).reshape(len(y_true), -1).mean(dim=1)
-    raise ValueError(
+    raise InvalidArgumentError(
         f"accuracy expects logits [B, C] with labels [B], or predictions shaped like the labels. "
         f"Received: y_pred {tuple(y_pred.shape)}, y_true {tuple(y_true.shape)}.")
 
@@ -168,8 +171,8 @@ def accuracy(y_pred: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor:
 def top_k_accuracy(y_pred: torch.Tensor, y_true: torch.Tensor, k: int = 5) -> torch.Tensor:
     """Return 1.0/0.0 per example: the label is among the ``k`` largest logits of ``[B, C]``."""
     if y_pred.ndim != 2 or y_true.ndim != 1:
-        raise ValueError(f"top-k accuracy expects logits [B, C] and labels [B]. "
-                         f"Received: y_pred {tuple(y_pred.shape)}, y_true {tuple(y_true.shape)}.")
+        raise InvalidArgumentError(f"top-k accuracy expects logits [B, C] and labels [B]. "
+                                   f"Received: y_pred {tuple(y_pred.shape)}, y_true {tuple(y_true.shape)}.")
     top = y_pred.topk(min(k, y_pred.shape[1]), dim=1).indices
     return (top == y_true.unsqueeze(1)).any(dim=1).to(torch.float32)
 
@@ -193,7 +196,7 @@ class TopKAccuracy(MeanMetricWrapper):
 
     def __init__(self, k: int = 5, name: str | None = None):
         if not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive integer. Received: {k!r}.")
+            raise InvalidArgumentError(f"k must be a positive integer. Received: {k!r}.")
         self.k = k
         super().__init__(functools.partial(top_k_accuracy, k=k), name or f"top{k}_accuracy")
 
@@ -294,7 +297,7 @@ def get_metric(spec: Any, *, strategy: Any = None) -> Metric | ExternalMetric:
             return TopKAccuracy(int(match.group(1)), name=spec)
         if key == "top_k_accuracy":
             return TopKAccuracy(5, name=spec)
-        raise ValueError(
+        raise InvalidArgumentError(
             f"Unknown metric {spec!r}. Expected 'accuracy', 'topK_accuracy' (e.g. 'top5_accuracy'), a "
             "towers.metrics.Metric, a torchmetrics.Metric, or a function fn(y_pred, y_true) returning one value "
             "per example.")
@@ -302,8 +305,8 @@ def get_metric(spec: Any, *, strategy: Any = None) -> Metric | ExternalMetric:
         return ExternalMetric(spec, strategy=strategy)
     if callable(spec):
         return MeanMetricWrapper(spec)
-    raise TypeError(f"Cannot use {spec!r} ({type(spec).__name__}) as a metric. Pass a name like 'accuracy', "
-                    "a towers.metrics.Metric, a torchmetrics.Metric or a per-example function.")
+    raise InvalidTypeError(f"Cannot use {spec!r} ({type(spec).__name__}) as a metric. Pass a name like 'accuracy', "
+                           "a towers.metrics.Metric, a torchmetrics.Metric or a per-example function.")
 
 
 def build_metrics(specs: Iterable[Any] | Mapping[str, Any] | None, *, strategy: Any = None) -> list[Metric | ExternalMetric]:
@@ -326,6 +329,6 @@ def build_metrics(specs: Iterable[Any] | Mapping[str, Any] | None, *, strategy: 
     names = [m.name for m in metrics]
     bad = sorted({n for n in names if names.count(n) > 1 or n == "loss" or n.startswith("val_")})
     if bad:
-        raise ValueError(f"Metric names must be unique, not 'loss', and not start with 'val_'. Received: {names}. "
-                         "Pass a dict {name: metric} to rename them.")
+        raise InvalidArgumentError(f"Metric names must be unique, not 'loss', and not start with 'val_'. Received: {names}. "
+                                   "Pass a dict {name: metric} to rename them.")
     return metrics

@@ -20,7 +20,7 @@ from towers.checkpoint import api as ckpt
 from towers.checkpoint import layout as ckpt_layout
 from towers.data import BatchInfo, is_stream
 from towers.diagnostics.throughput import ThroughputMeter
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, InvalidTypeError, user_error
 from towers.strategies.base import Strategy, check_max_norm
 from towers.training._state import TrainingProgress, capture_state, restore_state
 from towers.training._steps import MetricSet, as_dataset, per_example_loss_fn
@@ -84,16 +84,16 @@ class Trainer(_Epochs, _TrainingSteps, _Inference):
                  prediction_key: str | int | None = None, ignore_index: int = -100,
                  breakdown_every: int | None = None):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}.")
+            raise InvalidTypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}.")
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be a positive integer. Received: {log_every_n_steps!r}. "
-                             "Use 1 to reduce the metrics every step, or e.g. 10.")
+            raise InvalidArgumentError(f"log_every_n_steps must be a positive integer. Received: {log_every_n_steps!r}. "
+                                       "Use 1 to reduce the metrics every step, or e.g. 10.")
         if clip_grad_norm is not None:
             check_max_norm(clip_grad_norm)
         if breakdown_every is not None and (isinstance(breakdown_every, bool) or not isinstance(breakdown_every, int)
                                             or breakdown_every < 0):
-            raise ValueError(f"breakdown_every must be None (the default period), 0 (off) or a positive integer. "
-                             f"Received: {breakdown_every!r}.")
+            raise InvalidArgumentError(f"breakdown_every must be None (the default period), 0 (off) or a positive integer. "
+                                       f"Received: {breakdown_every!r}.")
         self.breakdown_every = breakdown_every
         self.clip_grad_norm = clip_grad_norm
         if strategy is None:
@@ -101,8 +101,8 @@ class Trainer(_Epochs, _TrainingSteps, _Inference):
 
             strategy = strategy_from_env(**({} if precision is None else {"precision": precision}))
         if not isinstance(strategy, Strategy):
-            raise TypeError(f"strategy must be a towers Strategy (e.g. towers.MirroredStrategy()) or None for "
-                            f"towers.strategy_from_env(). Received: {type(strategy).__name__}.")
+            raise InvalidTypeError(f"strategy must be a towers Strategy (e.g. towers.MirroredStrategy()) or None for "
+                                   f"towers.strategy_from_env(). Received: {type(strategy).__name__}.")
         self.strategy: Strategy = strategy
         self.loss_fn = per_example_loss_fn(loss) if loss is not None else None
         self.label_key, self.prediction_key, self.ignore_index = label_key, prediction_key, int(ignore_index)
@@ -155,12 +155,13 @@ class Trainer(_Epochs, _TrainingSteps, _Inference):
         for name, value, low in (("epochs", epochs, 1), ("global_batch_size", global_batch_size, 1),
                                  ("initial_epoch", initial_epoch, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}. Received: {name}={value!r}.")
+                raise InvalidArgumentError(f"{name} must be an integer >= {low}. Received: {name}={value!r}.")
         if initial_epoch >= epochs:
-            raise ValueError(f"epochs is the epoch to train up to, so it must be > initial_epoch. Received: epochs={epochs}, "
-                             f"initial_epoch={initial_epoch}: nothing would train. Use epochs={initial_epoch + 1} or more.")
+            raise InvalidArgumentError("epochs is the epoch to train up to, so it must be > initial_epoch. "
+                                       f"Received: epochs={epochs}, initial_epoch={initial_epoch}: nothing would train. "
+                                       f"Use epochs={initial_epoch + 1} or more.")
         if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
-            raise ValueError(f"steps_per_epoch must be a positive integer or None. Received: {steps_per_epoch!r}.")
+            raise InvalidArgumentError(f"steps_per_epoch must be a positive integer or None. Received: {steps_per_epoch!r}.")
         train_set = as_dataset(train_data, "train_data")
         val_set = None if validation_data is None else as_dataset(validation_data, "validation_data")
         self._last_global_batch_size = global_batch_size
@@ -278,7 +279,7 @@ def _check_precision(strategy: Strategy, precision: Any) -> None:
     wanted = resolve_precision(precision, strategy.device).name
     actual = strategy.precision.name
     if wanted != actual:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"Trainer(precision={precision!r}) but the strategy computes in precision {actual!r}. Precision belongs "
             f"to the strategy: build it with precision={precision!r} (e.g. towers.strategy_from_env(precision=...)), "
             "or leave Trainer's precision unset.")

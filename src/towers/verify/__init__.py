@@ -13,7 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from towers.errors import user_error
+from towers.errors import FailedPreconditionError, user_error
 from towers.verify.causes import CAUSES, Cause, name_cause
 from towers.verify.compare import DEFAULT_TOLERANCE, Evidence, gather_evidence, load_capture, worst_difference
 from towers.verify.jobs import RunResult, RunSpec, format_args, run_all
@@ -117,7 +117,7 @@ class VerifyReport:
 def _row(label: str, result: RunResult, reference_dir: str, *, replicas: int, tolerance: float) -> VerifyRow:
     reference = load_capture(os.path.join(reference_dir, "rank0"))
     if reference is None:  # checked by the caller
-        raise RuntimeError("the one-process run recorded nothing")
+        raise FailedPreconditionError("the one-process run recorded nothing")
     ranks = [load_capture(os.path.join(result.spec.directory, f"rank{r}")) for r in range(replicas)]
     evidence = gather_evidence(reference, ranks, replicas=replicas, error=result.error, tolerance=tolerance)
     cause = name_cause(evidence)

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from towers.cluster.detect import VERIFY_DIR_VARIABLE, VERIFY_STEPS_VARIABLE
 from towers.cluster.environ import read_environ
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 from towers.launch.spawn import cpu_threads_per_process, free_port
 
 __all__ = ["RunSpec", "RunResult", "format_args", "run_all"]
@@ -67,7 +67,7 @@ def _evaluate(node: ast.AST, world_size: int) -> float:
         return world_size
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         return _OPS[type(node.op)](_evaluate(node.left, world_size), _evaluate(node.right, world_size))
-    raise ValueError("not an arithmetic expression of world_size")
+    raise InvalidArgumentError("not an arithmetic expression of world_size")
 
 
 def format_args(args: Sequence[str], world_size: int) -> tuple[str, ...]:

@@ -13,6 +13,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["local_state", "load_local_model", "load_local_optimizer"]
 
 
@@ -42,13 +44,13 @@ def load_local_model(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     missing = sorted(set(own) - set(state))
     if missing:
-        raise ValueError(f"the live group's state lacks {missing[:5]}: every group must run the same model")
+        raise InvalidArgumentError(f"the live group's state lacks {missing[:5]}: every group must run the same model")
     with torch.no_grad():
         for name, target in own.items():
             local = cast(Any, target).to_local() if _is_dtensor(target) else target
             if local.shape != state[name].shape:
-                raise ValueError(f"{name}: the live group's shard has shape {tuple(state[name].shape)}, this process's "
-                                 f"{tuple(local.shape)}: every group must shard the same model over the same processes")
+                raise InvalidArgumentError(f"{name}: the live group's shard has shape {tuple(state[name].shape)}, this process's "
+                                           f"{tuple(local.shape)}: every group must shard the same model over the same processes")
             local.copy_(state[name])
 
 

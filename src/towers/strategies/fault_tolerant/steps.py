@@ -15,7 +15,7 @@ from torch import nn
 
 from towers._batch import BatchInfo, find_batch_info
 from towers._logging import get_logger
-from towers.errors import user_error
+from towers.errors import FailedPreconditionError, user_error
 from towers.strategies.base import ReplicaContext, Strategy
 from towers.strategies.fault_tolerant.grads import GradientSync
 from towers.strategies.fault_tolerant.groups import _QuorumClient
@@ -85,9 +85,9 @@ class _QuorumSteps(Strategy):
         if self._steps.open:
             return
         if not self._user_modules:
-            raise RuntimeError("FaultTolerantStrategy: a step began before any model was prepared. Expected "
-                               "`model, optimizer = strategy.prepare(model, optimizer)` before iterating the dataset "
-                               "or calling strategy.run (a healing group loads the live state into them).")
+            raise FailedPreconditionError("FaultTolerantStrategy: a step began before any model was prepared. Expected "
+                                          "`model, optimizer = strategy.prepare(model, optimizer)` before iterating the dataset "
+                                          "or calling strategy.run (a healing group loads the live state into them).")
         self._start_quorum()
         if self.current_step == 0:
             self._await_launched_groups()
@@ -100,7 +100,7 @@ class _QuorumSteps(Strategy):
         try:
             self._manager.start_quorum()
         except Exception as exc:  # torchft raises the RPC's TimeoutError or a connection error
-            raise RuntimeError(
+            raise FailedPreconditionError(
                 f"replica group {self.replica_group_id}: no quorum from the lighthouse {self._lighthouse} within "
                 f"quorum_timeout_s={self._quorum_timeout_s} ({type(exc).__name__}: {exc}). The lighthouse is the job's "
                 f"single point: without it every group stops at its last committed step ({self.current_step}). "

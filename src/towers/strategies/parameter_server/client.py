@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from towers.diagnostics import track
+from towers.errors import InvalidArgumentError
 from towers.process_group import DistributedError
 from towers.strategies.parameter_server.transport import Link, LinkError, Message, Op, Status
 
@@ -110,7 +111,7 @@ class ParameterClient:
             except LinkError as exc:
                 raise self._lost(p, name, exc) from exc
             if reply.status == Status.BAD_INPUT:
-                raise ValueError(str(reply.meta))
+                raise InvalidArgumentError(str(reply.meta))
             if reply.status != Status.OK:
                 raise DistributedError(f"{self._tag()} {name} failed on ps task {p} (rank {self.ps_ranks[p]}): "
                                        f"{reply.meta}")

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from towers.cluster.info import ProcessInfo
+from towers.errors import FailedPreconditionError, InvalidArgumentError
 from towers.strategies._collectives import as_tensor, check_op
 from towers.strategies.base import Strategy
 from towers.strategies.parameter_server.client import ParameterClient
@@ -26,8 +27,8 @@ class _WorkerCollectives(Strategy):
 
     def _require_worker(self, what: str) -> ParameterClient:
         if self._client is None:
-            raise RuntimeError(f"{what} runs on workers; this process is ps task {self.roles.index} (rank "
-                               f"{self._info.rank}). Guard ps-task code with `if strategy.is_ps`.")
+            raise FailedPreconditionError(f"{what} runs on workers; this process is ps task {self.roles.index} (rank "
+                                          f"{self._info.rank}). Guard ps-task code with `if strategy.is_ps`.")
         return self._client
 
     def _comm_or_fail(self, what: str) -> PsComm:
@@ -43,8 +44,8 @@ class _WorkerCollectives(Strategy):
         op = check_op(op)
         tensor = as_tensor(value, torch.device("cpu"))
         if axis is not None and (tensor.dim() == 0 or not -tensor.dim() <= axis < tensor.dim()):
-            raise ValueError(f"axis must be None or a dimension of the value (shape {list(tensor.shape)}). "
-                             f"Received: axis={axis}. Use axis=0 to reduce over the batch.")
+            raise InvalidArgumentError(f"axis must be None or a dimension of the value (shape {list(tensor.shape)}). "
+                                       f"Received: axis={axis}. Use axis=0 to reduce over the batch.")
         if axis is not None and axis < 0:
             axis += tensor.dim()
         return self._comm_or_fail("reduce").reduce(op, tensor, axis)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from towers.errors import FailedPreconditionError, InvalidArgumentError
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.tables import ROW_OPTIMIZERS, TableSpec, check_options, hash_ids, initial_rows
 from towers.strategies.parameter_server.transport import Op
@@ -57,9 +58,9 @@ class ShardedEmbedding(nn.Module):
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1. Received: {name}={value!r}.")
+                raise InvalidArgumentError(f"{name} must be an integer >= 1. Received: {name}={value!r}.")
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}. Received: mode={mode!r}.")
+            raise InvalidArgumentError(f"mode must be one of {MODES}. Received: mode={mode!r}.")
         options = dict(optimizer_options or {})
         if lr is not None:
             options["lr"] = lr
@@ -96,8 +97,8 @@ class ShardedEmbedding(nn.Module):
         if self.hashed:
             return hash_ids(ids, self.num_embeddings, salt=self.seed)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise ValueError(f"ShardedEmbedding ids must lie in [0, {self.num_embeddings}). Received ids from "
-                             f"{int(ids.min())} to {int(ids.max())}. Use hashed=True for ids of no fixed range.")
+            raise InvalidArgumentError(f"ShardedEmbedding ids must lie in [0, {self.num_embeddings}). Received ids from "
+                                       f"{int(ids.min())} to {int(ids.max())}. Use hashed=True for ids of no fixed range.")
         return ids
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,7 +111,7 @@ class ShardedEmbedding(nn.Module):
             RuntimeError: the model was not prepared by a strategy with parameter servers.
         """
         if self._tables is None:
-            raise RuntimeError(
+            raise FailedPreconditionError(
                 "ShardedEmbedding keeps its rows on the ps tasks, and this one is not connected to any: prepare the "
                 "model first (`model, optimizer = strategy.prepare(model, optimizer)` with ParameterServerStrategy "
                 "or HybridStrategy). For one process, use nn.EmbeddingBag(..., _weight=table.initial_weight()).")
@@ -124,9 +125,10 @@ class ShardedEmbedding(nn.Module):
         if self.mode == "none":
             return F.embedding(inverse, rows)
         if input.dim() == 2 and offsets is not None:
-            raise ValueError("offsets go with 1-D input only (as in nn.EmbeddingBag). Received a 2-D input and offsets.")
+            raise InvalidArgumentError("offsets go with 1-D input only (as in nn.EmbeddingBag). Received a 2-D input and "
+                                       "offsets.")
         if input.dim() == 1 and offsets is None:
-            raise ValueError("1-D input needs offsets (the start of each bag), as in nn.EmbeddingBag. Received none.")
+            raise InvalidArgumentError("1-D input needs offsets (the start of each bag), as in nn.EmbeddingBag. Received none.")
         return F.embedding_bag(inverse, rows, offsets, mode=self.mode)
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
@@ -261,7 +263,7 @@ class SparseTables:
             ValueError: the state lacks ``ids`` or a ps task refuses it.
         """
         if "ids" not in state:
-            raise ValueError(f"table {self.specs[t].name!r}: a saved table needs 'ids'. Received keys {sorted(state)}.")
+            raise InvalidArgumentError(f"table {self.specs[t].name!r}: a saved table needs 'ids'. Received keys {sorted(state)}.")
         ids = state["ids"].to(torch.int64)
         owner = ids % self.num_ps
         metas = [{"t": t, "state": {k: v[owner == p] for k, v in state.items()}} for p in range(self.num_ps)]

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from towers.errors import InvalidArgumentError, UnimplementedError
 from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.grad_guard import GradientGuard
 from towers.strategies.parameter_server.requests import hyperparameters
@@ -75,7 +76,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the ps tasks' shards are fixed at ``prepare``."""
         if not self._building:
-            raise NotImplementedError(
+            raise UnimplementedError(
                 "add_param_group after strategy.prepare() is not supported under ParameterServerStrategy: the ps "
                 "tasks built their optimizers at prepare(). Add every param group before calling prepare().")
         super().add_param_group(param_group)
@@ -105,7 +106,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         saved = state_dict["param_groups"]
         sizes, saved_sizes = [len(g["params"]) for g in self.param_groups], [len(g["params"]) for g in saved]
         if sizes != saved_sizes:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"The optimizer state does not match this optimizer: expected param groups of sizes {sizes}, "
                 f"received {saved_sizes}. Load a state saved from the same model and optimizer.")
         order = [i for g in saved for i in g["params"]]

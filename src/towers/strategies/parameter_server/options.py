@@ -3,7 +3,7 @@ shared memory."""
 
 from __future__ import annotations
 
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 
 __all__ = ["MODES", "check_options"]
 
@@ -15,15 +15,15 @@ def check_options(mode: str, staleness: int | None, *, timeout_s: float, overlap
     """Raise ``ValueError`` for an unknown mode, a bad staleness or timeout, or overlap / shared_memory that is not a
     bool (overlap: async mode only)."""
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}. Received: mode={mode!r}. Use 'async' to apply each "
-                         "gradient on arrival or 'sync' for one summed update per round.")
+        raise InvalidArgumentError(f"mode must be one of {MODES}. Received: mode={mode!r}. Use 'async' to apply each "
+                                   "gradient on arrival or 'sync' for one summed update per round.")
     if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
-        raise ValueError(f"staleness must be None or an integer >= 0. Received: staleness={staleness!r}.")
+        raise InvalidArgumentError(f"staleness must be None or an integer >= 0. Received: staleness={staleness!r}.")
     if staleness is not None and mode == "sync":
-        raise ValueError(f"staleness bounds async updates; sync mode is never stale. Received: mode='sync', "
-                         f"staleness={staleness}. Drop staleness or use mode='async'.")
+        raise InvalidArgumentError(f"staleness bounds async updates; sync mode is never stale. Received: mode='sync', "
+                                   f"staleness={staleness}. Drop staleness or use mode='async'.")
     if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0 seconds. Received: {timeout_s}. Use e.g. timeout_s=300.")
+        raise InvalidArgumentError(f"timeout_s must be > 0 seconds. Received: {timeout_s}. Use e.g. timeout_s=300.")
     if not isinstance(overlap, bool) or (overlap and mode == "sync"):
         raise user_error("overlap is a bool, for async mode only (a sync round needs every reply before the "
                          "next step)", f"overlap={overlap!r} with mode={mode!r}",

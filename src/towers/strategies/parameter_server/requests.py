@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 from towers.strategies.parameter_server.transport import Status
 
 __all__ = ["RequestError", "build_optimizer", "clone_state", "hyperparameters", "optimizer_name", "optimizer_spec",
@@ -45,7 +45,7 @@ def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
                          f"torch.optim.{cls.__name__}", REFUSED_OPTIMIZERS[cls.__name__] + ".")
     if is_torch and cls.__name__ in OPTIMIZERS:
         return cls.__name__
-    raise ValueError(
+    raise InvalidArgumentError(
         f"ParameterServerStrategy rebuilds the optimizer on the ps tasks from its name, and a class cannot travel "
         f"(nothing sent to a ps is unpickled). Expected one of torch.optim.{', torch.optim.'.join(OPTIMIZERS)}. "
         f"Received: {cls.__module__}.{cls.__qualname__}. Use one of those (same hyperparameters), or MirroredStrategy "

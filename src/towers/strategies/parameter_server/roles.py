@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
+from towers.errors import InvalidArgumentError
 
 __all__ = ["Roles", "resolve_roles"]
 
@@ -35,18 +36,18 @@ def resolve_roles(info: ProcessInfo, num_ps: int | None) -> Roles:
         ValueError: ``num_ps`` < 1, leaves no worker, or contradicts what the launcher / TF_CONFIG set up.
     """
     if info.is_evaluator:
-        raise ValueError("This process is a TF_CONFIG 'evaluator' task, which takes no part in parameter-server "
-                         "training. Build a OneDeviceStrategy there (towers.strategy_from_env() does) instead.")
+        raise InvalidArgumentError("This process is a TF_CONFIG 'evaluator' task, which takes no part in parameter-server "
+                                   "training. Build a OneDeviceStrategy there (towers.strategy_from_env() does) instead.")
     launched = info.cluster.num_tasks("ps") or info.num_ps
     if num_ps is None:
         num_ps = launched or 1
     elif launched and num_ps != launched:
-        raise ValueError(f"num_ps={num_ps} was passed, but the job was launched with {launched} ps task(s) "
-                         "(--num-ps / TF_CONFIG). Drop num_ps to use the launcher's value, or launch with "
-                         f"--num-ps {num_ps}.")
+        raise InvalidArgumentError(f"num_ps={num_ps} was passed, but the job was launched with {launched} ps task(s) "
+                                   "(--num-ps / TF_CONFIG). Drop num_ps to use the launcher's value, or launch with "
+                                   f"--num-ps {num_ps}.")
     if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 1:
-        raise ValueError(f"num_ps must be an integer >= 1. Received: num_ps={num_ps!r}. "
-                         "A parameter-server job needs at least one ps task.")
+        raise InvalidArgumentError(f"num_ps must be an integer >= 1. Received: num_ps={num_ps!r}. "
+                                   "A parameter-server job needs at least one ps task.")
     world = info.world_size
     roles.check_num_ps(num_ps, world, hint=_LAUNCH_HINT)
     ps_ranks = roles.ps_ranks(world, num_ps)
@@ -54,9 +55,9 @@ def resolve_roles(info: ProcessInfo, num_ps: int | None) -> Roles:
     role, index = roles.process_role(info.rank, world, num_ps)
     is_ps = role == "ps"
     if info.task.type == "ps" and (not is_ps or info.task.index != index):
-        raise ValueError(f"This process is task ps:{info.task.index} but has rank {info.rank}; with {num_ps} ps "
-                         f"task(s) among {world} processes the ps tasks must be the last ranks "
-                         f"{list(range(num_workers, world))}. List chief and workers before ps tasks.")
+        raise InvalidArgumentError(f"This process is task ps:{info.task.index} but has rank {info.rank}; with {num_ps} ps "
+                                   f"task(s) among {world} processes the ps tasks must be the last ranks "
+                                   f"{list(range(num_workers, world))}. List chief and workers before ps tasks.")
     return Roles(is_ps=is_ps, index=index, num_ps=num_ps, num_workers=num_workers,
                  ps_ranks=ps_ranks, bind_host=_bind_host(info))
 

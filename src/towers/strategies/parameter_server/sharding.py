@@ -17,6 +17,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["SEGMENT_MIN_BYTES", "ParamSpec", "FlatLayout", "assign_shards", "model_signature", "signature_mismatch"]
 
 _ALIGN_BYTES = 64
@@ -55,7 +57,8 @@ def _dtype(name: str) -> torch.dtype:
 
     dtype = DTYPES.get(name.replace("torch.", ""))
     if dtype is None:
-        raise ValueError(f"parameters of dtype {name!r} cannot be held on a ps task; expected one of {', '.join(DTYPES)}.")
+        raise InvalidArgumentError(f"parameters of dtype {name!r} cannot be held on a ps task; expected one of "
+                                   f"{', '.join(DTYPES)}.")
     return dtype
 
 
@@ -85,7 +88,7 @@ def assign_shards(specs: Sequence[ParamSpec], num_ps: int) -> list[list[int]]:
     Greedy: largest parameter first, each to the least-loaded ps task (by bytes; ties to the lower index).
     """
     if num_ps < 1:
-        raise ValueError(f"num_ps must be >= 1. Received: {num_ps}.")
+        raise InvalidArgumentError(f"num_ps must be >= 1. Received: {num_ps}.")
     load = [0] * num_ps
     shards: list[list[int]] = [[] for _ in range(num_ps)]
     for i in sorted(range(len(specs)), key=lambda i: (-specs[i].nbytes, i)):
@@ -120,7 +123,7 @@ class FlatLayout:
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Return one typed, shaped view of ``buffer`` per parameter (no copy)."""
         if buffer.numel() != self.nbytes:
-            raise ValueError(f"buffer has {buffer.numel()} bytes, the layout needs {self.nbytes}.")
+            raise InvalidArgumentError(f"buffer has {buffer.numel()} bytes, the layout needs {self.nbytes}.")
         return [buffer[o:o + s.nbytes].view(_dtype(s.dtype)).view(s.shape) for o, s in zip(self.offsets, self.specs)]
 
     def segments(self, min_bytes: int) -> list[tuple[int, int, int | None]]:

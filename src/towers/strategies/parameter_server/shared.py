@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from towers._logging import get_logger
+from towers.errors import InvalidArgumentError
 
 __all__ = ["SHARED_DIR", "TOKEN_BYTES", "ROOM_SHARE", "SharedBuffer", "create", "attach", "new_token", "room", "sweep"]
 
@@ -70,7 +71,7 @@ def create(nbytes: int, directory: str = SHARED_DIR) -> SharedBuffer:
         OSError: no such directory, or not room for ``nbytes`` in it.
     """
     if nbytes <= 0:
-        raise ValueError(f"a shared buffer needs > 0 bytes. Received: nbytes={nbytes}.")
+        raise InvalidArgumentError(f"a shared buffer needs > 0 bytes. Received: nbytes={nbytes}.")
     if not hasattr(os, "posix_fallocate"):
         raise OSError(errno.ENOTSUP, "this platform cannot reserve shared memory up front (no posix_fallocate)")
     path = os.path.join(directory, f"towers-ps-{os.getpid()}-{secrets.token_hex(16)}")

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from towers.errors import InvalidArgumentError
+
 __all__ = ["TableSpec", "TableShard", "ROW_OPTIMIZERS", "hash_ids", "initial_rows"]
 
 #: Row-wise optimizers and the options each takes (with defaults).
@@ -88,15 +90,15 @@ class TableSpec:
     def from_json(cls, value: Any) -> "TableSpec":
         """Return the spec a peer sent. Raises ``ValueError`` when it is malformed."""
         if not isinstance(value, dict):
-            raise ValueError(f"a table spec must be a JSON object. Received: {type(value).__name__}.")
+            raise InvalidArgumentError(f"a table spec must be a JSON object. Received: {type(value).__name__}.")
         try:
             spec = cls(str(value["name"]), int(value["num_embeddings"]), int(value["dim"]), str(value["optimizer"]),
                        dict(value["options"]), int(value["seed"]), float(value["scale"]))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed table spec {value!r}: {exc}") from None
+            raise InvalidArgumentError(f"malformed table spec {value!r}: {exc}") from None
         if spec.num_embeddings < 1 or spec.dim < 1 or spec.optimizer not in ROW_OPTIMIZERS:
-            raise ValueError(f"bad table spec {value!r}: sizes must be >= 1 and the optimizer one of "
-                             f"{', '.join(ROW_OPTIMIZERS)}.")
+            raise InvalidArgumentError(f"bad table spec {value!r}: sizes must be >= 1 and the optimizer one of "
+                                       f"{', '.join(ROW_OPTIMIZERS)}.")
         return spec
 
 
@@ -116,8 +118,8 @@ class TableShard:
     def _local(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() and (bool((ids % self.num_ps != self.ps_index).any()) or int(ids.min()) < 0
                             or int(ids.max()) >= self.spec.num_embeddings):
-            raise ValueError(f"table {self.spec.name!r}: ids outside ps task {self.ps_index}'s rows "
-                             f"(row % {self.num_ps} == {self.ps_index}, below {self.spec.num_embeddings}).")
+            raise InvalidArgumentError(f"table {self.spec.name!r}: ids outside ps task {self.ps_index}'s rows "
+                                       f"(row % {self.num_ps} == {self.ps_index}, below {self.spec.num_embeddings}).")
         return torch.div(ids, self.num_ps, rounding_mode="floor")
 
     def _touch(self, ids: torch.Tensor, local: torch.Tensor) -> None:
@@ -141,8 +143,8 @@ class TableShard:
         if not ids.numel():
             return
         if grads.shape != (ids.numel(), self.spec.dim):
-            raise ValueError(f"table {self.spec.name!r}: {ids.numel()} ids need gradients of shape "
-                             f"{[ids.numel(), self.spec.dim]}. Received: {list(grads.shape)}.")
+            raise InvalidArgumentError(f"table {self.spec.name!r}: {ids.numel()} ids need gradients of shape "
+                                       f"{[ids.numel(), self.spec.dim]}. Received: {list(grads.shape)}.")
         unique, inverse = torch.unique(ids, return_inverse=True)
         g = torch.zeros(unique.numel(), self.spec.dim, dtype=self.weight.dtype)
         g.index_add_(0, inverse, grads.to(self.weight.dtype))
@@ -182,13 +184,13 @@ class TableShard:
         """
         keys = {"ids", "weight", *(f"slot_{n}" for n in self.slots)}
         if not isinstance(state, dict) or not keys <= set(state):
-            raise ValueError(f"table {self.spec.name!r}: a saved shard needs {sorted(keys)}. Received: "
-                             f"{sorted(state) if isinstance(state, dict) else type(state).__name__}.")
+            raise InvalidArgumentError(f"table {self.spec.name!r}: a saved shard needs {sorted(keys)}. Received: "
+                                       f"{sorted(state) if isinstance(state, dict) else type(state).__name__}.")
         ids = state["ids"].to(torch.int64).reshape(-1)
         local = self._local(ids)
         if state["weight"].shape != (ids.numel(), self.spec.dim):
-            raise ValueError(f"table {self.spec.name!r}: saved weight has shape {list(state['weight'].shape)}, "
-                             f"expected {[ids.numel(), self.spec.dim]}.")
+            raise InvalidArgumentError(f"table {self.spec.name!r}: saved weight has shape {list(state['weight'].shape)}, "
+                                       f"expected {[ids.numel(), self.spec.dim]}.")
         self.touched.zero_()
         self.weight[local] = state["weight"].to(self.weight.dtype)
         for name, slot in self.slots.items():
@@ -207,19 +209,20 @@ def check_options(optimizer: str, options: dict[str, Any]) -> dict[str, Any]:
         ValueError: unknown optimizer, unknown option, or a value that is not a number.
     """
     if optimizer not in ROW_OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(ROW_OPTIMIZERS)} (row-wise, run on the ps tasks). "
-                         f"Received: {optimizer!r}.")
+        raise InvalidArgumentError(f"optimizer must be one of {', '.join(ROW_OPTIMIZERS)} (row-wise, run on the ps tasks). "
+                                   f"Received: {optimizer!r}.")
     known = ROW_OPTIMIZERS[optimizer]
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(f"{optimizer} takes the options {sorted(known)}. Received unknown options {unknown}.")
+        raise InvalidArgumentError(f"{optimizer} takes the options {sorted(known)}. Received unknown options {unknown}.")
     out = {}
     for key, value in {**known, **options}.items():
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-            raise ValueError(f"{optimizer} option {key} must be a finite number (or a list of them). Received: {value!r}.")
+            raise InvalidArgumentError(f"{optimizer} option {key} must be a finite number (or a list of them). Received: "
+                                       f"{value!r}.")
         out[key] = [float(v) for v in values] if isinstance(value, (list, tuple)) else float(value)
     lr = out["lr"]
     if not isinstance(lr, float) or lr <= 0:
-        raise ValueError(f"lr must be a number > 0. Received: lr={lr}.")
+        raise InvalidArgumentError(f"lr must be a number > 0. Received: lr={lr}.")
     return out

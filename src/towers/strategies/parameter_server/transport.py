@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from towers.errors import TowersError
 from towers.process_group import first_line
 from towers.strategies.parameter_server.wire import MAX_JSON_BYTES, ProtocolError, decode, encode, tensor_bytes
 
@@ -82,7 +83,7 @@ class Message:
     flat: torch.Tensor | None = None
 
 
-class LinkError(RuntimeError):
+class LinkError(TowersError, RuntimeError):
     """The peer of a link is gone (``kind="gone"``) or did not answer in time (``kind="timeout"``)."""
 
     def __init__(self, message: str, kind: str):

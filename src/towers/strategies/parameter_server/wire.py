@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from towers.errors import InvalidTypeError, TowersError
+
 __all__ = ["ProtocolError", "encode", "decode", "DTYPES", "MAX_JSON_BYTES"]
 
 #: Tensor dtypes a link carries, by the name used in the JSON header.
@@ -36,7 +38,7 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 _MAX_DEPTH = 64
 
 
-class ProtocolError(ValueError):
+class ProtocolError(TowersError, ValueError):
     """A peer sent bytes that are not a message of this protocol (never executed, never unpickled)."""
 
 
@@ -51,7 +53,7 @@ def encode(value: Any) -> tuple[bytes, list[torch.Tensor]]:
 
     def walk(v: Any, depth: int) -> Any:
         if depth > _MAX_DEPTH:
-            raise TypeError(f"the value nests deeper than {_MAX_DEPTH} levels.")
+            raise InvalidTypeError(f"the value nests deeper than {_MAX_DEPTH} levels.")
         if v is None or isinstance(v, (bool, str)):
             return v
         if isinstance(v, int):
@@ -60,8 +62,8 @@ def encode(value: Any) -> tuple[bytes, list[torch.Tensor]]:
             return v if math.isfinite(v) else {"$float": repr(v)}
         if isinstance(v, torch.Tensor):
             if v.layout != torch.strided or v.dtype not in _NAMES:
-                raise TypeError(f"a tensor of layout {v.layout} and dtype {v.dtype} cannot travel; dense tensors of "
-                                f"dtype {', '.join(DTYPES)} can.")
+                raise InvalidTypeError(f"a tensor of layout {v.layout} and dtype {v.dtype} cannot travel; dense tensors of "
+                                       f"dtype {', '.join(DTYPES)} can.")
             t = v.detach().to("cpu").contiguous()
             specs.append([_NAMES[t.dtype], list(t.shape)])
             tensors.append(t)
@@ -74,9 +76,9 @@ def encode(value: Any) -> tuple[bytes, list[torch.Tensor]]:
             if all(isinstance(k, str) and not k.startswith("$") for k in v):
                 return {k: walk(x, depth + 1) for k, x in v.items()}
             return {"$dict": [[walk(k, depth + 1), walk(x, depth + 1)] for k, x in v.items()]}
-        raise TypeError(f"a {type(v).__module__}.{type(v).__qualname__} cannot travel to or from a parameter server: "
-                        "its links carry None, bool, int, float, str, lists, tuples, dicts and dense tensors only "
-                        "(no pickled objects). Convert the value to those types first.")
+        raise InvalidTypeError(f"a {type(v).__module__}.{type(v).__qualname__} cannot travel to or from a parameter server: "
+                               "its links carry None, bool, int, float, str, lists, tuples, dicts and dense tensors only "
+                               "(no pickled objects). Convert the value to those types first.")
 
     tree = walk(value, 0)
     blob = json.dumps({"v": tree, "t": specs}, separators=(",", ":"), allow_nan=False).encode("utf-8")

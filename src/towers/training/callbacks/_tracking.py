@@ -12,6 +12,7 @@ import numbers
 from types import ModuleType
 from typing import Any, ClassVar, Mapping
 
+from towers.errors import InvalidArgumentError
 from towers.training.callbacks.base import Callback
 
 __all__ = ["TrackerLogger", "numeric_logs"]
@@ -52,8 +53,8 @@ class TrackerLogger(Callback):
         super().__init__()
         if log_every_n_steps is not None and (
                 isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ValueError(f"log_every_n_steps must be a positive integer, or None to log epochs only. "
-                             f"Received: {log_every_n_steps!r}. Use e.g. log_every_n_steps=50.")
+            raise InvalidArgumentError(f"log_every_n_steps must be a positive integer, or None to log epochs only. "
+                                       f"Received: {log_every_n_steps!r}. Use e.g. log_every_n_steps=50.")
         try:
             found = importlib.util.find_spec(self.package) is not None
         except (ImportError, ValueError):  # ValueError: blocked with sys.modules[package] = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from towers.errors import user_error
+from towers.errors import FailedPreconditionError, InvalidTypeError, user_error
 
 if TYPE_CHECKING:
     from torch import nn
@@ -69,7 +69,7 @@ class Callback:
             RuntimeError: before a Trainer attached it.
         """
         if self._trainer is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer yet; pass it to fit().")
+            raise FailedPreconditionError(f"{type(self).__name__} is not attached to a Trainer yet; pass it to fit().")
         return self._trainer
 
     def set_params(self, params: Mapping[str, Any]) -> None:
@@ -131,7 +131,7 @@ class CallbackList:
         self.callbacks: list[Callback] = []
         for cb in callbacks:
             if not all(callable(getattr(cb, hook, None)) for hook in ("on_epoch_end", "on_train_batch_end")):
-                raise TypeError(
+                raise InvalidTypeError(
                     f"callbacks must be towers.callbacks.Callback instances. Received: {cb!r} "
                     f"({type(cb).__name__}). Subclass towers.callbacks.Callback.")
             self.callbacks.append(cb)

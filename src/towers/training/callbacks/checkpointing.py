@@ -12,7 +12,7 @@ from towers.checkpoint.manager import DirectoryClaim
 from towers.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHandler, preemption_signals
 from towers.checkpoint.state import CheckpointError
 from towers.cluster.environ import read_environ
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 from towers.training.callbacks.base import Callback
 from towers.training.callbacks.stopping import resolve_mode
 
@@ -46,8 +46,8 @@ class ModelCheckpoint(Callback):
         try:
             return self.filepath.format(epoch=epoch + 1, **logs)
         except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"ModelCheckpoint filepath {self.filepath!r} names a field the logs lack ({exc}). "
-                             f"Available: epoch, {', '.join(sorted(logs))}.") from exc
+            raise InvalidArgumentError(f"ModelCheckpoint filepath {self.filepath!r} names a field the logs lack ({exc}). "
+                                       f"Available: epoch, {', '.join(sorted(logs))}.") from exc
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         logs = dict(logs or {})
@@ -100,7 +100,7 @@ class BackupAndRestore(Callback):
                  delete_checkpoint: bool = True, preemption: bool = True):
         super().__init__()
         if save_freq != "epoch" and not (isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0):
-            raise ValueError(f"save_freq must be 'epoch' or a positive number of steps. Received: {save_freq!r}.")
+            raise InvalidArgumentError(f"save_freq must be 'epoch' or a positive number of steps. Received: {save_freq!r}.")
         if backup_dir is not None and not os.fspath(backup_dir):
             raise user_error("BackupAndRestore's backup_dir must be a non-empty path", backup_dir,
                              "Pass a folder such as 'ckpt/backup', or None for the job's TOWERS_CHECKPOINT_DIR.")
@@ -116,7 +116,7 @@ class BackupAndRestore(Callback):
     def path(self) -> Path:
         """The backup checkpoint."""
         if self.backup_dir is None:
-            raise ValueError("BackupAndRestore has no backup_dir yet: it is taken from the job at the start of fit().")
+            raise InvalidArgumentError("BackupAndRestore has no backup_dir yet: it is taken from the job at the start of fit().")
         return self.backup_dir / self.FILENAME
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
@@ -124,7 +124,7 @@ class BackupAndRestore(Callback):
         if self.backup_dir is None:
             job_dir = strategy.process_info.checkpoint_dir
             if job_dir is None:
-                raise ValueError(
+                raise InvalidArgumentError(
                     "BackupAndRestore() was given no backup_dir and the job has no checkpoint directory "
                     "(TOWERS_CHECKPOINT_DIR is unset). Pass BackupAndRestore('path/to/backup') or set "
                     "TOWERS_CHECKPOINT_DIR.")

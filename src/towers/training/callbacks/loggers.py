@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from towers.errors import InvalidArgumentError
 from towers.training.callbacks.base import Callback
 
 __all__ = ["CSVLogger", "TensorBoard"]
@@ -79,7 +80,7 @@ class TensorBoard(Callback):
     def __init__(self, log_dir: str | os.PathLike[str] = "logs", *, update_freq: str | int = "epoch"):
         super().__init__()
         if update_freq != "epoch" and not (isinstance(update_freq, int) and update_freq > 0):
-            raise ValueError(f"update_freq must be 'epoch' or a positive number of steps. Received: {update_freq!r}.")
+            raise InvalidArgumentError(f"update_freq must be 'epoch' or a positive number of steps. Received: {update_freq!r}.")
         self._writer_class = _summary_writer_class()
         self.log_dir = Path(log_dir)
         self.update_freq = update_freq

@@ -6,6 +6,7 @@ import sys
 import time
 from typing import Any, Mapping, TextIO
 
+from towers.errors import InvalidArgumentError
 from towers.training.callbacks.base import Callback
 
 __all__ = ["ProgressBar"]
@@ -44,7 +45,7 @@ class ProgressBar(Callback):
     def __init__(self, *, mode: str = "auto", stream: TextIO | None = None):
         super().__init__()
         if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}. Received: {mode!r}.")
+            raise InvalidArgumentError(f"mode must be one of {_MODES}. Received: {mode!r}.")
         self.mode = mode
         self.stream = stream
         self._bar: Any = None

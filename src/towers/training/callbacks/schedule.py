@@ -7,6 +7,7 @@ import math
 from typing import Any, Callable, Mapping
 
 from towers._logging import get_logger
+from towers.errors import InvalidArgumentError, InvalidTypeError
 from towers.training.callbacks.base import Callback
 
 __all__ = ["LearningRateScheduler"]
@@ -41,14 +42,14 @@ class LearningRateScheduler(Callback):
     def __init__(self, schedule: Callable[..., float], *, verbose: bool = False):
         super().__init__()
         if not callable(schedule):
-            raise TypeError(f"schedule must be a function schedule(epoch) or schedule(epoch, lr) returning the "
-                            f"learning rate. Received: {schedule!r}.")
+            raise InvalidTypeError(f"schedule must be a function schedule(epoch) or schedule(epoch, lr) returning the "
+                                   f"learning rate. Received: {schedule!r}.")
         required, maximum = _positional_arity(schedule)
         if required > 2 or (maximum is not None and maximum < 1):
-            raise TypeError(f"schedule must take the epoch and optionally the current learning rate: "
-                            f"schedule(epoch) or schedule(epoch, lr). Received: {schedule!r}, which takes "
-                            f"{required} required and at most {maximum} positional arguments. "
-                            "Example: LearningRateScheduler(lambda epoch: 1e-3 * 0.9 ** epoch).")
+            raise InvalidTypeError(f"schedule must take the epoch and optionally the current learning rate: "
+                                   f"schedule(epoch) or schedule(epoch, lr). Received: {schedule!r}, which takes "
+                                   f"{required} required and at most {maximum} positional arguments. "
+                                   "Example: LearningRateScheduler(lambda epoch: 1e-3 * 0.9 ** epoch).")
         self._takes_lr = maximum is None or maximum >= 2
         self.schedule = schedule
         self.verbose = verbose
@@ -57,7 +58,7 @@ class LearningRateScheduler(Callback):
         optimizer = self.trainer.optimizer if self.attached else None
         groups = getattr(optimizer, "param_groups", None)
         if not groups:
-            raise ValueError("LearningRateScheduler needs an optimizer with param_groups (a torch.optim.Optimizer).")
+            raise InvalidArgumentError("LearningRateScheduler needs an optimizer with param_groups (a torch.optim.Optimizer).")
         for group in groups:
             lr = self.schedule(epoch, float(group["lr"])) if self._takes_lr else self.schedule(epoch)
             try:
@@ -66,7 +67,7 @@ class LearningRateScheduler(Callback):
                 lr = math.nan
             if not math.isfinite(lr) or lr < 0:
                 args = f"epoch={epoch}, lr={group['lr']}" if self._takes_lr else f"epoch={epoch}"
-                raise ValueError(f"schedule({args}) must return a finite float >= 0. Received: {lr!r}.")
+                raise InvalidArgumentError(f"schedule({args}) must return a finite float >= 0. Received: {lr!r}.")
             group["lr"] = lr
         if self.verbose:
             log.info("epoch %d: learning rate %.6g", epoch + 1, float(groups[0]["lr"]))

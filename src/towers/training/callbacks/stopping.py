@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 
 from towers._logging import get_logger
+from towers.errors import InvalidArgumentError
 from towers.training.callbacks.base import Callback
 
 __all__ = ["EarlyStopping", "TerminateOnNaN", "resolve_mode"]
@@ -18,7 +19,7 @@ log = get_logger(__name__)
 def resolve_mode(mode: str, monitor: str) -> str:
     """Return ``"min"`` or ``"max"``: ``"auto"`` means max for accuracy-like names, min otherwise."""
     if mode not in ("auto", "min", "max"):
-        raise ValueError(f"mode must be 'auto', 'min' or 'max'. Received: {mode!r}.")
+        raise InvalidArgumentError(f"mode must be 'auto', 'min' or 'max'. Received: {mode!r}.")
     if mode != "auto":
         return mode
     return "max" if any(word in monitor for word in ("acc", "auc", "precision", "recall", "f1")) else "min"
@@ -37,7 +38,7 @@ class EarlyStopping(Callback):
                  baseline: float | None = None, restore_best_weights: bool = False, start_from_epoch: int = 0):
         super().__init__()
         if not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"patience must be an integer >= 0. Received: {patience!r}.")
+            raise InvalidArgumentError(f"patience must be an integer >= 0. Received: {patience!r}.")
         self.monitor = monitor
         self.mode = resolve_mode(mode, monitor)
         self.min_delta = abs(float(min_delta))
