@@ -17,7 +17,7 @@ from torch import nn
 from towers._logging import configure_logging, configured_logging, get_logger, set_rank
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
-from towers.errors import user_error
+from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
 from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S, check_timeout
 from towers.strategies.base import note_built
 from towers.strategies.fault_tolerant.batches import FaultTolerantBatches
@@ -171,17 +171,27 @@ class FaultTolerantStrategy(_LiveGroupCollectives):
         Raises:
             TypeError: when ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
             ValueError: when the model was already prepared.
+            RuntimeError: when another model was prepared and the job has committed steps since.
         """
         from torchft.ddp import DistributedDataParallel
 
         if not isinstance(model, nn.Module):
-            raise TypeError(f"prepare expects an nn.Module as model. Received: {type(model).__name__}.")
+            raise InvalidTypeError(f"prepare expects an nn.Module as model. Received: {type(model).__name__}.")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"prepare expects a torch.optim.Optimizer (or None) as optimizer. Received: {type(optimizer).__name__}.")
         if any(model is m for m in self._user_modules):
-            raise ValueError(f"This {type(model).__name__} was already prepared by this strategy. Call prepare once per "
-                             "model and keep using the model it returned.")
+            raise InvalidArgumentError(f"This {type(model).__name__} was already prepared by this strategy. "
+                                       "Call prepare once per model and keep using the model it returned.")
+        if self._user_modules and self.current_step > 0:
+            raise FailedPreconditionError(
+                f"FaultTolerantStrategy trains the models prepared before its first step: this job committed "
+                f"{self.current_step} step(s) with the {type(self._user_modules[0]).__name__} prepared first "
+                f"before another model ({type(model).__name__}) was prepared. A replica group started again "
+                "heals each model once, at its first step, so a model prepared later would keep its own values "
+                "on that group (replicas that are no longer replicas), and its input would start at the job's "
+                "step, not at its own first batch. Prepare every model before training, or train the second "
+                "model in a job of its own (another towers launch).")
         model = model.to(self._device)
         manager = self._manager
 

@@ -29,6 +29,7 @@ import torch
 
 from towers._logging import get_logger
 from towers.diagnostics import set_role
+from towers.errors import FailedPreconditionError
 from towers.ledger.record import LedgerWriter
 from towers.strategies.parameter_server.dispatch import Dispatcher
 from towers.strategies.parameter_server.gather import GatherTable
@@ -77,6 +78,8 @@ class ParameterServer(_ShardUpdates):
         self.gathers = GatherTable(self.cond, self._active)
         # shard state, set by the chief's registration
         self.signature: list[ParamSpec] | None = None
+        self.generation = 0  # which of the job's models (a later strategy.prepare registers the next one)
+        self.left_model: dict[int, int] = {}  # worker -> the latest model it registered
         self.layout: FlatLayout | None = None
         self.segment_sizes: list[int] = []
         self.params_buf = torch.empty(0, dtype=torch.uint8)
@@ -115,10 +118,10 @@ class ParameterServer(_ShardUpdates):
         for t in threads:  # finished or gone workers' threads are returning; a hung one is left behind
             t.join(timeout=5.0 if self.failure is None else 0.1)
         if self.failure is not None:
-            raise RuntimeError(self.failure)
+            raise FailedPreconditionError(self.failure)
         if not self.finished:
-            raise RuntimeError(f"every worker of ps task {self.ps_index} is gone: "
-                               + "; ".join(f"{self._who(w)}: {r}" for w, r in sorted(self.dead.items())))
+            raise FailedPreconditionError(f"every worker of ps task {self.ps_index} is gone: "
+                                          + "; ".join(f"{self._who(w)}: {r}" for w, r in sorted(self.dead.items())))
         return self.stats()
 
     def stats(self) -> dict[str, Any]:

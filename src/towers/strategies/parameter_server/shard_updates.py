@@ -48,6 +48,8 @@ class _ShardUpdates:
     sum_buf: torch.Tensor
     round_buf: torch.Tensor
     dispatcher: Dispatcher | None
+    generation: int  # which of the job's models the shard holds (a later strategy.prepare replaces it)
+    left_model: dict[int, int]  # worker -> the latest model it registered (it pushes for no earlier one)
     # the serving side's (server.py)
     _who: Callable[[int], str]
     _active: Callable[[], set[int]]
@@ -64,12 +66,29 @@ class _ShardUpdates:
                                  for n, shape, dt in meta["signature"]]
         except (TypeError, ValueError) as exc:
             raise RequestError(f"ps task {self.ps_index}: malformed model signature ({exc}).", Status.BAD_INPUT) from exc
+        generation = int(meta.get("generation", 0))
         with self.cond:
-            if meta["chief"] and self.signature is None:
+            if generation < self.generation:
+                raise RequestError(
+                    f"{self._who(w)} registers model {generation} of the job, but ps task {self.ps_index} already holds "
+                    f"model {self.generation} (the script prepared a later model on the other workers). Every worker "
+                    "must prepare the same models in the same order.", Status.BAD_INPUT)
+            self.left_model[w] = generation  # this worker pushes nothing more for an earlier model
+            self.cond.notify_all()
+            if meta["chief"] and (self.signature is None or generation > self.generation):
+                if self.signature is not None:
+                    # Another model of the same job (a second prepare): it replaces the first once no live worker
+                    # can still push for the first, and starts from the chief's values with a new optimizer.
+                    self._wait(lambda: all(self.left_model.get(v, -1) >= generation for v in self._active()),
+                               f"model {generation}'s registration",
+                               lambda: [v for v in self._active() if self.left_model.get(v, -1) < generation])
+                    self.grad_bufs.clear()
+                    self.reply_bufs.clear()
                 self._initialise(meta, msg.flat)
+                self.generation = generation
                 self.cond.notify_all()
-            self._wait(lambda: self.signature is not None, "registration",
-                       lambda: [0] if self.signature is None else [])
+            self._wait(lambda: self.signature is not None and self.generation >= generation, "registration",
+                       lambda: [0] if self.signature is None or self.generation < generation else [])
             diff = signature_mismatch(self.signature or [], meta["signature"])
             if diff is not None:
                 raise RequestError(

@@ -36,7 +36,7 @@ from towers.cluster.info import ProcessInfo
 from towers.cluster.launch_notes import note_started
 from towers.data import BatchInfo, Dispatch, DistributedDataset, DistributedStream, is_stream
 from towers.devices import gpu_count, warn_if_gpus_idle
-from towers.errors import user_error
+from towers.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError, user_error
 from towers.process_group import (
     DEFAULT_TIMEOUT_S,
     destroy_process_group,
@@ -49,6 +49,7 @@ from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.collectives import _WorkerCollectives
 from towers.strategies.parameter_server.comm import PsComm
 from towers.strategies.parameter_server.embeddings import SparseTables
+from towers.strategies.parameter_server.generations import ModelGenerations
 from towers.strategies.parameter_server.optimizer import ParameterServerOptimizer
 from towers.strategies.parameter_server.options import MODES, check_options
 from towers.strategies.parameter_server.roles import Roles, resolve_roles
@@ -108,6 +109,7 @@ class ParameterServerStrategy(_WorkerCollectives):
         self._bound: BoundModel | None = None
         self._sparse: SparseTables | None = None
         self._prepared_any = False
+        self._generations = ModelGenerations()
         self._optimizer: torch.optim.Optimizer | None = None
         self._stats: dict[str, Any] | None = None
         self._comm: PsComm | None = None
@@ -117,7 +119,7 @@ class ParameterServerStrategy(_WorkerCollectives):
         self._device = self._replica_device()
         self._precision = resolve_precision(precision, self._device)
         if self._precision.needs_loss_scaling:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "ParameterServerStrategy computes in precision '32' or 'bf16'. Received: precision='fp16', whose "
                 "loss scale must change in lockstep on every replica, which parameter-server updates do not do. "
                 "Use precision='bf16' (no loss scaling needed) or MirroredStrategy for fp16.")
@@ -216,16 +218,21 @@ class ParameterServerStrategy(_WorkerCollectives):
             DistributedError: a ps task is gone or silent.
         """
         client = self._require_worker("prepare")
+        generation = self._generations.of(model)  # a later model replaces the earlier one on the ps tasks
+        if generation > 0:
+            client.finish()  # the reply of the earlier model's last push (overlap) lands before the ps moves on
         model = model.to(self.device)
         sparse = self._bind_tables(model, optimizer, client)
+        ModelGenerations.check_tables(model, len(sparse) if sparse is not None else 0, generation)
         bound = None
         if sparse is None or any(True for _ in model.parameters()):
             bound = BoundModel(model, client, num_ps=self.num_ps, is_chief=self.is_chief, optimizer=optimizer,
                                overlap=self.overlap, shared_memory=self.shared_memory,
-                               on_dead=self._log_dead)
+                               on_dead=self._log_dead, generation=generation)
             bound.register()
             bound.install_hooks(refresh_on_state_dict=self.mode == "async")
             self._bound = bound
+        self._generations.prepared(model)
         prepared = MixedPrecisionModule(model, self._precision) if self._precision.enabled else model
         prepared = self._compile(prepared, compile)
         self._optimizer = optimizer
@@ -243,7 +250,7 @@ class ParameterServerStrategy(_WorkerCollectives):
         if not len(sparse):
             return None
         if optimizer is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"The model has {len(sparse)} ShardedEmbedding table(s) and no optimizer was passed to prepare(). "
                 "Expected `strategy.prepare(model, optimizer)`: the prepared optimizer's step() sends the rows' "
                 "gradients to the ps tasks (their own row-wise optimizer is set on each ShardedEmbedding).")
@@ -278,7 +285,7 @@ class ParameterServerStrategy(_WorkerCollectives):
         """
         self._require_worker("run")
         if not self._prepared_any:
-            raise RuntimeError(
+            raise FailedPreconditionError(
                 "strategy.run was called before any model was prepared. Expected `model, optimizer = "
                 "strategy.prepare(model, optimizer)` first: under ParameterServerStrategy only a prepared model "
                 "trains the parameters the ps tasks hold (otherwise every worker would train a model of its own); "
@@ -300,7 +307,7 @@ class ParameterServerStrategy(_WorkerCollectives):
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Not available under parameter servers: raises ``NotImplementedError`` naming the alternatives."""
-        raise NotImplementedError(
+        raise UnimplementedError(
             f"ParameterServerStrategy cannot clip gradients by their global norm (max_norm={max_norm}): each worker "
             "holds only its share of the gradient until the ps tasks add them up. Clip inside the model (e.g. "
             "clamp activations), lower the learning rate, or use MirroredStrategy, where every replica holds the "

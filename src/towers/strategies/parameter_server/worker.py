@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from towers._logging import get_logger
+from towers.errors import InvalidArgumentError
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.dispatch import pack_unit
 from towers.strategies.parameter_server.requests import hyperparameters, optimizer_name, optimizer_spec
@@ -45,16 +46,19 @@ class BoundModel:
 
     def __init__(self, model: nn.Module, client: ParameterClient, *, num_ps: int, is_chief: bool,
                  optimizer: torch.optim.Optimizer | None, on_dead: Callable[[int], None], overlap: bool = False,
-                 shared_memory: bool = False):
+                 shared_memory: bool = False, generation: int = 0):
         self.model, self.client, self.is_chief, self.on_dead = model, client, is_chief, on_dead
+        #: Which of the job's models this is (0, 1, ...: the order the script prepares them, the same on every
+        #: worker): a later one replaces the earlier one on the ps tasks, starting from its own values.
+        self.generation = generation
         #: Read a push's reply during the next step (async mode): the ps updates while this worker computes.
         self.overlap = overlap
         self._stage_bufs: list[torch.Tensor] | None = None  # where an overlapped reply lands
         self._stage_views: list[list[torch.Tensor]] = []
         named = list(model.named_parameters())
         if not named:
-            raise ValueError(f"{type(model).__name__} has no parameters, so there is nothing for the parameter "
-                             "servers to hold. Pass a model with at least one nn.Parameter.")
+            raise InvalidArgumentError(f"{type(model).__name__} has no parameters, so there is nothing for the parameter "
+                                       "servers to hold. Pass a model with at least one nn.Parameter.")
         self.params = [p for _, p in named]
         self.signature = model_signature(named)
         self.shards = assign_shards(self.signature, num_ps)
@@ -135,7 +139,8 @@ class BoundModel:
         try:
             signature = [[s.name, list(s.shape), s.dtype] for s in self.signature]
             metas = [{"worker": self.client.worker, "chief": self.is_chief, "signature": signature,
-                      "shard": shard, "optimizer": self._spec(p)} for p, shard in enumerate(self.shards)]
+                      "shard": shard, "optimizer": self._spec(p), "generation": self.generation}
+                     for p, shard in enumerate(self.shards)]
             for p, (grads, params, token) in self._offered.items():
                 metas[p]["shared"] = {"grads": grads.path, "params": params.path, "token": token}
             replies = self.client.request(Op.REGISTER, metas=metas, flats=self.param_bufs if self.is_chief else None,
@@ -320,7 +325,7 @@ def _optimizer_layout(optimizer: torch.optim.Optimizer | None, params: list[nn.P
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in model_index:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"The optimizer's param group {g} holds a tensor of shape {tuple(p.shape)} that is not a "
                     "parameter of the model passed to strategy.prepare(). Build the optimizer from "
                     "model.parameters() (or subsets of them).")
