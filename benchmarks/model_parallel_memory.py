@@ -1,17 +1,21 @@
-"""Per-rank training state of the 69.5M GPT under each layout of 4 processes, measured from the local tensors.
+"""Per-rank training state and activations of the 69.5M GPT under each layout of 4 processes, from the local tensors.
 
 Layouts: Mirrored (every rank the whole model), sharded (FSDP2 over 4), dp=2,tp=2 (tensor parallel
-pairs, FSDP2 across them) and tp=4 (one replica split 4 ways). After one AdamW step on a global
-batch of 8 sequences of 64 tokens, each rank sums the bytes of the tensors it holds: parameters,
-gradients and optimizer state (for a DTensor, its local shard). Also reported: the bytes each rank
+pairs, FSDP2 across them), tp=4 (one replica split 4 ways), and both tp layouts again with sequence
+parallelism (``+sp``). After one AdamW step on a global batch of 8 sequences of 64 tokens, each rank
+sums the bytes of the tensors it holds: parameters, gradients and optimizer state (for a DTensor,
+its local shard). ``activations`` is what the forward keeps for backward on that rank: the tensors
+autograd saves, each storage counted once, parameters left out. Also reported: the bytes each rank
 sends per step by the layout's collectives, computed from the shapes (not measured): see the docs.
 
-    python benchmarks/model_parallel_memory.py            # ~2 minutes on 2 cores
+    python benchmarks/model_parallel_memory.py            # ~4 minutes on 2 cores
+    python benchmarks/model_parallel_memory.py --layouts "dp=2,tp=2" "dp=2,tp=2 +sp"
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 
 import torch
@@ -20,7 +24,9 @@ import towers
 from towers.models_gpt import GPT, GPTConfig, random_tokens
 
 LAYOUTS = {"mirrored": ("mirrored", {}), "sharded": ("sharded", {}), "dp=2,tp=2": ("sharded", {"mesh": "dp=2,tp=2"}),
-           "tp=4": ("sharded", {"mesh": "tp=4"})}
+           "tp=4": ("sharded", {"mesh": "tp=4"}),
+           "dp=2,tp=2 +sp": ("sharded", {"mesh": "dp=2,tp=2", "sequence_parallel": True}),
+           "tp=4 +sp": ("sharded", {"mesh": "tp=4", "sequence_parallel": True})}
 
 
 def _local_bytes(tensors) -> int:
@@ -33,6 +39,40 @@ def _local_bytes(tensors) -> int:
     return total
 
 
+class _SavedForBackward:
+    """Counts the bytes of the tensors autograd saves for backward: each storage once, parameters (and views of them,
+    such as a weight's transpose) left out. Call ``watch(model)`` once and run the forward under ``pack``."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._saved: set[int] = set()
+        self._parameters: collections.Counter[int] = collections.Counter()  # of the modules running now
+
+    @staticmethod
+    def _address(t: torch.Tensor) -> int:
+        return (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage().data_ptr()
+
+    def watch(self, model: torch.nn.Module) -> None:
+        # Parameters count only while their module runs: FSDP2 frees the gathered ones after it, and an
+        # activation may take the same address later.
+        def enter(module: torch.nn.Module, _inputs) -> None:
+            self._parameters.update(self._address(p) for p in module.parameters(recurse=False))
+
+        def leave(module: torch.nn.Module, _inputs, _output) -> None:
+            self._parameters.subtract(self._address(p) for p in module.parameters(recurse=False))
+
+        for module in model.modules():
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        address = self._address(t)
+        if self._parameters[address] <= 0 and address not in self._saved:
+            self._saved.add(address)
+            self.bytes += (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage().nbytes()
+        return t
+
+
 def _job(name: str, seq: int, gbs: int) -> dict:
     kind, options = LAYOUTS[name]
     strategy = towers.MirroredStrategy() if kind == "mirrored" else towers.FullyShardedStrategy(**options)
@@ -43,9 +83,12 @@ def _job(name: str, seq: int, gbs: int) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = strategy.prepare(model, optimizer)
     x, y = random_tokens(gbs, GPTConfig(**{**config.__dict__, "block_size": seq}), seed=1)
+    saved = _SavedForBackward()
+    saved.watch(model)
     for xb, yb in strategy.distribute_dataset((x, y), global_batch_size=gbs, shuffle=False):
         def step(xb, yb):
-            logits = model(xb)
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                logits = model(xb)
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="none")
             strategy.backward(towers.compute_average_loss(loss.view(len(yb), -1).mean(1)))
             optimizer.step()
@@ -54,7 +97,7 @@ def _job(name: str, seq: int, gbs: int) -> dict:
     raw = getattr(optimizer, "optimizer", optimizer)
     state = [v for s in raw.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {"params": _local_bytes(params), "grads": _local_bytes(p.grad for p in params),
-            "optimizer": _local_bytes(state)}
+            "optimizer": _local_bytes(state), "activations": saved.bytes}
 
 
 def main() -> None:
@@ -62,15 +105,18 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     args = parser.parse_args()
     rows = {}
-    for name in LAYOUTS:
+    for name in args.layouts:
         per_rank = towers.spawn(_job, 4, args=(name, args.seq, args.global_batch), timeout_s=900)
         rows[name] = per_rank
         mb = [{k: round(v / 2**20, 1) for k, v in r.items()} for r in per_rank]
-        worst = max(mb, key=lambda r: sum(r.values()))
-        print(f"{name:>10}: per rank (largest) params {worst['params']} MB, grads {worst['grads']} MB, "
-              f"optimizer {worst['optimizer']} MB, total {round(sum(worst.values()), 1)} MB", flush=True)
+        worst = max(mb, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
+        state = round(worst["params"] + worst["grads"] + worst["optimizer"], 1)
+        print(f"{name:>14}: per rank (largest) params {worst['params']} MB, grads {worst['grads']} MB, "
+              f"optimizer {worst['optimizer']} MB, total {state} MB; activations "
+              f"{max(r['activations'] for r in mb)} MB", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1)

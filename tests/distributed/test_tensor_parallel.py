@@ -7,9 +7,16 @@ layer over the 2 replicas. The references are the plain torch loops a user write
 (no towers): the README-style custom loop (``compute_average_loss``, SGD with momentum, torch's own
 ``clip_grad_norm_`` on the prepared parameters) and ``Trainer.fit`` on the model's own loss. The
 sharded checkpoint the job writes loads into a plain one-process model and into another mesh (tp=4).
+
+The same spawn then trains again under ``sequence_parallel=True`` (norms and residual stream on half
+of the sequence per tp process), towers' GPT and a Hugging Face Llama, against the same plain loops.
 """
 
 from __future__ import annotations
+
+import importlib
+import importlib.util
+import traceback
 
 import pytest
 import torch
@@ -66,9 +73,14 @@ def _job(checkpoint_dir: str) -> dict:
     split = strategy.unwrap(model).blocks[0].attn.qkv.weight
     whole = strategy.unwrap(model).wte.weight
     facts = {"replicas": strategy.num_replicas_in_sync, "mesh": tuple(strategy.mesh.mesh_dim_names),
-             "shape": tuple(strategy.mesh.shape), "placements": [[type(p).__name__ for p in w.placements] for w in (split, whole)],
+             "shape": tuple(strategy.mesh.shape),
+             "placements": [[type(p).__name__ for p in w.placements] for w in (split, whole)],
              "tp": strategy.tensor_parallel_size, "chief": strategy.is_chief, "loss": history["loss"]}
-    return {"loop": loop, "fit": fit, "norms": norms, "facts": facts}
+    try:  # a failure here fails the sequence-parallel test alone, with this rank's traceback
+        sequence_parallel = _sequence_parallel_phase()
+    except Exception:
+        sequence_parallel = {"error": traceback.format_exc()}
+    return {"loop": loop, "fit": fit, "norms": norms, "facts": facts, "sequence_parallel": sequence_parallel}
 
 
 def _restore_under(mesh: str, checkpoint_dir: str) -> dict:
@@ -115,8 +127,15 @@ def _close(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[key], want[key], rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
 
 
-def test_dp2_tp2_trains_as_one_device_and_its_checkpoint_loads_on_one_process(tmp_path):
-    results = towers.spawn(_job, 4, args=(str(tmp_path / "ckpt"),), timeout_s=240)
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> tuple[list[dict], object]:
+    """The one spawn of 4 processes both tests read: the plain tensor-parallel phase, then the sequence-parallel one."""
+    checkpoint_dir = tmp_path_factory.mktemp("tp") / "ckpt"
+    return towers.spawn(_job, 4, args=(str(checkpoint_dir),), timeout_s=240), checkpoint_dir
+
+
+def test_dp2_tp2_trains_as_one_device_and_its_checkpoint_loads_on_one_process(launch):
+    results, checkpoint_dir = launch
     chief = results[0]
     facts = [r["facts"] for r in results]
     assert [f["chief"] for f in facts] == [True, False, False, False]
@@ -135,10 +154,107 @@ def test_dp2_tp2_trains_as_one_device_and_its_checkpoint_loads_on_one_process(tm
 
     model = _model()  # one process, no strategy: the tensor-parallel shards reassemble into the full tensors
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    towers.checkpoint.restore_checkpoint(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    towers.checkpoint.restore_checkpoint(checkpoint_dir, {"model": model, "optimizer": optimizer})
     _close(model.state_dict(), reference)
     assert all(len(s["momentum_buffer"].shape) > 0 for s in optimizer.state.values())
 
     # and into another mesh: one replica split 4 ways
-    resharded = towers.spawn(_restore_under, 4, args=("tp=4", str(tmp_path / "ckpt")), timeout_s=240)[0]
+    resharded = towers.spawn(_restore_under, 4, args=("tp=4", str(checkpoint_dir)), timeout_s=240)[0]
     _close(resharded, reference)
+
+
+# --- sequence parallelism: the same 4-process mesh, the norms and residual stream split on the sequence ---------------
+
+def _has_transformers() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+def _llama(transformers):
+    config = transformers.LlamaConfig(vocab_size=CONFIG.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=CONFIG.block_size, attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _layout(output) -> tuple:
+    """What a module's output is on this process: (DTensor placements or None, local shape)."""
+    placements = tuple(type(p).__name__ + str(getattr(p, "dim", "")) for p in output.placements) \
+        if hasattr(output, "placements") else None
+    return placements, tuple((output.to_local() if placements else output).shape)
+
+
+def _sequence_parallel_phase() -> dict:
+    transformers = importlib.import_module("transformers") if _has_transformers() else None
+    strategy = towers.FullyShardedStrategy(mesh="dp=2,tp=2", sequence_parallel=True)
+    with strategy.scope():
+        model, llama = _model(), _llama(transformers) if transformers else torch.nn.Linear(1, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        llama_optimizer = torch.optim.SGD(llama.parameters(), lr=0.5)
+    model, optimizer = strategy.prepare(model, optimizer)
+    block = strategy.unwrap(model).blocks[0]
+    watched = {"ln_1": block.ln_1, "block": block, "ln_f": strategy.unwrap(model).ln_f}
+    if transformers:
+        llama, llama_optimizer = strategy.prepare(llama, llama_optimizer)
+        watched["llama_norm"] = strategy.unwrap(llama).model.layers[1].post_attention_layernorm
+    seen = {}
+    for name, module in watched.items():
+        module.register_forward_hook(lambda _m, _i, out, name=name: seen.update({name: _layout(out)}) and None)
+    x, y = _data()
+    norms = []
+    for xb, yb in strategy.distribute_dataset((x, y), global_batch_size=GBS, shuffle=False):
+        def step(xb, yb):
+            strategy.backward(towers.compute_average_loss(_token_loss(model(xb), yb)))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).full_tensor()))
+            optimizer.step()
+            optimizer.zero_grad()
+            if transformers:
+                strategy.backward(towers.compute_average_loss(_token_loss(llama(input_ids=xb).logits, yb)))
+                llama_optimizer.step()
+                llama_optimizer.zero_grad()
+        strategy.run(step, args=(xb, yb))
+    loop = strategy.full_state_dict(model)
+    llama_state = strategy.full_state_dict(llama) if transformers else None
+    layouts = dict(seen)
+    try:
+        model(x[:2, :15])  # 15 tokens do not divide by tp=2
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return {"loop": loop, "llama": llama_state, "norms": norms, "seen": layouts, "refused": refused}
+
+
+def _plain_llama_loop() -> dict:
+    import transformers
+
+    model = _llama(transformers)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = _data()
+    for i in range(STEPS):
+        _token_loss(model(input_ids=x[i * GBS:(i + 1) * GBS]).logits, y[i * GBS:(i + 1) * GBS]).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def test_dp2_tp2_with_sequence_parallelism_trains_as_one_device(launch):
+    results = [r["sequence_parallel"] for r in launch[0]]
+    assert not any("error" in r for r in results), "\n".join(r.get("error", "") for r in results)
+    chief = results[0]
+    local = GBS // 2  # each replica's share of the batch
+    half = CONFIG.block_size // 2  # each tp process's share of the sequence
+    # the norms compute on half of the sequence, the residual stream between blocks is half, the final norm's output
+    # is whole again (gathered for the head)
+    assert {k: v for k, v in chief["seen"].items() if k != "llama_norm"} == {
+        "ln_1": (("Shard1",), (local, half, 32)), "block": (None, (local, half, 32)),
+        "ln_f": (None, (local, CONFIG.block_size, 32))}
+
+    reference, norms = _plain_loop()
+    _close(chief["loop"], reference)
+    assert chief["norms"] == pytest.approx(norms, rel=1e-5)  # the norms' gradients summed over the sequence's halves
+    assert all("sequence length must divide by tp" in r["refused"] and "15 tokens per sequence" in r["refused"]
+               and "tp=2" in r["refused"] for r in results)
+
+    pytest.importorskip("transformers")  # a Hugging Face Llama: its own plan, its sequence-parallel variant
+    assert chief["seen"]["llama_norm"] == (("Shard1",), (local, half, 32))
+    _close(chief["llama"], _plain_llama_loop())

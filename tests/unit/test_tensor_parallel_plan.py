@@ -120,3 +120,117 @@ def test_a_plan_is_checked_against_the_model_before_anything_splits():
     with pytest.raises(ValueError, match="towers has no tensor-parallel plan for Sequential"):
         tp_plan_for(mlp, 2)
     assert tp_plan_for(mlp, 2, lambda m, tp: {"0": "colwise", "2": "rowwise"}) == {"0": "colwise", "2": "rowwise"}
+
+
+# --- sequence parallelism -------------------------------------------------------------------------------------------
+
+GPT_SEQUENCE_PLAN = {
+    "blocks.0": "split_sequence",  # the embeddings' sum (whole) is cut into this process's slice of the sequence
+    "blocks.*.ln_1": "sequence_parallel", "blocks.*.ln_2": "sequence_parallel",
+    "blocks.*.attn": "gather_sequence", "blocks.*.mlp": "gather_sequence",
+    "blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise_seq",
+    "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise_seq",
+    "ln_f": "sequence_parallel_gather",
+}
+
+
+def test_the_sequence_parallel_plan_for_towers_gpt_splits_norms_and_residual_on_the_sequence():
+    model = GPT(GPTConfig(vocab_size=96, block_size=8, n_layer=2, n_head=4, n_embd=32))
+    assert tp_plan_for(model, 2, sequence_parallel=True) == {**GPT_SEQUENCE_PLAN, "head": "colwise_rep"}
+    assert tp_plan_for(GPT(GPTConfig.tiny()), 2, sequence_parallel=True) == GPT_SEQUENCE_PLAN  # head whole: vocab 97
+    check_divisible(model, tp_plan_for(model, 2, sequence_parallel=True), 2)
+    assert tp_plan_for(model, 2, GPT_SEQUENCE_PLAN, sequence_parallel=True) == GPT_SEQUENCE_PLAN  # written: kept
+
+
+def test_every_sequence_style_string_is_the_torch_style_it_names():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+    from towers.strategies._sequence_parallel import GatherSequence, SequenceParallelGather, SplitSequence
+    from towers.strategies._tensor_parallel import _style
+
+    assert type(_style("sequence_parallel", "n")) is SequenceParallel
+    rowwise = _style("rowwise_seq", "p")
+    assert type(rowwise) is RowwiseParallel and rowwise.output_layouts == (Shard(1),)  # reduce-scatter onto slices
+    assert [type(_style(s, "m")) for s in ("split_sequence", "gather_sequence", "sequence_parallel_gather")] == [
+        SplitSequence, GatherSequence, SequenceParallelGather]
+    with pytest.raises(ValueError, match=r"names a style towers does not know. Received: 'seq'.*'rowwise_seq'"):
+        _style("seq", "m")
+
+
+def test_hugging_face_llama_gets_the_sequence_parallel_variant_of_its_plan():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    plan = tp_plan_for(transformers.LlamaForCausalLM(config), 2, sequence_parallel=True)
+    layers = "model.layers.*"
+    assert plan == {
+        "model.layers.0": "split_sequence",
+        f"{layers}.input_layernorm": "sequence_parallel", f"{layers}.post_attention_layernorm": "sequence_parallel",
+        f"{layers}.self_attn": "gather_sequence", f"{layers}.mlp": "gather_sequence",
+        **{f"{layers}.self_attn.{p}_proj": "colwise" for p in "qkv"}, f"{layers}.self_attn.o_proj": "rowwise_seq",
+        f"{layers}.mlp.gate_proj": "colwise", f"{layers}.mlp.up_proj": "colwise", f"{layers}.mlp.down_proj": "rowwise_seq",
+        "model.norm": "sequence_parallel_gather"}
+
+
+class _NoFinalNorm(nn.Module):
+    def __init__(self, block_extra: nn.Module | None = None):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(8), "mlp": nn.Sequential(
+            nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), **({"extra": block_extra} if block_extra else {})})
+            for _ in range(2))
+
+
+def test_a_plan_without_the_shape_sequence_parallelism_needs_is_refused_naming_what_is_missing():
+    mlp = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 8))
+    with pytest.raises(ValueError, match=r"cannot derive a sequence-parallel plan for Sequential: the split layers "
+                                         r"must be inside modules of one stack of blocks.*Received: \['0', '2'\]"):
+        tp_plan_for(mlp, 2, {"0": "colwise", "2": "rowwise"}, sequence_parallel=True)
+    plan = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+    with pytest.raises(ValueError, match=r"followed by one final norm.*Received: norms \[\]"):
+        tp_plan_for(_NoFinalNorm(), 2, plan, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"blocks\.\*\.extra \(Linear\) is neither"):
+        tp_plan_for(_NoFinalNorm(nn.Linear(8, 8)), 2, plan, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"only from 'colwise', 'rowwise' and 'colwise_rep'.*'packed_colwise'"):
+        tp_plan_for(_NoFinalNorm(), 2, {**plan, "blocks.*.mlp.1": "packed_colwise"}, sequence_parallel=True)
+
+
+def test_a_sequence_that_does_not_divide_by_tp_is_refused_naming_both_numbers():
+    from towers.strategies._sequence_parallel import SplitSequence
+
+    class TwoProcesses:  # what the style reads of the mesh before anything is sent
+        def size(self) -> int:
+            return 2
+
+    block = SplitSequence()._apply(nn.Identity(), TwoProcesses())
+    with pytest.raises(ValueError, match=r"sequence length must divide by tp.*Received: 15 tokens per sequence "
+                                         r"\(activations of shape \(2, 15, 4\)\), tp=2. Pad or cut the sequences to a "
+                                         r"multiple of 2 tokens, or use sequence_parallel=False"):
+        block(torch.zeros(2, 15, 4))
+
+
+def test_sequence_parallel_is_a_strategy_option_ignored_with_a_warning_without_tp(caplog):
+    import logging
+
+    from towers.cluster.info import ProcessInfo
+    from towers.cluster.strategy_options import parse_strategy_options
+    from towers.strategies.fully_sharded import FullyShardedStrategy
+    from towers.strategies.registry import check_strategy_options
+
+    options = parse_strategy_options(["sequence_parallel=true"])
+    assert options == {"sequence_parallel": True}
+    check_strategy_options("sharded", options)  # the sharded strategy takes it
+    with pytest.raises(ValueError, match="does not take the option 'sequence_parallel'"):
+        check_strategy_options("mirrored", options)
+    with pytest.raises(ValueError, match=r"sequence_parallel must be True or False. Received: 'yes'"):
+        FullyShardedStrategy(info=ProcessInfo(), sequence_parallel="yes")
+    logger = logging.getLogger("towers")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="towers"):
+            strategy = FullyShardedStrategy(info=ProcessInfo(), sequence_parallel=True)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert strategy.tensor_parallel_size == 1
+    assert "sequence_parallel=True is ignored" in caplog.text and "no mesh" in caplog.text
+    assert "--mesh dp=D,tp=T" in caplog.text

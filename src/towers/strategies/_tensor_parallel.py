@@ -10,7 +10,8 @@ process of a replica computes it whole on the same batch.
 Built-in plans: towers' GPT (``towers.models_gpt``), and every Hugging Face model whose config
 carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2, ...). Any other model: pass ``tp_plan=`` a
 dict of name -> style (the strings ``"colwise"`` / ``"rowwise"``, or style objects), or a callable
-``plan(model, tp_size) -> dict``.
+``plan(model, tp_size) -> dict``. ``sequence_parallel=True`` turns a plan into its sequence-parallel
+variant (``towers.strategies._sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ def _style(value: Any, name: str) -> Any:
         return value
     styles: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
                                             "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate())}
+    from towers.strategies._sequence_parallel import SEQUENCE_STYLES
+
+    styles.update(SEQUENCE_STYLES)
     if value not in styles:
         raise user_error(f"Tensor-parallel plan entry {name!r} names a style towers does not know", repr(value),
-                         "Use 'colwise', 'rowwise', 'colwise_rep', or a torch.distributed.tensor.parallel style object.")
+                         f"Use one of {sorted(styles)}, or a torch.distributed.tensor.parallel style object.")
     return styles[value]()
 
 
@@ -76,12 +80,25 @@ def _hf_plan(model: nn.Module) -> dict[str, Any] | None:
     return plan
 
 
-def tp_plan_for(model: nn.Module, tp: int, plan: TPPlan = "auto") -> dict[str, Any]:
+def tp_plan_for(model: nn.Module, tp: int, plan: TPPlan = "auto", *, sequence_parallel: bool = False) -> dict[str, Any]:
     """Return the plan (module name pattern -> style) for ``model`` on ``tp`` processes.
 
+    With ``sequence_parallel``, its sequence-parallel variant (``sequence_parallel_plan``; a plan that
+    names sequence styles itself is kept as written).
+
     Raises:
-        ValueError: ``"auto"`` for a model towers has no plan for; a plan of the wrong type.
+        ValueError: ``"auto"`` for a model towers has no plan for; a plan of the wrong type; a plan
+            towers cannot derive the sequence-parallel variant of.
     """
+    found = _tp_plan(model, tp, plan)
+    if not sequence_parallel:
+        return found
+    from towers.strategies._sequence_parallel import sequence_parallel_plan
+
+    return sequence_parallel_plan(model, found)
+
+
+def _tp_plan(model: nn.Module, tp: int, plan: TPPlan) -> dict[str, Any]:
     if callable(plan) and not isinstance(plan, str):
         plan = plan(model, tp)
     if isinstance(plan, Mapping):
@@ -123,11 +140,14 @@ def check_divisible(model: nn.Module, plan: Mapping[str, Any], tp: int) -> None:
         if not found:
             raise user_error("A tensor-parallel plan entry matches no module of the model", repr(pattern),
                              "Name modules as model.named_modules() does, with * for one level (e.g. 'blocks.*.fc1').")
+        style = plan[pattern]
+        kind = style if isinstance(style, str) else type(style).__name__.lower()
+        if not kind.startswith(("colwise", "rowwise")):
+            continue  # replicated parameters (norms) or a change of layout only: nothing to divide
         for name, module in found:
             if not isinstance(module, nn.Linear):
                 continue
-            split = module.out_features if str(plan[pattern]).startswith("colwise") or "Colwise" in type(
-                plan[pattern]).__name__ else module.in_features
+            split = module.out_features if kind.startswith("colwise") else module.in_features
             if split % tp:
                 raise user_error(f"Layer {name} cannot be split over tp={tp}", f"{split} features",
                                  f"Use a tp that divides {split}, or leave {name} out of the plan.")
@@ -151,7 +171,8 @@ def _replicate_rest(model: nn.Module, tp_mesh: Any) -> None:
             distribute_module(module, tp_mesh, input_fn=to_replicated, output_fn=to_local)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: TPPlan = "auto") -> dict[str, Any]:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: TPPlan = "auto", *,
+                          sequence_parallel: bool = False) -> dict[str, Any]:
     """Split ``model``'s layers over ``tp_mesh`` by its plan (in place); return the plan applied.
 
     Raises:
@@ -160,7 +181,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: TPPlan = "auto")
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
-    resolved = tp_plan_for(model, tp, plan)
+    resolved = tp_plan_for(model, tp, plan, sequence_parallel=sequence_parallel)
     check_divisible(model, resolved, tp)
     parallelize_module(model, tp_mesh, {k: _style(v, k) for k, v in resolved.items()})
     _replicate_rest(model, tp_mesh)

@@ -27,7 +27,7 @@ from towers.checkpoint.api import require_optimizer_state
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.cluster.mesh import MeshSpec, parse_mesh
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
@@ -74,7 +74,9 @@ class FullyShardedStrategy(SyncStrategy):
     ``tp_plan`` (``"auto"``: towers' GPT and Hugging Face models with a ``base_model_tp_plan``; or a
     dict / callable, see ``towers.strategies._tensor_parallel``) and see the same batch, and FSDP2
     shards each split layer over ``dp``. ``num_replicas_in_sync`` is then ``dp``: the model
-    replicas, which split the global batch.
+    replicas, which split the global batch. ``sequence_parallel=True`` also splits what the plan
+    leaves whole (norms, residual stream, dropout) on the sequence over ``tp``; without a ``tp`` above
+    1 it has nothing to split and is ignored with a warning (the same script runs on any mesh).
     """
 
     name = "sharded"
@@ -83,7 +85,7 @@ class FullyShardedStrategy(SyncStrategy):
                  backend: str = "auto", precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1,
                  shard_units: ShardUnits = "auto", reshard_after_forward: bool = True, cpu_offload: bool = False,
                  shard_group_size: int | None = None, async_save: bool = False, mesh: "str | MeshSpec | None" = None,
-                 tp_plan: TPPlan = "auto"):
+                 tp_plan: TPPlan = "auto", sequence_parallel: bool = False):
         from towers import cluster
         from towers.devices import warn_if_gpus_idle
 
@@ -96,6 +98,9 @@ class FullyShardedStrategy(SyncStrategy):
         self._async_save = bool(async_save)
         self._owns_group = False
         self._tp_plan = tp_plan
+        if not isinstance(sequence_parallel, bool):
+            raise user_error("sequence_parallel must be True or False", repr(sequence_parallel),
+                             "Use sequence_parallel=True (--strategy-option sequence_parallel=true) or leave it out.")
         self._tp_mesh: Any = None  # the tensor-parallel dimension of a (dp, tp) mesh
         self._device_mesh: Any = None  # the whole mesh
         spec = parse_mesh(mesh)
@@ -105,6 +110,13 @@ class FullyShardedStrategy(SyncStrategy):
                 raise user_error("shard_group_size (HSDP) and a tensor-parallel mesh cannot be combined yet",
                                  f"shard_group_size={shard_group_size}, mesh {spec.describe()}",
                                  "Leave shard_group_size out with --mesh.")
+        if sequence_parallel and (spec is None or spec.tp == 1):
+            # Not an error: a script that asks for it runs unchanged on a mesh without tp (nothing to split there).
+            log.warning("sequence_parallel=True is ignored: it splits the sequence over the mesh's tp processes, and "
+                        "this job has %s. Add a tp dimension (--mesh dp=D,tp=T) to use it.",
+                        "no mesh" if spec is None else f"mesh {spec.describe()}")
+            sequence_parallel = False
+        self._sequence_parallel = sequence_parallel
         device = _replica_device(info)
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
         # Options are checked before the process group is joined: a typo fails at once, on every rank alike.
@@ -126,7 +138,7 @@ class FullyShardedStrategy(SyncStrategy):
                     shard_group_size = info.local_world_size  # several nodes: HSDP, shards within a node
                 self._mesh = build_mesh(info.world_size, device.type, shard_group_size)
         elif shard_group_size not in (None, 1):
-            raise ValueError(f"shard_group_size must divide the number of processes (1). Received: {shard_group_size}.")
+            raise InvalidArgumentError(f"shard_group_size must divide the number of processes (1). Received: {shard_group_size}.")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         super().__init__(info=info, device=device, comm=comm, precision=precision,
@@ -191,7 +203,7 @@ class FullyShardedStrategy(SyncStrategy):
             TypeError, ValueError: as ``SyncStrategy.prepare``; ValueError also when the optimizer already has state.
         """
         if isinstance(optimizer, torch.optim.Optimizer) and _raw(optimizer).state:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "FullyShardedStrategy.prepare needs an optimizer that has not stepped yet (its state would be the "
                 "full, unsharded one). Build the optimizer, call prepare, then train; restore state through "
                 "strategy.load_checkpoint / load_state_dict.")
@@ -209,7 +221,7 @@ class FullyShardedStrategy(SyncStrategy):
         check_same_parameters(model, self._comm.all_gather_object)
         self._broadcast_from_chief(model)
         if self._tp_mesh is not None:  # split the layers first; FSDP2 then shards each split over dp (2-D)
-            apply_tensor_parallel(model, self._tp_mesh, self._tp_plan)
+            apply_tensor_parallel(model, self._tp_mesh, self._tp_plan, sequence_parallel=self._sequence_parallel)
         shard_model(model, self._mesh, shard_units=self._shard_units, reshard_after_forward=self._reshard_after_forward,
                     precision=self.precision.name, cpu_offload=self._cpu_offload)
         self._sharded.append(model)
