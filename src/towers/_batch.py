@@ -6,15 +6,18 @@ names from ``towers.data``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from towers._logging import get_logger
 from towers.errors import InvalidArgumentError
 
 __all__ = ["BatchInfo", "shard_bounds", "global_batch_sizes", "batch_info", "find_batch_info", "attach_batch_info",
-           "host_copy", "map_tensors", "to_device", "DistributedBatches", "FollowsJob"]
+           "host_copy", "map_tensors", "to_device", "DistributedBatches", "JobPosition", "pass_examples"]
+
+log = get_logger(__name__)
 
 
 def shard_bounds(batch_size: int, num_replicas: int, replica_id: int) -> tuple[int, int]:
@@ -28,6 +31,27 @@ def global_batch_sizes(num_examples: int, global_batch_size: int, *, drop_remain
     """Return the size of every global batch of one epoch."""
     full, rest = divmod(num_examples, global_batch_size)
     return [global_batch_size] * full + ([rest] if rest and not drop_remainder else [])
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class JobPosition:
+    """Where a batch stands in the job: what the Trainer reads its progress from.
+
+    ``epoch`` and ``step`` (the batch's place among this replica's steps of the epoch: the global
+    batch for a static split, the replica's own count where batches are handed out at run time);
+    ``committed()``, asked after the step that trained the batch, says whether its update was applied
+    (always, except where a step can be dropped: fault tolerance retries it with the same batch, so
+    the next batch has the same position). A position that is not where the Trainer's own count is
+    (a replica group that joined a running job) moves the Trainer there.
+    """
+
+    epoch: int
+    step: int
+    committed: Callable[[], bool] = field(default=_always, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -52,6 +76,8 @@ class BatchInfo:
     #: Positions ``[lo, hi)`` of the epoch's example order that this share trains (empty for a padded or empty share),
     #: or None where the input does not know them (a stream): what the ledger records.
     rows: tuple[int, int] | None = None
+    #: The job's position at this batch (set by every input of towers; None for a batch without one).
+    position: JobPosition | None = None
 
 
 #: Attribute under which a yielded tensor carries its batch's ``BatchInfo``.
@@ -153,16 +179,29 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return map_tensors(batch, lambda t: _moved(t, device))
 
 
+def pass_examples(answer: Mapping[str, Any], before: int, epoch: int) -> int:
+    """The examples a pass handed out at run time trained: ps task 0's count at its end, plus the ``before`` a resumed
+    pass trained earlier. A count short of the epoch's is logged (a share that no live replica could train)."""
+    examples, expected = int(answer["examples"]) + before, int(answer["expected"]) + before
+    if examples != expected:
+        log.warning("epoch %d trained on %d of its %d examples", epoch, examples, expected)
+    return examples
+
+
 @runtime_checkable
 class DistributedBatches(Protocol):
-    """What the Trainer needs from a distributed dataset: ``DistributedDataset`` and ``DistributedStream`` both are one.
+    """What the Trainer needs from a distributed dataset: every input of towers is one.
 
-    Iterating yields this replica's batches of the current epoch (each tensor carrying its
-    ``BatchInfo``) and then advances the epoch. ``batches_per_epoch`` is None when unknown (a
-    stream). ``last_pass`` is set by passes handed out at run time (parameter servers), else None.
+    Iterating yields this replica's batches of the current epoch, each tensor carrying its
+    ``BatchInfo`` with its ``JobPosition``, and then advances the epoch. ``batches_per_epoch`` is
+    None when unknown (a stream). The Trainer counts nothing an input knows better: it takes its
+    epoch and step from the batches, ``position_from`` before each epoch, and ``examples_trained``
+    after it.
     """
 
-    last_pass: dict[str, int] | None
+    #: Whether the shares handed out at run time are recorded in the job's example ledger where they are handed
+    #: out (parameter servers: by ps task 0); the Trainer sets it on its training input when it keeps a ledger.
+    in_ledger: bool
 
     @property
     def epoch(self) -> int:
@@ -171,6 +210,19 @@ class DistributedBatches(Protocol):
     @property
     def batches_per_epoch(self) -> int | None:
         """Global batches per epoch, or None when the input does not know before its end."""
+
+    @property
+    def examples_trained(self) -> int | None:
+        """The examples the last complete iteration trained, where the input counts them (batches handed out at run
+        time, a dead replica's share included), else None: the sizes of the global batches trained."""
+
+    def position_from(self, epoch: int, step: int, *, steps_per_epoch: int | None = None) -> tuple[int, int]:
+        """Return ``(epoch, step)`` of the next batch when the Trainer would go on at ``(epoch, step)``.
+
+        The same pair for an input the Trainer positions; the job's where the input's position is
+        the job's (a replica group joining a running job joins it here first, so every live replica
+        gets the same answer).
+        """
 
     def __iter__(self) -> Iterator[Any]:
         """Yield this replica's batches of the current epoch (from a restored position, if any)."""
@@ -186,20 +238,3 @@ class DistributedBatches(Protocol):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (refusing one saved for another input)."""
-
-
-@runtime_checkable
-class FollowsJob(Protocol):
-    """An input whose position is the job's, not this replica's own count (fault-tolerant replica groups).
-
-    A replica can join a job that is already running (a group started again heals to the live
-    groups' step), and a step can fail to commit (it is retried with the same global batch): the
-    Trainer then takes its epoch and step from ``job_position`` rather than counting its own steps.
-    """
-
-    def job_position(self) -> tuple[int, int]:
-        """Return ``(epoch, batch)`` of the job's next step: its epoch and the global batches of it already done.
-
-        A replica that has not joined the job yet joins it first (and catches up with it there), so
-        the answer is the same on every live replica.
-        """

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterator
 
-from towers._batch import BatchInfo, attach_batch_info, global_batch_sizes, to_device
+from towers._batch import BatchInfo, JobPosition, attach_batch_info, global_batch_sizes, pass_examples, to_device
 from towers._shard_files import ShardFiles, content_digest
 from towers._stream_position import Position
 from towers._stream_reading import BatchReader, Work
@@ -44,9 +44,7 @@ def dispatched_batches(stream: DistributedStream, start: int, files: list[ShardF
     while True:
         answer = stream._dispatch(key, step, spec)
         if answer["kind"] == "stop":  # counted from `start`: a resumed epoch trained the batches before it
-            before = sum(sizes[:start])
-            stream.last_pass = {"examples": int(answer["examples"]) + before,
-                              "expected": int(answer["expected"]) + before}
+            stream._examples_trained = pass_examples(answer, sum(sizes[:start]), stream._epoch)
             break
         units = [(int(g), int(r)) for g, r in answer["units"]] if answer["kind"] == "unit" else [(len(sizes) - 1, -1)]
         for g, r in units:
@@ -59,8 +57,10 @@ def dispatched_batches(stream: DistributedStream, start: int, files: list[ShardF
             else:
                 work, info = stream._share(records, info, r)
             batch = stream._transform(work)
+            position = JobPosition(stream._epoch, start + step)  # this replica's own count: units come in any order
             step += 1
             stream._position.batch = max(stream._position.batch, g + 1)
-            yield attach_batch_info(to_device(batch, stream.device), replace(info, epoch=stream._epoch))
+            yield attach_batch_info(to_device(batch, stream.device), replace(info, epoch=stream._epoch,
+                                                                              position=position))
     stream._epoch += 1
     stream._position = Position.start(stream.num_virtual_shards)

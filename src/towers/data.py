@@ -36,12 +36,13 @@ import torch
 from towers._batch import (
     BatchInfo,
     DistributedBatches,
-    FollowsJob,
+    JobPosition,
     attach_batch_info,
     batch_info,
     find_batch_info,
     global_batch_sizes,
     map_tensors,
+    pass_examples,
     shard_bounds,
     to_device,
 )
@@ -59,7 +60,7 @@ from towers.ledger.record import OrderSpec
 from towers.streams import DistributedStream, InputContext, ShardChangedError, Shards, is_stream
 
 __all__ = ["BatchInfo", "DistributedDataset", "Dispatch", "distribute_dataset", "shard_bounds", "global_batch_sizes",
-           "batch_info", "find_batch_info", "map_tensors", "DistributedBatches", "FollowsJob", "DistributedStream",
+           "batch_info", "find_batch_info", "map_tensors", "DistributedBatches", "JobPosition", "DistributedStream",
            "Shards", "ShardChangedError", "InputContext", "is_stream"]
 
 log = get_logger(__name__)
@@ -140,8 +141,7 @@ class DistributedDataset(DataLoaderNames):
         self.sampler = EpochSampler(self)
         self._loader = Loader(partial(_run_fetch, self._source), options, self.device, seed=self.seed)
         self._passes = 0  # iterations started (names a dispatched pass)
-        #: ``{"examples": ..., "expected": ...}`` of the last complete dispatched pass (None: static split).
-        self.last_pass: dict[str, int] | None = None
+        self._examples_trained: int | None = None  # as ps task 0 counted the last complete dispatched pass
         #: Whether batches handed out at run time are recorded in the job's ledger by ps task 0 (the Trainer sets
         #: it on its training input; an evaluation pass trains nothing).
         self.in_ledger = False
@@ -162,6 +162,15 @@ class DistributedDataset(DataLoaderNames):
     # --- epochs and resuming ----------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._infos)
+
+    @property
+    def examples_trained(self) -> int | None:
+        """The examples the last complete dispatched pass trained, as ps task 0 counted them; None for a static split."""
+        return self._examples_trained
+
+    def position_from(self, epoch: int, step: int, *, steps_per_epoch: int | None = None) -> tuple[int, int]:
+        """The Trainer positions this input: ``(epoch, step)`` itself."""
+        return epoch, step
 
     @property
     def batches_per_epoch(self) -> int:
@@ -226,8 +235,8 @@ class DistributedDataset(DataLoaderNames):
             to_worker = self._loader.options.num_workers > 0
             jobs = ((self._fetch(order, info, to_worker=to_worker), info) for info in self._infos[batch:])
             for cpu_batch, info in self._loader.batches(jobs, salt=self._epoch):
-                value = attach_batch_info(to_device(cpu_batch, self.device),
-                                          replace(info, epoch=self._epoch, rows=self._rows(info)))
+                value = attach_batch_info(to_device(cpu_batch, self.device), replace(
+                    info, epoch=self._epoch, rows=self._rows(info), position=JobPosition(self._epoch, info.index)))
                 self._position = info.index + 1
                 yield value
         self._epoch += 1
@@ -250,9 +259,7 @@ class DistributedDataset(DataLoaderNames):
         while True:
             answer = dispatch(key, step, spec)
             if answer["kind"] == "stop":  # counted from `start`: a resumed epoch trained the batches before it
-                before = sum(self._sizes[:start])
-                self.last_pass = {"examples": int(answer["examples"]) + before,
-                                  "expected": int(answer["expected"]) + before}
+                self._examples_trained = pass_examples(answer, sum(self._sizes[:start]), self._epoch)
                 return
             batches: list[tuple[BatchInfo, int]] = []
             if answer["kind"] == "unit":  # one or more units, each a replica's share of a global batch
@@ -267,8 +274,9 @@ class DistributedDataset(DataLoaderNames):
                                 self.replica_id))
             for info, r in batches:
                 batch = _run_fetch(self._source, self._fetch(order, info, r))
-                value = attach_batch_info(to_device(batch, self.device),
-                                          replace(info, epoch=self._epoch, rows=self._rows(info, r)))
+                # The position is this replica's own count of its steps: units come in any order.
+                value = attach_batch_info(to_device(batch, self.device), replace(
+                    info, epoch=self._epoch, rows=self._rows(info, r), position=JobPosition(self._epoch, start + step)))
                 step += 1
                 self._position = max(self._position, info.index + 1)
                 yield value

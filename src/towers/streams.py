@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch.utils.data import default_collate
 
-from towers._batch import BatchInfo, attach_batch_info, global_batch_sizes, shard_bounds, to_device
+from towers._batch import BatchInfo, JobPosition, attach_batch_info, global_batch_sizes, shard_bounds, to_device
 from towers._dataloader_answers import DataLoaderNames, EpochSampler, StreamWithoutLength, stream_length_error
 from towers._input_context import InputContext
 from towers._input_context import positive_int as _positive_int
@@ -140,8 +140,7 @@ class DistributedStream(DataLoaderNames):
         self._agree = agree  # the replicas' element-wise max (None: one replica, or nobody to compare with)
         self._num_examples: int | None = None  # counted once per content of the files, for the dispatcher
         self._counted_files: str | None = None  # the files' digest when they were counted
-        #: ``{"examples", "expected"}`` of the last complete dispatched pass (None: a static split).
-        self.last_pass: dict[str, int] | None = None
+        self._examples_trained: int | None = None  # as ps task 0 counted the last complete dispatched pass
         #: Whether batches handed out at run time are recorded in the job's ledger by ps task 0 (the Trainer sets
         #: it on its training input; an evaluation pass trains nothing).
         self.in_ledger = False
@@ -165,6 +164,15 @@ class DistributedStream(DataLoaderNames):
         if self._dispatch is None or self._num_examples is None:
             return None
         return len(global_batch_sizes(self._num_examples, self.global_batch_size, drop_remainder=self.drop_remainder))
+
+    @property
+    def examples_trained(self) -> int | None:
+        """The examples the last complete dispatched pass trained, as ps task 0 counted them; None for a static split."""
+        return self._examples_trained
+
+    def position_from(self, epoch: int, step: int, *, steps_per_epoch: int | None = None) -> tuple[int, int]:
+        """The Trainer positions this input: ``(epoch, step)`` itself."""
+        return epoch, step
 
     def __len__(self) -> int:
         """``batches_per_epoch`` where it is known.
@@ -234,7 +242,8 @@ class DistributedStream(DataLoaderNames):
             yield from self._dispatched(start.batch + skip, files)
             return
         for cpu_batch, (info, after) in self._loader.batches(self._jobs(start, skip, files), salt=self._epoch):
-            value = attach_batch_info(to_device(cpu_batch, self.device), replace(info, epoch=self._epoch))
+            value = attach_batch_info(to_device(cpu_batch, self.device),
+                                      replace(info, epoch=self._epoch, position=JobPosition(self._epoch, info.index)))
             self._position = after  # moved when a batch is yielded (not when a worker was asked for it)
             yield value
         self._epoch += 1

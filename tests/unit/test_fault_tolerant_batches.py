@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from towers.data import DistributedBatches, FollowsJob, batch_info
+from towers.data import DistributedBatches, batch_info
 from towers.strategies.fault_tolerant import FaultTolerantBatches
 
 
@@ -44,17 +44,25 @@ def _batches(job: _Job) -> FaultTolerantBatches:
 def test_batches_are_the_jobs_steps():
     job = _Job(step=5)  # epoch 1, global batch 2
     batches = _batches(job)
-    assert isinstance(batches, DistributedBatches) and isinstance(batches, FollowsJob)
-    assert batches.job_position() == (1, 2) and job.quorums == 1  # joined (a restarted group heals there)
-    assert batches.job_position() == (1, 2) and job.quorums == 1  # later: read, no quorum joined
+    assert isinstance(batches, DistributedBatches)
+    # Wherever the Trainer would go on, the next batch is the job's: joined first (a restarted group heals there) ...
+    assert batches.position_from(0, 0) == (1, 2) and job.quorums == 1
+    assert batches.position_from(0, 0) == (1, 2) and job.quorums == 1  # ... later: read, no quorum joined
+    with pytest.raises(ValueError, match=r"steps_per_epoch must cover the whole dataset.*Received: steps_per_epoch=2"):
+        batches.position_from(1, 2, steps_per_epoch=2)
     batches.set_epoch(1)
     steps = batches.iter_from(2)
     x, y = next(steps)
-    assert y.tolist() == [8] and batch_info(x).index == 2 and batch_info(x).global_batch_size == 2  # group 0's half
+    info = batch_info(x)
+    assert y.tolist() == [8] and info.index == 2 and info.global_batch_size == 2  # group 0's half
+    assert (info.position.epoch, info.position.step) == (1, 2)
     job.vote(committed=False)
+    assert not info.position.committed()  # the Trainer counts the step nowhere
     _, y = next(steps)  # not committed: the same global batch again, in a new quorum
-    assert y.tolist() == [8] and job.quorums == 2
+    retried = batch_info(_)
+    assert y.tolist() == [8] and job.quorums == 2 and retried.position == info.position
     job.vote(committed=True)
+    assert retried.position.committed()
     assert next(steps, None) is None  # the job left epoch 1 ...
     assert job.quorums == 2 and batches.epoch == 2  # ... seen before joining the next step's quorum
     assert batches.state_dict()["epoch"] == 2 and batches.state_dict()["batch"] == 0

@@ -401,7 +401,9 @@ def test_a_stream_handed_out_by_ps_task_0_gives_any_replicas_share_of_any_batch(
         lo, hi = shard_bounds(len(one[g]), 2, r)
         assert values == one[g][lo:hi] and info.global_batch_size == len(one[g]), (g, r)
     assert got[-1][1] == [] and got[-1][0].unit is None  # the empty step: no example, the same step count
-    assert stream.last_pass == {"examples": 10, "expected": 10} and stream.epoch == 1
+    assert stream.examples_trained == 10 and stream.epoch == 1
+    # Positions are this replica's own steps (units come in any order), the empty step's included.
+    assert [(info.position.epoch, info.position.step) for info, _ in got] == [(0, s) for s in range(len(got))]
 
 
 def test_trainer_fits_an_iterable_dataset_whose_length_it_does_not_know():

@@ -165,10 +165,12 @@ def test_a_micro_batch_without_labels_adds_nothing_not_nan():
 
 
 class _JobInput:
-    """A DistributedDataset whose position is a job's committed steps (``towers.data.FollowsJob``), as under
-    FaultTolerantStrategy: it yields global batch ``s mod len`` of epoch ``s // len`` while the job is at step ``s``."""
+    """A DistributedDataset whose position is a job's committed steps, as under FaultTolerantStrategy: it yields
+    global batch ``s mod len`` of epoch ``s // len`` while the job is at step ``s``, and each batch's position says
+    whether its step committed."""
 
-    last_pass = None
+    examples_trained = None
+    in_ledger = False
 
     def __init__(self, strategy: "_JobStrategy", inner: towers.data.DistributedDataset):
         self.strategy, self.inner, self._epoch = strategy, inner, 0
@@ -184,13 +186,22 @@ class _JobInput:
     def set_epoch(self, epoch: int) -> None:
         self._epoch = epoch
 
-    def job_position(self) -> tuple[int, int]:
+    def position_from(self, epoch: int, step: int, *, steps_per_epoch=None) -> tuple[int, int]:
         return divmod(self.strategy.job_step, self.batches_per_epoch)
 
     def iter_from(self, batch: int):
+        from dataclasses import replace
+
+        from towers._batch import JobPosition, attach_batch_info, batch_info
+
         while self.strategy.job_step // self.batches_per_epoch == self._epoch:
+            step = self.strategy.job_step
             self.inner.set_epoch(self._epoch)
-            yield next(iter(self.inner.iter_from(self.strategy.job_step % self.batches_per_epoch)))
+            x, y = next(iter(self.inner.iter_from(step % self.batches_per_epoch)))
+            position = JobPosition(self._epoch, step % self.batches_per_epoch,
+                                   committed=lambda step=step: self.strategy.job_step > step)
+            info = replace(batch_info(x), position=position)
+            yield attach_batch_info(x, info), attach_batch_info(y, info)
 
     def __iter__(self):
         return self.iter_from(0)
@@ -273,7 +284,9 @@ def test_fit_follows_the_jobs_committed_steps():
     assert history.epoch == [1, 2] and history["examples"] == [50.0, 50.0] and joiner.progress.global_step == 12
     finished = _trainer_on(_JobStrategy(start_step=12))  # the job trained every epoch already
     assert finished.fit((x, y), 3, 16).epoch == [] and finished.progress.global_step == 12
-    with pytest.raises(ValueError, match=r"steps_per_epoch must cover the whole dataset .* Received: steps_per_epoch=2"):
+    # An input whose epochs are the job's cannot end early: the fit stops there, at its next epoch, not in a loop.
+    with pytest.raises(ValueError, match=r"position is behind the epoch this fit is in.*Received: the input's epoch 0, "
+                                         r"step 2; the fit's epoch 1"):
         _trainer_on(_JobStrategy()).fit((x, y), 3, 16, steps_per_epoch=2)
 
 

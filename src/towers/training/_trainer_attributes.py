@@ -46,6 +46,8 @@ class TrainerAttributes:
     log_every_n_steps: int
     throughput: ThroughputMeter
     step_batch_info: BatchInfo | None
+    #: True once the training input moved this fit to the job's position (a replica group that joined a running job).
+    joined_job: bool
     _train_metrics: MetricSet
     _val_metrics: MetricSet
     _passes_count: bool

@@ -26,8 +26,8 @@ from towers.training._state import TrainingProgress, capture_state, restore_stat
 from towers.training._steps import MetricSet, as_dataset, per_example_loss_fn
 from towers.training._throughput import epoch_throughput
 from towers.training._trainer_epochs import _Epochs
-from towers.training._trainer_inference import _Inference
-from towers.training._trainer_steps import _TrainingSteps
+from towers.training._trainer_inference import Inference
+from towers.training._trainer_steps import TrainingSteps
 from towers.training.batches import loss_shifts_labels
 from towers.training.callbacks.base import Callback, CallbackList
 from towers.training.callbacks.breakdown import with_step_breakdown
@@ -38,7 +38,7 @@ __all__ = ["Trainer"]
 
 log = get_logger(__name__)
 
-class Trainer(_Epochs, _TrainingSteps, _Inference):
+class Trainer(_Epochs, TrainingSteps, Inference):
     """Train, evaluate and predict with ``model`` under ``strategy``, Keras-style.
 
     ``loss`` is called as ``loss(y_pred, y_true, reduction="none")`` (an ``nn`` loss module is
@@ -122,6 +122,7 @@ class Trainer(_Epochs, _TrainingSteps, _Inference):
         self._resume: dict[str, Any] | None = None
         self._last_global_batch_size: int | None = None
         self._train_batches: Any = None
+        self.joined_job = False
         self.log_every_n_steps = log_every_n_steps
         self._unsynced: torch.Tensor | None = None  # metric sums of steps not yet reduced across replicas
         self._stop_pending = False  # a stop whose reduction failed (a lost peer): decided at the next one
@@ -166,6 +167,7 @@ class Trainer(_Epochs, _TrainingSteps, _Inference):
         val_set = None if validation_data is None else as_dataset(validation_data, "validation_data")
         self._last_global_batch_size = global_batch_size
         self._train_batches = None
+        self.joined_job = False
         self.history = History()
         self.stop_training = self._stop_pending = False
         cbs = self._callbacks = CallbackList([self.history, *_ledger_first(self, callbacks)], trainer=self)

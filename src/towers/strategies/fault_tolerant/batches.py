@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
-from towers._batch import BatchInfo, attach_batch_info, map_tensors, shard_bounds, to_device
+from towers._batch import BatchInfo, JobPosition, attach_batch_info, map_tensors, shard_bounds, to_device
 from towers.errors import user_error
 from towers.ledger.record import OrderSpec
 
@@ -16,12 +17,18 @@ if TYPE_CHECKING:
 __all__ = ["FaultTolerantBatches"]
 
 
+def _committed(strategy: FaultTolerantStrategy, step: int) -> bool:
+    """Whether the job's step ``step`` committed (the job's committed steps went past it)."""
+    return strategy.current_step > step
+
+
 class FaultTolerantBatches:
     """This group's share of each global batch, for the step the job is at (see ``FaultTolerantStrategy.distribute_dataset``).
 
-    The Trainer's input (``DistributedBatches``) whose position is the job's (``FollowsJob``):
-    committed step ``s`` is global batch ``s mod len(self)`` of epoch ``s // len(self)``, whichever
-    group asks, so a group started again mid-job continues in the live groups' epoch at their step.
+    The Trainer's input (``DistributedBatches``) whose position is the job's: committed step ``s`` is
+    global batch ``s mod len(self)`` of epoch ``s // len(self)``, whichever group asks, so a group
+    started again mid-job continues in the live groups' epoch at their step. Each batch's
+    ``JobPosition`` is its step's, and says after the step whether it committed.
     """
 
     def __init__(self, strategy: FaultTolerantStrategy, dataset: Any, global_batch_size: int, *, shuffle: bool,
@@ -48,8 +55,8 @@ class FaultTolerantBatches:
         self._strategy, self.global_batch_size = strategy, global_batch_size
         self._size, self._shuffle, self._seed, self._max_steps = size, bool(shuffle), int(seed), max_steps
         self._pad = bool(pad_empty_batches)
-        #: Always None: every committed step trains its whole global batch (the Trainer counts committed steps).
-        self.last_pass: dict[str, int] | None = None
+        #: Not recorded by the input: the Trainer records the batches it trained (``ExampleLedger``).
+        self.in_ledger = False
         self._epoch = 0  # the epoch the next iter_from covers (set_epoch)
 
     def __len__(self) -> int:
@@ -71,16 +78,30 @@ class FaultTolerantBatches:
             raise user_error("epoch must be an integer >= 0", repr(epoch), "Pass the epoch to iterate, e.g. 0.")
         self._epoch = epoch
 
-    def job_position(self) -> tuple[int, int]:
-        """Return ``(epoch, batch)`` of the job's next step: ``divmod(strategy.current_step, len(self))``.
+    @property
+    def examples_trained(self) -> None:
+        """None: every committed step trains its whole global batch, which the Trainer counts."""
+        return None
+
+    def position_from(self, epoch: int, step: int, *, steps_per_epoch: int | None = None) -> tuple[int, int]:
+        """Return ``(epoch, batch)`` of the job's next step, ``divmod(strategy.current_step, len(self))``, whatever
+        the caller's ``(epoch, step)``.
 
         A group that has taken part in no step yet joins the next quorum first: a group started again
         heals there to the live groups' step (and state), so every live group gets the same answer.
         Later calls only read the committed steps (no quorum is joined between steps).
+
+        Raises:
+            ValueError: ``steps_per_epoch`` shorter than an epoch (the job's epochs are whole passes).
         """
+        if steps_per_epoch is not None and steps_per_epoch < self.num_batches:
+            raise user_error("steps_per_epoch must cover the whole dataset under FaultTolerantStrategy, whose epochs "
+                             f"are the job's passes over it ({self.num_batches} steps)",
+                             f"steps_per_epoch={steps_per_epoch}",
+                             "Leave steps_per_epoch=None, or pass a smaller dataset (e.g. a torch.utils.data.Subset).")
         self._strategy._join()
-        epoch, batch = divmod(self._strategy.current_step, self.num_batches)
-        return int(epoch), int(batch)
+        job_epoch, batch = divmod(self._strategy.current_step, self.num_batches)
+        return int(job_epoch), int(batch)
 
     def state_dict(self) -> dict[str, int]:
         """Return the job's position and the settings it depends on (for a checkpoint)."""
@@ -111,7 +132,7 @@ class FaultTolerantBatches:
 
     def __iter__(self) -> Iterator[Any]:
         """Yield this group's share of the job's steps until the job leaves the epoch it is in now."""
-        self._epoch = self.job_position()[0]
+        self._epoch = self.position_from(0, 0)[0]
         return self.iter_from(0)
 
     def iter_from(self, batch: int) -> Iterator[Any]:
@@ -165,5 +186,6 @@ class FaultTolerantBatches:
                 index=index, num_batches=self.num_batches, global_batch_size=len(indices), local_batch_size=hi - lo,
                 num_padding_examples=padding, examples_per_update=len(indices), batches_per_update=1,
                 last_in_update=True, epoch=epoch,
-                rows=(index * self.global_batch_size + lo, index * self.global_batch_size + hi)))
+                rows=(index * self.global_batch_size + lo, index * self.global_batch_size + hi),
+                position=JobPosition(epoch, index, committed=partial(_committed, strategy, step))))
         self._epoch = max(epoch, strategy.current_step // self.num_batches)

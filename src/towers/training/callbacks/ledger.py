@@ -6,7 +6,6 @@ import os
 from typing import Any, Mapping
 
 from towers._logging import get_logger
-from towers.data import FollowsJob
 from towers.ledger.record import LedgerWriter
 from towers.training.callbacks.base import Callback
 
@@ -48,11 +47,9 @@ class ExampleLedger(Callback):
         if self._writer is None or self._went_on:
             return
         self._went_on = True  # the position this fit starts (or resumes) at: the job's history goes on from it
-        trainer = self.trainer
-        p = trainer.progress
-        batches = trainer._train_batches
-        joined = isinstance(batches, FollowsJob)  # a replica group joining a running job rolls nothing back
-        self._writer.went_on(p.epoch, p.step * p.global_batch_size, "join" if joined else "restore")
+        p = self.trainer.progress
+        # A replica group that joined a running job (its input moved it to the job's step) rolls nothing back.
+        self._writer.went_on(p.epoch, p.step * p.global_batch_size, "join" if self.trainer.joined_job else "restore")
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
         if self._writer is None:
