@@ -22,7 +22,7 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.process_group import DEFAULT_TIMEOUT_S
-from towers.strategies._comm_hooks import _sum_hook
+from towers.strategies._comm_hooks import sum_hook
 from towers.strategies._ddp import TowersDDP, check_same_parameters
 from towers.strategies.base import check_max_norm
 from towers.strategies.parameter_server.embeddings import SparseTables
@@ -108,15 +108,17 @@ class HybridStrategy(ParameterServerStrategy):
             DistributedError: a ps task is gone or silent.
         """
         client = self._require_worker("prepare")
+        generation = self._generations.of(model)  # a later model gets new tables on the ps tasks
         model = model.to(self.device)
-        sparse = self._bind_tables(model, optimizer, client)
+        sparse = self._bind_tables(model, optimizer, client, generation)
+        self._generations.prepared(model)
         dense = [p for p in model.parameters() if p.requires_grad]
         prepared: nn.Module
         if self._workers_group is not None and dense:
             check_same_parameters(model, self.all_gather_object)
             ddp = TowersDDP(model, precision=self._precision, process_group=self._workers_group,
                             device_ids=[self.device.index] if self.device.type == "cuda" else None)
-            ddp.register_comm_hook(self._workers_group, _sum_hook)  # a sum: compute_average_loss already divides
+            ddp.register_comm_hook(self._workers_group, sum_hook)  # a sum: compute_average_loss already divides
             self._ddp.append(ddp)
             prepared = ddp
         else:

@@ -14,10 +14,10 @@ from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.comm import PsComm
 from towers.strategies.parameter_server.roles import Roles
 
-__all__ = ["_WorkerCollectives"]
+__all__ = ["WorkerCollectives"]
 
 
-class _WorkerCollectives(Strategy):
+class WorkerCollectives(Strategy):
     """``reduce``/``gather``/``barrier`` and the object exchange, which run on workers only (a round trip to ps task 0)."""
 
     _info: ProcessInfo

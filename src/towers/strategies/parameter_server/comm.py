@@ -13,7 +13,7 @@ import torch
 
 from towers.diagnostics import track
 from towers.process_group import DistributedError
-from towers.strategies._collectives import _float_for_mean, _local_reduce
+from towers.strategies._collectives import float_for_mean, local_reduce
 from towers.strategies.parameter_server.client import ParameterClient
 
 __all__ = ["PsComm"]
@@ -45,9 +45,9 @@ class PsComm:
 
     def _reduce(self, op: str, value: torch.Tensor, axis: int | None) -> torch.Tensor:
         if axis is None:
-            stacked = torch.stack(self._gather_objects((_float_for_mean(value) if op == "mean" else value).cpu()))
+            stacked = torch.stack(self._gather_objects((float_for_mean(value) if op == "mean" else value).cpu()))
             return _REDUCERS[op](stacked).to(self.device)
-        local, count = _local_reduce(op, _float_for_mean(value) if op == "mean" else value, axis)
+        local, count = local_reduce(op, float_for_mean(value) if op == "mean" else value, axis)
         parts = self._gather_objects((local.cpu(), None if count is None else count.cpu()))
         values = torch.stack([v for v, _ in parts])
         if op == "mean":

@@ -72,6 +72,10 @@ class ShardedEmbedding(nn.Module):
         self._tables: SparseTables | None = None
         self._index = -1
 
+    def connect(self, tables: "SparseTables", index: int) -> None:
+        """Keep this table's rows in ``tables`` (as its table ``index``): ``strategy.prepare`` connects it."""
+        self._tables, self._index = tables, index
+
     def spec(self, name: str) -> TableSpec:
         """Return what the ps tasks are told about this table (``name``: its place in the model)."""
         return TableSpec(name, self.num_embeddings, self.embedding_dim, self.optimizer, dict(self.optimizer_options),
@@ -169,8 +173,9 @@ class ShardedEmbedding(nn.Module):
 class SparseTables:
     """A worker's connection of its model's ``ShardedEmbedding`` tables to the ps tasks."""
 
-    def __init__(self, model: nn.Module, client: ParameterClient, *, num_ps: int):
+    def __init__(self, model: nn.Module, client: ParameterClient, *, num_ps: int, generation: int = 0):
         self.client, self.num_ps = client, num_ps
+        self.generation = generation  # which of the job's models (a later one gets new tables on the ps tasks)
         named = [(name, m) for name, m in model.named_modules() if isinstance(m, ShardedEmbedding)]
         self.modules = [m for _, m in named]
         self.specs = [m.spec(name or "table") for name, m in named]
@@ -189,9 +194,10 @@ class SparseTables:
         Raises:
             ValueError: this worker's tables differ from those the ps tasks hold.
         """
-        self.client.request(Op.EMB_REGISTER, metas=[{"tables": [s.to_json() for s in self.specs]}] * self.num_ps)
+        self.client.request(Op.EMB_REGISTER, metas=[{"tables": [s.to_json() for s in self.specs],
+                                                     "generation": self.generation}] * self.num_ps)
         for i, module in enumerate(self.modules):
-            module._tables, module._index = self, i
+            module.connect(self, i)
 
     def _wire_ids(self, t: int, ids: torch.Tensor) -> torch.Tensor:
         return ids.to(torch.int32) if self.specs[t].num_embeddings <= _INT32_MAX else ids

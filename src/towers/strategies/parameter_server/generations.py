@@ -4,7 +4,8 @@ A script may train more than one model in one job (a custom loop, then a ``Train
 Each model gets a generation, 0, 1, ... in the order the script prepares it, the same on every worker;
 preparing the same module again keeps its number. The ps tasks replace generation ``g`` by ``g + 1``
 once every live worker has registered ``g + 1`` (none can still push for ``g``), starting from the
-chief's values with a new optimizer state, as a second model does under every other strategy.
+chief's values with a new optimizer state, and its ``ShardedEmbedding`` tables from fresh rows, as a
+second model does under every other strategy.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 import weakref
 
 from torch import nn
-
-from towers.errors import UnimplementedError
 
 __all__ = ["ModelGenerations"]
 
@@ -35,17 +34,3 @@ class ModelGenerations:
         """Count ``model`` as prepared (after the ps tasks took it: a model they refused takes no generation)."""
         if self.of(model) == len(self._models):
             self._models.append(weakref.ref(model))
-
-    @staticmethod
-    def check_tables(model: nn.Module, tables: int, generation: int) -> None:
-        """Refuse ShardedEmbedding tables on a model after the first: the ps tasks keep one set of rows per job.
-
-        Raises:
-            NotImplementedError: ``tables`` > 0 and ``generation`` > 0.
-        """
-        if tables and generation > 0:
-            raise UnimplementedError(
-                f"This job already prepared another model, and {type(model).__name__} holds {tables} "
-                "ShardedEmbedding table(s): the ps tasks keep one set of embedding rows per job, so its rows would "
-                "start from the earlier model's trained values. Prepare the model with embeddings first and only "
-                "once, or train the second model in a job of its own (another towers launch).")

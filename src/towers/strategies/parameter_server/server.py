@@ -39,7 +39,7 @@ from towers.strategies.parameter_server.requests import (
     report_kernels,
     use_fast_kernels,
 )
-from towers.strategies.parameter_server.shard_updates import _flat, _ShardUpdates
+from towers.strategies.parameter_server.shard_updates import ShardUpdates, flat_values
 from towers.strategies.parameter_server.sharding import FlatLayout, ParamSpec
 from towers.strategies.parameter_server.shared import SharedBuffer
 from towers.strategies.parameter_server.sparse_server import EmbeddingService
@@ -58,7 +58,7 @@ __all__ = ["ParameterServer"]
 log = get_logger(__name__)
 
 
-class ParameterServer(_ShardUpdates):
+class ParameterServer(ShardUpdates):
     """Serve one shard to every worker until all of them said goodbye or died."""
 
     def __init__(self, links: Sequence[Link], *, ps_index: int, rank: int, worker_ranks: Sequence[int], mode: str,
@@ -75,7 +75,7 @@ class ParameterServer(_ShardUpdates):
         self.worker_versions = [0] * n
         self.version = 0
         self.max_lead = 0
-        self.gathers = GatherTable(self.cond, self._active)
+        self.gathers = GatherTable(self.cond, self.active)
         # shard state, set by the chief's registration
         self.signature: list[ParamSpec] | None = None
         self.generation = 0  # which of the job's models (a later strategy.prepare registers the next one)
@@ -121,7 +121,7 @@ class ParameterServer(_ShardUpdates):
             raise FailedPreconditionError(self.failure)
         if not self.finished:
             raise FailedPreconditionError(f"every worker of ps task {self.ps_index} is gone: "
-                                          + "; ".join(f"{self._who(w)}: {r}" for w, r in sorted(self.dead.items())))
+                                          + "; ".join(f"{self.who(w)}: {r}" for w, r in sorted(self.dead.items())))
         return self.stats()
 
     def stats(self) -> dict[str, Any]:
@@ -134,10 +134,13 @@ class ParameterServer(_ShardUpdates):
                     "embeddings": self.embeddings.stats(),
                     "passes": self.dispatcher.stats() if self.dispatcher is not None else {}}
 
-    def _who(self, w: int) -> str:
+    # --- the live workers (also read by the embedding service, sparse_server.py, and the dispatcher) ---------
+    def who(self, w: int) -> str:
+        """Name worker ``w`` for a message: its index here and its rank."""
         return f"worker {w} (rank {self.worker_ranks[w]})"
 
-    def _active(self) -> set[int]:
+    def active(self) -> set[int]:
+        """The workers that neither said goodbye nor died (caller holds the lock)."""
         return {w for w in range(len(self.links)) if w not in self.dead and w not in self.finished}
 
     def _serve_link(self, w: int) -> None:
@@ -154,7 +157,7 @@ class ParameterServer(_ShardUpdates):
                 # this job, or runs another version: tell it, then stop listening to it.
                 reason = f"protocol error: {exc}"
                 log.error("ps task %d: %s broke the wire protocol, dropping its link: %s", self.ps_index,
-                          self._who(w), exc)
+                          self.who(w), exc)
                 if link.broken is None:
                     self._reply(w, Op.REPLY, status=Status.BAD_INPUT,
                                 meta=f"ps task {self.ps_index} (rank {self.rank}): {reason}")
@@ -165,7 +168,7 @@ class ParameterServer(_ShardUpdates):
                 if self._reply(w, Op.REPLY):
                     with self.cond:
                         self.finished.add(w)
-                        self._progress()
+                        self.progress()
                 return
             try:
                 reply = self._handle(w, msg)
@@ -174,7 +177,7 @@ class ParameterServer(_ShardUpdates):
                     return
                 continue
             except Exception as exc:  # noqa: BLE001 - an unexpected ps failure goes back to the worker, named
-                log.exception("ps task %d failed on %s's %s", self.ps_index, self._who(w), Op.NAMES.get(msg.op))
+                log.exception("ps task %d failed on %s's %s", self.ps_index, self.who(w), Op.NAMES.get(msg.op))
                 if not self._reply(w, Op.REPLY, status=Status.FAILED,
                                    meta=f"ps task {self.ps_index} (rank {self.rank}) failed on "
                                         f"{Op.NAMES.get(msg.op)}: {type(exc).__name__}: {exc}"):
@@ -207,28 +210,35 @@ class ParameterServer(_ShardUpdates):
             if w in self.dead or w in self.finished:
                 return
             self.dead[w] = reason
-            log.warning("ps task %d: %s is gone (%s); %d worker(s) left", self.ps_index, self._who(w), reason,
-                        len(self._active()))
+            log.warning("ps task %d: %s is gone (%s); %d worker(s) left", self.ps_index, self.who(w), reason,
+                        len(self.active()))
             if self.dispatcher is not None:
                 self.dispatcher.on_dead(w)
-            self._progress()
+            self.progress()
 
-    def _progress(self) -> None:
+    def progress(self) -> None:
         """Re-check everything that waits on the set of live workers (caller holds the lock)."""
-        if self.mode == "sync" and self.arrivals and self.arrivals >= self._active():
+        if self.mode == "sync" and self.arrivals and self.arrivals >= self.active():
             self._apply_round()
         self.embeddings.progress()
         self.gathers.complete()
         self.cond.notify_all()
 
-    def _wait(self, ready: Any, what: str, missing: Any) -> None:
-        """Wait (lock held) until ``ready()``; raise ``RequestError`` on job failure or after ``timeout_s``."""
+    def wait(self, ready: Any, what: str, missing: Any) -> None:
+        """Wait (lock held) until ``ready()``; raise ``RequestError`` on job failure or after ``timeout_s``.
+
+        ``what`` names the wait and ``missing()`` the workers it waits for, in the timeout's message.
+        """
         if not self.cond.wait_for(lambda: self.failure is not None or ready(), timeout=self.timeout_s):
-            names = ", ".join(self._who(m) for m in sorted(missing())) or "none"
+            names = ", ".join(self.who(m) for m in sorted(missing())) or "none"
             raise RequestError(f"ps task {self.ps_index} (rank {self.rank}): {what} waited {self.timeout_s:g} s "
                                f"for {names}. A worker is hung or much slower; raise timeout_s if that is expected.")
         if self.failure is not None:
             raise RequestError(self.failure)
+
+    # The names dispatch.py still calls; remove once it calls active() and wait().
+    _active = active
+    _wait = wait
 
     # --- requests ----------------------------------------------------------------------------------
     def _handle(self, w: int, msg: Message) -> dict[str, Any]:
@@ -238,7 +248,7 @@ class ParameterServer(_ShardUpdates):
             return self._register(w, msg)
         if msg.op == Op.GATHER:
             seq, value = msg.meta
-            result = self.gathers.contribute(w, seq, value, wait=self._wait)
+            result = self.gathers.contribute(w, seq, value, wait=self.wait)
             return {"meta": result}
         if msg.op == Op.STATS:
             return {"meta": self.stats()}
@@ -257,7 +267,7 @@ class ParameterServer(_ShardUpdates):
             if msg.op == Op.PULL:
                 return {"ints": (self.version,), "flat": self._snapshot(w)}
             if msg.op == Op.SET_PARAMS:
-                self.params_buf.copy_(_flat(msg))
+                self.params_buf.copy_(flat_values(msg))
                 return {"ints": (self.version,)}
             if msg.op == Op.GET_STATE:
                 state = None if self.optimizer is None else report_kernels(clone_state(self.optimizer.state_dict()))

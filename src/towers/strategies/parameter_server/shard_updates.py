@@ -16,12 +16,12 @@ from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatL
 from towers.strategies.parameter_server.shared import SharedBuffer, attach
 from towers.strategies.parameter_server.transport import Message, Op, Status
 
-__all__ = ["_ShardUpdates"]
+__all__ = ["ShardUpdates", "flat_values"]
 
 log = get_logger("towers.strategies.parameter_server.server")  # the records keep the name they had in server.py
 
 
-class _ShardUpdates:
+class ShardUpdates:
     """Registration, pushes and steps of a ``ParameterServer``; the state is set up by its ``__init__``."""
 
     ps_index: int
@@ -51,10 +51,10 @@ class _ShardUpdates:
     generation: int  # which of the job's models the shard holds (a later strategy.prepare replaces it)
     left_model: dict[int, int]  # worker -> the latest model it registered (it pushes for no earlier one)
     # the serving side's (server.py)
-    _who: Callable[[int], str]
-    _active: Callable[[], set[int]]
-    _progress: Callable[[], None]
-    _wait: Callable[..., None]
+    who: Callable[[int], str]
+    active: Callable[[], set[int]]
+    progress: Callable[[], None]
+    wait: Callable[..., None]
 
     def _register(self, w: int, msg: Message) -> dict[str, Any]:
         meta = msg.meta
@@ -70,7 +70,7 @@ class _ShardUpdates:
         with self.cond:
             if generation < self.generation:
                 raise RequestError(
-                    f"{self._who(w)} registers model {generation} of the job, but ps task {self.ps_index} already holds "
+                    f"{self.who(w)} registers model {generation} of the job, but ps task {self.ps_index} already holds "
                     f"model {self.generation} (the script prepared a later model on the other workers). Every worker "
                     "must prepare the same models in the same order.", Status.BAD_INPUT)
             self.left_model[w] = generation  # this worker pushes nothing more for an earlier model
@@ -79,20 +79,20 @@ class _ShardUpdates:
                 if self.signature is not None:
                     # Another model of the same job (a second prepare): it replaces the first once no live worker
                     # can still push for the first, and starts from the chief's values with a new optimizer.
-                    self._wait(lambda: all(self.left_model.get(v, -1) >= generation for v in self._active()),
-                               f"model {generation}'s registration",
-                               lambda: [v for v in self._active() if self.left_model.get(v, -1) < generation])
+                    self.wait(lambda: all(self.left_model.get(v, -1) >= generation for v in self.active()),
+                              f"model {generation}'s registration",
+                              lambda: [v for v in self.active() if self.left_model.get(v, -1) < generation])
                     self.grad_bufs.clear()
                     self.reply_bufs.clear()
                 self._initialise(meta, msg.flat)
                 self.generation = generation
                 self.cond.notify_all()
-            self._wait(lambda: self.signature is not None and self.generation >= generation, "registration",
-                       lambda: [0] if self.signature is None or self.generation < generation else [])
+            self.wait(lambda: self.signature is not None and self.generation >= generation, "registration",
+                      lambda: [0] if self.signature is None or self.generation < generation else [])
             diff = signature_mismatch(self.signature or [], meta["signature"])
             if diff is not None:
                 raise RequestError(
-                    f"{self._who(w)}'s model does not match the model the chief registered on ps task "
+                    f"{self.who(w)}'s model does not match the model the chief registered on ps task "
                     f"{self.ps_index}: {diff}. Build the same model (same parameter names, shapes and dtypes) on "
                     "every worker before strategy.prepare().", Status.BAD_INPUT)
             shared = self._attach(w, meta.get("shared"))
@@ -111,7 +111,7 @@ class _ShardUpdates:
         params = attach(offer.get("params"), nbytes) if grads is not None else None
         if grads is None or params is None:
             log.debug("ps task %d: %s's shared memory is not on this host; its shard travels on the wire",
-                      self.ps_index, self._who(w))
+                      self.ps_index, self.who(w))
             return False
         self.shared[w] = (grads, params)
         return True
@@ -151,13 +151,13 @@ class _ShardUpdates:
         units = (msg.meta or {}).get("units") or unpack_unit(msg.ints)
         if msg.flat is None and w in self.shared:
             msg.flat = self.shared[w][0].tensor  # the worker wrote its gradients there before sending the push
-        grads = self._shard().views(_flat(msg))
+        grads = self._shard().views(flat_values(msg))
         with self.cond:
             if self.mode == "async":
                 if self.staleness is not None:
-                    self._wait(lambda: self._lead(w) <= self.staleness, f"push (staleness {self.staleness})",
-                               lambda: [u for u in self._active() - {w}
-                                        if self.worker_versions[w] - self.worker_versions[u] > self.staleness])
+                    self.wait(lambda: self._lead(w) <= self.staleness, f"push (staleness {self.staleness})",
+                              lambda: [u for u in self.active() - {w}
+                                       if self.worker_versions[w] - self.worker_versions[u] > self.staleness])
                 self.max_lead = max(self.max_lead, self._lead(w))
                 self._set_hyper(hyper)
                 for i, p in enumerate(self.params):
@@ -171,22 +171,22 @@ class _ShardUpdates:
                 return {"ints": (self.version, self.worker_versions[w], len(self.dead)), "flat": self.params_buf}
             my_round = self.round
             self._set_hyper(hyper)
-            regions, sums = self._shard().region_views(_flat(msg)), self._shard().region_views(self.sum_buf)
+            regions, sums = self._shard().region_views(flat_values(msg)), self._shard().region_views(self.sum_buf)
             for s, g in zip(sums, regions):
                 s.copy_(g) if not self.arrivals else s.add_(g)
             self.present = [a or mask is None or bool(mask[i]) for i, a in enumerate(self.present)]
             self.arrivals.add(w)
             if units and self.dispatcher is not None:  # the round applies an arrival whatever happens to w
                 self.dispatcher.applied(w, units)
-            self._progress()
-            self._wait(lambda: self.round != my_round, f"sync round {my_round}",
-                       lambda: self._active() - self.arrivals)
+            self.progress()
+            self.wait(lambda: self.round != my_round, f"sync round {my_round}",
+                      lambda: self.active() - self.arrivals)
             # One copy per round, shared by its replies: the next round cannot finish before they are
             # all received, but set_params (a checkpoint load) may change params_buf meanwhile.
             return {"ints": (self.version, self.worker_versions[w], len(self.dead)), "flat": self.round_buf}
 
     def _lead(self, w: int) -> int:
-        others = [self.worker_versions[u] for u in self._active() if u != w]
+        others = [self.worker_versions[u] for u in self.active() if u != w]
         return self.worker_versions[w] - min(others) if others else 0
 
     def _apply_round(self) -> None:
@@ -215,7 +215,7 @@ class _ShardUpdates:
                 group.update({k: v for k, v in values.items() if k != "params" and k not in KERNEL_KEYS})
 
 
-def _flat(msg: Message) -> torch.Tensor:
+def flat_values(msg: Message) -> torch.Tensor:
     """The tensor a request must carry; a request without one is refused."""
     if msg.flat is None:
         raise RequestError(f"a {Op.NAMES.get(msg.op, msg.op)} request carries no tensor; expected the shard's "

@@ -28,6 +28,8 @@ class EmbeddingService:
         self.server, self.num_ps = server, num_ps
         self.tables: list[TableShard] | None = None
         self.specs: list[TableSpec] = []
+        self.generation = 0  # which of the job's models the tables belong to
+        self.left_model: dict[int, int] = {}  # worker -> the latest model whose tables it registered
         self.version = 0
         self.max_lead = 0
         self.worker_versions = [0] * len(server.links)
@@ -42,7 +44,7 @@ class EmbeddingService:
 
     def progress(self) -> None:
         """Finish a sync round no live worker still owes a push to (caller holds the lock)."""
-        if self.server.mode == "sync" and self.arrivals and self.arrivals >= self.server._active():
+        if self.server.mode == "sync" and self.arrivals and self.arrivals >= self.server.active():
             self._apply_round()
 
     def handle(self, w: int, msg: Message) -> dict[str, Any]:
@@ -86,13 +88,29 @@ class EmbeddingService:
             specs = [TableSpec.from_json(s) for s in meta.get("tables", [])]
         except ValueError as exc:
             raise RequestError(f"ps task {self.server.ps_index}: {exc}", Status.BAD_INPUT) from exc
+        generation = int(meta.get("generation", 0))
         with self.server.cond:
+            if generation < self.generation:
+                raise RequestError(
+                    f"{self.server.who(w)} registers the tables of model {generation} of the job, but ps task "
+                    f"{self.server.ps_index} already holds those of model {self.generation}. Every worker must prepare "
+                    "the same models in the same order.", Status.BAD_INPUT)
+            self.left_model[w] = generation  # this worker pushes no more rows of an earlier model
+            self.server.cond.notify_all()
+            if self.tables is not None and generation > self.generation:
+                # Another model of the same job: new tables (fresh rows, as a new model's) once no live worker can
+                # still push rows of the earlier one.
+                self.server.wait(lambda: all(self.left_model.get(v, -1) >= generation for v in self.server.active()),
+                                 f"the tables of model {generation}",
+                                 lambda: [v for v in self.server.active() if self.left_model.get(v, -1) < generation])
+                if generation > self.generation:  # the first worker to get here replaces them
+                    self.tables, self.generation = None, generation
             if self.tables is None:
                 self.specs = specs
                 self.tables = [TableShard(s, ps_index=self.server.ps_index, num_ps=self.num_ps) for s in specs]
             elif specs != self.specs:
                 raise RequestError(
-                    f"{self.server._who(w)}'s embedding tables differ from those ps task {self.server.ps_index} "
+                    f"{self.server.who(w)}'s embedding tables differ from those ps task {self.server.ps_index} "
                     f"holds: expected {[s.to_json() for s in self.specs]}, received {[s.to_json() for s in specs]}. "
                     "Build the same ShardedEmbedding modules on every worker.", Status.BAD_INPUT)
             return {"ints": (self.version,)}
@@ -118,10 +136,10 @@ class EmbeddingService:
         with server.cond:
             if server.mode == "async":
                 if server.staleness is not None:
-                    server._wait(lambda: self._lead(w) <= server.staleness,
-                                 f"embedding push (staleness {server.staleness})",
-                                 lambda: [u for u in server._active() - {w}
-                                          if self.worker_versions[w] - self.worker_versions[u] > server.staleness])
+                    server.wait(lambda: self._lead(w) <= server.staleness,
+                                f"embedding push (staleness {server.staleness})",
+                                lambda: [u for u in server.active() - {w}
+                                         if self.worker_versions[w] - self.worker_versions[u] > server.staleness])
                 self.max_lead = max(self.max_lead, self._lead(w))
                 self._apply(entries)
                 self.version += 1
@@ -131,13 +149,13 @@ class EmbeddingService:
             my_round = self.round
             self.pending[w] = entries
             self.arrivals.add(w)
-            server._progress()
-            server._wait(lambda: self.round != my_round, f"embedding sync round {my_round}",
-                         lambda: server._active() - self.arrivals)
+            server.progress()
+            server.wait(lambda: self.round != my_round, f"embedding sync round {my_round}",
+                        lambda: server.active() - self.arrivals)
             return {"ints": (self.version, self.worker_versions[w], len(server.dead))}
 
     def _lead(self, w: int) -> int:
-        others = [self.worker_versions[u] for u in self.server._active() if u != w]
+        others = [self.worker_versions[u] for u in self.server.active() if u != w]
         return self.worker_versions[w] - min(others) if others else 0
 
     def _apply(self, entries: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:

@@ -46,7 +46,7 @@ from towers.process_group import (
 from towers.strategies.base import ReplicaContext, note_built
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
-from towers.strategies.parameter_server.collectives import _WorkerCollectives
+from towers.strategies.parameter_server.collectives import WorkerCollectives
 from towers.strategies.parameter_server.comm import PsComm
 from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.generations import ModelGenerations
@@ -62,7 +62,7 @@ __all__ = ["ParameterServerStrategy", "MODES"]
 log = get_logger(__name__)
 
 
-class ParameterServerStrategy(_WorkerCollectives):
+class ParameterServerStrategy(WorkerCollectives):
     """Parameters on ``num_ps`` ps tasks, gradients from every worker, ``async`` or ``sync`` updates.
 
     Args:
@@ -222,8 +222,7 @@ class ParameterServerStrategy(_WorkerCollectives):
         if generation > 0:
             client.finish()  # the reply of the earlier model's last push (overlap) lands before the ps moves on
         model = model.to(self.device)
-        sparse = self._bind_tables(model, optimizer, client)
-        ModelGenerations.check_tables(model, len(sparse) if sparse is not None else 0, generation)
+        sparse = self._bind_tables(model, optimizer, client, generation)
         bound = None
         if sparse is None or any(True for _ in model.parameters()):
             bound = BoundModel(model, client, num_ps=self.num_ps, is_chief=self.is_chief, optimizer=optimizer,
@@ -244,9 +243,9 @@ class ParameterServerStrategy(_WorkerCollectives):
         return prepared, optimizer_out
 
     def _bind_tables(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                     client: ParameterClient) -> SparseTables | None:
+                     client: ParameterClient, generation: int) -> SparseTables | None:
         """Connect the model's ``ShardedEmbedding`` tables to the ps tasks; None when it has none."""
-        sparse = SparseTables(model, client, num_ps=self.num_ps)
+        sparse = SparseTables(model, client, num_ps=self.num_ps, generation=generation)
         if not len(sparse):
             return None
         if optimizer is None:

@@ -98,6 +98,7 @@ def next_generation() -> int:
 
 def rendezvous_store() -> dist.Store:
     """Return the store of the job's default process group (which must exist)."""
+    # torch offers the default group's store only through this private function.
     return dist.distributed_c10d._get_default_store()
 
 
@@ -109,9 +110,7 @@ def open_link(store: dist.Store, *, worker: int, ps: int, is_ps: bool, bind_host
 
     Blocks until the peer opens its side too (at most ``timeout_s``). Raises ``LinkError`` on failure.
     """
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's own way to pick a device
-    options._devices = _devices(bind_host)
-    options._timeout = datetime.timedelta(seconds=timeout_s)
+    options = _gloo_options(_devices(bind_host), timeout_s)
     prefix = dist.PrefixStore(f"towers/ps/{generation}/w{worker}-p{ps}", store)
     try:
         group = dist.ProcessGroupGloo(prefix, 1 if is_ps else 0, 2, options)
@@ -121,8 +120,20 @@ def open_link(store: dist.Store, *, worker: int, ps: int, is_ps: bool, bind_host
     return Link(group, peer=0 if is_ps else 1, name=name)
 
 
+def _gloo_options(devices: list[Any], timeout_s: float) -> Any:
+    """Options of a Gloo group on ``devices`` whose operations wait at most ``timeout_s``."""
+    # torch builds a Gloo group on chosen devices only from its private options class (what init_process_group
+    # does inside); the public constructors take no device.
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._devices = devices
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return options
+
+
 def _devices(bind_host: str) -> list[Any]:
     """The Gloo devices of the job's default group (bound to the job's interface), else one for ``bind_host``."""
+    # torch exposes neither the default group nor its Gloo devices publicly: read through its privates, and fall
+    # back to a device of our own when they moved.
     try:
         backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
         devices = list(backend.options._devices)  # type: ignore[attr-defined]
