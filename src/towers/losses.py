@@ -68,7 +68,7 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
     if per_example_loss.requires_grad:
         note_normalised()
         if ctx is not None and (ctx.num_replicas_in_sync > 1 or ctx.accumulation_steps > 1):
-            ctx.strategy._loss_weights.note_plain(ctx.is_update_step)
+            ctx.strategy.note_example_normalised_loss(update_step=ctx.is_update_step)
     return per_example_loss.sum() / global_batch_size
 
 
@@ -114,16 +114,13 @@ def _weighted_loss(loss: torch.Tensor, weights: torch.Tensor, global_batch_size:
             f"{_replicas_outside_run()} replicas",
             "Call it inside the step function given to strategy.run: the gradient is divided by the weights' sum "
             "over the replicas at the update step.")
-    if total.requires_grad:  # a loss to train on (an evaluation under no_grad notes nothing)
-        note_normalised()
-        ctx.strategy._check_weighted_loss()
-        ctx.strategy._loss_weights.note_weighted(weight, ctx.is_update_step)
     shown = (total.detach() / weight if weight > 0 else total.detach() * 0.0) / shares
     # The gradient is the weighted SUM's (divided by the global weight as the update step's backward ends); the
     # value is the share's.
     result = total + (shown - total.detach())
-    if total.requires_grad and ctx.is_update_step:
-        ctx.strategy._finish_after_backward(result)
+    if total.requires_grad:  # a loss to train on (an evaluation under no_grad notes nothing)
+        note_normalised()
+        ctx.strategy.note_weighted_loss(result, weight, update_step=ctx.is_update_step)
     return result
 
 
@@ -196,5 +193,5 @@ def scale_regularization_loss(regularization_loss: torch.Tensor | float) -> torc
     if ctx is None:
         return regularization_loss
     if ctx.num_replicas_in_sync * ctx.accumulation_steps > 1 and getattr(regularization_loss, "requires_grad", False):
-        ctx.strategy._loss_weights.note_plain(ctx.is_update_step)
+        ctx.strategy.note_example_normalised_loss(update_step=ctx.is_update_step)
     return regularization_loss / (ctx.num_replicas_in_sync * ctx.accumulation_steps)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from towers._logging import get_logger, set_rank
 from towers.bench.config import BenchConfig
+from towers.bench.runner import make_strategy
 from towers.bench.workloads import RawTorchWorkload, TowersWorkload, Workload
 
 __all__ = ["PHASES", "time_phases", "profile_job", "format_phases"]
@@ -39,7 +40,7 @@ def _add(t: dict[str, list[float]], phase: str, a: tuple[float, float], b: tuple
 
 def _raw_step(w: RawTorchWorkload, t: dict[str, list[float]]) -> None:
     a = _clock()
-    x, y = next(w._it)
+    x, y = w.next_batch()
     b = _clock()
     out = w.model(x)
     d = _clock()
@@ -62,7 +63,7 @@ def _towers_step(w: TowersWorkload, t: dict[str, list[float]]) -> None:
         marks["b"] = _clock()
         out = w.model(x)
         marks["d"] = _clock()
-        loss = w._compute_average_loss(F.cross_entropy(out, y, reduction="none"))
+        loss = w.compute_average_loss(F.cross_entropy(out, y, reduction="none"))
         marks["e"] = _clock()
         loss.backward()
         marks["f"] = _clock()
@@ -72,7 +73,7 @@ def _towers_step(w: TowersWorkload, t: dict[str, list[float]]) -> None:
         return loss
 
     a = _clock()
-    x, y = next(w._it)
+    x, y = w.next_batch()
     b = _clock()
     w.strategy.run(step, args=(x, y))
     h = _clock()
@@ -109,8 +110,6 @@ def profile_job(config: BenchConfig, num_replicas: int) -> dict[str, Any]:
     """Body of one spawned rank: per-phase ms/step, wall and CPU (medians over repeats), and op tables, raw vs towers."""
     import torch.distributed as dist
 
-    from towers.bench.runner import _make_strategy
-
     rank, world_size, barrier = 0, 1, (lambda: None)
     if num_replicas > 1:
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.job_timeout_s(num_replicas, 2)))
@@ -118,7 +117,7 @@ def profile_job(config: BenchConfig, num_replicas: int) -> dict[str, Any]:
     set_rank(rank, world_size)
     spec = config.workload_spec()
     workloads: dict[str, Workload] = {"raw_ddp": RawTorchWorkload(spec, rank=rank, world_size=world_size),
-                                      "mirrored": TowersWorkload(spec, _make_strategy("mirrored", num_replicas))}
+                                      "mirrored": TowersWorkload(spec, make_strategy("mirrored", num_replicas))}
     phases: dict[str, list[dict[str, dict[str, float]]]] = {name: [] for name in workloads}
     names = list(workloads)
     for r in range(config.repeats):

@@ -20,7 +20,7 @@ from towers.bench.config import BenchConfig, available_cores, bench_strategy
 from towers.bench.report import RAW, BenchReport, Measurement
 from towers.bench.workloads import IdleWorkload, RawTorchWorkload, TowersWorkload, Workload, replica_device
 
-__all__ = ["NUM_PS", "run_benchmark", "measure_interleaved"]
+__all__ = ["NUM_PS", "run_benchmark", "measure_interleaved", "make_strategy"]
 
 log = get_logger(__name__)
 
@@ -96,7 +96,7 @@ def _environment(cores: int) -> dict[str, Any]:
             "cores": cores, "machine": platform.machine()}
 
 
-def _make_strategy(name: str, num_replicas: int, *, timeout_s: float = 300.0, device: Any = "cpu") -> Any:
+def make_strategy(name: str, num_replicas: int, *, timeout_s: float = 300.0, device: Any = "cpu") -> Any:
     """Return the towers strategy a user would pick for ``name`` at ``num_replicas`` (ps: one ps task)."""
     import towers
 
@@ -142,7 +142,7 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
         barrier = partial(_synchronized, barrier, device)
     skipped = ""
     try:  # the strategy computes where the raw baseline does (a ps task serves in here)
-        made = _make_strategy(strategy, num_replicas, timeout_s=timeout_s, device=device)
+        made = make_strategy(strategy, num_replicas, timeout_s=timeout_s, device=device)
     except NotImplementedError as exc:  # a strategy still being written: every rank skips it alike
         made, skipped = None, str(exc)
     if rank >= num_replicas:
@@ -151,7 +151,7 @@ def _job(config: BenchConfig, num_replicas: int, strategy: str, num_ps: int,
     if baseline:
         workloads[RAW + _AT_ONE] = RawTorchWorkload(spec, device=device) if rank == 0 else IdleWorkload()
         if made is not None:
-            workloads[strategy + _AT_ONE] = TowersWorkload(spec, _make_strategy(strategy, 1, device=device)) \
+            workloads[strategy + _AT_ONE] = TowersWorkload(spec, make_strategy(strategy, 1, device=device)) \
                 if rank == 0 else IdleWorkload()
     workloads[RAW] = RawTorchWorkload(spec, rank=rank, world_size=num_replicas, process_group=group, device=device)
     if made is not None:

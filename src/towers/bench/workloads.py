@@ -157,6 +157,10 @@ class Workload:
     def close(self) -> None:
         """Release what this workload holds (no-op by default)."""
 
+    def next_batch(self) -> Any:
+        """Return the next batch of the current pass (the one ``train`` would take next)."""
+        raise NotImplementedError
+
 
 class IdleWorkload(Workload):
     """This rank's part in a run it sits out (a 1-replica baseline runs on rank 0): nothing; it waits at the barriers."""
@@ -202,6 +206,10 @@ class RawTorchWorkload(Workload):
         """Begin a fresh pass over the pre-sliced batches."""
         self._it = iter(self._batches)
 
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the next pre-sliced batch of the current pass."""
+        return next(self._it)
+
     def train(self, steps: int) -> None:
         """Run ``steps`` hand-written DDP steps: forward, mean cross-entropy, backward, step, zero_grad."""
         model, optimizer = self.model, self.optimizer
@@ -230,12 +238,12 @@ class TowersWorkload(Workload):
         n = strategy.num_replicas_in_sync
         dataset = make_dataset(spec, n)
         self.batches = strategy.distribute_dataset(dataset, global_batch_size=n * spec.batch_size, shuffle=False)
-        self._compute_average_loss = towers.compute_average_loss
+        self.compute_average_loss = towers.compute_average_loss  # what the step calls (profile.py too)
         self._it: Iterator[Any] = iter(())
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         per_example = self.spec.loss_value(self.model(x), y, reduction="none")
-        loss = self._compute_average_loss(per_example)
+        loss = self.compute_average_loss(per_example)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -244,6 +252,10 @@ class TowersWorkload(Workload):
     def start_epoch(self) -> None:
         """Begin a fresh pass over ``strategy.distribute_dataset``."""
         self._it = iter(self.batches)
+
+    def next_batch(self) -> Any:
+        """Return the next batch of the current pass over ``strategy.distribute_dataset``."""
+        return next(self._it)
 
     def train(self, steps: int) -> None:
         """Run ``steps`` towers steps: next batch from the distributed dataset, then ``strategy.run``."""

@@ -19,6 +19,7 @@ __all__ = ["start_watchdog", "stop_watchdog", "current_watchdog"]
 log = get_logger(__name__)
 
 _current: Watchdog | None = None
+_step_hook: Any = None  # the optimizer-step hook that feeds the current watchdog's progress
 
 
 def _store_client(info: ProcessInfo, timeout_s: float) -> Any:
@@ -39,7 +40,7 @@ def start_watchdog(info: ProcessInfo, *, min_s: float | None = None, factor: flo
     last; ``0`` turns the watchdog off. Replaces a watchdog this process already runs.
     Call it once the job's process group exists (its rendezvous store must be up).
     """
-    global _current
+    global _current, _step_hook
     stop_watchdog()
     if min_s is None:
         min_s = info.stuck_timeout_s if info.stuck_timeout_s is not None else DEFAULT_MIN_S
@@ -55,9 +56,8 @@ def start_watchdog(info: ProcessInfo, *, min_s: float | None = None, factor: flo
         return None
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    hook = register_optimizer_step_post_hook(_progress.PROGRESS.on_step)
+    _step_hook = register_optimizer_step_post_hook(_progress.PROGRESS.on_step)
     watchdog = Watchdog(info, store, min_s=float(min_s), factor=factor, report_dir=report_dir)
-    watchdog._step_hook = hook  # type: ignore[attr-defined]
     _current = watchdog.start()
     log.debug("stuck-job watchdog: bound max(%g s, %g x slowest recent step), heartbeat every %g s", min_s, factor,
               watchdog.poll_s)
@@ -66,13 +66,13 @@ def start_watchdog(info: ProcessInfo, *, min_s: float | None = None, factor: flo
 
 def stop_watchdog() -> None:
     """Stop this process's watchdog, if one runs (idempotent)."""
-    global _current
+    global _current, _step_hook
     watchdog, _current = _current, None
+    hook, _step_hook = _step_hook, None
     if watchdog is not None:
         watchdog.stop()
-        hook = getattr(watchdog, "_step_hook", None)
-        if hook is not None:
-            hook.remove()
+    if hook is not None:
+        hook.remove()
 
 
 def current_watchdog() -> Watchdog | None:

@@ -77,6 +77,13 @@ class _Follower:
                 self._stop.wait(_EOF_POLL_S)
 
 
+def _torchrun_flags(user: Any) -> tuple[str | None, Any, Any, Any]:
+    """torchrun's ``DefaultLogsSpecs`` ``user``: the log directory it made, and its redirects, tee and rank filter."""
+    # torch's LogsSpecs keeps the flags it was built with in private attributes only (no public getters); the
+    # directory too (its root_log_dir property would turn a missing one into the string "None").
+    return (getattr(user, "_root_log_dir", None), user._redirects, user._tee, user._local_ranks_filter)
+
+
 class WholeLineLogs(LogsSpecs):
     """torchrun's logs spec for ``towers launch``: files for every stream, whole prefixed lines on the terminal.
 
@@ -101,12 +108,10 @@ class WholeLineLogs(LogsSpecs):
 
         The temporary directory torchrun's spec made when no ``--log-dir`` was given is removed (if empty).
         """
-        if not log_dir:
-            made = getattr(user, "_root_log_dir", None)
-            if made and os.path.isdir(made) and not os.listdir(made):
-                os.rmdir(made)
-        return cls(log_dir=log_dir or None, redirects=user._redirects, tee=user._tee,
-                   local_ranks_filter=user._local_ranks_filter)
+        made, redirects, tee, local_ranks_filter = _torchrun_flags(user)
+        if not log_dir and made and os.path.isdir(made) and not os.listdir(made):
+            os.rmdir(made)
+        return cls(log_dir=log_dir or None, redirects=redirects, tee=tee, local_ranks_filter=local_ranks_filter)
 
     @property
     def root_log_dir(self) -> str:  # noqa: D102

@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from towers.launch.exits import describe_exit
 from towers.launch.spawn import free_port
-from towers.launch.supervise import FORWARDED_SIGNALS, _child_setup, _send, read_reports, write_report
+from towers.launch.supervise import FORWARDED_SIGNALS, child_setup, read_reports, send_signal, write_report
 
 __all__ = ["group_command", "member_environment", "read_restarts", "main"]
 
@@ -86,7 +86,7 @@ class _Group:
         self.linux = linux
         self.members = [subprocess.Popen(command, env=member_environment(os.environ, group_size=size, member=m,
                                                                           port=port, restart=restart),
-                                         preexec_fn=_child_setup(os.getpid()) if linux else None)
+                                         preexec_fn=child_setup(os.getpid()) if linux else None)
                         for m in range(size)]
         self.codes: dict[int, int] = {}
         self.stopped_at: dict[int, float] = {}
@@ -98,7 +98,7 @@ class _Group:
     def signal_all(self, signum: int) -> None:
         for member in self.members:
             if member.returncode is None:
-                _send(member.pid, signum, group=self.linux)
+                send_signal(member.pid, signum, group=self.linux)
 
     def poll(self, who: str, stopped_kill_s: float) -> None:
         """Reap what ended; name and time what stopped; kill what stayed stopped too long."""
@@ -111,7 +111,7 @@ class _Group:
                 if since is not None and time.monotonic() - since > stopped_kill_s:
                     print(f"towers: {self.name(who, index)} (pid {member.pid}) stayed stopped for {stopped_kill_s:g} s; "
                           "killing it, so that the group is restarted and heals", file=sys.stderr, flush=True)
-                    _send(member.pid, signal.SIGKILL, group=self.linux)
+                    send_signal(member.pid, signal.SIGKILL, group=self.linux)
                     del self.stopped_at[index]
             elif os.WIFSTOPPED(status):
                 self.stopped_at[index] = time.monotonic()

@@ -46,7 +46,8 @@ from towers.cluster.info import ProcessInfo
 from towers.cluster.launch_notes import started_pid
 from towers.launch.exits import PREEMPTED_EXIT_CODE, describe_exit
 
-__all__ = ["FORWARDED_SIGNALS", "Decision", "decide", "supervised_command", "read_reports", "main"]
+__all__ = ["FORWARDED_SIGNALS", "Decision", "decide", "supervised_command", "read_reports", "child_setup",
+           "send_signal", "main"]
 
 #: Signals the supervisor passes on to its child (the ones torchrun's agent stops its workers with, and SLURM's).
 FORWARDED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1",
@@ -153,7 +154,7 @@ def _write_report(report_dir: str, info: ProcessInfo, returncode: int) -> None:
                   "description": describe_exit(returncode), "pid": os.getpid()})
 
 
-def _child_setup(parent_pid: int) -> Callable[[], None]:
+def child_setup(parent_pid: int) -> Callable[[], None]:
     """Return the child's pre-exec step: its own process group, and SIGKILL when the supervisor dies (Linux)."""
     try:
         import ctypes
@@ -172,7 +173,8 @@ def _child_setup(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-def _send(pid: int, signum: int, *, group: bool) -> None:
+def send_signal(pid: int, signum: int, *, group: bool) -> None:
+    """Send ``signum`` to the child ``pid``, to its whole process group when ``group`` (nothing if it is gone)."""
     # On Linux the child leads its own process group: signal the group, as the agent's killpg would have.
     try:
         if group:
@@ -232,19 +234,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         received.append(signum)
         if child is not None and child.returncode is None:  # returncode is set once wait() reaped it
             forwarded.append(signum)
-            _send(child.pid, signum, group=linux)
-            _send(child.pid, signal.SIGCONT, group=linux)  # a stopped child acts on it now, not at the agent's SIGKILL
+            send_signal(child.pid, signum, group=linux)
+            send_signal(child.pid, signal.SIGCONT, group=linux)  # a stopped child acts on it now, not at the agent's SIGKILL
 
     linux = sys.platform.startswith("linux")
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
     try:
-        child = subprocess.Popen(command, preexec_fn=_child_setup(os.getpid()) if linux else None)
+        child = subprocess.Popen(command, preexec_fn=child_setup(os.getpid()) if linux else None)
     except OSError as exc:
         print(f"towers: cannot start {command[0]!r}: {exc}. Check the command.", file=sys.stderr, flush=True)
         return 127
     if received and not forwarded:  # a signal came before the child existed: pass it on now
-        _send(child.pid, received[-1], group=linux)
+        send_signal(child.pid, received[-1], group=linux)
     returncode = child.wait()
 
     # Without a launch directory (not started by towers launch) nothing tells start-up apart: as before, tolerate.

@@ -22,7 +22,7 @@ from towers.process_group import collective, first_line
 from towers.strategies.base import REDUCE_OPS
 
 __all__ = ["LocalComm", "ProcessGroupComm", "StepCounts", "MismatchedStepsError", "PartialCollectiveError",
-           "named_collective", "check_op", "as_tensor"]
+           "named_collective", "check_op", "as_tensor", "local_reduce", "float_for_mean"]
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -50,7 +50,7 @@ def as_tensor(value: Any, device: torch.device) -> torch.Tensor:
         "Return a tensor from the step function, or reduce each tensor of a structure separately.")
 
 
-def _local_reduce(op: str, value: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def local_reduce(op: str, value: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reduce over ``axis`` of this replica's value; for "mean" also return the count (ragged batches)."""
     if op in ("sum", "mean"):
         total = value.sum(dim=axis)
@@ -66,7 +66,8 @@ def _local_reduce(op: str, value: torch.Tensor, axis: int) -> tuple[torch.Tensor
     return (value.amax(dim=axis) if op == "max" else value.amin(dim=axis)), None
 
 
-def _float_for_mean(value: torch.Tensor) -> torch.Tensor:
+def float_for_mean(value: torch.Tensor) -> torch.Tensor:
+    """Return ``value``, as float64 when it is neither floating nor complex (a mean of integers is not one)."""
     return value if value.is_floating_point() or value.is_complex() else value.double()
 
 
@@ -236,10 +237,10 @@ class LocalComm:
 
     def reduce(self, op: str, value: torch.Tensor, axis: int | None) -> torch.Tensor:
         if axis is None:
-            return value.clone() if op != "mean" else _float_for_mean(value).clone()
+            return value.clone() if op != "mean" else float_for_mean(value).clone()
         if op == "mean":
-            return _float_for_mean(value).mean(dim=axis)
-        return _local_reduce(op, value, axis)[0]
+            return float_for_mean(value).mean(dim=axis)
+        return local_reduce(op, value, axis)[0]
 
     def all_reduce_max_(self, tensor: torch.Tensor) -> None:
         return None
@@ -287,10 +288,10 @@ class ProcessGroupComm:
             self._steps.check(f"strategy.reduce({op!r})")
         with collective(f"strategy.reduce({op!r})"), track(f"strategy.reduce({op!r})"):
             if axis is None:
-                out = (_float_for_mean(value) if op == "mean" else value).clone()
+                out = (float_for_mean(value) if op == "mean" else value).clone()
                 dist.all_reduce(out, op=_DIST_OPS[op], group=self.group)
                 return out / self.num_replicas if op == "mean" else out
-            local, count = _local_reduce(op, _float_for_mean(value) if op == "mean" else value, axis)
+            local, count = local_reduce(op, float_for_mean(value) if op == "mean" else value, axis)
             if count is None:
                 dist.all_reduce(local, op=_DIST_OPS[op], group=self.group)
                 return local

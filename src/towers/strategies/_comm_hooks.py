@@ -26,7 +26,7 @@ from towers._logging import get_logger
 from towers.errors import InvalidArgumentError
 from towers.strategies._step_check import StepCheck, folded_sum
 
-__all__ = ["COMPRESSIONS", "register_sum_hook"]
+__all__ = ["COMPRESSIONS", "register_sum_hook", "sum_hook"]
 
 log = get_logger(__name__)
 
@@ -39,7 +39,8 @@ def _all_reduce(tensor: torch.Tensor) -> torch.futures.Future[Any]:
     return dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr]
 
 
-def _sum_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def sum_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: SUM the bucket over ``process_group`` (never divide: the losses are / global batch)."""
     fut = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
@@ -49,10 +50,10 @@ def _carries(check: StepCheck, bucket: dist.GradBucket) -> bool:
 
 
 def _checked_sum_hook(check: StepCheck, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """``_sum_hook`` on the default group, one bucket carrying the step's identity."""
+    """``sum_hook`` on the default group, one bucket carrying the step's identity."""
     if _carries(check, bucket):
         return folded_sum(check, bucket.buffer(), bucket.buffer().dtype, _all_reduce)
-    return _sum_hook(None, bucket)
+    return sum_hook(None, bucket)
 
 
 def _compressed_sum_hook(dtype: torch.dtype, check: StepCheck | None = None) -> Hook:
@@ -106,7 +107,7 @@ def register_sum_hook(model: DistributedDataParallel, compression: str, num_repl
     compression = check_compression(compression)
     if compression == "none":
         if check is None:
-            model.register_comm_hook(None, _sum_hook)
+            model.register_comm_hook(None, sum_hook)
         else:
             model.register_comm_hook(check, _checked_sum_hook)
     elif compression in ("fp16", "bf16"):

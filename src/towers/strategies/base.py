@@ -225,6 +225,26 @@ class Strategy(StrategyCheckpoints, ABC):
         """
         self.precision.scale_loss(loss).backward()
 
+    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any,
+                         loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        """Return ``(loss, outputs)`` after one forward and backward of ``model`` on ``inputs``.
+
+        ``inputs`` is what the model takes: a tensor (``model(x)``), a tuple (``model(*inputs)``) or a dict
+        (``model(**inputs)``). ``loss_fn(outputs, targets)`` returns the loss to backpropagate, normalised as
+        in any step (``towers.compute_average_loss(per_example_loss)``); it is backpropagated with
+        ``backward`` and returned detached. Here that is one forward, one loss and one backward; a strategy
+        that runs a model in pieces (pipeline stages) runs its own schedule instead, calls ``loss_fn`` where
+        the outputs are, and returns ``outputs`` None on the processes that do not hold them. The optimizer
+        step stays the caller's.
+        """
+        if isinstance(inputs, Mapping):
+            outputs = model(**inputs)
+        else:
+            outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+        loss = loss_fn(outputs, targets)
+        self.backward(loss)
+        return loss.detach(), outputs
+
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of ``parameters`` to a total norm of ``max_norm``; return the norm before clipping.
@@ -264,6 +284,35 @@ class Strategy(StrategyCheckpoints, ABC):
     def _loss_weights(self) -> UpdateWeights:
         """This replica's loss weights in the update in progress (``compute_average_loss(weights=...)``)."""
         return self.__dict__.setdefault("_update_weights", UpdateWeights())
+
+    # --- the loss normalisers' hooks (towers.losses; not for user code) -------------------------------
+    def note_example_normalised_loss(self, *, update_step: bool) -> None:
+        """Note a loss normalised by examples in the update in progress (``update_step``: its last micro-batch).
+
+        Called by ``towers.losses`` (``compute_average_loss`` without ``weights``, ``scale_regularization_loss``)
+        where several replicas or micro-batches share an update.
+
+        Raises:
+            ValueError: the update already holds a loss normalised by weights.
+        """
+        self._loss_weights.note_plain(update_step)
+
+    def note_weighted_loss(self, loss: torch.Tensor, weight: float, *, update_step: bool) -> None:
+        """Note a loss normalised by ``weight`` (``compute_average_loss(..., weights=...)``) in the update in progress.
+
+        ``loss`` is what the caller returns (its gradient is the weighted SUM); at the update step
+        (``update_step``) the update's gradients are divided by its global weight as the backward
+        through ``loss`` ends. Called by ``towers.losses``.
+
+        Raises:
+            NotImplementedError: this strategy cannot normalise by weights.
+            ValueError: this strategy prepared no optimizer, or the update mixes weighted and example-normalised
+                losses, or its gradient was divided already.
+        """
+        self._check_weighted_loss()
+        self._loss_weights.note_weighted(weight, update_step)
+        if update_step:
+            self._finish_after_backward(loss)
 
     def _check_weighted_loss(self) -> None:
         """Raise when this strategy cannot normalise a loss by the update's global weight.

@@ -13,7 +13,7 @@ from towers.data import is_stream
 from towers.errors import InvalidArgumentError, user_error
 from towers.training._steps import as_dataset, per_example
 from towers.training._trainer_attributes import TrainerAttributes
-from towers.training._trainer_steps import _labels, _predictions_or
+from towers.training._trainer_steps import predictions_or, required_labels
 from towers.training.batches import call_model, label_count, model_loss, predictions
 from towers.training.batches import split as split_batch
 from towers.training.callbacks.base import Callback, CallbackList
@@ -21,10 +21,12 @@ from towers.training.callbacks.base import Callback, CallbackList
 if TYPE_CHECKING:
     from towers.training.trainer import Trainer
 
+__all__ = ["Inference"]
+
 log = get_logger(__name__)
 
 
-class _Inference(TrainerAttributes):
+class Inference(TrainerAttributes):
     """The Trainer's ``evaluate`` and ``predict``.
 
     A base class of ``Trainer``: its state is the Trainer's.
@@ -58,13 +60,13 @@ class _Inference(TrainerAttributes):
                     outputs = call_model(self.model, parts)
                     if self.loss_fn is not None:
                         y_pred = predictions(outputs, self.prediction_key)
-                        losses = self.loss_fn(y_pred, _labels(parts, self.label_key)).detach()
+                        losses = self.loss_fn(y_pred, required_labels(parts, self.label_key)).detach()
                         if losses.dim() == 0:  # a loss that returns its batch's mean: one per label, as in training
                             losses = losses.float().expand(label_count(parts, self.ignore_index)).clone()
                         return losses, y_pred.detach()
                     count = label_count(parts, self.ignore_index, shifted=self._shifted_labels)  # one loss per label
                     mean = model_loss(outputs).detach().float()
-                    return mean.expand(count).clone(), _predictions_or(outputs, self.prediction_key, mean)
+                    return mean.expand(count).clone(), predictions_or(outputs, self.prediction_key, mean)
 
                 losses, y_pred = self.strategy.run(step, args=(batch,))
                 y = parts.labels if parts.labels is not None else torch.zeros(len(y_pred), device=y_pred.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
@@ -16,10 +17,12 @@ from towers.training._trainer_attributes import TrainerAttributes
 from towers.training.batches import BatchParts, call_model, label_count, model_loss, predictions
 from towers.training.batches import split as split_batch
 
+__all__ = ["TrainingSteps", "required_labels", "predictions_or"]
+
 log = get_logger(__name__)
 
 
-class _TrainingSteps(TrainerAttributes):
+class TrainingSteps(TrainerAttributes):
     """The Trainer's training step and the training metrics reduced across replicas.
 
     A base class of ``Trainer``: its state is the Trainer's.
@@ -31,18 +34,32 @@ class _TrainingSteps(TrainerAttributes):
         y = parts.labels
         from towers.losses import compute_average_loss
 
-        def step(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def step(batch: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
             parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
-            if self.loss_fn is not None:
-                outputs = call_model(self.model, parts)  # the prepared model applies its precision policy
+            if self.loss_fn is None:
+                return self._own_loss_step(parts)
+            kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (losses, predictions) of each call of loss_of
+
+            def loss_of(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+                # Called once here, or once per micro-batch where the strategy cuts the batch (a pipeline's last stage).
                 y_pred = predictions(outputs, self.prediction_key)
-                per_example = self.loss_fn(y_pred, _labels(parts, self.label_key))
+                per_example = self.loss_fn(y_pred, labels)
                 if per_example.dim() == 0:  # a loss that returns its batch's mean: one device's mean over the labels
-                    return self._mean_loss_step(parts, per_example, outputs), y_pred.detach()
-                self.strategy.backward(compute_average_loss(per_example))  # fp16 scales the loss first
-                self._update()
-                return per_example.detach(), y_pred.detach()
-            return self._own_loss_step(parts)
+                    count = label_count(replace(parts, labels=labels), self.ignore_index)
+                    loss, shown = self._normalised_mean(per_example, count, outputs)
+                    kept.append((shown.expand(count).clone(), y_pred.detach()))
+                    return loss
+                kept.append((per_example.detach(), y_pred.detach()))
+                return compute_average_loss(per_example)  # strategy.backward scales it under fp16
+
+            inputs = parts.inputs if parts.as_kwargs else (parts.inputs,)  # the prepared model applies its precision
+            self.strategy.forward_backward(self.model, inputs, required_labels(parts, self.label_key), loss_of)
+            self._update()
+            if not kept:  # this process computed no loss (a pipeline's earlier stages): the strategy's reduce brings it
+                return None, None
+            if len(kept) == 1:
+                return kept[0]
+            return torch.cat([k[0] for k in kept]), torch.cat([k[1] for k in kept])
 
         try:  # the batch as distribute_dataset yielded it: run reads its accounting from its tensors
             losses, y_pred = self.strategy.run(step, args=(batch,))
@@ -55,11 +72,14 @@ class _TrainingSteps(TrainerAttributes):
                 f"The model cannot take this batch: its input has shape {shape} (batch first), and torch says: "
                 f"{str(exc).splitlines()[0]}. Make the data's feature shape match the model's first layer (e.g. "
                 "nn.Linear(in_features=...) equal to the last dimension of x), or reshape/flatten x.") from exc
-        if y is None:
-            y = torch.zeros(len(y_pred), device=y_pred.device)  # no labels: only the loss is a metric then
-        losses = per_example(losses, len(losses))
-        nonfinite = (~torch.isfinite(losses)).any().to(torch.float64).reshape(1)
-        local = torch.cat([self._train_metrics.local_state(losses, y_pred, y), nonfinite])
+        if losses is None or y_pred is None:  # sums of zeros, which the reduction replaces by the last stage's
+            local = torch.zeros(self._train_metrics.size + 1, dtype=torch.float64, device=self.strategy.device)
+        else:
+            if y is None:
+                y = torch.zeros(len(y_pred), device=y_pred.device)  # no labels: only the loss is a metric then
+            losses = per_example(losses, len(losses))
+            nonfinite = (~torch.isfinite(losses)).any().to(torch.float64).reshape(1)
+            local = torch.cat([self._train_metrics.local_state(losses, y_pred, y), nonfinite])
         info = self.step_batch_info = find_batch_info((batch,))
         size = info.global_batch_size if info is not None else parts.size() * self.strategy.num_replicas_in_sync
         return size, local
@@ -79,17 +99,19 @@ class _TrainingSteps(TrainerAttributes):
         extra = {"num_items_in_batch": max(count, 1)} if self._passes_count else {}
         outputs = call_model(self.model, parts, **extra)
         shown = self._backward_mean(model_loss(outputs), count, outputs)
-        return shown.expand(count).clone(), _predictions_or(outputs, self.prediction_key, shown)
-
-    def _mean_loss_step(self, parts: BatchParts, mean: torch.Tensor, outputs: Any) -> torch.Tensor:
-        """A step on ``loss=`` that returned its batch's mean (it takes no ``reduction=``): weighted by its labels."""
-        count = label_count(parts, self.ignore_index)
-        return self._backward_mean(mean, count, outputs).expand(count).clone()
+        return shown.expand(count).clone(), predictions_or(outputs, self.prediction_key, shown)
 
     def _backward_mean(self, mean: torch.Tensor, count: int, outputs: Any) -> torch.Tensor:
         """Backpropagate a loss that is the mean over ``count`` labels, normalised by the update's global label count.
 
         Returns the mean, detached (one loss per label: the loss metric is label-weighted)."""
+        loss, shown = self._normalised_mean(mean, count, outputs)
+        self.strategy.backward(loss)
+        self._update()
+        return shown
+
+    def _normalised_mean(self, mean: torch.Tensor, count: int, outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(loss to backpropagate, mean detached)`` for a loss that is the mean over ``count`` labels."""
         from towers.losses import compute_average_loss
 
         if count == 0:  # no label here (an empty share): a zero gradient, not the NaN of a mean over nothing
@@ -97,9 +119,7 @@ class _TrainingSteps(TrainerAttributes):
         # The strategy divides the update's gradient by the label count over every replica and micro-batch.
         # The count lives on the host (compute_average_loss reads it there, without waiting for the device).
         weights = torch.full((1,), float(count), device="cpu")
-        self.strategy.backward(compute_average_loss(mean.reshape(1), weights=weights))
-        self._update()
-        return mean.detach().float()
+        return compute_average_loss(mean.reshape(1), weights=weights), mean.detach().float()
 
     def _warn_nonfinite(self, logs: Mapping[str, Any]) -> None:
         """Warn once, on the chief, when a loss was not finite and no callback stopped training for it."""
@@ -172,7 +192,8 @@ class _TrainingSteps(TrainerAttributes):
     # --- evaluate and predict ----------------------------------------------------------------------
 
 
-def _labels(parts: BatchParts, label_key: str) -> torch.Tensor:
+def required_labels(parts: BatchParts, label_key: str) -> torch.Tensor:
+    """The batch's labels, for ``Trainer(loss=...)``; raise the fix when it has none."""
     if parts.labels is None:
         raise user_error("Trainer(loss=...) compares the predictions with the batch's labels, but this batch has none",
                          f"a {'dict without ' + repr(label_key) if parts.as_kwargs else 'batch without a second item'}",
@@ -189,7 +210,7 @@ def _zero_loss(outputs: Any, loss: torch.Tensor) -> torch.Tensor:
         return torch.nan_to_num(loss, nan=0.0) * 0.0
 
 
-def _predictions_or(outputs: Any, key: str | int | None, fallback: torch.Tensor) -> torch.Tensor:
+def predictions_or(outputs: Any, key: str | int | None, fallback: torch.Tensor) -> torch.Tensor:
     """The model's predictions, or ``fallback`` when its output holds none (a model returning only its loss)."""
     try:
         return predictions(outputs, key).detach()

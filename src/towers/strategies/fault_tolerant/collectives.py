@@ -6,14 +6,15 @@ from typing import Any
 
 import torch
 
-from towers.strategies._collectives import _local_reduce, as_tensor, check_op
+from towers.strategies._collectives import as_tensor, check_op, local_reduce
 from towers.strategies.base import PeerLostError
-from towers.strategies.fault_tolerant.steps import _QuorumSteps
+from towers.strategies.fault_tolerant.groups import quorum_started
+from towers.strategies.fault_tolerant.steps import QuorumSteps
 
-__all__ = ["_LiveGroupCollectives"]
+__all__ = ["LiveGroupCollectives"]
 
 
-class _LiveGroupCollectives(_QuorumSteps):
+class LiveGroupCollectives(QuorumSteps):
     """``reduce``/``gather``/``barrier`` and the object exchange, over this group's processes, then the live groups."""
 
     _device: torch.device
@@ -26,7 +27,7 @@ class _LiveGroupCollectives(_QuorumSteps):
             import torch.distributed as dist
 
             dist.all_reduce(tensor, op=reduce_op, group=self._intra)
-        if self._manager._quorum_future is None:  # before the first step: this group alone
+        if not quorum_started(self._manager):  # before the first step: this group alone
             return tensor
         work = self._manager.allreduce(tensor, reduce_op=reduce_op)
         work.wait()
@@ -46,7 +47,7 @@ class _LiveGroupCollectives(_QuorumSteps):
             out = self._all_reduce(tensor.clone(), "sum" if op == "mean" else op, f"strategy.reduce({op!r})")
             return out / self.live_replicas if op == "mean" else out
         axis = axis + tensor.dim() if axis < 0 else axis
-        local, count = _local_reduce(op, tensor, axis)
+        local, count = local_reduce(op, tensor, axis)
         if count is None:
             return self._all_reduce(local, op, f"strategy.reduce({op!r})")
         packed = self._all_reduce(torch.cat([local.reshape(-1), count.reshape(1).to(local.dtype)]), "sum",

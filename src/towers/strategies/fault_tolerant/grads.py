@@ -8,7 +8,7 @@ pass, which packs every gradient (zeros for a parameter that got none) into one 
 over the group's own processes (groups of several processes) and then over the live groups through
 torchft's manager (process r of each group with process r of the others), and writes the sums back. When backward returns,
 every gradient is the sum over the quorum, as under DDP, so ``clip_grad_norm_`` and any code that
-reads gradients see the same values on every group. ``_sum_hook`` is the DDP communication hook
+reads gradients see the same values on every group. ``sum_hook`` is the DDP communication hook
 of the other engine (``strategy.gradients = "ddp"``: torchft's DDP wrapper, kept for the benchmark).
 """
 
@@ -21,7 +21,7 @@ from torch import nn
 
 from towers.errors import user_error
 
-__all__ = ["GradientSync", "_sum_hook"]
+__all__ = ["GradientSync", "sum_hook"]
 
 
 class GradientSync:
@@ -47,7 +47,7 @@ class GradientSync:
                 "Call backward once per step on the sum of the losses (gradient accumulation is not supported by "
                 "this strategy), then optimizer.step().", cls=RuntimeError)
         self._queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._sync)
+        _queue_at_backward_end(self._sync)
 
     def _sync(self) -> None:
         from torch.distributed import ReduceOp
@@ -78,7 +78,13 @@ class GradientSync:
         self.synced = False
 
 
-def _sum_hook(state, bucket):  # type: ignore[no-untyped-def]
+def _queue_at_backward_end(callback: Any) -> None:
+    """Run ``callback`` when the backward pass in progress ends."""
+    # torch's only way to queue such a callback is its private execution engine (DDP and FSDP use it too).
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def sum_hook(state, bucket):  # type: ignore[no-untyped-def]
     """DDP communication hook: SUM the bucket over the live groups through torchft (errors end the step, not the job).
 
     It waits for the all-reduce inside the hook, as torchft's own DDP does: returning torchft's
@@ -102,5 +108,5 @@ def _sum_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 
 # DDP checks the hook's annotations against the real classes (this module's are strings).
-_sum_hook.__annotations__ = {"state": object, "bucket": torch.distributed.GradBucket,
-                             "return": torch.futures.Future[torch.Tensor]}
+sum_hook.__annotations__ = {"state": object, "bucket": torch.distributed.GradBucket,
+                            "return": torch.futures.Future[torch.Tensor]}

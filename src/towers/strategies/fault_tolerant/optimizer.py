@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from towers.errors import user_error
 from towers.verify_capture import before_update
 
-if TYPE_CHECKING:
-    from towers.strategies.fault_tolerant.strategy import FaultTolerantStrategy
-
-__all__ = ["_FaultTolerantOptimizer"]
+__all__ = ["FaultTolerantOptimizer"]
 
 
-class _FaultTolerantOptimizer(torch.optim.Optimizer):
+class FaultTolerantOptimizer(torch.optim.Optimizer):
     """The user's optimizer, stepped only when every live group's all-reduce of this step succeeded."""
 
-    def __init__(self, strategy: "FaultTolerantStrategy", optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, commit: Callable[[], bool]) -> None:
+        """``commit``: the strategy's commit vote of the step in progress (True: every live group's all-reduce succeeded)."""
         # No Optimizer.__init__: this object only forwards to the user's optimizer (torchft's OptimizerWrapper does the same).
         self.optimizer = optimizer
-        self._strategy = strategy
+        self._commit = commit
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -52,6 +50,6 @@ class _FaultTolerantOptimizer(torch.optim.Optimizer):
             raise user_error("FaultTolerantStrategy's optimizer takes no closure", "a closure",
                              "Compute the loss and call backward before optimizer.step().", cls=TypeError)
         before_update(self)  # `towers verify` records the parameters here; nothing otherwise
-        if self._strategy._commit():
+        if self._commit():
             return self.optimizer.step()
         return None

@@ -1,6 +1,6 @@
 """The steps of a FaultTolerantStrategy: each step's quorum (where a group that is behind heals), its commit vote.
 
-``_QuorumSteps`` is the part of the strategy that says where the job is: the live groups of the
+``QuorumSteps`` is the part of the strategy that says where the job is: the live groups of the
 step in progress and this process's place among them, the steps committed so far, and the
 quorum each step joins before it computes (the job's first step waits for every launched group).
 ``FaultTolerantStrategy`` builds on it.
@@ -18,9 +18,9 @@ from towers._logging import get_logger
 from towers.errors import FailedPreconditionError, user_error
 from towers.strategies.base import ReplicaContext, Strategy
 from towers.strategies.fault_tolerant.grads import GradientSync
-from towers.strategies.fault_tolerant.groups import _QuorumClient
+from towers.strategies.fault_tolerant.groups import QuorumClient, quorum_started
 
-__all__ = ["_QuorumSteps", "_Steps"]
+__all__ = ["QuorumSteps", "Steps"]
 
 log = get_logger(__name__)
 
@@ -28,7 +28,7 @@ log = get_logger(__name__)
 _FIRST_QUORUM_POLL_S = 0.2
 
 
-class _Steps:
+class Steps:
     """Where the job is: the quorum of the step in progress (opened once, closed by the commit vote)."""
 
     def __init__(self) -> None:
@@ -36,7 +36,7 @@ class _Steps:
         self.not_committed = 0
 
 
-class _QuorumSteps(Strategy):
+class QuorumSteps(Strategy):
     """The quorum of each step and its commit vote, over the state ``FaultTolerantStrategy.__init__`` builds."""
 
     replica_group_id: int
@@ -45,9 +45,9 @@ class _QuorumSteps(Strategy):
     peer_timeout_s: float
     shard: bool
     _manager: Any  # torchft's Manager
-    _quorum_client: _QuorumClient
+    _quorum_client: QuorumClient
     _intra: Any  # the process group of this replica group's own processes (None: a group of one)
-    _steps: _Steps
+    _steps: Steps
     _members: list[int] | None
     _group_synced: bool
     _gradient_syncs: list[GradientSync]
@@ -170,7 +170,7 @@ class _QuorumSteps(Strategy):
 
     def _join(self) -> None:
         """Join the job if this group has taken part in no step yet: a group started again heals here (``_begin_step``)."""
-        if self._manager._quorum_future is None:
+        if not quorum_started(self._manager):
             self._begin_step()
 
     def _step_in_progress(self) -> bool:

@@ -21,12 +21,18 @@ from towers.errors import FailedPreconditionError, InvalidArgumentError, Invalid
 from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S, check_timeout
 from towers.strategies.base import note_built
 from towers.strategies.fault_tolerant.batches import FaultTolerantBatches
-from towers.strategies.fault_tolerant.collectives import _LiveGroupCollectives
-from towers.strategies.fault_tolerant.grads import GradientSync, _sum_hook
-from towers.strategies.fault_tolerant.groups import _GroupLayout, _intra_group, _own_address, _QuorumClient, _torchft
-from towers.strategies.fault_tolerant.optimizer import _FaultTolerantOptimizer
+from towers.strategies.fault_tolerant.collectives import LiveGroupCollectives
+from towers.strategies.fault_tolerant.grads import GradientSync, sum_hook
+from towers.strategies.fault_tolerant.groups import (
+    GroupLayout,
+    import_torchft,
+    intra_group,
+    note_quorum_members,
+    own_address,
+)
+from towers.strategies.fault_tolerant.optimizer import FaultTolerantOptimizer
 from towers.strategies.fault_tolerant.shards import load_local_model, load_local_optimizer, local_state
-from towers.strategies.fault_tolerant.steps import _Steps
+from towers.strategies.fault_tolerant.steps import Steps
 from towers.strategies.fault_tolerant.store import group_store
 from towers.strategies.precision import Precision, resolve_precision
 
@@ -35,7 +41,7 @@ __all__ = ["FaultTolerantStrategy"]
 log = get_logger(__name__)
 
 
-class FaultTolerantStrategy(_LiveGroupCollectives):
+class FaultTolerantStrategy(LiveGroupCollectives):
     """Synchronous data parallelism over replica groups that survives a lost group, on torchft.
 
     Options: ``lighthouse`` (the lighthouse's address, ``"http://host:port"``; None: torchft's
@@ -81,12 +87,12 @@ class FaultTolerantStrategy(_LiveGroupCollectives):
         if self._precision.enabled:
             raise user_error("FaultTolerantStrategy computes in float32 only (for now)", f"precision={precision!r}",
                              "Use precision='32', or MirroredStrategy for mixed precision.")
-        torchft = _torchft()
+        torchft = import_torchft()
         from torchft.manager import MANAGER_ADDR_KEY
 
         from towers.strategies.fault_tolerant.transport import WireTransport
 
-        layout = _GroupLayout.resolve(info, replica_group_id, group_size, group_rank, group_port)
+        layout = GroupLayout.resolve(info, replica_group_id, group_size, group_rank, group_port)
         self.replica_group_id, self.group_size, self.group_rank = layout.group, layout.size, layout.rank
         self.peer_timeout_s = peer_timeout_s
         if not isinstance(shard, bool):
@@ -97,12 +103,12 @@ class FaultTolerantStrategy(_LiveGroupCollectives):
                              "one", "group_size=1", "Run groups of several processes (towers launch --group-size N "
                              "--strategy fault_tolerant --strategy-option shard=true), or drop shard=True.")
         self.shard, self._shard_units = shard, shard_units
-        host = address or _own_address(info)
+        host = address or own_address(info)
         timeout = timedelta(seconds=peer_timeout_s)
         # The group's own store, served by member 0 on the group's address only: torchft's managers and per-quorum
         # process groups meet there, and so do the members' own process group (groups of several processes).
         self._store = group_store(host, layout.port, serves=layout.rank == 0, timeout_s=quorum_timeout_s)
-        self._intra = _intra_group(self._store, layout, timeout)
+        self._intra = intra_group(self._store, layout, timeout)
         #: The gradient all-reduce ``prepare`` installs: ``"flat"`` (one flat buffer at the end of backward) or
         #: ``"ddp"`` (torchft's DDP wrapper, slower; kept to compare in benchmarks/ft_recovery.py).
         self.gradients = "flat"
@@ -123,10 +129,9 @@ class FaultTolerantStrategy(_LiveGroupCollectives):
                              "lighthouse='http://host:port' to the strategy.") from exc
         # torchft's manager server (process 0 of the group) binds every interface itself: its address is said here.
         self.manager_address: str = self._store.get(MANAGER_ADDR_KEY).decode()
-        self._quorum_client = _QuorumClient(self._manager._client)
-        self._manager._client = self._quorum_client  # the same client, noting each quorum's members
+        self._quorum_client = note_quorum_members(self._manager)  # the same client, noting each quorum's members
         self._members: list[int] | None = None
-        self._steps = _Steps()
+        self._steps = Steps()
         self._group_synced = False
         self._gradient_syncs: list[GradientSync] = []
         self._lighthouse = lighthouse or "(none given)"
@@ -196,7 +201,7 @@ class FaultTolerantStrategy(_LiveGroupCollectives):
         manager = self._manager
 
         class _SummingDDP(DistributedDataParallel):  # torchft's DDP averages; towers' losses are already / global batch
-            _comm_hook = staticmethod(_sum_hook)
+            _comm_hook = staticmethod(sum_hook)
 
         if self.shard:  # FSDP2 inside the group; each unit's reduce-scattered gradient shard summed across groups
             from towers.strategies._fsdp import build_mesh, fsdp_modules, shard_model
@@ -242,7 +247,7 @@ class FaultTolerantStrategy(_LiveGroupCollectives):
         if optimizer is None:
             return compiled, None
         self._optimizers.append(optimizer)
-        return compiled, _FaultTolerantOptimizer(self, optimizer)
+        return compiled, FaultTolerantOptimizer(optimizer, commit=self._commit)
 
     def _sum_over_groups(self, gradient: torch.Tensor) -> None:
         """FSDP2's all-reduce hook: sum a unit's gradient shard with the same shard of the other live groups."""
