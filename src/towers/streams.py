@@ -46,7 +46,7 @@ from towers._shard_files import (
     check_agreement,
     check_resumed,
 )
-from towers._stream_dispatch import dispatched_batches
+from towers._stream_dispatch import StreamDispatch
 from towers._stream_position import Position as _Position
 from towers._stream_position import position_from_state
 from towers._stream_reading import Transform as _Transform
@@ -59,7 +59,7 @@ __all__ = ["DistributedStream", "InputContext", "Shards", "ShardChangedError", "
 log = get_logger(__name__)
 
 
-class DistributedStream(DataLoaderNames):
+class DistributedStream(StreamDispatch, DataLoaderNames):
     """This replica's share of every global batch of a stream, on its device; iterate once per epoch.
 
     ``stream``: ``towers.data.Shards`` (V = its number of shards), a torch ``IterableDataset``
@@ -326,11 +326,7 @@ class DistributedStream(DataLoaderNames):
             pos.batch += 1
             yield work, (info, pos.copy())
 
-    # --- handed out at run time (parameter servers) ------------------------------------------------
-    def _dispatched(self, start: int, files: list[ShardFiles] | None) -> Iterator[Any]:
-        """Yield the units ps task 0 hands this replica (``towers._stream_dispatch``)."""
-        return dispatched_batches(self, start, files)
-
+    # --- handed out at run time (parameter servers): StreamDispatch._dispatched (towers._stream_dispatch) ----------
     def _records(self, files: list[ShardFiles] | None,
                  cursors: list[int] | None = None) -> Iterator[tuple[int, int, Any]]:
         """The epoch's records, in its sequence, from ``cursors`` (records consumed per virtual shard; default: none).

@@ -18,16 +18,16 @@ class _Job:
         self.current_step, self.live_replicas, self.replica_id = step, num_replicas, replica_id
         self.open, self.quorums, self.joined = False, 0, False
 
-    def _join(self) -> None:
+    def join_job(self) -> None:
         if not self.joined:
-            self._begin_step()
+            self.begin_step()
 
-    def _begin_step(self) -> None:
+    def begin_step(self) -> None:
         if not self.open:
             self.open, self.joined = True, True
             self.quorums += 1
 
-    def _step_in_progress(self) -> bool:
+    def step_in_progress(self) -> bool:
         return self.open
 
     def vote(self, committed: bool) -> None:

@@ -25,10 +25,10 @@ class FakeServer:
         self.dead: dict[int, str] = {}
         self.wait_s = 0.0  # > 0: wait like the ps does (for requests asked together, in threads)
 
-    def _active(self) -> set[int]:
+    def active(self) -> set[int]:
         return {w for w in range(len(self.links)) if w not in self.dead}
 
-    def _wait(self, ready: Any, what: str, missing: Any) -> None:
+    def wait(self, ready: Any, what: str, missing: Any) -> None:
         if not self.cond.wait_for(ready, timeout=self.wait_s):
             raise WouldWait(f"{what} waits for {sorted(missing())}")
 

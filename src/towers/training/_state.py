@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from towers._logging import get_logger
 from towers._rng import replica_rng_state
 from towers.checkpoint import state as ckpt
 
 if TYPE_CHECKING:
+    from towers.training._steps import MetricSet
     from towers.training.trainer import Trainer
 
 __all__ = ["TrainingProgress", "capture_state", "restore_state"]
@@ -48,17 +49,19 @@ class TrainingProgress:
         return replace(self, step=step, examples=step * global_batch_size, global_batch_size=global_batch_size)
 
 
-def capture_state(trainer: "Trainer") -> dict[str, Any]:
-    """Return ``trainer``'s full state in the checkpoint format (a collective: gathers every replica's RNG)."""
+def capture_state(trainer: "Trainer", *, train_input: Any, callbacks: Iterable[Any],
+                  train_metrics: MetricSet) -> dict[str, Any]:
+    """Return ``trainer``'s full state in the checkpoint format (a collective: gathers every replica's RNG).
+
+    ``train_input``, ``callbacks`` and ``train_metrics`` are the fit's (its metric sums already reduced).
+    """
     strategy, p = trainer.strategy, trainer.progress
-    trainer._sync_train_metrics()  # running sums of steps not yet reduced belong in the checkpoint
     rng = strategy.all_gather_object(ckpt.rng_state())
-    batches = trainer._train_batches
-    dataset_state = batches.state_dict() if callable(getattr(batches, "state_dict", None)) else None
-    callbacks = {}
-    for i, cb in enumerate(trainer._callbacks):
+    dataset_state = train_input.state_dict() if callable(getattr(train_input, "state_dict", None)) else None
+    saved_callbacks = {}
+    for i, cb in enumerate(callbacks):
         if cb is not trainer.history and callable(getattr(cb, "state_dict", None)):
-            callbacks[f"{i}:{type(cb).__name__}"] = cb.state_dict()
+            saved_callbacks[f"{i}:{type(cb).__name__}"] = cb.state_dict()
     training = strategy.state_dict(trainer.model, trainer.optimizer)
     return {
         "model": training["model"],
@@ -70,14 +73,15 @@ def capture_state(trainer: "Trainer") -> dict[str, Any]:
         "data": {"epoch": p.epoch, "examples": p.examples, "global_batch_size": p.global_batch_size,
                  "seed": p.seed, "state": dataset_state},
         "rng": list(rng),
-        "metrics": {m.name: m.state_dict() for m in trainer._train_metrics.all() if hasattr(m, "state_dict")},
+        "metrics": {m.name: m.state_dict() for m in train_metrics.all() if hasattr(m, "state_dict")},
         "history": trainer.history.state_dict(),
-        "callbacks": callbacks,
+        "callbacks": saved_callbacks,
     }
 
 
-def restore_state(trainer: "Trainer", state: Mapping[str, Any], *, path: str = "<state>") -> dict[str, Any]:
-    """Check that ``state`` fits ``trainer``, then restore model, optimizer, scaler, history and metrics.
+def restore_state(trainer: "Trainer", state: Mapping[str, Any], *, train_metrics: MetricSet,
+                  path: str = "<state>") -> dict[str, Any]:
+    """Check that ``state`` fits ``trainer``, then restore model, optimizer, scaler, history and ``train_metrics``.
 
     ``state`` holds the model and optimizer as ``strategy.state_dict`` gives them (laid out for
     this job, as ``towers.checkpoint.api.read_into`` reads them; their keys and shapes are checked
@@ -88,7 +92,7 @@ def restore_state(trainer: "Trainer", state: Mapping[str, Any], *, path: str = "
         CheckpointError: naming the file and what does not fit.
     """
     optimizer = trainer.optimizer
-    _check_fits(trainer, state, path)
+    _check_fits(train_metrics, state, path)
     try:  # the optimizer loads first, and torch checks it before it changes anything
         trainer.strategy.load_state_dict({"model": state["model"], "optimizer": state.get("optimizer"),
                                           "precision": state.get("precision", {})}, trainer.model, optimizer)
@@ -97,7 +101,7 @@ def restore_state(trainer: "Trainer", state: Mapping[str, Any], *, path: str = "
                                    "Build the same model and optimizer (same parameter groups) that wrote it.") from exc
     trainer.history.load_state_dict(state.get("history", {}))
     saved_metrics = state.get("metrics", {})
-    for m in trainer._train_metrics.all():
+    for m in train_metrics.all():
         if m.name in saved_metrics and hasattr(m, "load_state_dict"):
             m.load_state_dict(saved_metrics[m.name])
     data = state["data"]
@@ -115,14 +119,14 @@ def restore_state(trainer: "Trainer", state: Mapping[str, Any], *, path: str = "
             "callbacks": dict(state.get("callbacks", {}))}
 
 
-def _check_fits(trainer: "Trainer", state: Mapping[str, Any], path: str) -> None:
+def _check_fits(train_metrics: MetricSet, state: Mapping[str, Any], path: str) -> None:
     for key in ("model", "epoch", "step", "global_step", "data", "rng"):
         if key not in state:
             raise ckpt.CheckpointError(f"Checkpoint {path} lacks {key!r}: it is not a full training checkpoint.")
     data = state["data"]
     if not isinstance(data, Mapping) or "examples" not in data or "global_batch_size" not in data:
         raise ckpt.CheckpointError(f"Checkpoint {path} has no data position (data={data!r}).")
-    names = {m.name for m in trainer._train_metrics.all()}
+    names = {m.name for m in train_metrics.all()}
     unknown = sorted(set(state.get("metrics", {})) - names)
     if unknown:
         log.warning("checkpoint %s has running sums for metrics this Trainer lacks: %s (ignored)", path, unknown)

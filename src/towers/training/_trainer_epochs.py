@@ -18,7 +18,7 @@ from towers.training._trainer_attributes import TrainerAttributes
 log = get_logger(__name__)
 
 
-class _Epochs(TrainerAttributes):
+class Epochs(TrainerAttributes):
     """The Trainer's epochs: its training input (made once per fit), where each epoch starts, and the step loop.
 
     A base class of ``Trainer``: its state is the Trainer's.

@@ -25,7 +25,7 @@ from towers.strategies.base import Strategy, check_max_norm
 from towers.training._state import TrainingProgress, capture_state, restore_state
 from towers.training._steps import MetricSet, as_dataset, per_example_loss_fn
 from towers.training._throughput import epoch_throughput
-from towers.training._trainer_epochs import _Epochs
+from towers.training._trainer_epochs import Epochs
 from towers.training._trainer_inference import Inference
 from towers.training._trainer_steps import TrainingSteps
 from towers.training.batches import loss_shifts_labels
@@ -38,7 +38,7 @@ __all__ = ["Trainer"]
 
 log = get_logger(__name__)
 
-class Trainer(_Epochs, TrainingSteps, Inference):
+class Trainer(Epochs, TrainingSteps, Inference):
     """Train, evaluate and predict with ``model`` under ``strategy``, Keras-style.
 
     ``loss`` is called as ``loss(y_pred, y_true, reduction="none")`` (an ``nn`` loss module is
@@ -135,6 +135,11 @@ class Trainer(_Epochs, TrainingSteps, Inference):
         self.step_batch_info: BatchInfo | None = None
 
     @property
+    def train_input(self) -> Any:
+        """The distributed training input of the current (or last) ``fit``, as ``strategy.distribute_dataset`` made it."""
+        return self._train_batches
+
+    @property
     def unwrapped_model(self) -> nn.Module:
         """The user's module inside whatever ``strategy.prepare`` wrapped it in."""
         return self.strategy.unwrap(self.model)
@@ -216,7 +221,9 @@ class Trainer(_Epochs, TrainingSteps, Inference):
 
     def state_dict(self) -> dict[str, Any]:
         """Return the full training state in the checkpoint format (a collective: call it on every replica)."""
-        return capture_state(self)
+        self._sync_train_metrics()  # running sums of steps not yet reduced belong in the checkpoint
+        return capture_state(self, train_input=self._train_batches, callbacks=self._callbacks,
+                             train_metrics=self._train_metrics)
 
     def load_state_dict(self, state: Mapping[str, Any], *, path: str = "<state>") -> None:
         """Restore a full training state; the next ``fit`` resumes at its exact step (on every replica).
@@ -224,7 +231,7 @@ class Trainer(_Epochs, TrainingSteps, Inference):
         Raises:
             CheckpointError: when the state does not fit this model/optimizer; nothing is changed then.
         """
-        self._resume = restore_state(self, state, path=path)
+        self._resume = restore_state(self, state, train_metrics=self._train_metrics, path=path)
 
     def save_checkpoint(self, path: str, *, weights_only: bool = False) -> str:
         """Write a checkpoint of this Trainer at ``path`` (call on every replica); return its path.

@@ -34,7 +34,7 @@ class FaultTolerantBatches:
     def __init__(self, strategy: FaultTolerantStrategy, dataset: Any, global_batch_size: int, *, shuffle: bool,
                  seed: int, drop_remainder: bool, max_steps: int | None,
                  collate_fn: Callable[[list[Any]], Any] | None, pad_empty_batches: bool = False) -> None:
-        from towers.data import _source
+        from towers._map_sources import map_source
         from towers.streams import is_stream
 
         if is_stream(dataset):
@@ -44,7 +44,7 @@ class FaultTolerantBatches:
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise user_error("global_batch_size must be a positive integer", repr(global_batch_size),
                              "It is the number of examples per step summed over all replica groups.")
-        self._source = _source(dataset, collate_fn)  # a dataset, a tensor, a tuple or a dict of tensors
+        self._source = map_source(dataset, collate_fn)  # a dataset, a tensor, a tuple or a dict of tensors
         size = self._source.size
         full, rest = divmod(size, global_batch_size)
         self.num_batches = full + (1 if rest and not drop_remainder else 0)
@@ -99,7 +99,7 @@ class FaultTolerantBatches:
                              f"are the job's passes over it ({self.num_batches} steps)",
                              f"steps_per_epoch={steps_per_epoch}",
                              "Leave steps_per_epoch=None, or pass a smaller dataset (e.g. a torch.utils.data.Subset).")
-        self._strategy._join()
+        self._strategy.join_job()
         job_epoch, batch = divmod(self._strategy.current_step, self.num_batches)
         return int(job_epoch), int(batch)
 
@@ -158,7 +158,7 @@ class FaultTolerantBatches:
             # epochs (metrics, stop decision) stay in the last step's quorum, with the groups that took it.
             if strategy.current_step // self.num_batches != epoch:
                 break
-            if yielded is not None and strategy._step_in_progress():
+            if yielded is not None and strategy.step_in_progress():
                 raise user_error(
                     "FaultTolerantStrategy's batches are the job's steps: each one must end with the prepared "
                     "optimizer's step() (the commit vote) before the next one is taken",
@@ -166,7 +166,7 @@ class FaultTolerantBatches:
                     "Call optimizer.step() once per batch. An evaluation pass (Trainer.evaluate, fit(validation_data="
                     "...)) is not supported under FaultTolerantStrategy yet: evaluate under another strategy.",
                     cls=RuntimeError)
-            strategy._begin_step()  # the quorum (and healing) first: it decides the split and the step
+            strategy.begin_step()  # the quorum (and healing) first: it decides the split and the step
             step = strategy.current_step
             step_epoch, index = divmod(step, self.num_batches)
             if step_epoch != epoch:

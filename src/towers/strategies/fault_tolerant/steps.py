@@ -80,7 +80,7 @@ class QuorumSteps(Strategy):
         return self._steps.not_committed
 
     # --- steps ----------------------------------------------------------------------------------------
-    def _begin_step(self) -> None:
+    def begin_step(self) -> None:
         """Join the quorum of the next step (once per step); a group that is behind heals here, from a live peer."""
         if self._steps.open:
             return
@@ -168,18 +168,18 @@ class QuorumSteps(Strategy):
             log.info("replica group %d: replica group(s) %s joined the quorum at step %d (%d group(s))",
                      self.replica_group_id, ", ".join(map(str, joined)), self.current_step, len(members))
 
-    def _join(self) -> None:
-        """Join the job if this group has taken part in no step yet: a group started again heals here (``_begin_step``)."""
+    def join_job(self) -> None:
+        """Join the job if this group has taken part in no step yet: a group started again heals here (``begin_step``)."""
         if not quorum_started(self._manager):
-            self._begin_step()
+            self.begin_step()
 
-    def _step_in_progress(self) -> bool:
+    def step_in_progress(self) -> bool:
         """True between a step's quorum and its commit vote."""
         return self._steps.open
 
     def _commit(self) -> bool:
         """The commit vote of the step in progress: True when every live group's all-reduce succeeded."""
-        self._begin_step()
+        self.begin_step()
         committed = bool(self._manager.should_commit())
         self._steps.open = False
         for sync in self._gradient_syncs:
@@ -195,7 +195,7 @@ class QuorumSteps(Strategy):
         """Call ``fn(*args, **kwargs)`` as this group's step, in the quorum of the step (joined here if not yet)."""
         kwargs = dict(kwargs or {})
         self._own_random_stream()
-        self._begin_step()
+        self.begin_step()
         with self._entered(self._replica_context(find_batch_info(args, kwargs))):
             return fn(*args, **kwargs)
 

@@ -159,9 +159,9 @@ class Dispatcher:
                     "must call distribute_dataset with the same dataset size, global_batch_size, options and epoch, "
                     "in the same order.", Status.BAD_INPUT)
             self._ask(p, w, step)
-            server._wait(lambda: p.closed or self._available(p, w) or self._everyone_at(p, step),
+            server.wait(lambda: p.closed or self._available(p, w) or self._everyone_at(p, step),
                          f"dataset pass {key} step {step}",
-                         lambda: {u for u in server._active() if p.asked.get(u, -1) < step})
+                         lambda: {u for u in server.active() if p.asked.get(u, -1) < step})
             if p.closed:
                 return {"kind": STOP, **p.result}
             if self._available(p, w):
@@ -171,7 +171,7 @@ class Dispatcher:
                 p.real[w] = step + len(units) - 1
                 self._ask(p, w, p.real[w])  # as if it had asked for each of them
                 return {"kind": UNIT, "units": [list(u) for u in units]}
-            if any(p.real.get(u, -1) >= step for u in server._active()):
+            if any(p.real.get(u, -1) >= step for u in server.active()):
                 return {"kind": EMPTY}
             self._close(p)
             return {"kind": STOP, **p.result}
@@ -186,7 +186,7 @@ class Dispatcher:
         gone = len(self.server.dead) + len(getattr(self.server, "finished", ()))
         if before > p.low and gone == p.gone:  # w was not among the slowest, nobody left: the lowest step stays
             return
-        low = min((p.asked.get(u, -1) for u in self.server._active()), default=step)
+        low = min((p.asked.get(u, -1) for u in self.server.active()), default=step)
         p.gone = gone
         if low > p.low:
             p.low = low
@@ -237,7 +237,7 @@ class Dispatcher:
         return (own is not None and own[0] < own[1]) or bool(p.orphans)
 
     def _everyone_at(self, p: _Pass, step: int) -> bool:
-        return all(p.asked.get(u, -1) >= step for u in self.server._active())
+        return all(p.asked.get(u, -1) >= step for u in self.server.active())
 
     def _close(self, p: _Pass) -> None:
         p.closed = True

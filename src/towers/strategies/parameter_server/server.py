@@ -236,10 +236,6 @@ class ParameterServer(ShardUpdates):
         if self.failure is not None:
             raise RequestError(self.failure)
 
-    # The names dispatch.py still calls; remove once it calls active() and wait().
-    _active = active
-    _wait = wait
-
     # --- requests ----------------------------------------------------------------------------------
     def _handle(self, w: int, msg: Message) -> dict[str, Any]:
         if self.failure is not None:

@@ -57,7 +57,7 @@ class ExampleLedger(Callback):
         info = self.trainer.step_batch_info
         if info is None or info.unit is not None:
             return  # not from distribute_dataset, or a parameter server's unit (ps task 0 records those)
-        order = getattr(self.trainer._train_batches, "ledger_order", None)
+        order = getattr(self.trainer.train_input, "ledger_order", None)
         if info.rows is None or order is None:
             if not self._said_stream:
                 self._said_stream = True
