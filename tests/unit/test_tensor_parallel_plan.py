@@ -26,7 +26,7 @@ def test_a_mesh_parses_and_fills_dp_from_the_processes():
 @pytest.mark.parametrize("value, message", [
     ("dp=2,tp", "A mesh is a list of NAME=SIZE"),
     ("dp=2,xp=2", "Unknown mesh dimension. Received: 'xp'"),
-    ("pp=2", "pipeline parallelism is not built yet"),
+    ("pp=2,xp=2", "Unknown mesh dimension. Received: 'xp'. Use the dimensions pp, dp, tp"),
     ("tp=0", "Mesh dimension tp must be a positive integer. Received: '0'"),
     ("tp=two", "Received: 'two'"),
     ("tp=2,tp=2", "given twice"),
@@ -103,6 +103,10 @@ def test_hugging_face_models_bring_their_own_plan():
     model = transformers.LlamaForCausalLM(config)
     plan = tp_plan_for(model, 2)
     assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert plan["lm_head"] == "colwise_rep"  # transformers' own "colwise_gather_output": the vocabulary split
+    assert "lm_head" not in tp_plan_for(transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(vocab_size=63, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)), 2)  # 63 rows stay whole
     check_divisible(model, plan, 2)
     with pytest.raises(ValueError, match=r"num_key_value_heads must divide by tp.*num_key_value_heads=2, tp=4"):
         check_divisible(model, plan, 4)
@@ -170,7 +174,7 @@ def test_hugging_face_llama_gets_the_sequence_parallel_variant_of_its_plan():
         f"{layers}.self_attn": "gather_sequence", f"{layers}.mlp": "gather_sequence",
         **{f"{layers}.self_attn.{p}_proj": "colwise" for p in "qkv"}, f"{layers}.self_attn.o_proj": "rowwise_seq",
         f"{layers}.mlp.gate_proj": "colwise", f"{layers}.mlp.up_proj": "colwise", f"{layers}.mlp.down_proj": "rowwise_seq",
-        "model.norm": "sequence_parallel_gather"}
+        "model.norm": "sequence_parallel_gather", "lm_head": "colwise_rep"}
 
 
 class _NoFinalNorm(nn.Module):
@@ -234,3 +238,41 @@ def test_sequence_parallel_is_a_strategy_option_ignored_with_a_warning_without_t
     assert strategy.tensor_parallel_size == 1
     assert "sequence_parallel=True is ignored" in caplog.text and "no mesh" in caplog.text
     assert "--mesh dp=D,tp=T" in caplog.text
+
+
+class _TitanAttention(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+
+class _TitanFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), nn.Linear(
+            dim, hidden, bias=False)
+
+
+class _TitanBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.attention, self.feed_forward = _TitanAttention(dim), _TitanFeedForward(dim, 2 * dim)
+
+
+def test_a_model_laid_out_as_torchtitans_llama3_gets_torchtitans_plan():
+    """Module names as torchtitan's Llama 3 (torchtitan itself is not installed here): its own plan, heads checked."""
+    from types import SimpleNamespace
+
+    model = nn.Module()
+    model.tok_embeddings = nn.Embedding(64, 32)
+    model.layers = nn.ModuleDict({str(i): _TitanBlock(32) for i in range(2)})
+    model.norm, model.output = nn.LayerNorm(32), nn.Linear(32, 64, bias=False)
+    model.model_args = SimpleNamespace(n_heads=4, n_kv_heads=None)
+    plan = tp_plan_for(model, 2)
+    assert plan == {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
+                    "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
+                    "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+                    "layers.*.feed_forward.w2": "rowwise", "output": "colwise_rep"}
+    check_divisible(model, plan, 2)
+    with pytest.raises(ValueError, match=r"n_heads must divide by tp.*n_heads=4, tp=3"):
+        check_divisible(model, plan, 3)

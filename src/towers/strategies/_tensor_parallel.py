@@ -7,8 +7,9 @@ inputs, summing the partial outputs in one all-reduce, so each block costs two a
 activations in forward and two in backward. Everything else (embeddings, norms) is replicated: each
 process of a replica computes it whole on the same batch.
 
-Built-in plans: towers' GPT (``towers.models_gpt``), and every Hugging Face model whose config
-carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2, ...). Any other model: pass ``tp_plan=`` a
+Built-in plans: towers' GPT (``towers.models_gpt``), every Hugging Face model whose config
+carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2, ...; the head too, where the vocabulary
+divides by tp), and models laid out as torchtitan's Llama 3 (``layers.N.attention.wq`` ...). Any other model: pass ``tp_plan=`` a
 dict of name -> style (the strings ``"colwise"`` / ``"rowwise"``, or style objects), or a callable
 ``plan(model, tp_size) -> dict``. ``sequence_parallel=True`` turns a plan into its sequence-parallel
 variant (``towers.strategies._sequence_parallel``).
@@ -76,7 +77,26 @@ def _hf_plan(model: nn.Module) -> dict[str, Any] | None:
     base = getattr(model, prefix, None) if prefix else None
     plan = {(f"{prefix}.{k}" if base is not None and base is not model else k): v for k, v in base_plan.items()}
     head_plan = getattr(type(model), "_tp_plan", None) or {}
-    plan.update({k: v for k, v in head_plan.items() if v == "colwise_rep"})
+    for name, style in head_plan.items():  # transformers names a gathered colwise head either way
+        if style in ("colwise_rep", "colwise_gather_output"):
+            plan[name] = "colwise_rep"
+    return plan
+
+
+#: torchtitan's Llama 3 (``torchtitan.models.llama3``): its module names, and the plan torchtitan itself applies.
+_TORCHTITAN_LLAMA = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
+                     "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
+                     "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+                     "layers.*.feed_forward.w2": "rowwise"}
+
+
+def _torchtitan_plan(model: nn.Module) -> dict[str, Any] | None:
+    """The plan for a model laid out as torchtitan's Llama 3 (``layers.N.attention.wq`` ...), else None."""
+    if not all(_matched(model, pattern) for pattern in _TORCHTITAN_LLAMA):
+        return None
+    plan = dict(_TORCHTITAN_LLAMA)
+    if isinstance(getattr(model, "output", None), nn.Linear):
+        plan["output"] = "colwise_rep"
     return plan
 
 
@@ -108,13 +128,24 @@ def _tp_plan(model: nn.Module, tp: int, plan: TPPlan) -> dict[str, Any]:
                          "Use e.g. tp_plan={'layers.*.fc1': 'colwise', 'layers.*.fc2': 'rowwise'}.")
     if _is_towers_gpt(model):
         return _towers_gpt_plan(model, tp)
-    found = _hf_plan(model)
+    found = _hf_plan(model) or _torchtitan_plan(model)
     if found is not None:
-        return found
+        return {k: v for k, v in found.items() if not _head_too_narrow(model, k, v, tp)}
     raise user_error(f"towers has no tensor-parallel plan for {type(model).__name__}", "tp_plan='auto'",
                      "Pass tp_plan= a dict naming which linear layers split their outputs ('colwise') and which "
                      "their inputs ('rowwise'), e.g. {'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'} "
                      "(docs/model_parallel.md).")
+
+
+def _head_too_narrow(model: nn.Module, pattern: str, style: Any, tp: int) -> bool:
+    """True for a gathered colwise head whose vocabulary does not divide by ``tp``: it stays whole (as towers' GPT's)."""
+    if style != "colwise_rep":
+        return False
+    heads = [m for _, m in _matched(model, pattern) if isinstance(m, nn.Linear)]
+    if heads and all(h.out_features % tp == 0 for h in heads):
+        return False
+    log.info("tensor parallel: %s stays whole (its outputs do not divide by tp=%d)", pattern, tp)
+    return True
 
 
 def _matched(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
@@ -129,8 +160,8 @@ def check_divisible(model: nn.Module, plan: Mapping[str, Any], tp: int) -> None:
     Raises:
         ValueError: naming the layer (or the head count), its size and ``tp``.
     """
-    config = getattr(model, "config", None)
-    for attr in ("n_head", "num_attention_heads", "num_key_value_heads"):
+    config = getattr(model, "config", None) or getattr(model, "model_args", None)  # towers/HF, or torchtitan
+    for attr in ("n_head", "num_attention_heads", "num_key_value_heads", "n_heads", "n_kv_heads"):
         heads = getattr(config, attr, None)
         if isinstance(heads, int) and heads % tp:
             raise user_error(f"The model's {attr} must divide by tp (each process computes whole heads)",
