@@ -282,11 +282,13 @@ def test_fit_follows_the_jobs_committed_steps():
     history = joiner.fit((x, y), 3, 16, callbacks=[Epochs()])
     assert epochs_begun == [(1, 2), (2, 0)]  # the job's epoch and step, not epoch 0
     assert history.epoch == [1, 2] and history["examples"] == [50.0, 50.0] and joiner.progress.global_step == 12
+    ahead = _trainer_on(_JobStrategy(start_step=6))  # an initial_epoch ahead of the job gives way to the job's
+    assert ahead.fit((x, y), 3, 16, initial_epoch=2).epoch == [1, 2] and ahead.progress.global_step == 12
     finished = _trainer_on(_JobStrategy(start_step=12))  # the job trained every epoch already
     assert finished.fit((x, y), 3, 16).epoch == [] and finished.progress.global_step == 12
     # An input whose epochs are the job's cannot end early: the fit stops there, at its next epoch, not in a loop.
     with pytest.raises(ValueError, match=r"position is behind the epoch this fit is in.*Received: the input's epoch 0, "
-                                         r"step 2; the fit's epoch 1"):
+                                         r"step 2; the fit's epoch 1, steps_per_epoch=2"):
         _trainer_on(_JobStrategy()).fit((x, y), 3, 16, steps_per_epoch=2)
 
 

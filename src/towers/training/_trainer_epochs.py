@@ -119,9 +119,12 @@ class Epochs(TrainerAttributes):
         epoch, step = batches.position_from(p.epoch, p.step, steps_per_epoch=steps_per_epoch)
         if (epoch, step) == (p.epoch, p.step):
             return
-        if epoch < p.epoch:  # a job never goes back: this input did not end the epoch this fit ended
+        if epoch < p.epoch and steps_per_epoch is not None:
+            # The input did not end the epoch steps_per_epoch ended: going back to it would loop forever. (Without
+            # steps_per_epoch, going back is the job's: an initial_epoch ahead of it gives way.)
             raise user_error("The training input's position is behind the epoch this fit is in",
-                             f"the input's epoch {epoch}, step {step}; the fit's epoch {p.epoch}",
+                             f"the input's epoch {epoch}, step {step}; the fit's epoch {p.epoch}, "
+                             f"steps_per_epoch={steps_per_epoch}",
                              "Its epochs are the job's passes over the whole dataset: leave steps_per_epoch=None.")
         self.joined_job = True
         self.progress = self._progress_at(train_set, global_batch_size, epoch, step)
