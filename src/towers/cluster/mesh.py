@@ -1,9 +1,11 @@
-"""The job's device mesh from outside the script: ``"dp=2,tp=2"`` parsed, checked against the processes, built.
+"""The job's device mesh from outside the script: ``"pp=2,dp=2,tp=2"`` parsed, checked against the processes, built.
 
-``dp`` is data parallelism (each coordinate a model replica on its own share of the batch, sharded
-by FSDP2 within it), ``tp`` tensor parallelism (the processes of one replica split each layer's
-matrices). The mesh's last dimension is ``tp``, so a replica's processes are neighbours on a node
-(their collectives run every layer; the data-parallel ones once per step).
+``pp`` is pipeline parallelism (each coordinate one stage of the model's blocks; activations pass
+between stages once per micro-batch), ``dp`` data parallelism (each coordinate a model replica on its
+own share of the batch, sharded by FSDP2 within it), ``tp`` tensor parallelism (the processes of one
+replica split each layer's matrices). The order is ``(pp, dp, tp)``, tp last, so a replica's tp
+processes are neighbours on a node (their collectives run every layer; the data-parallel ones once
+per step; the pipeline's sends, the lightest, may cross nodes).
 """
 
 from __future__ import annotations
@@ -16,44 +18,47 @@ from towers.errors import user_error
 __all__ = ["MeshSpec", "parse_mesh", "MESH_DIMS"]
 
 #: The mesh dimensions towers knows, outermost first.
-MESH_DIMS = ("dp", "tp")
+MESH_DIMS = ("pp", "dp", "tp")
 
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Sizes of the mesh's dimensions; ``dp * tp`` processes in all."""
+    """Sizes of the mesh's dimensions; ``pp * dp * tp`` processes in all."""
 
     dp: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def size(self) -> int:
         """Processes the mesh spans."""
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
     def describe(self) -> str:
-        """``"dp=2,tp=2"``."""
-        return f"dp={self.dp},tp={self.tp}"
+        """``"dp=2,tp=2"`` (``"pp=2,dp=2,tp=1"`` with a pipeline)."""
+        return (f"pp={self.pp}," if self.pp > 1 else "") + f"dp={self.dp},tp={self.tp}"
 
     def resolved(self, world_size: int) -> "MeshSpec":
-        """The spec for ``world_size`` processes: a ``dp`` left at 1 with ``tp`` given takes the rest.
+        """The spec for ``world_size`` processes: a ``dp`` left at 1 with ``pp`` or ``tp`` given takes the rest.
 
         Raises:
             ValueError: when the mesh does not span exactly ``world_size`` processes.
         """
-        spec = self
-        if spec.dp == 1 and spec.tp > 1 and world_size % spec.tp == 0:
-            spec = MeshSpec(dp=world_size // spec.tp, tp=spec.tp)
+        spec, other = self, self.pp * self.tp
+        if spec.dp == 1 and other > 1 and world_size % other == 0:
+            spec = MeshSpec(pp=self.pp, dp=world_size // other, tp=self.tp)
         if spec.size != world_size:
-            raise user_error(f"The mesh must span the job's {world_size} process(es) (dp x tp = {world_size})",
+            dims = "pp x dp x tp" if self.pp > 1 else "dp x tp"
+            pp = f"pp={self.pp}," if self.pp > 1 else ""
+            raise user_error(f"The mesh must span the job's {world_size} process(es) ({dims} = {world_size})",
                              f"mesh {self.describe()} ({self.size} processes)",
-                             f"Use e.g. dp={max(1, world_size // max(1, self.tp))},tp={self.tp} if {self.tp} divides "
-                             f"{world_size}, or launch dp x tp processes.")
+                             f"Use e.g. {pp}dp={max(1, world_size // max(1, other))},tp={self.tp} if {other} divides "
+                             f"{world_size}, or launch {dims} processes.")
         return spec
 
 
 def parse_mesh(value: "str | Mapping[str, Any] | MeshSpec | None") -> MeshSpec | None:
-    """Return the ``MeshSpec`` of ``"dp=2,tp=2"`` (or a mapping, or None: no mesh).
+    """Return the ``MeshSpec`` of ``"dp=2,tp=2"`` or ``"pp=2,dp=2"`` (or a mapping, or None: no mesh).
 
     Raises:
         ValueError: an unknown dimension, a size that is not a positive integer, or a dimension given twice.
@@ -74,9 +79,8 @@ def parse_mesh(value: "str | Mapping[str, Any] | MeshSpec | None") -> MeshSpec |
     sizes: dict[str, int] = {}
     for name, size in pairs:
         if name not in MESH_DIMS:
-            hint = " (pipeline parallelism is not built yet)" if name == "pp" else ""
-            raise user_error(f"Unknown mesh dimension{hint}", repr(name),
-                             f"Use the dimensions {', '.join(MESH_DIMS)}, e.g. dp=2,tp=2.")
+            raise user_error("Unknown mesh dimension", repr(name),
+                             f"Use the dimensions {', '.join(MESH_DIMS)}, e.g. dp=2,tp=2 or pp=2,dp=2.")
         if name in sizes:
             raise user_error("A mesh dimension is given twice", repr(value), "Give each dimension once.")
         try:

@@ -46,9 +46,26 @@ def counting_flops() -> Iterator[FlopTally]:
     with warnings.catch_warnings(), _eager():
         # The counter tracks modules with global hooks; a model compiled inside the step warns that they fire twice.
         warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
-        with FlopCounterMode(display=False) as counter:
+        counter = FlopCounterMode(display=False)
+        counter.mod_tracker = _GlobalOnly()  # type: ignore[assignment]
+        with counter:
             yield tally
     tally.total = int(counter.get_total_flops())
+
+
+class _GlobalOnly:
+    """The module tracker ``FlopCounterMode`` consults, reduced to the total towers reads ("Global").
+
+    torch's own tracker hooks every module input's gradient (a multi-grad hook), which breaks an
+    ``autograd.grad`` on a leaf input inside the counted step: a pipeline stage's first step runs one."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> "_GlobalOnly":
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        return None
 
 
 def _eager() -> contextlib.AbstractContextManager[Any]:

@@ -32,9 +32,17 @@ from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
 from towers.strategies._fsdp import ShardUnits, build_mesh, select_units, shard_model
+from towers.strategies._pipeline import (
+    Pipeline,
+    PipelineComm,
+    check_microbatches,
+    check_pipeline_options,
+    check_schedule,
+)
+from towers.strategies._pipeline_split import parse_split, split_model
+from towers.strategies._pipeline_strategy import PipelineSteps
 from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
-from towers.strategies._sync import SyncStrategy
 from towers.strategies._tensor_parallel import TPPlan, apply_tensor_parallel
 from towers.strategies.precision import Precision, resolve_precision
 
@@ -53,7 +61,7 @@ def _raw(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside the one prepare returned
 
 
-class FullyShardedStrategy(SyncStrategy):
+class FullyShardedStrategy(PipelineSteps):
     """Sharded data parallelism: parameters, gradients and optimizer state split over the replicas (FSDP2).
 
     Options: ``shard_units`` (which submodules are FSDP units: ``"auto"`` = each repeated block of
@@ -77,6 +85,12 @@ class FullyShardedStrategy(SyncStrategy):
     replicas, which split the global batch. ``sequence_parallel=True`` also splits what the plan
     leaves whole (norms, residual stream, dropout) on the sequence over ``tp``; without a ``tp`` above
     1 it has nothing to split and is ignored with a warning (the same script runs on any mesh).
+
+    A ``pp`` dimension (``mesh="pp=2,dp=2"``, outermost) adds pipeline parallelism: each process holds one
+    stage of the model's blocks (``pp_split``: module names where stages 1.. begin; default balanced), and
+    a step runs ``pp_microbatches`` micro-batches (default: one per stage) through the stages by
+    ``pp_schedule`` (``"1f1b"`` or ``"gpipe"``) in ``strategy.forward_backward``. The processes of one
+    pipeline see the same batch; ``num_replicas_in_sync`` is ``dp``. See ``towers.strategies._pipeline``.
     """
 
     name = "sharded"
@@ -85,7 +99,8 @@ class FullyShardedStrategy(SyncStrategy):
                  backend: str = "auto", precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1,
                  shard_units: ShardUnits = "auto", reshard_after_forward: bool = True, cpu_offload: bool = False,
                  shard_group_size: int | None = None, async_save: bool = False, mesh: "str | MeshSpec | None" = None,
-                 tp_plan: TPPlan = "auto", sequence_parallel: bool = False):
+                 tp_plan: TPPlan = "auto", sequence_parallel: bool = False,
+                 pp_split: "str | list[str] | None" = None, pp_schedule: str = "1f1b", pp_microbatches: int | None = None):
         from towers import cluster
         from towers.devices import warn_if_gpus_idle
 
@@ -103,9 +118,15 @@ class FullyShardedStrategy(SyncStrategy):
                              "Use sequence_parallel=True (--strategy-option sequence_parallel=true) or leave it out.")
         self._tp_mesh: Any = None  # the tensor-parallel dimension of a (dp, tp) mesh
         self._device_mesh: Any = None  # the whole mesh
+        self._pipelines: list[Pipeline] = []  # this process's stage of each model prepare() split
+        self._pp_comm: PipelineComm | None = None  # this process's pipeline (with a pp mesh)
         spec = parse_mesh(mesh)
         if spec is not None:
             spec = spec.resolved(info.world_size)
+        self._pp_spec = spec if spec is not None and spec.pp > 1 else None
+        self._pp_split, self._pp_schedule = parse_split(pp_split), check_schedule(pp_schedule)
+        self._pp_microbatches = check_microbatches(pp_microbatches, spec.pp if spec is not None else 1)
+        if spec is not None:
             if spec.tp > 1 and shard_group_size not in (None, spec.dp):
                 raise user_error("shard_group_size (HSDP) and a tensor-parallel mesh cannot be combined yet",
                                  f"shard_group_size={shard_group_size}, mesh {spec.describe()}",
@@ -121,6 +142,8 @@ class FullyShardedStrategy(SyncStrategy):
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
         # Options are checked before the process group is joined: a typo fails at once, on every rank alike.
         precision = resolve_precision(precision, device)
+        if self._pp_spec is not None:
+            check_pipeline_options(self._pp_spec, gradient_accumulation_steps, shard_group_size, precision.name)
         StepTracker(gradient_accumulation_steps)
         comm: LocalComm | ProcessGroupComm = LocalComm()
         self._mesh: Any = None
@@ -129,7 +152,9 @@ class FullyShardedStrategy(SyncStrategy):
 
             self._owns_group = not is_initialized()
             backend = init_process_group(info, backend=backend, timeout_s=timeout_s)
-            if spec is not None and spec.tp > 1:
+            if self._pp_spec is not None:
+                comm = self._build_pp_mesh(self._pp_spec, device, backend, timeout_s)
+            elif spec is not None and spec.tp > 1:
                 comm = self._build_tp_mesh(spec, info, device, backend, timeout_s)
             else:
                 comm = ProcessGroupComm(rank=info.rank, num_replicas=info.world_size, backend=backend,
@@ -162,8 +187,8 @@ class FullyShardedStrategy(SyncStrategy):
 
     @property
     def mesh(self) -> Any:
-        """The ``DeviceMesh`` (None with one process): ``("dp", "tp")`` under a tensor-parallel mesh, else the
-        data-parallel one, ``("shard",)`` or ``("replicate", "shard")``."""
+        """The ``DeviceMesh`` (None with one process): ``("pp", "dp", "tp")`` with a pipeline, ``("dp", "tp")`` under a
+        tensor-parallel mesh, else the data-parallel one, ``("shard",)`` or ``("replicate", "shard")``."""
         return self._device_mesh if self._device_mesh is not None else self._mesh
 
     @property
@@ -172,16 +197,21 @@ class FullyShardedStrategy(SyncStrategy):
         return 1 if self._tp_mesh is None else int(self._tp_mesh.size())
 
     @property
+    def pipeline_parallel_size(self) -> int:
+        """Pipeline stages one model replica is cut into (1: no pipeline parallelism)."""
+        return 1 if self._pp_spec is None else self._pp_spec.pp
+
+    @property
     def is_chief(self) -> bool:
-        """The job's chief process (under a tensor-parallel mesh the first process of the first replica)."""
-        if self._tp_mesh is not None:
+        """The job's chief process (under a model-parallel mesh the first process of the first replica)."""
+        if self._device_mesh is not None:
             return self._info.rank == self._info.chief_rank
         return super().is_chief
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Return replica ``src``'s ``obj`` on every process (under a tensor-parallel mesh: from that replica's
+        """Return replica ``src``'s ``obj`` on every process (under a model-parallel mesh: from that replica's
         first process to all the job's processes, whose checkpoint writes take part together)."""
-        if self._tp_mesh is None:
+        if self._device_mesh is None:
             return super().broadcast_object(obj, src)
         import torch.distributed as dist
 
@@ -209,7 +239,13 @@ class FullyShardedStrategy(SyncStrategy):
                 "strategy.load_checkpoint / load_state_dict.")
         names = {id(p): n for n, p in model.named_parameters()} if isinstance(model, nn.Module) else {}
         wrapped, prepared = super().prepare(model, optimizer, **options)
-        if optimizer is not None and self._mesh is not None:
+        if self._pp_comm is not None:
+            self._user_modules[-1] = self._pipelines[-1].module  # the stage (the other stages' are not held here)
+        if optimizer is not None and self._pp_comm is not None:  # this stage's parameters only, by original name
+            stage = dict(wrapped.named_parameters())
+            for group in _raw(optimizer).param_groups:
+                group["params"] = [stage[names[id(p)]] for p in group["params"] if names.get(id(p)) in stage]
+        elif optimizer is not None and self._mesh is not None:
             sharded = dict(self._user_modules[-1].named_parameters())  # fully_shard swapped them in place
             for group in _raw(optimizer).param_groups:
                 group["params"] = [sharded[names[id(p)]] if id(p) in names else p for p in group["params"]]
@@ -220,6 +256,11 @@ class FullyShardedStrategy(SyncStrategy):
             return super()._wrap_model(model)
         check_same_parameters(model, self._comm.all_gather_object)
         self._broadcast_from_chief(model)
+        if self._pp_spec is not None and self._pp_comm is not None:  # this process's stage; FSDP2 shards it over dp
+            model = split_model(model, self._pp_mesh.get_local_rank(), self._pp_spec.pp, self._pp_split,
+                                mesh=self._pp_spec.describe())
+            self._pipelines.append(Pipeline(model, comm=self._pp_comm, device=self.device, schedule=self._pp_schedule,
+                                            microbatches=self._pp_microbatches))
         if self._tp_mesh is not None:  # split the layers first; FSDP2 then shards each split over dp (2-D)
             apply_tensor_parallel(model, self._tp_mesh, self._tp_plan, sequence_parallel=self._sequence_parallel)
         shard_model(model, self._mesh, shard_units=self._shard_units, reshard_after_forward=self._reshard_after_forward,
@@ -270,8 +311,10 @@ class FullyShardedStrategy(SyncStrategy):
 
         The norm is over the whole model (every rank's shards), so every rank clips by the same factor.
         """
-        total = super().clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
-        return total.full_tensor() if hasattr(total, "full_tensor") else total
+        if self._pp_comm is None:
+            total = super().clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
+            return total.full_tensor() if hasattr(total, "full_tensor") else total
+        return self._clip_over_stages(self._pp_comm, parameters, max_norm, norm_type)
 
     # --- state and checkpoints ------------------------------------------------------------------------
     def state_dict(self, model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
@@ -282,6 +325,7 @@ class FullyShardedStrategy(SyncStrategy):
         """
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        self._refuse_pipeline_checkpoint()
         if self._mesh is None:  # one process: a plain module
             return super().state_dict(model, optimizer)
         if optimizer is None:
@@ -300,6 +344,7 @@ class FullyShardedStrategy(SyncStrategy):
 
         from towers.checkpoint.state import is_dtensor
 
+        self._refuse_pipeline_checkpoint()
         require_optimizer_state(state, optimizer)
         if self._mesh is None:
             return super().load_state_dict(state, model, optimizer)
@@ -313,12 +358,17 @@ class FullyShardedStrategy(SyncStrategy):
         self.precision.load_state_dict(state.get("precision") or {})
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """Return the user's module's full state dict, gathered from every shard onto the CPU (a collective)."""
+        """Return the user's module's full state dict, gathered from every shard (and pipeline stage) onto the CPU (a
+        collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self._mesh is None:
             return super().full_state_dict(model)
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self._pp_comm is None:
+            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # With a pipeline every stage gathers its part (cpu_offload would give it to the job's rank 0 alone).
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return self._pp_comm.gather_stages({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
 
     def checkpoint_io(self) -> CheckpointIO:
         """Every process writes its own shards; with ``async_save`` a background thread does, on a Gloo group of its own."""
@@ -341,3 +391,4 @@ class FullyShardedStrategy(SyncStrategy):
         if self._owns_group:
             destroy_process_group()
             self._owns_group = False
+

@@ -1,0 +1,206 @@
+"""Pipeline stages: which of a model's modules each of the ``pp`` stages holds, under their ORIGINAL names.
+
+A stage is a small module that holds its share of the user's modules (the same objects, not
+copies) at the names they have in the whole model: stage 1 of a 4-block GPT holds ``blocks.2``,
+``blocks.3``, ``ln_f`` and ``head``, so its ``named_parameters()`` are ``blocks.2.attn.qkv.weight``,
+..., ``head.weight``, as in the whole model. Checkpoints and comparisons with the one-device model
+therefore need no renaming.
+
+Two kinds of models split:
+
+- towers' GPT (``towers.models_gpt.GPT``): the embeddings and the first blocks on stage 0, the last
+  blocks, ``ln_f`` and ``head`` on the last stage; the blocks balanced (earlier stages take the one
+  extra block where they do not divide), or cut where ``pp_split`` says (``["blocks.2"]``).
+- any ``nn.Sequential`` (its forward runs its entries in order): cut where ``pp_split`` names an
+  entry (``"2"``, or ``"blocks.2"`` inside an entry that is itself an ``nn.Sequential`` /
+  ``nn.ModuleList`` of blocks); without ``pp_split`` its top-level entries are balanced.
+
+No torch.distributed here: the split is checked and built in one process (tests/unit).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from towers.errors import FailedPreconditionError, InvalidArgumentError, user_error
+
+__all__ = ["PipelineStageModule", "split_model", "stage_bounds", "parse_split"]
+
+_CALL_ERROR = (
+    "A pipelined model (mesh {mesh}) cannot be called as model(x): this process holds stage {stage} of {stages} "
+    "({names}), whose input comes from the previous stage and whose output goes to the next one, micro-batch by "
+    "micro-batch. Expected one call that runs the whole pipeline schedule, forward and backward: "
+    "loss, outputs = strategy.forward_backward(model, x, y, loss_fn) with loss_fn(outputs, y) returning "
+    "towers.compute_average_loss(per_example_loss); then optimizer.step(). towers.Trainer.fit(..., loss=...) does "
+    "this itself; a model's own loss (Trainer without loss=), evaluate() and predict() are not built under pipeline "
+    "parallelism (docs/model_parallel.md, 'Pipeline parallelism').")
+
+
+class PipelineStageModule(nn.Module):
+    """One stage of a pipelined model: its share of the user's modules, run in order, under their original names.
+
+    Called by the pipeline schedule only (``strategy.forward_backward``); a direct call raises
+    the API to use instead.
+    """
+
+    def __init__(self, parts: Sequence[tuple[str, nn.Module]], *, stage: int, num_stages: int,
+                 gpt: Any = None, mesh: str = "pp"):
+        super().__init__()
+        self.stage_index, self.num_stages = stage, num_stages
+        self.module_names = [name for name, _ in parts]
+        self._mesh_text = mesh
+        self._gpt_config = gpt  # towers' GPT: its config (the first stage adds the embeddings, the last the head)
+        self._order: list[nn.Module] = []
+        self.in_schedule = False  # set by the strategy around the schedule's step
+        for name, module in parts:
+            self._place(name, module)
+            self._order.append(module)
+
+    def _place(self, name: str, module: nn.Module) -> None:
+        owner: nn.Module = self
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(owner, part) or not isinstance(getattr(owner, part), nn.Module):
+                owner.add_module(part, nn.ModuleDict())
+            owner = getattr(owner, part)
+        owner.add_module(leaf, module)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run this stage's modules on ``x`` (the schedule's micro-batch); raise the API to use when called directly."""
+        if not self.in_schedule:
+            names = ", ".join(self.module_names[:3]) + (", ..." if len(self.module_names) > 3 else "")
+            raise FailedPreconditionError(_CALL_ERROR.format(mesh=self._mesh_text, stage=self.stage_index,
+                                                             stages=self.num_stages, names=names))
+        if self._gpt_config is not None:
+            return self._gpt_forward(x)
+        for module in self._order:
+            x = module(x)
+        return x
+
+    def _gpt_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # towers' GPT.forward, cut: embeddings on the first stage, ln_f and head on the last.
+        modules = dict(zip(self.module_names, self._order))
+        if self.is_first:
+            t = x.size(1)
+            if t > self._gpt_config.block_size:
+                raise InvalidArgumentError(
+                    f"GPT input has {t} tokens per row; this model's context is block_size="
+                    f"{self._gpt_config.block_size}. Cut the sequences or build the model with a larger block_size.")
+            x = modules["wte"](x) + modules["wpe"](torch.arange(t, device=x.device))
+        for name, module in modules.items():
+            if name.startswith("blocks."):
+                x = module(x)
+        if self.is_last:
+            x = modules["head"](modules["ln_f"](x))
+        return x
+
+
+def parse_split(value: "str | Sequence[str] | None") -> list[str] | None:
+    """Return ``pp_split`` as a list of module names (``"blocks.2,blocks.4"`` or a list; None: balanced).
+
+    Raises:
+        TypeError: anything but a string or a sequence of strings.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [p.strip() for p in value.split(",") if p.strip()]
+    if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise user_error("pp_split is a list of module names where stages begin", repr(value),
+                     "Use e.g. pp_split=['blocks.2'] (--strategy-option pp_split=blocks.2).", cls=TypeError)
+
+
+def stage_bounds(count: int, stages: int, what: str) -> list[int]:
+    """Return where each stage begins among ``count`` blocks: balanced, the earlier stages take the extra ones.
+
+    Raises:
+        ValueError: fewer blocks than stages.
+    """
+    if count < stages:
+        raise user_error(f"Each of the pp={stages} pipeline stages needs at least one of the model's {what}",
+                         f"{count} {what} for pp={stages}",
+                         f"Use pp={max(1, count)} or fewer, or a model with at least {stages} {what}.")
+    size, extra = divmod(count, stages)
+    return [i * size + min(i, extra) for i in range(stages)]
+
+
+def _sequence_units(model: nn.Sequential, split: list[str] | None) -> list[tuple[str, nn.Module]]:
+    """The entries of ``model`` in execution order; an entry named inside by ``split`` is opened into its blocks."""
+    units: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        opened = split is not None and any(s.startswith(f"{name}.") for s in split)
+        if opened and isinstance(child, (nn.Sequential, nn.ModuleList)):
+            units.extend((f"{name}.{sub}", m) for sub, m in child.named_children())
+        else:
+            units.append((name, child))
+    return units
+
+
+def _gpt_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    blocks: Any = model.blocks
+    return [("wte", model.wte), ("wpe", model.wpe), *((f"blocks.{i}", b) for i, b in enumerate(blocks)),
+            ("ln_f", model.ln_f), ("head", model.head)]
+
+
+def _starts(units: list[tuple[str, nn.Module]], split: list[str] | None, stages: int, *,
+            movable: list[int], model_name: str) -> list[int]:
+    """Index in ``units`` where each stage begins (``split``: the names given; else balanced over ``movable``)."""
+    if split is None:
+        bounds = stage_bounds(len(movable), stages, "blocks" if model_name == "GPT" else "top-level entries")
+        return [0] + [movable[b] for b in bounds[1:]]
+    names = [n for n, _ in units]
+    if len(split) != stages - 1:
+        example = [names[m] for m in movable[1:stages]]
+        raise user_error(f"pp_split names where stages 1..{stages - 1} begin: {stages - 1} module name(s) for pp={stages}",
+                         f"{len(split)} name(s) {split}", f"Give {stages - 1} names, e.g. {example}.")
+    starts = [0]
+    for name in split:
+        if name not in names or names.index(name) not in movable[1:]:
+            raise user_error(f"pp_split names a block where a stage can begin in this {model_name}", repr(name),
+                             f"Use one of {[names[m] for m in movable[1:]]}.")
+        starts.append(names.index(name))
+    if starts != sorted(set(starts)):
+        raise user_error("pp_split's names must follow the model's order, each once", split,
+                         "List where each stage begins, first to last.")
+    return starts
+
+
+def split_model(model: nn.Module, stage: int, num_stages: int, split: "str | Sequence[str] | None" = None, *,
+                mesh: str = "pp") -> PipelineStageModule:
+    """Return stage ``stage`` of ``num_stages`` of ``model``: a ``PipelineStageModule`` holding its modules.
+
+    Raises:
+        ValueError: a model towers cannot split (neither towers' GPT nor an ``nn.Sequential``), fewer blocks
+            than stages, or a ``split`` that names no block where a stage can begin.
+    """
+    from towers.models_gpt import GPT
+
+    names = parse_split(split)
+    gpt = isinstance(model, GPT)
+    if gpt:
+        units = _gpt_units(model)
+        movable = [i for i, (n, _) in enumerate(units) if n.startswith("blocks.")]  # stages begin at a block
+    elif isinstance(model, nn.Sequential):
+        units = _sequence_units(model, names)
+        movable = list(range(len(units)))
+    else:
+        raise user_error("Pipeline parallelism splits towers' GPT and nn.Sequential models (whose forward runs their "
+                         "entries in order) into stages", f"a {type(model).__name__}",
+                         "Write the model as nn.Sequential(embedding, *blocks, head) (each entry taking the previous "
+                         "one's output, one tensor), or use a mesh without pp.")
+    starts = _starts(units, names, num_stages, movable=movable, model_name=type(model).__name__)
+    ends = [*starts[1:], len(units)]
+    parts = units[starts[stage]:ends[stage]]
+    return PipelineStageModule(parts, stage=stage, num_stages=num_stages, gpt=model.config if gpt else None, mesh=mesh)
