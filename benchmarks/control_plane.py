@@ -335,10 +335,10 @@ def dispatch(workers: int, batches_per_worker: int = 64) -> dict[str, float]:
             self.dead: dict[int, str] = {}
             self.finished: set[int] = set()
 
-        def _active(self) -> set[int]:
+        def active(self) -> set[int]:
             return {w for w in range(workers) if w not in self.dead}
 
-        def _wait(self, ready: Any, what: str, missing: Any) -> None:
+        def wait(self, ready: Any, what: str, missing: Any) -> None:
             if not self.cond.wait_for(ready, timeout=600):
                 raise TimeoutError(what)
 
