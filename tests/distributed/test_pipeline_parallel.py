@@ -7,8 +7,14 @@ plain torch loop a user writes on one device (no towers): per-example token loss
 the global batch, torch's ``clip_grad_norm_``, SGD with momentum. Three runs must match it within
 rtol 1e-4: the custom loop through ``strategy.forward_backward`` (1F1B, 2 micro-batches per share),
 ``Trainer.fit`` (GPipe, 4 micro-batches per share), and ``mesh="pp=4"`` (one block per stage, 1F1B,
-4 micro-batches). Calling the pipelined model directly, or
-checkpointing it, is refused with the API to use.
+4 micro-batches). Calling the pipelined model directly is refused with the API to use.
+
+Checkpoints: the custom loops save after 2 updates (each stage its part, sharded over dp). The
+pp=2,dp=2 one restores into one plain process (this test's: the plain loop's parameters and SGD momenta
+after 2 updates) and into a fresh pp=2,dp=2 job, whose third update equals the plain loop's; a
+checkpoint the plain loop wrote in one process restores into pp=2,dp=2 the same way. The Trainer's
+checkpoint under GPipe loads into a new Trainer (which resumes for a second epoch as the plain loop
+trains it) and into one plain process.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ pytestmark = pytest.mark.timeout(240)
 
 CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=2, n_embd=16)
 GBS, STEPS, CLIP, LR = 8, 3, 0.5, 0.5
+SAVED_AFTER = 2  # updates before the custom loops save a checkpoint
 RTOL, ATOL = 1e-4, 1e-5
 
 
@@ -41,6 +48,15 @@ def _token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(len(y), -1).mean(1)
 
 
+def _step(strategy, model, optimizer, xb, yb) -> tuple[torch.Tensor, object, float]:
+    loss, out = strategy.forward_backward(model, xb, yb,
+                                          lambda out, yb: towers.compute_average_loss(_token_loss(out, yb)))
+    norm = float(strategy.clip_grad_norm_(model.parameters(), CLIP))
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss, out, norm
+
+
 def _custom_loop(strategy, checkpoint_dir: str) -> dict:
     with strategy.scope():
         model = _model()
@@ -49,64 +65,96 @@ def _custom_loop(strategy, checkpoint_dir: str) -> dict:
     x, y = _data()
     norms, losses, outputs = [], [], []
     for xb, yb in strategy.distribute_dataset((x, y), global_batch_size=GBS, shuffle=False):
-        loss, out = strategy.forward_backward(model, xb, yb,
-                                              lambda out, yb: towers.compute_average_loss(_token_loss(out, yb)))
-        norms.append(float(strategy.clip_grad_norm_(model.parameters(), CLIP)))
-        optimizer.step()
-        optimizer.zero_grad()
+        loss, out, norm = _step(strategy, model, optimizer, xb, yb)
+        norms.append(norm)
         losses.append(float(strategy.reduce("sum", loss)))
         outputs.append(None if out is None else tuple(out.shape))
+        if len(norms) == SAVED_AFTER:  # each stage writes its part
+            towers.checkpoint.save_checkpoint(checkpoint_dir, {"model": model, "optimizer": optimizer,
+                                                               "step": SAVED_AFTER}, strategy=strategy)
     try:
         model(x[:2])
         refused = ""
     except RuntimeError as exc:
         refused = str(exc)
-    try:
-        towers.checkpoint.save_checkpoint(checkpoint_dir, {"model": model, "optimizer": optimizer}, strategy=strategy)
-        unsaved = ""
-    except NotImplementedError as exc:
-        unsaved = str(exc)
     names = sorted(n for n, _ in strategy.unwrap(model).named_parameters())
     return {"state": strategy.full_state_dict(model), "norms": norms, "losses": losses, "outputs": outputs,
-            "refused": refused, "unsaved": unsaved, "names": names}
+            "refused": refused, "names": names}
 
 
-def _job(checkpoint_dir: str) -> dict:
+def _resume(checkpoints: dict[str, str]) -> dict:
+    """A fresh pp=2,dp=2 job restores each checkpoint, then trains the remaining update."""
+    strategy = towers.FullyShardedStrategy(mesh="pp=2,dp=2")
+    with strategy.scope():
+        torch.manual_seed(1)  # other weights than the saved ones: the restore must replace them
+        model = GPT(CONFIG)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    model, optimizer = strategy.prepare(model, optimizer)
+    x, y = _data()
+    out = {}
+    for name, path in checkpoints.items():
+        saved = towers.checkpoint.restore_checkpoint(path, {"model": model, "optimizer": optimizer}, strategy=strategy)
+        norms = [_step(strategy, model, optimizer, xb, yb)[2] for xb, yb in strategy.distribute_dataset(
+            (x[SAVED_AFTER * GBS:], y[SAVED_AFTER * GBS:]), global_batch_size=GBS, shuffle=False)]
+        out[name] = {"step": saved["step"], "norms": norms, "state": strategy.full_state_dict(model)}
+    return out
+
+
+def _trainer(strategy, seed: int = 0):
+    with strategy.scope():
+        torch.manual_seed(seed)
+        net = GPT(CONFIG)
+        return towers.Trainer(net, torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9), loss=_per_token_loss,
+                              clip_grad_norm=CLIP, strategy=strategy, breakdown_every=0)
+
+
+def _job(checkpoint_dir: str, plain_checkpoint: str) -> dict:
     strategy = towers.FullyShardedStrategy(mesh="pp=2,dp=2")
     loop = _custom_loop(strategy, checkpoint_dir)
     facts = {"replicas": strategy.num_replicas_in_sync, "mesh": tuple(strategy.mesh.mesh_dim_names),
              "shape": tuple(strategy.mesh.shape), "pp": strategy.pipeline_parallel_size, "chief": strategy.is_chief}
+    resumed = _resume({"plain": plain_checkpoint, "pp2dp2": checkpoint_dir})
 
     gpipe = towers.FullyShardedStrategy(mesh="pp=2,dp=2", pp_schedule="gpipe", pp_microbatches=4)
-    with gpipe.scope():
-        net = _model()
-        trainer = towers.Trainer(net, torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9), loss=_per_token_loss,
-                                 clip_grad_norm=CLIP, strategy=gpipe, breakdown_every=0)
+    trainer = _trainer(gpipe)
     history = trainer.fit(_data(), epochs=1, global_batch_size=GBS, shuffle=False)
+    trainer.save_checkpoint(checkpoint_dir + "-trainer")
     fit = {"state": gpipe.full_state_dict(trainer.model), "loss": history["loss"]}
+    again = _trainer(gpipe, seed=1)
+    again.load_checkpoint(checkpoint_dir + "-trainer")  # resumes at epoch 1: a second epoch over the same batches
+    again.fit(_data(), epochs=2, global_batch_size=GBS, shuffle=False)
+    fit["resumed"] = gpipe.full_state_dict(again.model)
 
     pp4 = _custom_loop(towers.FullyShardedStrategy(mesh="pp=4"), checkpoint_dir + "-pp4")
-    return {"loop": loop, "facts": facts, "fit": fit, "pp4": pp4}
+    return {"loop": loop, "facts": facts, "fit": fit, "pp4": pp4, "resumed": resumed}
 
 
 def _per_token_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "none") -> torch.Tensor:
     return _token_loss(logits, y)
 
 
-def _plain_loop() -> tuple[dict, list[float], list[float]]:
+def _plain_loop(steps: int = STEPS, checkpoint: str | None = None) -> tuple[dict, list[float], list[float], dict]:
+    """The loop on one device without towers; returns the final state, norms, losses, and after SAVED_AFTER updates
+    the parameters and SGD momenta by name (also written as a one-process checkpoint at ``checkpoint``)."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     x, y = _data()
-    norms, losses = [], []
-    for i in range(STEPS):
-        xb, yb = x[i * GBS:(i + 1) * GBS], y[i * GBS:(i + 1) * GBS]
+    norms, losses, saved = [], [], {}
+    for i in range(steps):
+        xb, yb = x[i % STEPS * GBS:(i % STEPS + 1) * GBS], y[i % STEPS * GBS:(i % STEPS + 1) * GBS]
         loss = _token_loss(model(xb), yb).mean()
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return model.state_dict(), norms, losses
+        if i + 1 == SAVED_AFTER:
+            saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                     "momenta": {n: optimizer.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}}
+            if checkpoint is not None:
+                saved["checkpoint"] = checkpoint
+                towers.checkpoint.save_checkpoint(checkpoint, {"model": model, "optimizer": optimizer, "step": SAVED_AFTER})
+    return model.state_dict(), norms, losses, saved
 
 
 def _close(got: dict, want: dict) -> None:
@@ -116,19 +164,20 @@ def _close(got: dict, want: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory) -> tuple[list[dict], object]:
-    checkpoint_dir = tmp_path_factory.mktemp("pp") / "ckpt"
-    return towers.spawn(_job, 4, args=(str(checkpoint_dir),), timeout_s=200), checkpoint_dir
+def plain(tmp_path_factory) -> tuple[dict, list[float], list[float], dict]:
+    return _plain_loop(checkpoint=str(tmp_path_factory.mktemp("plain") / "ckpt"))
 
 
 @pytest.fixture(scope="module")
-def plain() -> tuple[dict, list[float], list[float]]:
-    return _plain_loop()
+def launch(tmp_path_factory, plain) -> tuple[list[dict], object]:
+    checkpoint_dir = tmp_path_factory.mktemp("pp") / "ckpt"
+    args = (str(checkpoint_dir), plain[3]["checkpoint"])  # the plain loop's one-process checkpoint, for pp=2,dp=2
+    return towers.spawn(_job, 4, args=args, timeout_s=200), checkpoint_dir
 
 
 def test_pp2_dp2_custom_loop_trains_as_one_device(launch, plain):
     results, _ = launch
-    reference, norms, losses = plain
+    reference, norms, losses, _ = plain
     facts = [r["facts"] for r in results]
     assert [f["chief"] for f in facts] == [True, False, False, False]
     assert {(f["replicas"], f["mesh"], f["shape"], f["pp"]) for f in facts} == {(2, ("pp", "dp", "tp"), (2, 2, 1), 2)}
@@ -147,7 +196,7 @@ def test_pp2_dp2_custom_loop_trains_as_one_device(launch, plain):
 
 def test_trainer_fit_under_gpipe_trains_as_one_device_with_the_same_history_everywhere(launch, plain):
     results, _ = launch
-    reference, _, losses = plain
+    reference, _, losses, _ = plain
     for r in results:
         _close(r["fit"]["state"], reference)
     assert {tuple(r["fit"]["loss"]) for r in results} == {tuple(results[0]["fit"]["loss"])}
@@ -156,15 +205,54 @@ def test_trainer_fit_under_gpipe_trains_as_one_device_with_the_same_history_ever
 
 def test_pp4_one_block_per_stage_trains_as_one_device(launch, plain):
     results, _ = launch
-    reference, norms, _ = plain
+    reference, norms, _, _ = plain
     assert [r["pp4"]["names"][0].split(".")[1] for r in results] == ["0", "1", "2", "3"]
     for r in results:
         _close(r["pp4"]["state"], reference)
         assert r["pp4"]["norms"] == pytest.approx(norms, rel=1e-5)
 
 
-def test_a_pipelined_model_called_directly_or_checkpointed_is_refused_with_the_api_to_use(launch):
+def test_a_pipelined_model_called_directly_is_refused_with_the_api_to_use(launch):
     results, _ = launch
     for r in results:
         assert "strategy.forward_backward(model, x, y, loss_fn)" in r["loop"]["refused"]
-        assert "not built yet" in r["loop"]["unsaved"] and "strategy.full_state_dict(model)" in r["loop"]["unsaved"]
+
+
+def _restored_in_one_process(path) -> tuple[dict, dict, dict]:
+    model = GPT(CONFIG)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    saved = towers.checkpoint.restore_checkpoint(path, {"model": model, "optimizer": optimizer})
+    momenta = {n: optimizer.state[p]["momentum_buffer"] for n, p in model.named_parameters()}
+    return model.state_dict(), momenta, saved
+
+
+def test_a_checkpoint_written_under_pp_restores_into_one_plain_process(launch, plain):
+    _, checkpoint_dir = launch
+    _, _, _, after_two = plain
+    for path in (checkpoint_dir, f"{checkpoint_dir}-pp4"):  # pp=2,dp=2 (stages sharded over dp) and pp=4
+        state, momenta, saved = _restored_in_one_process(path)
+        assert saved["step"] == SAVED_AFTER
+        _close(state, after_two["model"])
+        _close(momenta, after_two["momenta"])  # SGD's momentum of every stage's parameters, by name
+
+
+def test_a_checkpoint_restores_into_pp2_dp2_and_the_next_update_is_one_devices(launch, plain):
+    results, _ = launch
+    reference, norms, _, _ = plain
+    for r in results:
+        for written_by in ("pp2dp2", "plain"):  # resumed from pp=2,dp=2, and from one process
+            resumed = r["resumed"][written_by]
+            assert resumed["step"] == SAVED_AFTER
+            _close(resumed["state"], reference)  # = the uninterrupted run's third update
+            assert resumed["norms"] == pytest.approx(norms[SAVED_AFTER:], rel=1e-5)
+
+
+def test_the_trainers_checkpoint_under_pp_resumes_and_loads_into_one_process(launch, plain):
+    results, checkpoint_dir = launch
+    two_epochs, _, _, _ = _plain_loop(steps=2 * STEPS)
+    for r in results:
+        _close(r["fit"]["resumed"], two_epochs)  # loaded after epoch 1, trained epoch 2 as one device does
+    one_epoch, momenta, _ = _restored_in_one_process(f"{checkpoint_dir}-trainer")
+    _close(one_epoch, plain[0])
+    assert set(momenta) == {n for n, _ in GPT(CONFIG).named_parameters()}
+    assert len(towers.checkpoint.load_checkpoint(f"{checkpoint_dir}-trainer")["rng"]) == 2  # one per replica

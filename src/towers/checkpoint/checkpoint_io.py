@@ -65,11 +65,15 @@ class CheckpointIO:
     (parameter servers, where the state lives on ps tasks that do not run the script).
     ``async_save``: the tensors are copied to memory and written by a background thread; the save
     returns at once, and ``wait`` (called by the next save and read) blocks until it is published.
+    ``gather_parts``: where processes hold different parts of the model (pipeline stages), every
+    part's ``obj`` from the processes holding the others, the chief's first (None: each holds every
+    key): the manifest then lists every part's tensors, and a restore reads only this process's.
     """
 
     collective: bool = True
     process_group: Any = None
     async_save: bool = False
+    gather_parts: Callable[[Any], list[Any]] | None = None
     pending: Pending | None = None
 
     def wait(self, *, is_chief: bool, broadcast_object: Callable[[Any, int], Any]) -> None:

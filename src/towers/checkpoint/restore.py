@@ -7,7 +7,7 @@ ever restored in part.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -46,12 +46,14 @@ def delete_checkpoint(path: str | os.PathLike[str]) -> None:
 
 def load_checkpoint(path: str | os.PathLike[str], *, strategy: CheckpointStrategy | None = None,
                     templates: Mapping[str, torch.Tensor] | None = None,
-                    manifest: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    manifest: Mapping[str, Any] | None = None,
+                    held: Callable[[tuple[Any, ...]], bool] | None = None) -> dict[str, Any]:
     """Return the dict saved at ``path``, its tensors on the CPU; every process of the job calls it.
 
     ``templates`` (flat tensor names -> DTensors of this job) receive their tensors resharded in
     place; every other tensor is read whole. ``manifest``: what ``layout.read_manifest(path)`` returned,
-    when the caller read it already.
+    when the caller read it already. ``held``: whether this process holds the tensor at a path (False: not
+    read, None in the result: another pipeline stage's); None: every tensor is read.
 
     Every file read is checked against the checksums recorded when it was written.
 
@@ -69,7 +71,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, strategy: CheckpointStrateg
     if manifest["tensors"] and not shapes:
         raise integrity.damaged(path, ".metadata", "is missing")
     targets: dict[str, torch.Tensor] = {}
-    for _, key in manifest["tensors"]:
+    for tensor_path, key in manifest["tensors"]:
+        if held is not None and not held(tuple(tensor_path)):
+            continue
         if key not in shapes:
             raise CheckpointError(f"Checkpoint {path} is torn: its tensor files lack {key!r}. Restore an older one.")
         given = (templates or {}).get(key)
@@ -78,7 +82,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, strategy: CheckpointStrateg
     layout.read_tensors(path, targets, io=io)
     state = manifest["state"]
     for tensor_path, key in manifest["tensors"]:
-        state = set_path(state, tuple(tensor_path), targets[key])
+        if key in targets:
+            state = set_path(state, tuple(tensor_path), targets[key])
     return state
 
 
@@ -100,17 +105,42 @@ def read_into(path: str | os.PathLike[str], *, strategy: CheckpointStrategy | No
     strategy = or_one_process(strategy)
     manifest = dict(layout.read_manifest(path) if manifest is None else manifest)
     templates: dict[str, torch.Tensor] = {}
+    held: Callable[[tuple[Any, ...]], bool] | None = None
     if model is not None:
         live = strategy.state_dict(model, optimizer)
-        check_model_fits(path, manifest, layout.tensor_metadata(path), live, key=model_key,
+        gather_parts = strategy.checkpoint_io().gather_parts
+        check_model_fits(path, manifest, layout.tensor_metadata(path),
+                         live if gather_parts is None else _whole(live, gather_parts), key=model_key,
                          strategy_name=str(strategy.name), optimizer_key=optimizer_key,
                          has_optimizer=optimizer is not None)
         for key, sub in ((model_key, live["model"]), (optimizer_key, live.get("optimizer"))):
             if key is not None and sub is not None:
                 templates.update({flat_key((key, *p)): t for p, t in flatten(sub) if is_dtensor(t)})
+        if gather_parts is not None:  # a pipeline stage reads its own parameters' tensors only
+            held = _holds(set(live["model"]), model_key, optimizer_key)
     for key, module in (check or {}).items():
         check_plain_module(path, strategy.unwrap(module), manifest["state"].get(key), key)
-    return load_checkpoint(path, strategy=strategy, templates=templates, manifest=manifest), manifest
+    return load_checkpoint(path, strategy=strategy, templates=templates, manifest=manifest, held=held), manifest
+
+
+def _whole(live: Mapping[str, Any], gather_parts: Callable[[Any], list[Any]]) -> dict[str, Any]:
+    """``live`` with its model's entries those of every part (pipeline stage): shapes only, on the meta device."""
+    own = {k: global_shape(v) if isinstance(v, torch.Tensor) else None for k, v in live["model"].items()}
+    model = {k: None if shape is None else torch.empty(shape, device="meta")
+             for part in gather_parts(own) for k, shape in part.items()}
+    return {**live, "model": model}
+
+
+def _holds(names: set[str], model_key: str, optimizer_key: str | None) -> Callable[[tuple[Any, ...]], bool]:
+    """Whether a tensor path of the checkpoint is this part's: its model entries and their optimizer state."""
+    def held(tensor_path: tuple[Any, ...]) -> bool:
+        if tensor_path[0] == model_key and len(tensor_path) > 1:
+            return tensor_path[1] in names
+        if tensor_path[0] == optimizer_key and len(tensor_path) > 2 and tensor_path[1] == "state":
+            return tensor_path[2] in names
+        return True
+
+    return held
 
 
 def restore_checkpoint(path: str | os.PathLike[str], objects: Mapping[str, Any] | None = None, *,

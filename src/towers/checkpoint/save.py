@@ -135,11 +135,37 @@ def write_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, 
     skeleton = _copy_containers(state)
     for tensor_path, _ in places:
         skeleton = set_path(skeleton, tuple(tensor_path), None)
+    gather_parts = strategy.checkpoint_io().gather_parts
+    if gather_parts is not None:  # the processes hold different parts (pipeline stages): the manifest lists them all
+        places, skeleton = _merge_parts(gather_parts((places, skeleton)))
     info = {"strategy": str(strategy.name), "num_replicas": int(strategy.num_replicas_in_sync), "tensors": places,
             "state": skeleton, **dict(manifest or {})}
     layout.write(path, tensors, info, io=strategy.checkpoint_io(), is_chief=strategy.is_chief,
                  broadcast_object=strategy.broadcast_object)
     log.debug("wrote checkpoint %s (%d tensors through DCP)", path, len(tensors))
+
+
+def _merge_parts(parts: Sequence[tuple[list[list[Any]], Any]]) -> tuple[list[list[Any]], Any]:
+    """Every part's tensor places (each once) and their skeletons merged: dicts key by key, any other value the
+    first part's (the chief's)."""
+    places: list[list[Any]] = []
+    seen: set[str] = set()
+    for part_places, _ in parts:
+        for place in part_places:
+            if place[1] not in seen:
+                seen.add(place[1])
+                places.append(place)
+    skeleton = parts[0][1]
+    for _, other in parts[1:]:
+        skeleton = _merge(skeleton, other)
+    return places, skeleton
+
+
+def _merge(first: Any, other: Any) -> Any:
+    if not (isinstance(first, Mapping) and isinstance(other, Mapping)):
+        return first
+    return {**{k: _merge(v, other[k]) if k in other else v for k, v in first.items()},
+            **{k: v for k, v in other.items() if k not in first}}
 
 
 def _copy_containers(value: Any) -> Any:

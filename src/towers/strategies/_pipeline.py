@@ -133,16 +133,20 @@ class PipelineComm:
             dist.all_reduce(value, group=self.group)
         return (value ** (1.0 / norm_type)).reshape(()).to(norm.dtype)
 
-    def gather_stages(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Return every stage's ``state`` (keyed by original names) merged in stage order: the whole model's."""
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return every stage's ``obj`` (of this process's pipeline), in stage order."""
         import torch.distributed as dist
 
         from towers.process_group import collective
 
         parts: list[Any] = [None] * self.stages
-        with collective("strategy.full_state_dict: the pipeline stages' parts"):
-            dist.all_gather_object(parts, state, group=self.group)
-        return {k: v for part in parts for k, v in part.items()}
+        with collective("pipeline: the stages' parts"):
+            dist.all_gather_object(parts, obj, group=self.group)
+        return parts
+
+    def gather_stages(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Return every stage's ``state`` (keyed by original names) merged in stage order: the whole model's."""
+        return {k: v for part in self.all_gather_object(state) for k, v in part.items()}
 
 
 class Pipeline:

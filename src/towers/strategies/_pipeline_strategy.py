@@ -2,11 +2,16 @@
 
 A base class of ``FullyShardedStrategy`` (its state is the strategy's): without a pipeline
 (``_pp_comm`` None) every method here is the next class's. See ``towers.strategies._pipeline``.
+
+Checkpoints: each stage's processes save the stage's part (FSDP2 shards over dp) under the original
+names, the optimizer's parameter groups naming the whole model's parameters; the chief's manifest
+lists every stage's tensors (``CheckpointIO.gather_parts``), so the union is the whole model's state
+and loads into one process, another mesh or another pipeline; each stage reads only its own keys.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -32,6 +37,7 @@ class PipelineSteps(SyncStrategy):
     _device_mesh: Any
     _mesh: Any
     _pp_mesh: Any
+    _pp_group_names: dict[int, list[list[str]]]  # id(torch optimizer) -> each group's whole-model parameter names
 
     def _build_pp_mesh(self, spec: MeshSpec, device: torch.device, backend: str, timeout_s: float) -> ProcessGroupComm:
         """The ``(pp, dp, tp)`` mesh; return the collectives over this process's data-parallel group (its replicas)."""
@@ -94,11 +100,37 @@ class PipelineSteps(SyncStrategy):
             grad.mul_(coefficient)
         return total
 
-    def _refuse_pipeline_checkpoint(self) -> None:
-        if self._pp_spec is not None:
-            raise user_error("Checkpoints (towers.checkpoint, strategy.state_dict) of a pipelined model are not built yet",
-                             f"mesh {self._pp_spec.describe()}",
-                             "Save the whole model's weights from strategy.full_state_dict(model) (every process gets "
-                             "them) on the chief with torch.save, or train without pp to checkpoint.",
-                             cls=NotImplementedError)
+    # --- checkpoints: each stage saves and loads its part, under the original names ------------------------
+    def _point_optimizer_at_stage(self, stage: nn.Module, optimizer: Any, names: dict[int, str]) -> None:
+        """Keep this stage's parameters in each of ``optimizer``'s groups (``names``: the user's parameters' names);
+        remember every group's WHOLE list of names, which checkpoints save (so they load into the whole model)."""
+        raw = getattr(optimizer, "optimizer", optimizer)
+        params = dict(stage.named_parameters())
+        self._pp_group_names[id(raw)] = [[names[id(p)] for p in g["params"] if id(p) in names] for g in raw.param_groups]
+        for group in raw.param_groups:
+            group["params"] = [params[names[id(p)]] for p in group["params"] if names.get(id(p)) in params]
 
+    def _whole_param_groups(self, optim_state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+        """``optim_state`` (this stage's) with each parameter group naming every stage's parameters, as the user's
+        optimizer over the whole model does: the manifest then loads into one process as it is."""
+        whole = self._pp_group_names.get(id(getattr(optimizer, "optimizer", optimizer)))
+        groups = optim_state["param_groups"]
+        if self._pp_comm is None or whole is None or len(whole) != len(groups):
+            return optim_state
+        return {**optim_state, "param_groups": [{**g, "params": list(n)} for g, n in zip(groups, whole)]}
+
+    def _stage_part(self, state: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
+        """The part of a whole model's ``state`` (``{"model", "optimizer", ...}``) this stage holds: its own names'
+        entries; the other stages' (None where the checkpoint did not read them) are left out."""
+        own = set(self.unwrap(model).state_dict())
+        part = {**state, "model": {k: v for k, v in state["model"].items() if k in own}}
+        optim = state.get("optimizer")
+        if optim is not None:
+            part["optimizer"] = {**optim, "state": {k: v for k, v in optim.get("state", {}).items() if k in own},
+                                 "param_groups": [{**g, "params": [n for n in g["params"] if n in own]}
+                                                  for g in optim["param_groups"]]}
+        return part
+
+    def _checkpoint_parts(self) -> Callable[[Any], list[Any]] | None:
+        """How checkpoints gather the parts the stages hold (every stage's, in stage order); None without a pipeline."""
+        return None if self._pp_comm is None else self._pp_comm.all_gather_object

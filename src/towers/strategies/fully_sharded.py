@@ -120,6 +120,7 @@ class FullyShardedStrategy(PipelineSteps):
         self._device_mesh: Any = None  # the whole mesh
         self._pipelines: list[Pipeline] = []  # this process's stage of each model prepare() split
         self._pp_comm: PipelineComm | None = None  # this process's pipeline (with a pp mesh)
+        self._pp_group_names: dict[int, list[list[str]]] = {}  # the optimizers' groups, whole-model names (pp)
         spec = parse_mesh(mesh)
         if spec is not None:
             spec = spec.resolved(info.world_size)
@@ -242,9 +243,7 @@ class FullyShardedStrategy(PipelineSteps):
         if self._pp_comm is not None:
             self._user_modules[-1] = self._pipelines[-1].module  # the stage (the other stages' are not held here)
         if optimizer is not None and self._pp_comm is not None:  # this stage's parameters only, by original name
-            stage = dict(wrapped.named_parameters())
-            for group in _raw(optimizer).param_groups:
-                group["params"] = [stage[names[id(p)]] for p in group["params"] if names.get(id(p)) in stage]
+            self._point_optimizer_at_stage(wrapped, optimizer, names)
         elif optimizer is not None and self._mesh is not None:
             sharded = dict(self._user_modules[-1].named_parameters())  # fully_shard swapped them in place
             for group in _raw(optimizer).param_groups:
@@ -321,33 +320,35 @@ class FullyShardedStrategy(PipelineSteps):
         """Return ``{"model", "optimizer", "precision"}`` holding this rank's SHARDS (DTensors); a collective.
 
         Optimizer state is keyed by parameter name (``get_state_dict``), so it loads into a job
-        of another size. ``export_model`` writes the full model for inference.
+        of another size. ``export_model`` writes the full model for inference. With a pipeline: this
+        stage's part, under the original names (its optimizer's groups name the whole model's parameters).
         """
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        self._refuse_pipeline_checkpoint()
         if self._mesh is None:  # one process: a plain module
             return super().state_dict(model, optimizer)
         if optimizer is None:
             model_state, optim_state = get_model_state_dict(model), None
         else:
             model_state, optim_state = get_state_dict(model, [_raw(optimizer)])
+            optim_state = self._whole_param_groups(optim_state, optimizer)  # with a pipeline: every stage's names
         return {"model": model_state, "optimizer": optim_state, "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any = None) -> None:
         """Restore a state from ``state_dict`` here, or a full one from any strategy, into the prepared model and optimizer.
 
         Shards (DTensors) load as they are; full tensors (from another strategy, or read whole)
-        are cut into this process's shards.
+        are cut into this process's shards. With a pipeline, each stage loads its own keys of the whole
+        model's ``state``.
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
         from towers.checkpoint.state import is_dtensor
 
-        self._refuse_pipeline_checkpoint()
         require_optimizer_state(state, optimizer)
         if self._mesh is None:
             return super().load_state_dict(state, model, optimizer)
+        state = state if self._pp_comm is None else self._stage_part(state, model)
         full = self._mesh is not None and not any(is_dtensor(v) for v in state["model"].values())
         options = StateDictOptions(full_state_dict=full, strict=True)
         if optimizer is None or state.get("optimizer") is None:
@@ -382,7 +383,8 @@ class FullyShardedStrategy(PipelineSteps):
 
                 group = dist.new_group(backend="gloo")
             io = self.__dict__["_checkpoint_io"] = CheckpointIO(collective=True, process_group=group,
-                                                                async_save=self._async_save)
+                                                                async_save=self._async_save,
+                                                                gather_parts=self._checkpoint_parts())
         return io
 
     def shutdown(self) -> None:
