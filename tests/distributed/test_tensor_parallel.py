@@ -20,9 +20,9 @@ import traceback
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import towers
+from gpt_support import token_loss as _token_loss
 from towers.models_gpt import GPT, GPTConfig, random_tokens
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,11 +39,6 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 def _model() -> GPT:
     torch.manual_seed(0)
     return GPT(CONFIG)
-
-
-def _token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Each sequence's mean token loss (one value per example)."""
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(len(y), -1).mean(1)
 
 
 def _job(checkpoint_dir: str) -> dict:
