@@ -1,8 +1,11 @@
 """Per-rank training state and activations of the 69.5M GPT under each layout of 4 processes, from the local tensors.
 
 Layouts: Mirrored (every rank the whole model), sharded (FSDP2 over 4), dp=2,tp=2 (tensor parallel
-pairs, FSDP2 across them), tp=4 (one replica split 4 ways), and both tp layouts again with sequence
-parallelism (``+sp``). After one AdamW step on a global batch of 8 sequences of 64 tokens, each rank
+pairs, FSDP2 across them), tp=4 (one replica split 4 ways), both tp layouts again with sequence
+parallelism (``+sp``), and pipelines: pp=2,dp=2 (2 stages, each sharded over 2) and pp=4 (4 stages,
+1F1B over 4 micro-batches). Under a pipeline the activations are not counted: the schedule frees a
+micro-batch's saved tensors after its backward, so their sum says nothing of the peak. After one
+AdamW step on a global batch of 8 sequences of 64 tokens, each rank
 sums the bytes of the tensors it holds: parameters, gradients and optimizer state (for a DTensor,
 its local shard). ``activations`` is what the forward keeps for backward on that rank: the tensors
 autograd saves, each storage counted once, parameters left out. Also reported: the bytes each rank
@@ -26,7 +29,8 @@ from towers.models_gpt import GPT, GPTConfig, random_tokens
 LAYOUTS = {"mirrored": ("mirrored", {}), "sharded": ("sharded", {}), "dp=2,tp=2": ("sharded", {"mesh": "dp=2,tp=2"}),
            "tp=4": ("sharded", {"mesh": "tp=4"}),
            "dp=2,tp=2 +sp": ("sharded", {"mesh": "dp=2,tp=2", "sequence_parallel": True}),
-           "tp=4 +sp": ("sharded", {"mesh": "tp=4", "sequence_parallel": True})}
+           "tp=4 +sp": ("sharded", {"mesh": "tp=4", "sequence_parallel": True}),
+           "pp=2,dp=2": ("sharded", {"mesh": "pp=2,dp=2"}), "pp=4": ("sharded", {"mesh": "pp=4"})}
 
 
 def _local_bytes(tensors) -> int:
@@ -85,7 +89,15 @@ def _job(name: str, seq: int, gbs: int) -> dict:
     x, y = random_tokens(gbs, GPTConfig(**{**config.__dict__, "block_size": seq}), seed=1)
     saved = _SavedForBackward()
     saved.watch(model)
+    pipelined = getattr(strategy, "pipeline_parallel_size", 1) > 1
     for xb, yb in strategy.distribute_dataset((x, y), global_batch_size=gbs, shuffle=False):
+        if pipelined:  # the schedule runs forward and backward over the micro-batches: one call
+            strategy.forward_backward(model, xb, yb, lambda logits, yb: towers.compute_average_loss(
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="none")
+                .view(len(yb), -1).mean(1)))
+            optimizer.step()
+            continue
+
         def step(xb, yb):
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 logits = model(xb)
@@ -97,7 +109,7 @@ def _job(name: str, seq: int, gbs: int) -> dict:
     raw = getattr(optimizer, "optimizer", optimizer)
     state = [v for s in raw.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {"params": _local_bytes(params), "grads": _local_bytes(p.grad for p in params),
-            "optimizer": _local_bytes(state), "activations": saved.bytes}
+            "optimizer": _local_bytes(state), "activations": None if pipelined else saved.bytes}
 
 
 def main() -> None:
@@ -111,12 +123,13 @@ def main() -> None:
     for name in args.layouts:
         per_rank = towers.spawn(_job, 4, args=(name, args.seq, args.global_batch), timeout_s=900)
         rows[name] = per_rank
-        mb = [{k: round(v / 2**20, 1) for k, v in r.items()} for r in per_rank]
+        mb = [{k: None if v is None else round(v / 2**20, 1) for k, v in r.items()} for r in per_rank]
         worst = max(mb, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
         state = round(worst["params"] + worst["grads"] + worst["optimizer"], 1)
         print(f"{name:>14}: per rank (largest) params {worst['params']} MB, grads {worst['grads']} MB, "
               f"optimizer {worst['optimizer']} MB, total {state} MB; activations "
-              f"{max(r['activations'] for r in mb)} MB", flush=True)
+              + (f"{max(r['activations'] for r in mb)} MB" if mb[0]["activations"] is not None else "not counted"),
+              flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1)
