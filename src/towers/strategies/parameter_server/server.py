@@ -33,6 +33,7 @@ from towers.errors import FailedPreconditionError
 from towers.ledger.record import LedgerWriter
 from towers.strategies.parameter_server.dispatch import Dispatcher
 from towers.strategies.parameter_server.gather import GatherTable
+from towers.strategies.parameter_server.generations import ModelTurnover
 from towers.strategies.parameter_server.requests import (
     RequestError,
     clone_state,
@@ -79,7 +80,7 @@ class ParameterServer(ShardUpdates):
         # shard state, set by the chief's registration
         self.signature: list[ParamSpec] | None = None
         self.generation = 0  # which of the job's models (a later strategy.prepare registers the next one)
-        self.left_model: dict[int, int] = {}  # worker -> the latest model it registered
+        self.turnover = ModelTurnover(self)  # the latest model each worker registered
         self.layout: FlatLayout | None = None
         self.segment_sizes: list[int] = []
         self.params_buf = torch.empty(0, dtype=torch.uint8)

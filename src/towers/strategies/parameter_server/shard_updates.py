@@ -11,6 +11,7 @@ import torch
 
 from towers._logging import get_logger
 from towers.strategies.parameter_server.dispatch import Dispatcher, unpack_unit
+from towers.strategies.parameter_server.generations import ModelTurnover
 from towers.strategies.parameter_server.requests import KERNEL_KEYS, RequestError, build_optimizer
 from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, ParamSpec, signature_mismatch
 from towers.strategies.parameter_server.shared import SharedBuffer, attach
@@ -49,7 +50,7 @@ class ShardUpdates:
     round_buf: torch.Tensor
     dispatcher: Dispatcher | None
     generation: int  # which of the job's models the shard holds (a later strategy.prepare replaces it)
-    left_model: dict[int, int]  # worker -> the latest model it registered (it pushes for no earlier one)
+    turnover: ModelTurnover  # the latest model each worker registered (shared with the embedding tables)
     # the serving side's (server.py)
     who: Callable[[int], str]
     active: Callable[[], set[int]]
@@ -68,20 +69,12 @@ class ShardUpdates:
             raise RequestError(f"ps task {self.ps_index}: malformed model signature ({exc}).", Status.BAD_INPUT) from exc
         generation = int(meta.get("generation", 0))
         with self.cond:
-            if generation < self.generation:
-                raise RequestError(
-                    f"{self.who(w)} registers model {generation} of the job, but ps task {self.ps_index} already holds "
-                    f"model {self.generation} (the script prepared a later model on the other workers). Every worker "
-                    "must prepare the same models in the same order.", Status.BAD_INPUT)
-            self.left_model[w] = generation  # this worker pushes nothing more for an earlier model
-            self.cond.notify_all()
+            self.turnover.arrive(w, generation, self.generation, "the parameters")
             if meta["chief"] and (self.signature is None or generation > self.generation):
                 if self.signature is not None:
                     # Another model of the same job (a second prepare): it replaces the first once no live worker
                     # can still push for the first, and starts from the chief's values with a new optimizer.
-                    self.wait(lambda: all(self.left_model.get(v, -1) >= generation for v in self.active()),
-                              f"model {generation}'s registration",
-                              lambda: [v for v in self.active() if self.left_model.get(v, -1) < generation])
+                    self.turnover.wait_for_all(generation, "the registration")
                     self.grad_bufs.clear()
                     self.reply_bufs.clear()
                 self._initialise(meta, msg.flat)

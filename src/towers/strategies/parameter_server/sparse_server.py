@@ -29,7 +29,6 @@ class EmbeddingService:
         self.tables: list[TableShard] | None = None
         self.specs: list[TableSpec] = []
         self.generation = 0  # which of the job's models the tables belong to
-        self.left_model: dict[int, int] = {}  # worker -> the latest model whose tables it registered
         self.version = 0
         self.max_lead = 0
         self.worker_versions = [0] * len(server.links)
@@ -90,19 +89,11 @@ class EmbeddingService:
             raise RequestError(f"ps task {self.server.ps_index}: {exc}", Status.BAD_INPUT) from exc
         generation = int(meta.get("generation", 0))
         with self.server.cond:
-            if generation < self.generation:
-                raise RequestError(
-                    f"{self.server.who(w)} registers the tables of model {generation} of the job, but ps task "
-                    f"{self.server.ps_index} already holds those of model {self.generation}. Every worker must prepare "
-                    "the same models in the same order.", Status.BAD_INPUT)
-            self.left_model[w] = generation  # this worker pushes no more rows of an earlier model
-            self.server.cond.notify_all()
+            self.server.turnover.arrive(w, generation, self.generation, "the embedding tables")
             if self.tables is not None and generation > self.generation:
                 # Another model of the same job: new tables (fresh rows, as a new model's) once no live worker can
                 # still push rows of the earlier one.
-                self.server.wait(lambda: all(self.left_model.get(v, -1) >= generation for v in self.server.active()),
-                                 f"the tables of model {generation}",
-                                 lambda: [v for v in self.server.active() if self.left_model.get(v, -1) < generation])
+                self.server.turnover.wait_for_all(generation, "the embedding tables")
                 if generation > self.generation:  # the first worker to get here replaces them
                     self.tables, self.generation = None, generation
             if self.tables is None:
