@@ -51,6 +51,7 @@ __all__ = [
     "announce_death",
     "announce_deaths",
     "destroy_process_group",
+    "leave_before_exit",
     "is_initialized",
     "collective",
     "first_line",
@@ -231,7 +232,7 @@ def _init_error(info: ProcessInfo, backend: str, exc: BaseException, elapsed_s: 
 _LEAVE_REGISTERED = False
 
 
-#: How long the exit hook lets Gloo's worker threads finish with their last work (see ``_leave_group_at_exit``).
+#: How long the exit hook lets Gloo's worker threads finish with their last work (see ``leave_before_exit``).
 _EXIT_DRAIN_S = 0.05
 
 
@@ -240,11 +241,15 @@ def _leave_at_exit() -> None:
     # shutdown) runs before the group is destroyed.
     global _LEAVE_REGISTERED
     if not _LEAVE_REGISTERED:
-        atexit.register(_leave_group_at_exit)
+        atexit.register(leave_before_exit)
         _LEAVE_REGISTERED = True
 
 
-def _leave_group_at_exit() -> None:
+def leave_before_exit() -> None:
+    """Destroy the default process group (if any) while the interpreter is whole, and let Gloo's threads finish.
+
+    Called at exit for a group towers joined; ``towers verify`` calls it for a group a user's script left open.
+    """
     # A script that never calls shutdown must still exit 0. Without this, interpreter teardown sometimes
     # aborted ("terminate called without an active exception"): a Gloo worker thread (ProcessGroupGloo::
     # runLoop) drops its last finished all-reduce right after the work completes, and that releases the

@@ -22,7 +22,6 @@ import gc
 import os
 import runpy
 import sys
-import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from towers import verify_capture
+from towers.process_group import leave_before_exit
 
 __all__ = ["Recorder", "turn_dropout_off", "main"]
 
@@ -149,14 +149,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _leave_open_group() -> None:
-    # A Gloo worker thread that drops its last work's tensors during interpreter finalization aborts the
-    # process ("terminate called without an active exception"). Free what the script held, destroy the
-    # group while Python is whole, and give those threads a moment to finish.
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    gc.collect()
-    torch.distributed.destroy_process_group()
-    time.sleep(0.05)
+    # As towers does for its own groups at exit (towers.process_group.leave_before_exit), after freeing what the
+    # stopped script still held (its DDP module's last work).
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gc.collect()
+        leave_before_exit()
 
 
 if __name__ == "__main__":
