@@ -41,6 +41,22 @@ def _model() -> GPT:
     return GPT(CONFIG)
 
 
+def _custom_loop(strategy: towers.Strategy, model, optimizer, also=None) -> list[float]:
+    """The custom loop (``compute_average_loss``, torch's clip, SGD) over the data; ``also(xb, yb)`` after each update
+    in the same step. Returns the clip norms."""
+    norms = []
+    for xb, yb in strategy.distribute_dataset(_data(), global_batch_size=GBS, shuffle=False):
+        def step(xb, yb):
+            strategy.backward(towers.compute_average_loss(_token_loss(model(xb), yb)))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).full_tensor()))
+            optimizer.step()
+            optimizer.zero_grad()
+            if also is not None:
+                also(xb, yb)
+        strategy.run(step, args=(xb, yb))
+    return norms
+
+
 def _job(checkpoint_dir: str) -> dict:
     strategy = towers.FullyShardedStrategy(mesh="dp=2,tp=2")
     with strategy.scope():
@@ -48,14 +64,7 @@ def _job(checkpoint_dir: str) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     model, optimizer = strategy.prepare(model, optimizer)
     x, y = _data()
-    norms = []
-    for xb, yb in strategy.distribute_dataset((x, y), global_batch_size=GBS, shuffle=False):
-        def step(xb, yb):
-            strategy.backward(towers.compute_average_loss(_token_loss(model(xb), yb)))
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).full_tensor()))
-            optimizer.step()
-            optimizer.zero_grad()
-        strategy.run(step, args=(xb, yb))
+    norms = _custom_loop(strategy, model, optimizer)
     loop = strategy.full_state_dict(model)
     towers.checkpoint.save_checkpoint(checkpoint_dir, {"model": model, "optimizer": optimizer}, strategy=strategy)
 
@@ -195,19 +204,14 @@ def _sequence_parallel_phase() -> dict:
     seen = {}
     for name, module in watched.items():
         module.register_forward_hook(lambda _m, _i, out, name=name: seen.update({name: _layout(out)}) and None)
-    x, y = _data()
-    norms = []
-    for xb, yb in strategy.distribute_dataset((x, y), global_batch_size=GBS, shuffle=False):
-        def step(xb, yb):
-            strategy.backward(towers.compute_average_loss(_token_loss(model(xb), yb)))
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).full_tensor()))
-            optimizer.step()
-            optimizer.zero_grad()
-            if transformers:
-                strategy.backward(towers.compute_average_loss(_token_loss(llama(input_ids=xb).logits, yb)))
-                llama_optimizer.step()
-                llama_optimizer.zero_grad()
-        strategy.run(step, args=(xb, yb))
+    x, _ = _data()
+
+    def llama_step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        strategy.backward(towers.compute_average_loss(_token_loss(llama(input_ids=xb).logits, yb)))
+        llama_optimizer.step()
+        llama_optimizer.zero_grad()
+
+    norms = _custom_loop(strategy, model, optimizer, also=llama_step if transformers else None)
     loop = strategy.full_state_dict(model)
     llama_state = strategy.full_state_dict(llama) if transformers else None
     layouts = dict(seen)
