@@ -12,9 +12,14 @@ Conventions in the Markdown (say them to anyone writing docs):
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,3 +65,27 @@ def python_blocks(path: Path) -> list[Block]:
                                 mark.group(1) if mark else None, (mark.group(2) or "") if mark else ""))
         i = j + 1
     return blocks
+
+
+NUMBER = re.compile(r"-?\d+\.\d+(?:e-?\d+)?")
+
+
+def run_block(name: str, code: str, work_dir: str) -> str:
+    os.chdir(work_dir)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, name, "exec"), {"__name__": "__main__"})
+    return out.getvalue()
+
+
+def run_block_here(name: str, code: str, work_dir: str) -> str:
+    """``run_block`` on one replica in this process (no process to start): one CPU thread, as a spawned replica
+    has, and this process's working directory and random state as they were."""
+    cwd, threads, rng = os.getcwd(), torch.get_num_threads(), torch.random.get_rng_state()
+    torch.set_num_threads(1)
+    try:
+        return run_block(name, code, work_dir)
+    finally:
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng)

@@ -3,45 +3,18 @@ the README claims ("same seed, same data order, same global batch: the same loss
 
 from __future__ import annotations
 
-import contextlib
-import io
 import multiprocessing
-import os
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 import towers
-from doc_blocks import ROOT, markdown_files, python_blocks
+from doc_blocks import NUMBER, ROOT, markdown_files, python_blocks, run_block, run_block_here
 
 pytestmark = pytest.mark.timeout(180)
 
 SAME_MATHS = [b for p in markdown_files() for b in python_blocks(p) if b.mark == "same-on-2-replicas"]
-_NUMBER = re.compile(r"-?\d+\.\d+(?:e-?\d+)?")
-
-
-def _run_block(name: str, code: str, work_dir: str) -> str:
-    os.chdir(work_dir)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, name, "exec"), {"__name__": "__main__"})
-    return out.getvalue()
-
-
-def _run_block_here(name: str, code: str, work_dir: str) -> str:
-    """``_run_block`` on one replica in this process (no process to start): one CPU thread, as a spawned replica
-    has, and this process's working directory and random state as they were."""
-    cwd, threads, rng = os.getcwd(), torch.get_num_threads(), torch.random.get_rng_state()
-    torch.set_num_threads(1)
-    try:
-        return _run_block(name, code, work_dir)
-    finally:
-        os.chdir(cwd)
-        torch.set_num_threads(threads)
-        torch.random.set_rng_state(rng)
 
 
 @pytest.mark.parametrize("block", SAME_MATHS, ids=lambda b: b.name)
@@ -50,15 +23,15 @@ def test_block_prints_the_same_numbers_on_one_and_two_replicas(block, tmp_path):
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     with ThreadPoolExecutor(1) as pool:  # the 2 replicas start while one replica trains here: 3 processes' work on 2 cores
-        job = pool.submit(towers.spawn, _run_block, 2, args=(block.name, block.code, str(tmp_path / "two")),
+        job = pool.submit(towers.spawn, run_block, 2, args=(block.name, block.code, str(tmp_path / "two")),
                           timeout_s=150, env={"TOWERS_STRATEGY": "mirrored"}, threads_per_process=1)
         started = time.monotonic() + 30
         while len(multiprocessing.active_children()) < 2 and not job.done() and time.monotonic() < started:
             time.sleep(0.01)  # a replica starts in this process's working directory: change it only after they started
-        one = _run_block_here(block.name, block.code, str(tmp_path / "one"))
+        one = run_block_here(block.name, block.code, str(tmp_path / "one"))
         two = job.result()
     assert two[1] == ""  # only the chief prints
-    numbers_one, numbers_two = [float(v) for v in _NUMBER.findall(one)], [float(v) for v in _NUMBER.findall(two[0])]
+    numbers_one, numbers_two = [float(v) for v in NUMBER.findall(one)], [float(v) for v in NUMBER.findall(two[0])]
     assert numbers_one and len(numbers_one) == len(numbers_two), (one, two[0])
     assert numbers_two == pytest.approx(numbers_one, rel=1e-4, abs=1e-5), (one, two[0])
 

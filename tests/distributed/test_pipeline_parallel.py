@@ -7,7 +7,9 @@ plain torch loop a user writes on one device (no towers): per-example token loss
 the global batch, torch's ``clip_grad_norm_``, SGD with momentum. Three runs must match it within
 rtol 1e-4: the custom loop through ``strategy.forward_backward`` (1F1B, 2 micro-batches per share),
 ``Trainer.fit`` (GPipe, 4 micro-batches per share), and ``mesh="pp=4"`` (one block per stage, 1F1B,
-4 micro-batches). Calling the pipelined model directly is refused with the API to use.
+4 micro-batches), and ``mesh="pp=2,tp=2"`` (each stage's layers split over tp, with and without sequence
+parallelism). Under ``torch.no_grad()`` each pipelined model returns the trained plain model's logits on every
+stage; calling it directly with gradients on is refused with the API to use.
 
 Checkpoints: the custom loops save after 2 updates (each stage its part, sharded over dp). The
 pp=2,dp=2 one restores into one plain process (this test's: the plain loop's parameters and SGD momenta
@@ -72,9 +74,18 @@ def _custom_loop(strategy, checkpoint_dir: str) -> dict:
         refused = ""
     except RuntimeError as exc:
         refused = str(exc)
+    with torch.no_grad():  # evaluation: the whole pipeline forward, its output on every stage
+        evaluated = model(x[:4])
     names = sorted(n for n, _ in strategy.unwrap(model).named_parameters())
     return {"state": strategy.full_state_dict(model), "norms": norms, "losses": losses, "outputs": outputs,
-            "refused": refused, "names": names}
+            "refused": refused, "names": names, "evaluated": evaluated, "shape": tuple(strategy.mesh.shape),
+            "qkv": _local_rows(strategy.unwrap(model), "blocks.0.attn.qkv.weight")}
+
+
+def _local_rows(stage, name: str) -> int | None:
+    """The rows of ``name`` this process holds (its tp and dp slice), None where its stage does not hold it."""
+    param = dict(stage.named_parameters()).get(name)
+    return None if param is None else int(param.to_local().shape[0])
 
 
 def _resume(checkpoints: dict[str, str]) -> dict:
@@ -121,7 +132,9 @@ def _job(checkpoint_dir: str, plain_checkpoint: str) -> dict:
     fit["resumed"] = gpipe.full_state_dict(again.model)
 
     pp4 = _custom_loop(towers.FullyShardedStrategy(mesh="pp=4"), checkpoint_dir + "-pp4")
-    return {"loop": loop, "facts": facts, "fit": fit, "pp4": pp4, "resumed": resumed}
+    pp2tp2 = _custom_loop(towers.FullyShardedStrategy(mesh="pp=2,tp=2"), checkpoint_dir + "-pp2tp2")
+    sp = _custom_loop(towers.FullyShardedStrategy(mesh="pp=2,tp=2", sequence_parallel=True), checkpoint_dir + "-sp")
+    return {"loop": loop, "facts": facts, "fit": fit, "pp4": pp4, "pp2tp2": pp2tp2, "pp2tp2sp": sp, "resumed": resumed}
 
 
 def _per_token_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "none") -> torch.Tensor:
@@ -205,6 +218,31 @@ def test_pp4_one_block_per_stage_trains_as_one_device(launch, plain):
     for r in results:
         _close(r["pp4"]["state"], reference)
         assert r["pp4"]["norms"] == pytest.approx(norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("run", ["pp2tp2", "pp2tp2sp"])
+def test_pp2_tp2_each_stage_split_over_tp_trains_as_one_device(launch, plain, run):
+    results, _ = launch
+    reference, norms, losses, _ = plain
+    stage0, stage1 = results[0][run]["names"], results[2][run]["names"]  # ranks 0, 1: stage 0 over tp
+    assert "wte.weight" in stage0 and "head.weight" in stage1 and not any(n.startswith("blocks.2.") for n in stage0)
+    assert {r[run]["shape"] for r in results} == {(2, 1, 2)}
+    assert [r[run]["qkv"] for r in results] == [3 * CONFIG.n_embd // 2] * 2 + [None] * 2  # half the heads each
+    for r in results:
+        _close(r[run]["state"], reference)
+        assert r[run]["norms"] == pytest.approx(norms, rel=1e-5)
+        assert r[run]["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_a_pipelined_model_under_no_grad_returns_the_whole_models_output_on_every_stage(launch, plain):
+    results, _ = launch
+    model = GPT(CONFIG)
+    model.load_state_dict(plain[0])
+    with torch.no_grad():
+        want = model(_data()[0][:4])  # the trained plain model's logits
+    for r in results:
+        for run in ("loop", "pp4", "pp2tp2", "pp2tp2sp"):
+            torch.testing.assert_close(r[run]["evaluated"], want, rtol=RTOL, atol=ATOL)
 
 
 def test_a_pipelined_model_called_directly_is_refused_with_the_api_to_use(launch):

@@ -122,8 +122,21 @@ def test_a_plan_is_checked_against_the_model_before_anything_splits():
     with pytest.raises(ValueError, match=r"matches no module.*'blocks\.\*\.fc1'"):
         check_divisible(mlp, {"blocks.*.fc1": "colwise"}, 2)
     with pytest.raises(ValueError, match="towers has no tensor-parallel plan for Sequential"):
-        tp_plan_for(mlp, 2)
+        tp_plan_for(mlp, 4)  # its only MLP's 10 hidden units do not divide by 4
+    with pytest.raises(ValueError, match="towers has no tensor-parallel plan for Conv2d"):
+        tp_plan_for(nn.Conv2d(1, 4, 3), 2)
     assert tp_plan_for(mlp, 2, lambda m, tp: {"0": "colwise", "2": "rowwise"}) == {"0": "colwise", "2": "rowwise"}
+
+
+def test_the_mlps_of_a_sequential_split_colwise_then_rowwise():
+    from towers.models import SeedCNN
+
+    assert tp_plan_for(SeedCNN(), 2) == {"4": "colwise", "6": "rowwise"}  # Linear(5408, 64), ReLU, Linear(64, 10)
+    deep = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.0), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2),
+                         nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, 2)))
+    # Dropout is not elementwise-safe on a slice (each process would draw its own mask): the first run stops there.
+    assert tp_plan_for(deep, 2) == {"3": "colwise", "5": "rowwise", "6.0": "colwise", "6.2": "rowwise"}
+    check_divisible(deep, tp_plan_for(deep, 2), 2)
 
 
 # --- sequence parallelism -------------------------------------------------------------------------------------------

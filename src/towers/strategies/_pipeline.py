@@ -68,15 +68,12 @@ def check_pipeline_options(spec: Any, accumulation: int, shard_group_size: int |
     """Refuse, before the process group is joined, what pipeline parallelism does not build yet.
 
     Raises:
-        ValueError: tp with pp, gradient accumulation, HSDP, mixed precision.
+        ValueError: gradient accumulation, HSDP, mixed precision.
     """
     mesh = f"mesh {spec.describe()}"
     if precision != "32":
         raise user_error("Pipeline parallelism computes in float32 only (mixed precision is not built yet)",
                          f"precision={precision!r}, {mesh}", "Use precision='32' with pp.")
-    if spec.tp > 1:
-        raise user_error("Pipeline and tensor parallelism in one mesh are not built yet", mesh,
-                         f"Use pp={spec.pp},dp={spec.dp * spec.tp} or dp={spec.dp},tp={spec.tp}.")
     if accumulation != 1:
         raise user_error("gradient_accumulation_steps does not combine with pipeline parallelism: a pipelined step "
                          "already accumulates its micro-batches", f"gradient_accumulation_steps={accumulation}",
@@ -102,10 +99,11 @@ def _padding_in(micro: int, size: int, local: int, padding: int) -> int:
 class PipelineComm:
     """The processes of this process's pipeline (the pp dimension at its dp, tp coordinate) and its last stage."""
 
-    def __init__(self, group: Any, *, last_rank: int, stages: int):
+    def __init__(self, group: Any, *, last_rank: int, stages: int, width: int = 1):
         self.group = group
         self.last_rank = last_rank  # global rank of this pipeline's last stage (it holds the losses)
         self.stages = stages
+        self.width = width  # processes per stage (dp * tp): the next stage's process is this rank + width
 
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """Return the last stage's ``tensor`` on every stage of this pipeline (same shape everywhere)."""
@@ -160,6 +158,19 @@ class Pipeline:
         self.schedule_name = schedule
         self.microbatches = microbatches
         self._schedules: dict[tuple[Any, ...], tuple[Any, _Deferred]] = {}  # shape -> (schedule, its loss)
+        stage_module.forward_without_backward = self.forward_without_backward
+
+    def forward_without_backward(self, stage: Any, x: Any) -> torch.Tensor:
+        """The whole model's output for ``x`` on every stage (``model(x)`` under ``torch.no_grad()``)."""
+        import torch.distributed as dist
+
+        from towers.strategies._pipeline_inference import forward_through_stages
+
+        rank, index, comm = dist.get_rank(), stage.stage_index, self.comm
+        return forward_through_stages(stage, x, stage.run_stage, group=comm.group, device=self.device,
+                                      previous_rank=rank - comm.width if index > 0 else None,
+                                      next_rank=rank + comm.width if index < stage.num_stages - 1 else None,
+                                      last_rank=comm.last_rank)
 
     @property
     def is_last(self) -> bool:

@@ -20,7 +20,7 @@ No torch.distributed here: the split is checked and built in one process (tests/
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -35,8 +35,9 @@ _CALL_ERROR = (
     "micro-batch. Expected one call that runs the whole pipeline schedule, forward and backward: "
     "loss, outputs = strategy.forward_backward(model, x, y, loss_fn) with loss_fn(outputs, y) returning "
     "towers.compute_average_loss(per_example_loss); then optimizer.step(). towers.Trainer.fit(..., loss=...) does "
-    "this itself; a model's own loss (Trainer without loss=), evaluate() and predict() are not built under pipeline "
-    "parallelism (docs/model_parallel.md, 'Pipeline parallelism').")
+    "this itself. Under torch.no_grad() (evaluation, prediction) model(x) runs the whole pipeline forward and returns "
+    "its output on every stage; a model's own loss (Trainer without loss=) is not built under pipeline parallelism "
+    "(docs/model_parallel.md, 'Pipeline parallelism').")
 
 
 class PipelineStageModule(nn.Module):
@@ -55,6 +56,8 @@ class PipelineStageModule(nn.Module):
         self._gpt_config = gpt  # towers' GPT: its config (the first stage adds the embeddings, the last the head)
         self._order: list[nn.Module] = []
         self.in_schedule = False  # set by the strategy around the schedule's step
+        #: ``(stage, x) -> output``: the pipeline's forward without backward (set by the strategy), for model(x) under no_grad
+        self.forward_without_backward: Callable[[Any, Any], torch.Tensor] | None = None
         for name, module in parts:
             self._place(name, module)
             self._order.append(module)
@@ -77,11 +80,22 @@ class PipelineStageModule(nn.Module):
         return self.stage_index == self.num_stages - 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Run this stage's modules on ``x`` (the schedule's micro-batch); raise the API to use when called directly."""
-        if not self.in_schedule:
-            names = ", ".join(self.module_names[:3]) + (", ..." if len(self.module_names) > 3 else "")
-            raise FailedPreconditionError(_CALL_ERROR.format(mesh=self._mesh_text, stage=self.stage_index,
-                                                             stages=self.num_stages, names=names))
+        """Run this stage's modules on ``x`` (the schedule's micro-batch).
+
+        Called directly under ``torch.no_grad()`` (evaluation, prediction), it runs the whole pipeline forward
+        (``forward_without_backward``, set by the strategy) and returns the whole model's output on every stage;
+        called directly with gradients on, it raises the API to use instead.
+        """
+        if self.in_schedule:
+            return self.run_stage(x)
+        if not torch.is_grad_enabled() and self.forward_without_backward is not None:
+            return self.forward_without_backward(self, x)
+        names = ", ".join(self.module_names[:3]) + (", ..." if len(self.module_names) > 3 else "")
+        raise FailedPreconditionError(_CALL_ERROR.format(mesh=self._mesh_text, stage=self.stage_index,
+                                                         stages=self.num_stages, names=names))
+
+    def run_stage(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's modules on ``x``: the input of the stage (tokens on the first stage of a GPT)."""
         if self._gpt_config is not None:
             return self._gpt_forward(x)
         for module in self._order:

@@ -21,7 +21,9 @@ from towers.errors import user_error
 from towers.strategies._collectives import ProcessGroupComm
 from towers.strategies._loss_weights import note_normalised
 from towers.strategies._pipeline import Pipeline, PipelineComm, build_pipeline_mesh
+from towers.strategies._pipeline_split import split_model
 from towers.strategies._sync import SyncStrategy
+from towers.strategies._tensor_parallel import stage_plan
 from towers.strategies.base import ReplicaContext, current_replica_context
 from towers.strategies.context import check_max_norm
 
@@ -37,15 +39,34 @@ class PipelineSteps(SyncStrategy):
     _device_mesh: Any
     _mesh: Any
     _pp_mesh: Any
+    _tp_mesh: Any
     _pp_group_names: dict[int, list[list[str]]]  # id(torch optimizer) -> each group's whole-model parameter names
+    _pp_split: Any
+    _pp_schedule: str
+    _pp_microbatches: int
+    _tp_plan: Any
+    _sequence_parallel: bool
 
     def _build_pp_mesh(self, spec: MeshSpec, device: torch.device, backend: str, timeout_s: float) -> ProcessGroupComm:
         """The ``(pp, dp, tp)`` mesh; return the collectives over this process's data-parallel group (its replicas)."""
         self._device_mesh, groups, last_rank = build_pipeline_mesh(spec, device.type)
         self._mesh, self._pp_mesh = self._device_mesh["dp"], self._device_mesh["pp"]
-        self._pp_comm = PipelineComm(self._pp_mesh.get_group(), last_rank=last_rank, stages=spec.pp)
+        self._tp_mesh = self._device_mesh["tp"] if spec.tp > 1 else None  # each stage's layers split over tp
+        self._pp_comm = PipelineComm(self._pp_mesh.get_group(), last_rank=last_rank, stages=spec.pp,
+                                     width=spec.dp * spec.tp)
         return ProcessGroupComm(rank=self._device_mesh.get_local_rank("dp"), num_replicas=spec.dp, backend=backend,
                                 timeout_s=timeout_s, group=self._mesh.get_group(), groups=groups)
+
+    def _keep_stage(self, model: nn.Module, spec: MeshSpec, comm: PipelineComm) -> tuple[nn.Module, Any, bool]:
+        """Return this process's stage of ``model`` (its pipeline registered), the tensor-parallel plan for it and
+        whether to derive that plan's sequence-parallel variant: the whole model's plan, for the modules it holds."""
+        stage = split_model(model, self._pp_mesh.get_local_rank(), spec.pp, self._pp_split, mesh=spec.describe())
+        self._pipelines.append(Pipeline(stage, comm=comm, device=self.device, schedule=self._pp_schedule,
+                                        microbatches=self._pp_microbatches))
+        if self._tp_mesh is None:
+            return stage, self._tp_plan, self._sequence_parallel
+        plan = stage_plan(model, stage, int(self._tp_mesh.size()), self._tp_plan, sequence_parallel=self._sequence_parallel)
+        return stage, plan, False  # the plan is already its sequence-parallel variant where asked
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any,
                          loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, Any]:

@@ -9,7 +9,9 @@ process of a replica computes it whole on the same batch.
 
 Built-in plans: towers' GPT (``towers.models_gpt``), every Hugging Face model whose config
 carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2, ...; the head too, where the vocabulary
-divides by tp), and models laid out as torchtitan's Llama 3 (``layers.N.attention.wq`` ...). Any other model: pass ``tp_plan=`` a
+divides by tp), models laid out as torchtitan's Llama 3 (``layers.N.attention.wq`` ...), and the MLPs of an
+``nn.Sequential`` (two linear layers with only activations between them: the first colwise, the second
+rowwise, as the seed CNN's classifier). Any other model: pass ``tp_plan=`` a
 dict of name -> style (the strings ``"colwise"`` / ``"rowwise"``, or style objects), or a callable
 ``plan(model, tp_size) -> dict``. ``sequence_parallel=True`` turns a plan into its sequence-parallel
 variant (``towers.strategies._sequence_parallel``).
@@ -26,7 +28,7 @@ from torch import nn
 from towers._logging import get_logger
 from towers.errors import user_error
 
-__all__ = ["TPPlan", "tp_plan_for", "check_divisible", "apply_tensor_parallel"]
+__all__ = ["TPPlan", "tp_plan_for", "check_divisible", "apply_tensor_parallel", "stage_plan"]
 
 log = get_logger(__name__)
 
@@ -100,6 +102,30 @@ def _torchtitan_plan(model: nn.Module) -> dict[str, Any] | None:
     return plan
 
 
+#: Modules without parameters that act on each feature alone: a colwise layer's slice of features passes through them.
+_ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Identity)
+
+
+def _sequential_mlp_plan(model: nn.Module, tp: int) -> dict[str, Any] | None:
+    """The plan for the MLPs in ``model``'s ``nn.Sequential`` containers, else None: each ``Linear``, activations,
+    ``Linear`` run whose hidden width divides by ``tp`` becomes colwise then rowwise (one all-reduce per MLP)."""
+    plan: dict[str, Any] = {}
+    for prefix, container in model.named_modules():
+        if not isinstance(container, nn.Sequential):
+            continue
+        entries = list(container.named_children())
+        for i, (name, first) in enumerate(entries):
+            if not isinstance(first, nn.Linear) or first.out_features % tp or f"{prefix}.{name}".lstrip(".") in plan:
+                continue
+            j = i + 1
+            while j < len(entries) and isinstance(entries[j][1], _ELEMENTWISE):
+                j += 1
+            if j < len(entries) and isinstance(entries[j][1], nn.Linear) and entries[j][1].in_features == first.out_features:
+                plan[f"{prefix}.{name}".lstrip(".")] = "colwise"
+                plan[f"{prefix}.{entries[j][0]}".lstrip(".")] = "rowwise"
+    return plan or None
+
+
 def tp_plan_for(model: nn.Module, tp: int, plan: TPPlan = "auto", *, sequence_parallel: bool = False) -> dict[str, Any]:
     """Return the plan (module name pattern -> style) for ``model`` on ``tp`` processes.
 
@@ -128,7 +154,7 @@ def _tp_plan(model: nn.Module, tp: int, plan: TPPlan) -> dict[str, Any]:
                          "Use e.g. tp_plan={'layers.*.fc1': 'colwise', 'layers.*.fc2': 'rowwise'}.")
     if _is_towers_gpt(model):
         return _towers_gpt_plan(model, tp)
-    found = _hf_plan(model) or _torchtitan_plan(model)
+    found = _hf_plan(model) or _torchtitan_plan(model) or _sequential_mlp_plan(model, tp)
     if found is not None:
         return {k: v for k, v in found.items() if not _head_too_narrow(model, k, v, tp)}
     raise user_error(f"towers has no tensor-parallel plan for {type(model).__name__}", "tp_plan='auto'",
@@ -218,3 +244,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: TPPlan = "auto",
     _replicate_rest(model, tp_mesh)
     log.info("tensor parallel over %d processes: %s", tp, ", ".join(f"{k}={v}" for k, v in resolved.items()))
     return resolved
+
+
+def stage_plan(model: nn.Module, stage: nn.Module, tp: int, plan: TPPlan = "auto", *,
+               sequence_parallel: bool = False) -> dict[str, Any]:
+    """The plan for one pipeline ``stage`` of ``model``: resolved and checked on the whole model (its config names
+    the heads), then the entries naming modules this stage holds (under their original names).
+
+    Raises:
+        ValueError: as ``tp_plan_for`` and ``check_divisible``.
+    """
+    resolved = tp_plan_for(model, tp, plan, sequence_parallel=sequence_parallel)
+    check_divisible(model, resolved, tp)
+    return {pattern: style for pattern, style in resolved.items() if _matched(stage, pattern)}

@@ -39,7 +39,7 @@ from towers.strategies._pipeline import (
     check_pipeline_options,
     check_schedule,
 )
-from towers.strategies._pipeline_split import parse_split, split_model
+from towers.strategies._pipeline_split import parse_split
 from towers.strategies._pipeline_strategy import PipelineSteps
 from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
@@ -255,13 +255,11 @@ class FullyShardedStrategy(PipelineSteps):
             return super()._wrap_model(model)
         check_same_parameters(model, self._comm.all_gather_object)
         self._broadcast_from_chief(model)
+        plan, sequence_parallel = self._tp_plan, self._sequence_parallel
         if self._pp_spec is not None and self._pp_comm is not None:  # this process's stage; FSDP2 shards it over dp
-            model = split_model(model, self._pp_mesh.get_local_rank(), self._pp_spec.pp, self._pp_split,
-                                mesh=self._pp_spec.describe())
-            self._pipelines.append(Pipeline(model, comm=self._pp_comm, device=self.device, schedule=self._pp_schedule,
-                                            microbatches=self._pp_microbatches))
+            model, plan, sequence_parallel = self._keep_stage(model, self._pp_spec, self._pp_comm)
         if self._tp_mesh is not None:  # split the layers first; FSDP2 then shards each split over dp (2-D)
-            apply_tensor_parallel(model, self._tp_mesh, self._tp_plan, sequence_parallel=self._sequence_parallel)
+            apply_tensor_parallel(model, self._tp_mesh, plan, sequence_parallel=sequence_parallel)
         shard_model(model, self._mesh, shard_units=self._shard_units, reshard_after_forward=self._reshard_after_forward,
                     precision=self.precision.name, cpu_offload=self._cpu_offload)
         self._sharded.append(model)
