@@ -47,6 +47,7 @@ __all__ = [
     "DistributedError",
     "choose_backend",
     "init_process_group",
+    "init_one_process_group",
     "startup_watch",
     "announce_death",
     "announce_deaths",
@@ -230,6 +231,32 @@ def _init_error(info: ProcessInfo, backend: str, exc: BaseException, elapsed_s: 
 
 
 _LEAVE_REGISTERED = False
+
+
+def init_one_process_group(device: torch.device, *, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Make a process group of this process alone; return True when this call made it (False: one exists already).
+
+    For a one-process job whose torch code needs a group all the same (FSDP2 on one GPU). Nothing is
+    awaited and no port is opened: the group's store lives in this process. The backend is NCCL for a
+    CUDA ``device`` (when torch has it), else Gloo. Left at exit like the job's group.
+
+    Raises:
+        ValueError: on a bad backend or timeout.
+    """
+    if timeout_s <= 0:
+        raise InvalidArgumentError(f"timeout_s must be > 0 seconds. Received: {timeout_s}.")
+    if backend not in ("auto", "gloo", "nccl"):
+        raise InvalidArgumentError(f"backend must be 'auto', 'gloo' or 'nccl'. Received: {backend!r}.")
+    if dist.is_initialized():
+        return False
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
+    _leave_at_exit()
+    log.info("made a process group of this process alone: backend=%s", backend)
+    return True
 
 
 #: How long the exit hook lets Gloo's worker threads finish with their last work (see ``leave_before_exit``).

@@ -15,7 +15,6 @@ all-gathers stay on the fast intra-node links and only the gradient all-reduce c
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from typing import Any, Sequence, Union
 
 import torch
@@ -23,9 +22,11 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.errors import InvalidArgumentError
+from towers.process_group import init_one_process_group
+from towers.strategies._blocks import describe_blocks, repeated_blocks
 
-__all__ = ["ShardUnits", "DEFAULT_MIN_NUM_PARAMS", "select_units", "build_mesh", "mixed_precision_policy",
-           "shard_model", "fsdp_modules"]
+__all__ = ["ShardUnits", "DEFAULT_MIN_NUM_PARAMS", "select_units", "build_mesh", "one_process_mesh",
+           "mixed_precision_policy", "shard_model", "fsdp_modules"]
 
 log = get_logger(__name__)
 
@@ -34,48 +35,6 @@ ShardUnits = Union[str, type, Sequence[type], int]
 
 #: The size policy's threshold when ``"auto"`` finds no repeated blocks.
 DEFAULT_MIN_NUM_PARAMS = 1_000_000
-
-
-#: The containers a model keeps its stack of blocks in (a GPT's ``nn.ModuleList``, torchtitan's ``nn.ModuleDict``).
-_BLOCK_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-def _has_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
-
-
-def _repeated_children(container: nn.Module) -> list[nn.Module]:
-    """The children of ``container`` whose class appears there at least twice (and that hold parameters).
-
-    In an ``nn.Sequential`` only modules with submodules of their own count: a Sequential of
-    ``Linear`` and ``ReLU`` layers is an MLP (or a small CNN), not a stack of blocks.
-    """
-    children = [c for c in container.children() if _has_parameters(c)]
-    if isinstance(container, nn.Sequential):
-        children = [c for c in children if any(True for _ in c.children())]
-    counts = Counter(type(c) for c in children)
-    return [c for c in children if counts[type(c)] >= 2]
-
-
-def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """Every repeated block of ``model``'s block containers, the outermost ones (a block is not searched inside)."""
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        blocks = _repeated_children(module) if isinstance(module, _BLOCK_CONTAINERS) else []
-        found.extend(blocks)
-        for child in module.children():
-            if not any(child is b for b in blocks):
-                visit(child)
-
-    visit(model)
-    return found
-
-
-def _describe(units: Sequence[nn.Module]) -> str:
-    """``"4 TransformerBlock units"``, ``"2 DenseBlock + 2 MoEBlock units"``: the units by class, in model order."""
-    counts = Counter(type(u).__name__ for u in units)
-    return " + ".join(f"{n} {name}" for name, n in counts.items()) + (" unit" if len(units) == 1 else " units")
 
 
 def _by_size(model: nn.Module, min_num_params: int) -> list[nn.Module]:
@@ -116,12 +75,12 @@ def select_units(model: nn.Module, shard_units: ShardUnits = "auto") -> list[nn.
             raise InvalidArgumentError(
                 f"shard_units must be 'auto', a module class (or tuple of classes) or a parameter count. "
                 f"Received: {shard_units!r}. Example: shard_units=MyBlock or shard_units=1_000_000.")
-        blocks = _repeated_blocks(model)
+        blocks = repeated_blocks(model)
         if blocks:
-            log.info("shard_units='auto': sharding %s + the root", _describe(blocks))
+            log.info("shard_units='auto': sharding %s + the root", describe_blocks(blocks))
             return blocks
         units = _by_size(model, DEFAULT_MIN_NUM_PARAMS)
-        chosen = f"{_describe(units)} of >= {DEFAULT_MIN_NUM_PARAMS:,} parameters + the root" if units else (
+        chosen = f"{describe_blocks(units)} of >= {DEFAULT_MIN_NUM_PARAMS:,} parameters + the root" if units else (
             "the whole model as one unit")
         size = sum(p.numel() for p in model.parameters())
         # Below the size policy's threshold one unit is what any policy gives: nothing to fix, so no warning.
@@ -168,6 +127,17 @@ def build_mesh(world_size: int, device_type: str, shard_group_size: int | None =
     if group == world_size:
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
     return init_device_mesh(device_type, (world_size // group, group), mesh_dim_names=("replicate", "shard"))
+
+
+def one_process_mesh(device: torch.device, *, backend: str = "auto", timeout_s: float) -> tuple[Any, bool]:
+    """Return ``(mesh, made_group)``: the 1-rank mesh a one-process job shards over, and whether a group was made for it.
+
+    FSDP2 on one process is not about splitting: its ``CPUOffloadPolicy`` and ``MixedPrecisionPolicy``
+    are how parameters, gradients and optimizer state live in host memory and compute in bf16 on one
+    GPU. It needs a process group even then; a job started without one gets one of its own (no port).
+    """
+    made = init_one_process_group(device, backend=backend, timeout_s=timeout_s)
+    return build_mesh(1, device.type), made
 
 
 def mixed_precision_policy(precision: str, *, root: bool = True) -> Any:

@@ -18,6 +18,7 @@ from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset, DistributedStream, find_batch_info, is_stream
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
+from towers.strategies._activation_checkpointing import apply_activation_checkpointing
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
 from towers.strategies._steps import StepTracker, StrategyOptimizer
 from towers.strategies.base import ReplicaContext, Strategy, current_replica_context, note_built
@@ -77,15 +78,17 @@ class SyncStrategy(Strategy):
 
     # --- preparation ----------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                compile: bool | Mapping[str, Any] = False) -> tuple[nn.Module, Any]:
+                compile: bool | Mapping[str, Any] = False, activation_checkpointing: str = "off") -> tuple[nn.Module, Any]:
         """Return ``(model, optimizer)``: the model on this replica's device (wrapped for sync) and a stepping-aware optimizer.
 
         ``compile=True`` (or a dict of ``torch.compile`` options) compiles the wrapped model, after the
-        strategy's own wrapping.
+        strategy's own wrapping. ``activation_checkpointing`` (``"off"``, ``"block"``, ``"selective"``) makes
+        the model's repeated blocks recompute their activations in backward; applied before any wrapping.
 
         Raises:
             TypeError: when ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
-            ValueError: when the model or optimizer was already prepared, or the model differs across replicas.
+            ValueError: when the model or optimizer was already prepared, or the model differs across replicas; a bad
+                ``activation_checkpointing``, or one other than ``"off"`` for a model without repeated blocks.
             RuntimeError: ``compile`` with inductor on a CPU without a C++ compiler.
         """
         if not isinstance(model, nn.Module):
@@ -104,7 +107,7 @@ class SyncStrategy(Strategy):
             raise user_error("precision='fp16' supports one optimizer per strategy (one loss scale)",
                              f"a second optimizer ({type(optimizer).__name__})",
                              "Use precision='bf16' for several optimizers, or put every parameter group in one optimizer.")
-        model = model.to(self._device)
+        model = apply_activation_checkpointing(model.to(self._device), activation_checkpointing)
         wrapped = self._wrap_model(model)
         # A plain loop (no strategy.run) still trains one device's maths: the forward's batch starts the step.
         wrapped.register_forward_pre_hook(self._step_outside_run, with_kwargs=True)

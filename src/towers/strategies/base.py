@@ -117,11 +117,14 @@ class Strategy(StrategyLossWeights, StrategyCheckpoints, ABC):
 
     @abstractmethod
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                compile: bool | Mapping[str, Any] = False) -> tuple[nn.Module, Any]:
+                compile: bool | Mapping[str, Any] = False, activation_checkpointing: str = "off") -> tuple[nn.Module, Any]:
         """Return ``(model, optimizer)`` ready for this strategy (moved, wrapped, synchronised).
 
         ``compile=True`` (or a dict of ``torch.compile`` options) compiles the model after the
-        strategy's own wrapping.
+        strategy's own wrapping. ``activation_checkpointing``: ``"off"``; ``"block"`` (each repeated block of
+        the model, as ``shard_units="auto"`` finds them, keeps only its input and is recomputed in backward);
+        ``"selective"`` (inside each block the matmul and attention outputs are kept, the cheap ops recomputed).
+        Applied before the strategy's wrapping and ``compile``; parameter names and ``state_dict`` keys do not change.
         """
 
     def unwrap(self, model: nn.Module) -> nn.Module:

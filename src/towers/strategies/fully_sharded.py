@@ -31,7 +31,7 @@ from towers.errors import InvalidArgumentError, user_error
 from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
-from towers.strategies._fsdp import ShardUnits, build_mesh, select_units, shard_model
+from towers.strategies._fsdp import ShardUnits, build_mesh, one_process_mesh, select_units, shard_model
 from towers.strategies._pipeline import (
     Pipeline,
     PipelineComm,
@@ -165,6 +165,8 @@ class FullyShardedStrategy(PipelineSteps):
                 self._mesh = build_mesh(info.world_size, device.type, shard_group_size)
         elif shard_group_size not in (None, 1):
             raise InvalidArgumentError(f"shard_group_size must divide the number of processes (1). Received: {shard_group_size}.")
+        if info.world_size == 1 and (self._cpu_offload or precision.name != "32"):  # FSDP2's offload and bf16, one GPU
+            self._mesh, self._owns_group = one_process_mesh(device, backend=backend, timeout_s=timeout_s)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         super().__init__(info=info, device=device, comm=comm, precision=precision,

@@ -22,6 +22,7 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.process_group import DEFAULT_TIMEOUT_S
+from towers.strategies._activation_checkpointing import apply_activation_checkpointing
 from towers.strategies._comm_hooks import sum_hook
 from towers.strategies._ddp import TowersDDP, check_same_parameters
 from towers.strategies.base import check_max_norm
@@ -100,7 +101,7 @@ class HybridStrategy(ParameterServerStrategy):
                                                  use_local_synchronization=False)
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                compile: bool | Mapping[str, Any] = False) -> tuple[nn.Module, Any]:
+                compile: bool | Mapping[str, Any] = False, activation_checkpointing: str = "off") -> tuple[nn.Module, Any]:
         """Connect the tables to the ps tasks, wrap the dense part in DDP over the workers; return (model, optimizer).
 
         Raises:
@@ -109,7 +110,7 @@ class HybridStrategy(ParameterServerStrategy):
         """
         client = self._require_worker("prepare")
         generation = self._generations.of(model)  # a later model gets new tables on the ps tasks
-        model = model.to(self.device)
+        model = apply_activation_checkpointing(model.to(self.device), activation_checkpointing)
         sparse = self._bind_tables(model, optimizer, client, generation)
         self._generations.prepared(model)
         dense = [p for p in model.parameters() if p.requires_grad]

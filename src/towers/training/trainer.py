@@ -47,6 +47,8 @@ class Trainer(Epochs, TrainingSteps, Inference):
     ``towers.strategy_from_env(precision=precision)``. Precision (``"32"``, ``"bf16"``, ``"fp16"``)
     belongs to the strategy; with a strategy given, ``precision`` must match it (or stay None).
     ``compile=True`` (or a dict of ``torch.compile`` options) has the strategy compile the model.
+    ``activation_checkpointing`` (``"off"``, ``"block"``, ``"selective"``) has it recompute the model's repeated
+    blocks' activations in backward (``strategy.prepare``): less memory for more compute.
 
     ``log_every_n_steps``: training metrics are summed on each replica and reduced across replicas
     at every that-many-th step of each epoch (its first included) and at its last step (one collective,
@@ -80,6 +82,7 @@ class Trainer(Epochs, TrainingSteps, Inference):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any = None, *,
                  metrics: Iterable[Any] | Mapping[str, Any] | None = (), strategy: Strategy | None = None,
                  precision: Any = None, seed: int = 0, compile: bool | Mapping[str, Any] = False,
+                 activation_checkpointing: str = "off",
                  log_every_n_steps: int = 10, clip_grad_norm: float | None = None, label_key: str = "labels",
                  prediction_key: str | int | None = None, ignore_index: int = -100,
                  breakdown_every: int | None = None):
@@ -113,7 +116,9 @@ class Trainer(Epochs, TrainingSteps, Inference):
         self._passes_count = loss is None and _takes(model, "num_items_in_batch")
         # A causal LM's own loss predicts label i+1 from position i: it counts labels[..., 1:], and so does the Trainer.
         self._shifted_labels = loss is None and loss_shifts_labels(model)
-        self.model, self.optimizer = strategy.prepare(model, optimizer, compile=compile)
+        # Passed only when asked for: a strategy of the user's own may take compile= alone.
+        checkpointing = {} if activation_checkpointing == "off" else {"activation_checkpointing": activation_checkpointing}
+        self.model, self.optimizer = strategy.prepare(model, optimizer, compile=compile, **checkpointing)
         self.seed = int(seed)
         self.stop_training = False
         self.history = History()

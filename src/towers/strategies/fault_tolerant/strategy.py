@@ -19,6 +19,7 @@ from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
 from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S, check_timeout
+from towers.strategies._activation_checkpointing import apply_activation_checkpointing
 from towers.strategies.base import note_built
 from towers.strategies.fault_tolerant.batches import FaultTolerantBatches
 from towers.strategies.fault_tolerant.collectives import LiveGroupCollectives
@@ -169,7 +170,7 @@ class FaultTolerantStrategy(LiveGroupCollectives):
 
     # --- preparation ----------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                compile: bool | Mapping[str, Any] = False) -> tuple[nn.Module, Any]:
+                compile: bool | Mapping[str, Any] = False, activation_checkpointing: str = "off") -> tuple[nn.Module, Any]:
         """Return ``(model, optimizer)``: the model in torchft's DDP (gradients summed over the live groups) and an
         optimizer that steps only on a committed step. The model and optimizer state is what a healing group fetches.
 
@@ -197,7 +198,7 @@ class FaultTolerantStrategy(LiveGroupCollectives):
                 "on that group (replicas that are no longer replicas), and its input would start at the job's "
                 "step, not at its own first batch. Prepare every model before training, or train the second "
                 "model in a job of its own (another towers launch).")
-        model = model.to(self._device)
+        model = apply_activation_checkpointing(model.to(self._device), activation_checkpointing)
         manager = self._manager
 
         class _SummingDDP(DistributedDataParallel):  # torchft's DDP averages; towers' losses are already / global batch

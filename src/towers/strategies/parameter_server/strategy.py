@@ -43,6 +43,7 @@ from towers.process_group import (
     init_process_group,
     startup_watch,
 )
+from towers.strategies._activation_checkpointing import apply_activation_checkpointing
 from towers.strategies.base import ReplicaContext, note_built
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
@@ -208,7 +209,7 @@ class ParameterServerStrategy(WorkerCollectives):
 
     # --- preparation -------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                compile: bool | Mapping[str, Any] = False) -> tuple[nn.Module, Any]:
+                compile: bool | Mapping[str, Any] = False, activation_checkpointing: str = "off") -> tuple[nn.Module, Any]:
         """Register ``model`` with the ps tasks; return it (now holding the ps values) and a pushing optimizer.
 
         The chief's parameter values become the starting values everywhere.
@@ -221,7 +222,7 @@ class ParameterServerStrategy(WorkerCollectives):
         generation = self._generations.of(model)  # a later model replaces the earlier one on the ps tasks
         if generation > 0:
             client.finish()  # the reply of the earlier model's last push (overlap) lands before the ps moves on
-        model = model.to(self.device)
+        model = apply_activation_checkpointing(model.to(self.device), activation_checkpointing)
         sparse = self._bind_tables(model, optimizer, client, generation)
         bound = None
         if sparse is None or any(True for _ in model.parameters()):
