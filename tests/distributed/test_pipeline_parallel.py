@@ -8,7 +8,8 @@ the global batch, torch's ``clip_grad_norm_``, SGD with momentum. Three runs mus
 rtol 1e-4: the custom loop through ``strategy.forward_backward`` (1F1B, 2 micro-batches per share),
 ``Trainer.fit`` (GPipe, 4 micro-batches per share), and ``mesh="pp=4"`` (one block per stage, 1F1B,
 4 micro-batches), and ``mesh="pp=2,tp=2"`` (each stage's layers split over tp, with and without sequence
-parallelism). Under ``torch.no_grad()`` each pipelined model returns the trained plain model's logits on every
+parallelism), gradient accumulation (2 batches of 4 per update, clipped once) and ``Trainer.fit`` in bf16 with
+accumulation (within 1e-2). Under ``torch.no_grad()`` each pipelined model returns the trained plain model's logits on every
 stage; calling it directly with gradients on is refused with the API to use.
 
 Checkpoints: the custom loops save after 2 updates (each stage its part, sharded over dp). The
@@ -54,19 +55,19 @@ def _step(strategy, model, optimizer, xb, yb) -> tuple[torch.Tensor, object, flo
     return loss, out, norm
 
 
-def _custom_loop(strategy, checkpoint_dir: str) -> dict:
+def _custom_loop(strategy, checkpoint_dir: str, batch: int = GBS) -> dict:
     with strategy.scope():
         model = _model()
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     model, optimizer = strategy.prepare(model, optimizer)
     x, y = _data()
     norms, losses, outputs = [], [], []
-    for xb, yb in strategy.distribute_dataset((x, y), global_batch_size=GBS, shuffle=False):
+    for xb, yb in strategy.distribute_dataset((x, y), global_batch_size=batch, shuffle=False):
         loss, out, norm = _step(strategy, model, optimizer, xb, yb)
         norms.append(norm)
         losses.append(float(strategy.reduce("sum", loss)))
         outputs.append(None if out is None else tuple(out.shape))
-        if len(norms) == SAVED_AFTER:  # each stage writes its part
+        if len(norms) == SAVED_AFTER and batch == GBS:  # each stage writes its part
             towers.checkpoint.save_checkpoint(checkpoint_dir, {"model": model, "optimizer": optimizer,
                                                                "step": SAVED_AFTER}, strategy=strategy)
     try:
@@ -134,7 +135,14 @@ def _job(checkpoint_dir: str, plain_checkpoint: str) -> dict:
     pp4 = _custom_loop(towers.FullyShardedStrategy(mesh="pp=4"), checkpoint_dir + "-pp4")
     pp2tp2 = _custom_loop(towers.FullyShardedStrategy(mesh="pp=2,tp=2"), checkpoint_dir + "-pp2tp2")
     sp = _custom_loop(towers.FullyShardedStrategy(mesh="pp=2,tp=2", sequence_parallel=True), checkpoint_dir + "-sp")
-    return {"loop": loop, "facts": facts, "fit": fit, "pp4": pp4, "pp2tp2": pp2tp2, "pp2tp2sp": sp, "resumed": resumed}
+    # Accumulation: each update's 8 examples as 2 batches of 4 (each cut into micro-batches); fit also in bf16.
+    accumulated = _custom_loop(towers.FullyShardedStrategy(mesh="pp=2,dp=2", gradient_accumulation_steps=2),
+                               checkpoint_dir + "-acc", batch=GBS // 2)
+    bf16 = _trainer(towers.FullyShardedStrategy(mesh="pp=2,dp=2", gradient_accumulation_steps=2, precision="bf16"))
+    bf16.fit(_data(), epochs=1, global_batch_size=GBS // 2, shuffle=False)
+    fit["bf16"] = bf16.strategy.full_state_dict(bf16.model)
+    return {"loop": loop, "facts": facts, "fit": fit, "pp4": pp4, "pp2tp2": pp2tp2, "pp2tp2sp": sp,
+            "accumulated": accumulated, "resumed": resumed}
 
 
 def _per_token_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "none") -> torch.Tensor:
@@ -209,6 +217,24 @@ def test_trainer_fit_under_gpipe_trains_as_one_device_with_the_same_history_ever
         _close(r["fit"]["state"], reference)
     assert {tuple(r["fit"]["loss"]) for r in results} == {tuple(results[0]["fit"]["loss"])}
     assert results[0]["fit"]["loss"][0] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+def test_gradient_accumulation_under_pp_clips_once_per_update_and_trains_as_one_device(launch, plain):
+    results, _ = launch
+    reference, norms, _, _ = plain
+    for r in results:
+        _close(r["accumulated"]["state"], reference)
+        assert r["accumulated"]["norms"][1::2] == pytest.approx(norms, rel=1e-5)  # the whole update's norm, clipped once
+
+
+def test_bf16_under_pp_computes_in_bf16_and_stays_near_one_device(launch, plain):
+    results, _ = launch
+    reference = plain[0]
+    for r in results:
+        got = r["fit"]["bf16"]
+        assert any(not torch.equal(got[k], reference[k]) for k in reference)  # the stages did compute in bf16
+        for key in reference:  # float32 master weights; bf16 matmuls
+            torch.testing.assert_close(got[key], reference[key], rtol=2e-2, atol=1e-2, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_pp4_one_block_per_stage_trains_as_one_device(launch, plain):

@@ -188,3 +188,21 @@ def test_strategies_check_for_idle_gpus_at_construction(monkeypatch):
     OneDeviceStrategy("cpu", info=ProcessInfo())
     MirroredStrategy(info=ProcessInfo())
     assert calls == [(1, ["cpu"], 0), (1, ["cpu"], 0)]
+
+
+def test_a_second_strategys_loop_without_run_is_not_steered_by_the_first_ones_last_step():
+    """A script (or a notebook) that trains with one strategy and then another, each in a loop without
+    ``strategy.run``: the second strategy's batches must set the step, not the first strategy's last batch."""
+    x, y = torch.randn(16, 3), torch.randn(16, 1)
+    first = OneDeviceStrategy("cpu", gradient_accumulation_steps=2)
+    model, _ = first.prepare(nn.Linear(3, 1))
+    for xb, yb in first.distribute_dataset((x, y), global_batch_size=4, shuffle=False):
+        model(xb)  # its step: 2 batches of 4 per update, global batch 8
+    second = OneDeviceStrategy("cpu")
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1)
+    plain = [float(F.mse_loss(net(x), y))]  # without towers: the one batch of 16's mean loss
+    model, _ = second.prepare(net)
+    losses = [float(towers.compute_average_loss(F.mse_loss(model(xb), yb, reduction="none").mean(dim=1)))
+              for xb, yb in second.distribute_dataset((x, y), global_batch_size=16, shuffle=False)]
+    assert losses == pytest.approx(plain, rel=1e-6)  # divided by 16, not by the first strategy's 8

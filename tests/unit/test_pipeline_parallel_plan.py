@@ -113,9 +113,11 @@ def test_the_pipeline_options_are_checked_before_training():
         check_schedule("zb")
     with pytest.raises(ValueError, match=r"pp_microbatches must be a positive integer. Received: 0"):
         check_microbatches(0, 2)
-    check_pipeline_options(MeshSpec(pp=2, tp=2), 1, None)  # each stage split over tp: built
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2. Use pp_microbatches=4"):
-        check_pipeline_options(MeshSpec(pp=2), 2, None)
+    check_pipeline_options(MeshSpec(pp=2, tp=2), None, "bf16")  # each stage split over tp, in bf16: built
+    with pytest.raises(ValueError, match=r"fp16 does not combine with pipeline .* Received: precision='fp16'"):
+        check_pipeline_options(MeshSpec(pp=2), None, "fp16")
+    with pytest.raises(ValueError, match=r"shard_group_size \(HSDP\) and a pipeline mesh"):
+        check_pipeline_options(MeshSpec(pp=2, dp=2), 2)
     with pytest.raises(ValueError, match=r"must span the job's 1 process"):
         towers.FullyShardedStrategy(mesh="pp=2")  # one process here
     # a share that does not divide into the micro-batches runs the largest count that divides it

@@ -64,21 +64,17 @@ def check_microbatches(value: Any, stages: int) -> int:
     return n
 
 
-def check_pipeline_options(spec: Any, accumulation: int, shard_group_size: int | None, precision: str = "32") -> None:
+def check_pipeline_options(spec: Any, shard_group_size: int | None, precision: str = "32") -> None:
     """Refuse, before the process group is joined, what pipeline parallelism does not build yet.
 
     Raises:
-        ValueError: gradient accumulation, HSDP, mixed precision.
+        ValueError: HSDP, fp16.
     """
     mesh = f"mesh {spec.describe()}"
-    if precision != "32":
-        raise user_error("Pipeline parallelism computes in float32 only (mixed precision is not built yet)",
-                         f"precision={precision!r}, {mesh}", "Use precision='32' with pp.")
-    if accumulation != 1:
-        raise user_error("gradient_accumulation_steps does not combine with pipeline parallelism: a pipelined step "
-                         "already accumulates its micro-batches", f"gradient_accumulation_steps={accumulation}",
-                         f"Use pp_microbatches={spec.pp * accumulation} instead (the batch cut into that many "
-                         "micro-batches, one update).")
+    if precision == "fp16":
+        raise user_error("fp16 does not combine with pipeline parallelism: its loss scaling needs the backward that "
+                         "the pipeline's schedule runs itself", f"precision={precision!r}, {mesh}",
+                         "Use precision='bf16' (no loss scaling) or '32' with pp.")
     if shard_group_size is not None:
         raise user_error("shard_group_size (HSDP) and a pipeline mesh cannot be combined yet",
                          f"shard_group_size={shard_group_size}, {mesh}", "Leave shard_group_size out with pp.")

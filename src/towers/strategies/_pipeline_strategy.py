@@ -86,7 +86,7 @@ class PipelineSteps(SyncStrategy):
                              f"a {type(model).__name__} this strategy did not prepare",
                              "Call model, optimizer = strategy.prepare(model, optimizer) first and pass that model.")
         context = current_replica_context()
-        if context is None or context is self._implicit_context:  # a loop without strategy.run: its batch starts the step
+        if context is None or context.until_next_step:  # a loop without strategy.run: its batch starts the step
             self._step_outside_run(model, (inputs, targets), {})
             context = current_replica_context() or ReplicaContext(self)
         loss, outputs = pipeline.step(inputs, targets, loss_fn, context=context, enter=self._entered)
@@ -116,6 +116,8 @@ class PipelineSteps(SyncStrategy):
         grads = [p.grad for p in params if p.grad is not None]
         local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self.device)
         total = comm.grad_norm(local.full_tensor() if hasattr(local, "full_tensor") else local, norm_type)
+        if not self._updates_now():  # within an accumulation window: the norm so far; clip once, the whole gradient
+            return total
         coefficient = min(1.0, float(max_norm) / (float(total) + 1e-6))
         for grad in grads:
             grad.mul_(coefficient)

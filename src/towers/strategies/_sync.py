@@ -43,7 +43,6 @@ class SyncStrategy(Strategy):
         self._user_modules: list[nn.Module] = []  # what prepare() received
         self._wrapped: list[nn.Module] = []  # what prepare() returned
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._implicit_context: ReplicaContext | None = None  # the step a forward outside run started
 
     # --- who am I -------------------------------------------------------------------------------------
     @property
@@ -134,18 +133,18 @@ class SyncStrategy(Strategy):
         happens inside ``run``, under ``torch.no_grad()`` (an evaluation pass), or on a batch without accounting.
         """
         context = current_replica_context()
-        if (context is not None and context is not self._implicit_context) or not torch.is_grad_enabled():
-            return
+        if (context is not None and not context.until_next_step) or not torch.is_grad_enabled():
+            return  # inside a strategy.run (the step is the run's), or an evaluation
         info = find_batch_info(args, kwargs)
         if info is None:
             return
         self._own_random_stream()
         run = self._tracker.begin_run(info)
         self._set_gradient_sync(run.sync)  # off on a non-final micro-batch, on again at the update's last one
-        self._implicit_context = ReplicaContext(
+        implicit = ReplicaContext(
             self, global_batch_size=run.global_batch_size, num_padding_examples=run.num_padding_examples,
-            accumulation_steps=run.accumulation_steps, is_update_step=run.sync)
-        self._enter_until_next_step(self._implicit_context)
+            accumulation_steps=run.accumulation_steps, is_update_step=run.sync, until_next_step=True)
+        self._enter_until_next_step(implicit)
 
     def _updates_now(self) -> bool:
         context = current_replica_context()  # outside run: the last run's place in its accumulation window

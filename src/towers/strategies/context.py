@@ -42,11 +42,15 @@ class ReplicaContext:
     replica's batch are padding (weight zero). ``accumulation_steps`` is the number of
     micro-batches in the current update (1 without accumulation); ``is_update_step`` is True on
     the last of them. TF's names work too: ``replica_id_in_sync_group``, ``all_reduce``.
+    ``until_next_step`` marks the context a prepared model's forward outside ``run`` began: it lasts until the
+    next step, of this strategy or of another one made later in the process.
     """
 
     def __init__(self, strategy: "Strategy", *, global_batch_size: int | None = None,
-                 num_padding_examples: int = 0, accumulation_steps: int = 1, is_update_step: bool = True):
+                 num_padding_examples: int = 0, accumulation_steps: int = 1, is_update_step: bool = True,
+                 until_next_step: bool = False):
         self.strategy = strategy
+        self.until_next_step = until_next_step
         self.replica_id = strategy.replica_id
         self.num_replicas_in_sync = strategy.num_replicas_in_sync
         self.global_batch_size = global_batch_size

@@ -144,7 +144,7 @@ class FullyShardedStrategy(PipelineSteps):
         # Options are checked before the process group is joined: a typo fails at once, on every rank alike.
         precision = resolve_precision(precision, device)
         if self._pp_spec is not None:
-            check_pipeline_options(self._pp_spec, gradient_accumulation_steps, shard_group_size, precision.name)
+            check_pipeline_options(self._pp_spec, shard_group_size, precision.name)
         StepTracker(gradient_accumulation_steps)
         comm: LocalComm | ProcessGroupComm = LocalComm()
         self._mesh: Any = None
