@@ -4,6 +4,9 @@
 # a system Python that refuses global installs (Debian/Ubuntu: "externally-managed-environment").
 # Nothing is installed outside .venv; delete the folder to start over.
 # `make gpu-check` runs the GPU tier on the machine it starts on and writes its report (docs/gpu.md).
+# `make gpu-bench` measures one GPU within 8 minutes (a ~1B GPT's MFU through raw torch, towers' loop and the
+# Trainer; the Trainer against a raw loop on the seed CNN; memory policies) and writes gpu-bench.json and
+# gpu-bench.md to towers-out/gpu-bench (docs/gpu.md). Without a GPU both exit 0 and say what they skipped.
 #
 # Variables (make VAR=value ...):
 #   PYTHON       interpreter that creates .venv (default: python3)
@@ -23,6 +26,8 @@
 #                without .venv, a $(PYTHON) whose torch sees a GPU is used as it is (nothing installed)
 #   GPU_OUT      where `make gpu-check` writes gpu-report.json and gpu-report.md (default: towers-out/gpu-check)
 #   GPU_ARGS     more flags for tools/gpu_check.py (e.g. GPU_ARGS="--no-bench")
+#   GPU_BENCH_ARGS  flags for benchmarks/gpu_bench.py, run by `make gpu-bench` with GPU_PY chosen as for gpu-check
+#                (e.g. GPU_BENCH_ARGS="--parts a --batch 16", "--out-dir /tmp/bench", "--device cpu --tiny")
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -36,6 +41,7 @@ LINT ?= 1
 GPU_PY ?=
 GPU_OUT ?= towers-out/gpu-check
 GPU_ARGS ?=
+GPU_BENCH_ARGS ?=
 
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
@@ -47,7 +53,7 @@ SETTINGS := $(TORCH) $(TORCH_INDEX) $(EXTRAS)
 NVIDIA := $(wildcard /proc/driver/nvidia/version /dev/nvidiactl)
 GPU_TORCH_INDEX := $(or $(strip $(TORCH_INDEX)),$(if $(NVIDIA),,https://download.pytorch.org/whl/cpu))
 
-.PHONY: install demo test bench gpu-check clean-venv
+.PHONY: install demo test bench gpu-check gpu-bench clean-venv
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -73,17 +79,27 @@ endif
 bench: install
 	$(VENV)/bin/towers bench
 
-# The GPU tier on this machine, within 10 minutes; exits 0 on a machine without a GPU (every GPU check skipped).
-# An existing .venv is used as it is: no reinstall, no network.
-gpu-check:
-	@py="$(GPU_PY)"; \
+# The interpreter of the GPU targets, into the shell variable py: GPU_PY; else, without .venv, a $(PYTHON) whose
+# torch sees a GPU (nothing installed); else .venv's, made as `make install` does where it is missing (CPU-only torch
+# on a host without an NVIDIA driver). An existing .venv is used as it is: no reinstall, no network.
+PICK_GPU_PY = py="$(GPU_PY)"; \
 	if [ -z "$$py" ] && [ ! -x $(VPY) ] && $(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; \
 	then py=$(PYTHON); fi; \
 	if [ -z "$$py" ]; then \
 		[ -f $(STAMP) ] || $(MAKE) --no-print-directory $(STAMP) TORCH_INDEX="$(GPU_TORCH_INDEX)" || exit 1; py=$(VPY); \
-	fi; \
+	fi
+
+# The GPU tier on this machine, within 10 minutes; exits 0 on a machine without a GPU (every GPU check skipped).
+gpu-check:
+	@$(PICK_GPU_PY); \
 	echo "$$py tools/gpu_check.py --out-dir $(GPU_OUT) $(GPU_ARGS)"; \
 	$$py tools/gpu_check.py --out-dir $(GPU_OUT) $(GPU_ARGS)
+
+# One GPU measured within 8 minutes; exits 0 on a machine without a GPU ("skipped: no GPU" in the report).
+gpu-bench:
+	@$(PICK_GPU_PY); \
+	echo "$$py benchmarks/gpu_bench.py $(GPU_BENCH_ARGS)"; \
+	$$py benchmarks/gpu_bench.py $(GPU_BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -27,14 +27,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from contextlib import nullcontext
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _gpu_engines import ENGINES, Block, Recipe, interleave, trainer_engine
 
-import towers
 from towers.datasets import synthetic_images
 from towers.models import SeedCNN
 from towers.models_gpt import GPT, GPTConfig, random_tokens
@@ -45,112 +44,36 @@ _GPT_CONFIG = [GPTConfig.small()]
 WAITS_VARIANT = [False]  # --waits-variant  # --tiny-gpt: GPTConfig.tiny(), for a smoke run
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _build(model_name: str) -> tuple[torch.nn.Module, Callable[[Any], torch.optim.Optimizer]]:
-    torch.manual_seed(0)
-    if model_name == "cnn":
-        return SeedCNN(), lambda params: torch.optim.Adam(params, lr=1e-3)
-    return GPT(_GPT_CONFIG[0]), lambda params: torch.optim.AdamW(params, lr=3e-4)
-
-
 def _data(model_name: str, examples: int) -> tuple[torch.Tensor, torch.Tensor]:
     if model_name == "cnn":
         return synthetic_images(examples, seed=0).tensors
     return random_tokens(examples, _GPT_CONFIG[0], seed=0)
 
 
-def _loss(model_name: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-          reduction: str = "mean") -> torch.Tensor:
+def make_recipe(model_name: str, mode: str, steps: int, batch: int | None = None) -> Recipe:
+    """The recipe of ``model_name`` (``cnn``: Adam, cross-entropy; ``gpt``: AdamW, its own token loss) in ``mode``."""
+    batch = batch or BATCH[model_name]
+    data = _data(model_name, batch * (steps + 1))
+    precision, compiled = ("32" if mode == "fp32" else "bf16"), mode == "compiled"
     if model_name == "cnn":
-        return F.cross_entropy(model(x), y, reduction=reduction)
-    return model(x, y)[1]
+        return Recipe(build=lambda: (SeedCNN(), lambda params: torch.optim.Adam(params, lr=1e-3)), data=data,
+                      batch=batch, steps=steps, precision=precision, compile=compiled, loss=F.cross_entropy)
+    config = _GPT_CONFIG[0]
+    return Recipe(build=lambda: (GPT(config), lambda params: torch.optim.AdamW(params, lr=3e-4)), data=data,
+                  batch=batch, steps=steps, precision=precision, compile=compiled)
 
 
-def _raw_engine(model_name: str, mode: str, device: torch.device, data, batch: int, steps: int) -> Callable[[], int]:
-    net, make_opt = _build(model_name)
-    net = net.to(device)
-    opt = make_opt(net.parameters())
-    model = torch.compile(net) if mode == "compiled" else net
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if mode != "fp32" else nullcontext
-    pin = (lambda t: t.pin_memory()) if device.type == "cuda" else (lambda t: t)
-    xs, ys = data
-
-    def block() -> int:
-        # Batches sliced from a shuffled order, page-locked and copied without blocking: the fast way by hand (a
-        # DataLoader over a TensorDataset collates example by example, and was 2x slower than towers on the CNN).
-        order = torch.randperm(len(xs))
-        for i in range(steps):
-            rows = order[i * batch:(i + 1) * batch]
-            x, y = pin(xs[rows]).to(device, non_blocking=True), pin(ys[rows]).to(device, non_blocking=True)
-            with autocast():
-                loss = _loss(model_name, model, x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return steps
-    return block
-
-
-def _strategy(mode: str, device: torch.device) -> towers.OneDeviceStrategy:
-    return towers.OneDeviceStrategy(str(device), precision="32" if mode == "fp32" else "bf16")
-
-
-def _loop_engine(model_name: str, mode: str, device: torch.device, data, batch: int, steps: int) -> Callable[[], int]:
-    strategy = _strategy(mode, device)
-    with strategy.scope():
-        net, make_opt = _build(model_name)
-        opt = make_opt(net.parameters())
-    model, opt = strategy.prepare(net, opt, compile=mode == "compiled")
-
-    def step(x, y):
-        if model_name == "cnn":
-            loss = towers.compute_average_loss(_loss(model_name, model, x, y, "none"))
-        else:
-            loss = _loss(model_name, model, x, y)  # the model's token mean: one replica, nothing to rescale
-        strategy.backward(loss)
-        opt.step()
-        opt.zero_grad()
-
-    def block() -> int:
-        done = 0
-        for x, y in strategy.distribute_dataset(data, batch, seed=done):
-            strategy.run(step, args=(x, y))
-            done += 1
-            if done == steps:
-                break
-        return done
-    return block
-
-
-def _trainer_engine(model_name: str, mode: str, device: torch.device, data, batch: int, steps: int,
-                    log_every_n_steps: int = 10) -> Callable[[], int]:
-    strategy = _strategy(mode, device)
-    with strategy.scope():
-        net, make_opt = _build(model_name)
-        opt = make_opt(net.parameters())
-    loss = F.cross_entropy if model_name == "cnn" else None
-    trainer = towers.Trainer(net, opt, loss, strategy=strategy, ignore_index=-1, log_every_n_steps=log_every_n_steps)
-
-    def block() -> int:
-        history = trainer.fit(data, epochs=1, global_batch_size=batch, steps_per_epoch=steps)
-        return len(history.history["loss"]) and steps
-    return block
-
-
-def _trainer_waits_engine(model_name: str, mode: str, device: torch.device, data, batch: int,
-                          steps: int) -> Callable[[], int]:
+def _trainer_waits_engine(recipe: Recipe, device: torch.device) -> Block:
     """``trainer`` as it was before it stopped waiting for the GPU inside a step (--waits-variant): metrics
     reduced at every step (``log_every_n_steps=1``, what one replica did) and labels counted on the device."""
     import towers.training._trainer_steps as trainer_module  # where the training step counts labels
 
-    inner = _trainer_engine(model_name, mode, device, data, batch, steps, log_every_n_steps=1)
+    inner = trainer_engine(replace(recipe, trainer_options={"log_every_n_steps": 1}), device)
 
-    def on_device(parts, ignore_index):
-        return int(parts.labels.ne(ignore_index).sum()) if isinstance(parts.labels, torch.Tensor) else parts.size()
+    def on_device(parts, ignore_index, *, shifted=False):
+        if not isinstance(parts.labels, torch.Tensor):
+            return parts.size()
+        return int((parts.labels[..., 1:] if shifted else parts.labels).ne(ignore_index).sum())
 
     def block() -> int:
         kept = trainer_module.label_count
@@ -162,45 +85,42 @@ def _trainer_waits_engine(model_name: str, mode: str, device: torch.device, data
     return block
 
 
-ENGINES = {"raw": _raw_engine, "loop": _loop_engine, "trainer": _trainer_engine, "trainer_waits": _trainer_waits_engine}
+def measure(model_name: str, mode: str, device: torch.device, steps: int, repeats: int, *,
+            batch: int | None = None, deadline: float | None = None) -> dict:
+    """Time every engine of ``model_name`` in ``mode``; return examples/s per engine and repeat.
 
-
-def measure(model_name: str, mode: str, device: torch.device, steps: int, repeats: int) -> dict:
-    """Time every engine of ``model_name`` in ``mode``; return examples/s per engine and repeat."""
-    batch = BATCH[model_name]
-    data = _data(model_name, batch * (steps + 1))
-    engines = {name: make(model_name, mode, device, data, batch, steps) for name, make in ENGINES.items()
+    ``deadline`` (``time.monotonic()``): stop early, as ``interleave`` does; ``stopped`` and ``errors`` say what was left.
+    """
+    recipe = make_recipe(model_name, mode, steps, batch)
+    makers = {**ENGINES, "trainer_waits": _trainer_waits_engine}
+    engines = {name: make(recipe, device) for name, make in makers.items()
                if not (name.startswith("trainer") and mode == "compiled")
                and (name != "trainer_waits" or WAITS_VARIANT[0])}
-    started = time.perf_counter()
-    for block in engines.values():  # warm-up: allocator, cuDNN/cuBLAS choices, compilation
-        block()
-    _sync(device)
-    warmup_s = time.perf_counter() - started
-    names = list(engines)
-    rates: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            _sync(device)
-            t0 = time.perf_counter()
-            done = engines[name]()
-            _sync(device)
-            rates[name].append(done * batch / (time.perf_counter() - t0))
+    timed = interleave(engines, device=device, repeats=repeats, deadline=deadline)
     del engines
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"model": model_name, "mode": mode, "batch": batch, "steps": steps, "warmup_s": warmup_s, "rates": rates}
+    rates = {name: [n * recipe.batch / s for n, s in zip(timed["steps"][name], timed["seconds"][name])]
+             for name in timed["steps"]}
+    return {"model": model_name, "mode": mode, "batch": recipe.batch, "steps": steps,
+            "warmup_s": sum(timed["warmup_s"].values()), "rates": rates, "errors": timed["errors"],
+            "stopped": timed["stopped"]}
 
 
 def summarise(result: dict) -> list[dict]:
-    """One row per engine: median and range of examples/s, and the median ratio to raw torch."""
-    raw = result["rates"]["raw"]
-    rows = []
+    """One row per engine: median and range of examples/s, and the median ratio to raw torch (None without raw);
+    an engine that failed gives a row with its ``error``."""
+    raw = result["rates"].get("raw", [])
+    rows: list[dict[str, Any]] = []
     for name, values in result["rates"].items():
+        if not values:
+            continue
         ratios = [v / r for v, r in zip(values, raw)]
         rows.append({"model": result["model"], "mode": result["mode"], "engine": name,
                      "examples_s": statistics.median(values), "range": [min(values), max(values)],
-                     "vs_raw": statistics.median(ratios), "warmup_s": result["warmup_s"]})
+                     "vs_raw": statistics.median(ratios) if ratios else None, "warmup_s": result["warmup_s"]})
+    rows += [{"model": result["model"], "mode": result["mode"], "engine": name, "error": error}
+             for name, error in result.get("errors", {}).items()]
     return rows
 
 
@@ -242,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for row in summarise(result):
                 rows.append(row)
+                if "error" in row:
+                    print(f"{row['model']} {row['mode']} {row['engine']}: failed: {row['error']}", flush=True)
+                    continue
+                vs_raw = "-" if row["vs_raw"] is None else f"{row['vs_raw']:.3f}"
                 print(f"{row['model']:4} {row['mode']:9} {row['engine']:13} {row['examples_s']:10.1f} ex/s "
-                      f"({row['range'][0]:.1f}-{row['range'][1]:.1f})  {row['vs_raw']:.3f}x raw  "
+                      f"({row['range'][0]:.1f}-{row['range'][1]:.1f})  {vs_raw}x raw  "
                       f"warm-up {row['warmup_s']:.1f} s", flush=True)
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:

@@ -5,7 +5,8 @@ blocks (causal self-attention through ``scaled_dot_product_attention``, a 4x MLP
 LayerNorm and an untied output head. The blocks live in one ``nn.ModuleList``, so the default
 sharding policy makes each block one FSDP unit. Sizes, for orientation (vocabulary 8,192,
 context 256): ``GPTConfig.tiny()`` ~32k parameters (tests), ``GPTConfig.small()`` ~70M
-(the benchmark: 8 layers, width 768).
+(the benchmark: 8 layers, width 768); ``GPTConfig.large()`` ~1.04B, a model that fills one GPU
+(18 layers, width 2048, vocabulary 32,768, context 2048).
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class GPTConfig:
     def small(cls) -> "GPTConfig":
         """The ~70M-parameter GPT of the memory benchmark: 8 layers, width 768, vocabulary 8,192, context 256."""
         return cls()
+
+    @classmethod
+    def large(cls) -> "GPTConfig":
+        """A ~1.04B-parameter GPT that fills one 80 GB GPU: 18 layers, width 2048, 16 heads, vocabulary 32,768, context 2048."""
+        return cls(vocab_size=32768, block_size=2048, n_layer=18, n_head=16, n_embd=2048)
 
 
 class CausalSelfAttention(nn.Module):
