@@ -6,6 +6,7 @@ names from ``towers.data``.
 
 from __future__ import annotations
 
+import collections.abc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -90,11 +91,15 @@ def batch_info(value: Any) -> BatchInfo | None:
 
 
 def _leaves(value: Any) -> Iterator[Any]:
-    if isinstance(value, Mapping):
-        for v in value.values():
-            yield from _leaves(v)
+    # On every step's path (run, the Trainer): a tensor is the common leaf, and collections.abc.Mapping is checked
+    # directly (typing.Mapping in isinstance goes through typing's slower __instancecheck__).
+    if isinstance(value, torch.Tensor):
+        yield value
     elif isinstance(value, (list, tuple)):
         for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, collections.abc.Mapping):
+        for v in value.values():
             yield from _leaves(v)
     else:
         yield value
@@ -107,7 +112,8 @@ def find_batch_info(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
         ValueError: when tensors of batches with different accounting are mixed in one call.
     """
     found: BatchInfo | None = None
-    for leaf in _leaves((tuple(args), dict(kwargs or {}))):
+    args = args if isinstance(args, tuple) else tuple(args)
+    for leaf in _leaves((args, kwargs) if kwargs else args):
         info = batch_info(leaf)
         if info is None or info == found:
             continue

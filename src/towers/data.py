@@ -55,6 +55,7 @@ from towers._map_sources import TensorSource as _TensorSource
 from towers._map_sources import as_user_dataset as _as_user_dataset
 from towers._map_sources import map_source as _source
 from towers._map_sources import run_fetch as _run_fetch
+from towers._prefetch import copied_ahead
 from towers.errors import InvalidArgumentError, user_error
 from towers.ledger.record import OrderSpec
 from towers.streams import DistributedStream, InputContext, ShardChangedError, Shards, is_stream
@@ -234,8 +235,12 @@ class DistributedDataset(DataLoaderNames):
         else:
             to_worker = self._loader.options.num_workers > 0
             jobs = ((self._fetch(order, info, to_worker=to_worker), info) for info in self._infos[batch:])
-            for cpu_batch, info in self._loader.batches(jobs, salt=self._epoch):
-                value = attach_batch_info(to_device(cpu_batch, self.device), replace(
+            made = self._loader.batches(jobs, salt=self._epoch)
+            if self.device.type == "cuda":  # the next batch's copy overlaps this one's step (a side stream)
+                made = copied_ahead(made, self.device)
+            for made_batch, info in made:
+                on_device = made_batch if self.device.type == "cuda" else to_device(made_batch, self.device)
+                value = attach_batch_info(on_device, replace(
                     info, epoch=self._epoch, rows=self._rows(info), position=JobPosition(self._epoch, info.index)))
                 self._position = info.index + 1
                 yield value

@@ -99,13 +99,15 @@ class UpdateWeights:
         Raises:
             ValueError: an update of several summed replicas whose loss no towers normaliser produced.
         """
-        params = list(parameters)
+        params: list[torch.Tensor] | None = None  # listed only where needed: most steps need none (every step's path)
         if when == "step":
             normalised = _normalised[0] != self._normalised_seen  # every weighted or plain note counted there too
             self._normalised_seen = _normalised[0]
-            if replicas_summed > 1 and not normalised and any(p.grad is not None for p in params):
-                raise user_error(_UNNORMALISED.format(n=replicas_summed), "a loss normalised by none of them",
-                                 _UNNORMALISED_FIX)
+            if replicas_summed > 1 and not normalised:
+                params = list(parameters)
+                if any(p.grad is not None for p in params):
+                    raise user_error(_UNNORMALISED.format(n=replicas_summed), "a loss normalised by none of them",
+                                     _UNNORMALISED_FIX)
         weighted, weight = self.weighted, self.weight
         self.weight, self.weighted, self.plain, self.closed = 0.0, False, False, False
         # Divided as backward ended: further weighted losses of this update are refused until the optimizer steps.
@@ -115,7 +117,7 @@ class UpdateWeights:
         total = float(reduce_sum(torch.tensor([weight], dtype=torch.float64)).reshape(-1)[0].item())
         if total <= 0:  # no weight anywhere: every gradient is zero already
             return
-        for p in params:
+        for p in params if params is not None else parameters:
             if p.grad is not None:
                 p.grad.div_(total)
 
@@ -185,8 +187,8 @@ class StrategyLossWeights:
         Called as the update step's backward ends (``"backward"``), and again in ``clip_grad_norm_`` (``"clip"``) and
         as the optimizer steps (``"step"``), which find nothing left to divide and refuse a loss no towers
         normaliser produced."""
-        params = [p for optimizer in self._prepared_optimizers() for group in optimizer.param_groups
-                  for p in group["params"]]
+        params = (p for optimizer in self._prepared_optimizers() for group in optimizer.param_groups
+                  for p in group["params"])  # lazily: finish lists them only where it needs them
         self._loss_weights.finish(params, lambda total: self.reduce("sum", total), when=when,
                                   replicas_summed=self.num_replicas_in_sync if self._sums_replica_gradients else 1)
 

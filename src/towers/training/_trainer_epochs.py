@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 
 from towers._logging import get_logger
 from towers.checkpoint.state import set_rng_state
-from towers.data import DistributedBatches, find_batch_info, global_batch_sizes, is_stream
+from towers.data import BatchInfo, DistributedBatches, find_batch_info, global_batch_sizes, is_stream
 from towers.errors import user_error
 from towers.training._state import TrainingProgress
 from towers.training._trainer_attributes import TrainerAttributes
@@ -36,6 +36,9 @@ class Epochs(TrainerAttributes):
                 rng = None
         it = self._epoch_iterator(train_set, global_batch_size, shuffle, p.epoch, p.step)
         batches = self._train_batches
+        # Decided once per epoch, not per step: isinstance on a runtime-checkable Protocol costs tens of microseconds.
+        counted = batches if isinstance(batches, DistributedBatches) else None
+        syncing_is_free = self._syncing_is_free
         if rng is not None:
             # Saved mid-epoch, after the iterator was built (which may draw from the RNGs): restore
             # only once this run's iterator is built and positioned.
@@ -52,7 +55,7 @@ class Epochs(TrainerAttributes):
                 break
             self._callbacks.call("on_train_batch_begin", batch_index, {})
             with self.throughput.step(batch):
-                size, sums = self._train_step(batch)
+                size, sums = self._train_step(batch, info)
             if position is not None and not position.committed():
                 # Not committed (a group was lost mid-step): its update was dropped on every live group, which
                 # all retry the same global batch next. It counts nowhere: no examples, metric sums or logs.
@@ -63,9 +66,9 @@ class Epochs(TrainerAttributes):
             # last step: in between, the logs hold the values of the last synchronisation. The step's place in
             # the epoch decides, so a replica that joined a running job reduces at the same steps.
             sync = (batch_index % self.log_every_n_steps == 0
-                    or _last_of_epoch(batch, batch_index, batches, steps_per_epoch)
+                    or _last_of_epoch(info, batch_index, counted, steps_per_epoch)
                     or (not self._last_train_logs and not self.joined_job)  # a resumed epoch's first logs
-                    or self._syncing_is_free)
+                    or syncing_is_free)
             logs = self._sync_train_metrics() if sync else dict(self._last_train_logs)
             logs.update({"size": float(size), "examples": p.examples, "global_step": p.global_step})
             self._callbacks.call("on_train_batch_end", batch_index, logs)
@@ -155,14 +158,15 @@ class Epochs(TrainerAttributes):
         return it
 
 
-def _last_of_epoch(batch: Any, index: int, batches: Any, steps_per_epoch: int | None) -> bool:
-    """True when step ``index`` (this batch) is the epoch's last: ``steps_per_epoch`` ends it here, it is the
-    last of the dataset's known number of batches, or (a stream, whose length is known only at its end) its
-    accounting says so. Every replica decides the same: the collectives it starts stay paired."""
+def _last_of_epoch(info: BatchInfo | None, index: int, batches: DistributedBatches | None,
+                   steps_per_epoch: int | None) -> bool:
+    """True when step ``index`` (its batch carrying ``info``) is the epoch's last: ``steps_per_epoch`` ends it here,
+    it is the last of the input's (``batches``) known number of batches, or (a stream, whose length is known only at
+    its end) its accounting says so. Every replica decides the same: the collectives it starts stay paired."""
     if steps_per_epoch is not None and index + 1 >= steps_per_epoch:
         return True
-    total = batches.batches_per_epoch if isinstance(batches, DistributedBatches) else None
+    total = batches.batches_per_epoch if batches is not None else None
     if total is not None:
         return index + 1 == total
-    info = find_batch_info((batch,))  # a stream's batches are split statically: the same index on every replica
+    # a stream's batches are split statically: the same index on every replica
     return info is not None and info.num_batches == info.index + 1

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from towers._logging import get_logger
-from towers.data import find_batch_info
+from towers.data import BatchInfo
 from towers.errors import InvalidArgumentError, user_error
 from towers.strategies.base import PeerLostError
 from towers.training._steps import per_example
@@ -28,14 +28,17 @@ class TrainingSteps(TrainerAttributes):
     A base class of ``Trainer``: its state is the Trainer's.
     """
 
-    def _train_step(self, batch: Any) -> tuple[int, torch.Tensor]:
-        """Run one step; return the step's global batch size and this replica's metric sums of it."""
-        parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
+    def _train_step(self, batch: Any, info: BatchInfo | None) -> tuple[int, torch.Tensor]:
+        """Run one step on ``batch`` (carrying ``info``); return the step's global batch size and this replica's
+        metric sums of it, on the device (nothing here waits for it)."""
+        parts = outer = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
         y = parts.labels
         from towers.losses import compute_average_loss
 
-        def step(batch: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
+        def step(given: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            # run passes the batch it was given (it reads its accounting from its tensors): split once per step
+            parts = outer if given is batch else split_batch(given, label_key=self.label_key,
+                                                             with_labels_in_inputs=self.loss_fn is None)
             if self.loss_fn is None:
                 return self._own_loss_step(parts)
             kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (losses, predictions) of each call of loss_of
@@ -78,9 +81,8 @@ class TrainingSteps(TrainerAttributes):
             if y is None:
                 y = torch.zeros(len(y_pred), device=y_pred.device)  # no labels: only the loss is a metric then
             losses = per_example(losses, len(losses))
-            nonfinite = (~torch.isfinite(losses)).any().to(torch.float64).reshape(1)
-            local = torch.cat([self._train_metrics.local_state(losses, y_pred, y), nonfinite])
-        info = self.step_batch_info = find_batch_info((batch,))
+            local = self._train_metrics.local_state(losses, y_pred, y, with_nonfinite=True)
+        self.step_batch_info = info
         size = info.global_batch_size if info is not None else parts.size() * self.strategy.num_replicas_in_sync
         return size, local
 
@@ -165,11 +167,11 @@ class TrainingSteps(TrainerAttributes):
                 return dict(self._last_train_logs)
             self._unsynced = None
             self._train_metrics.accumulate(reduced)
-            self._last_train_logs = {**self._train_metrics.results(external=False),
-                                     "nonfinite_replicas": float(reduced[-1].item())}
-            if reduced[-1].item() > 0 and self._nonfinite_warning == "unseen":
+            nonfinite, label_count = float(reduced[-1]), float(reduced[1])  # on the host already: no wait
+            self._last_train_logs = {**self._train_metrics.results(external=False), "nonfinite_replicas": nonfinite}
+            if nonfinite > 0 and self._nonfinite_warning == "unseen":
                 self._nonfinite_warning = "due"  # said after the callbacks, unless one of them stops training
-            if reduced[1].item() == 0:  # the loss's count: no label token in any batch since the last reduction
+            if label_count == 0:  # the loss's count: no label token in any batch since the last reduction
                 self._warn_no_labels()
         return dict(self._last_train_logs)
 
