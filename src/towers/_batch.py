@@ -15,7 +15,7 @@ import torch
 from towers._logging import get_logger
 from towers.errors import InvalidArgumentError
 
-__all__ = ["BatchInfo", "shard_bounds", "global_batch_sizes", "batch_info", "find_batch_info", "attach_batch_info",
+__all__ = ["whole", "BatchInfo", "shard_bounds", "global_batch_sizes", "batch_info", "find_batch_info", "attach_batch_info",
            "host_copy", "map_tensors", "to_device", "DistributedBatches", "JobPosition", "pass_examples"]
 
 log = get_logger(__name__)
@@ -244,3 +244,8 @@ class DistributedBatches(Protocol):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (refusing one saved for another input)."""
+
+
+def whole(value: Any) -> Any:
+    """A DTensor's whole value (``full_tensor()``, a collective over its mesh); anything else as it is."""
+    return value.full_tensor() if isinstance(value, torch.Tensor) and hasattr(value, "full_tensor") else value

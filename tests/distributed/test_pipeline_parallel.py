@@ -7,8 +7,8 @@ plain torch loop a user writes on one device (no towers): per-example token loss
 the global batch, torch's ``clip_grad_norm_``, SGD with momentum. Three runs must match it within
 rtol 1e-4: the custom loop through ``strategy.forward_backward`` (1F1B, 2 micro-batches per share),
 ``Trainer.fit`` (GPipe, 4 micro-batches per share), and ``mesh="pp=4"`` (one block per stage, 1F1B,
-4 micro-batches), and ``mesh="pp=2,tp=2"`` (each stage's layers split over tp, with and without sequence
-parallelism), gradient accumulation (2 batches of 4 per update, clipped once) and ``Trainer.fit`` in bf16 with
+4 micro-batches), and ``mesh="pp=2,tp=2"`` (each stage's layers split over tp; plain, with sequence
+parallelism, and with loss parallelism), gradient accumulation (2 batches of 4 per update, clipped once) and ``Trainer.fit`` in bf16 with
 accumulation (within 1e-2). Under ``torch.no_grad()`` each pipelined model returns the trained plain model's logits on every
 stage; calling it directly with gradients on is refused with the API to use.
 
@@ -61,12 +61,13 @@ def _custom_loop(strategy, checkpoint_dir: str, batch: int = GBS) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     model, optimizer = strategy.prepare(model, optimizer)
     x, y = _data()
-    norms, losses, outputs = [], [], []
+    norms, losses, outputs, kinds = [], [], [], set()
     for xb, yb in strategy.distribute_dataset((x, y), global_batch_size=batch, shuffle=False):
         loss, out, norm = _step(strategy, model, optimizer, xb, yb)
         norms.append(norm)
         losses.append(float(strategy.reduce("sum", loss)))
         outputs.append(None if out is None else tuple(out.shape))
+        kinds.add(type(out).__name__)
         if len(norms) == SAVED_AFTER and batch == GBS:  # each stage writes its part
             towers.checkpoint.save_checkpoint(checkpoint_dir, {"model": model, "optimizer": optimizer,
                                                                "step": SAVED_AFTER}, strategy=strategy)
@@ -79,7 +80,7 @@ def _custom_loop(strategy, checkpoint_dir: str, batch: int = GBS) -> dict:
         evaluated = model(x[:4])
     names = sorted(n for n, _ in strategy.unwrap(model).named_parameters())
     return {"state": strategy.full_state_dict(model), "norms": norms, "losses": losses, "outputs": outputs,
-            "refused": refused, "names": names, "evaluated": evaluated, "shape": tuple(strategy.mesh.shape),
+            "refused": refused, "names": names, "evaluated": evaluated, "shape": tuple(strategy.mesh.shape), "kinds": kinds,
             "qkv": _local_rows(strategy.unwrap(model), "blocks.0.attn.qkv.weight")}
 
 
@@ -135,13 +136,14 @@ def _job(checkpoint_dir: str, plain_checkpoint: str) -> dict:
     pp4 = _custom_loop(towers.FullyShardedStrategy(mesh="pp=4"), checkpoint_dir + "-pp4")
     pp2tp2 = _custom_loop(towers.FullyShardedStrategy(mesh="pp=2,tp=2"), checkpoint_dir + "-pp2tp2")
     sp = _custom_loop(towers.FullyShardedStrategy(mesh="pp=2,tp=2", sequence_parallel=True), checkpoint_dir + "-sp")
+    lp = _custom_loop(towers.FullyShardedStrategy(mesh="pp=2,tp=2", loss_parallel=True), checkpoint_dir + "-lp")
     # Accumulation: each update's 8 examples as 2 batches of 4 (each cut into micro-batches); fit also in bf16.
     accumulated = _custom_loop(towers.FullyShardedStrategy(mesh="pp=2,dp=2", gradient_accumulation_steps=2),
                                checkpoint_dir + "-acc", batch=GBS // 2)
     bf16 = _trainer(towers.FullyShardedStrategy(mesh="pp=2,dp=2", gradient_accumulation_steps=2, precision="bf16"))
     bf16.fit(_data(), epochs=1, global_batch_size=GBS // 2, shuffle=False)
     fit["bf16"] = bf16.strategy.full_state_dict(bf16.model)
-    return {"loop": loop, "facts": facts, "fit": fit, "pp4": pp4, "pp2tp2": pp2tp2, "pp2tp2sp": sp,
+    return {"loop": loop, "facts": facts, "fit": fit, "pp4": pp4, "pp2tp2": pp2tp2, "pp2tp2sp": sp, "pp2tp2lp": lp,
             "accumulated": accumulated, "resumed": resumed}
 
 
@@ -246,7 +248,7 @@ def test_pp4_one_block_per_stage_trains_as_one_device(launch, plain):
         assert r["pp4"]["norms"] == pytest.approx(norms, rel=1e-5)
 
 
-@pytest.mark.parametrize("run", ["pp2tp2", "pp2tp2sp"])
+@pytest.mark.parametrize("run", ["pp2tp2", "pp2tp2sp", "pp2tp2lp"])
 def test_pp2_tp2_each_stage_split_over_tp_trains_as_one_device(launch, plain, run):
     results, _ = launch
     reference, norms, losses, _ = plain
@@ -254,6 +256,8 @@ def test_pp2_tp2_each_stage_split_over_tp_trains_as_one_device(launch, plain, ru
     assert "wte.weight" in stage0 and "head.weight" in stage1 and not any(n.startswith("blocks.2.") for n in stage0)
     assert {r[run]["shape"] for r in results} == {(2, 1, 2)}
     assert [r[run]["qkv"] for r in results] == [3 * CONFIG.n_embd // 2] * 2 + [None] * 2  # half the heads each
+    # the last stage's outputs: whole logits, or under loss parallelism the head's slices of the vocabulary
+    assert [r[run]["kinds"] for r in results] == [{"NoneType"}] * 2 + [{"DTensor" if run == "pp2tp2lp" else "Tensor"}] * 2
     for r in results:
         _close(r[run]["state"], reference)
         assert r[run]["norms"] == pytest.approx(norms, rel=1e-5)
@@ -267,7 +271,7 @@ def test_a_pipelined_model_under_no_grad_returns_the_whole_models_output_on_ever
     with torch.no_grad():
         want = model(_data()[0][:4])  # the trained plain model's logits
     for r in results:
-        for run in ("loop", "pp4", "pp2tp2", "pp2tp2sp"):
+        for run in ("loop", "pp4", "pp2tp2", "pp2tp2sp", "pp2tp2lp"):
             torch.testing.assert_close(r[run]["evaluated"], want, rtol=RTOL, atol=ATOL)
 
 

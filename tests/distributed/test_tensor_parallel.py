@@ -9,7 +9,12 @@ layer over the 2 replicas. The references are the plain torch loops a user write
 sharded checkpoint the job writes loads into a plain one-process model and into another mesh (tp=4).
 
 The same spawn then trains again under ``sequence_parallel=True`` (norms and residual stream on half
-of the sequence per tp process), towers' GPT and a Hugging Face Llama, against the same plain loops.
+of the sequence per tp process), towers' GPT and a Hugging Face Llama, against the same plain loops; and
+under ``loss_parallel=True`` (the head's logits split over the vocabulary for the loss): the custom loop
+through ``strategy.forward_backward`` and ``Trainer.fit`` with a per-token loss and accuracy, with the
+loss code unchanged. Last, a Hugging Face GPT-2 (its Conv1D layers, q/k/v fused, the head tied to the
+embedding) trains under the same mesh as its plain loop does. A second spawn, of 8 processes, trains
+the custom loop under HSDP with tensor parallelism (``mesh="dp=4,tp=2", shard_group_size=2``).
 """
 
 from __future__ import annotations
@@ -80,11 +85,14 @@ def _job(checkpoint_dir: str) -> dict:
              "shape": tuple(strategy.mesh.shape),
              "placements": [[type(p).__name__ for p in w.placements] for w in (split, whole)],
              "tp": strategy.tensor_parallel_size, "chief": strategy.is_chief, "loss": history["loss"]}
-    try:  # a failure here fails the sequence-parallel test alone, with this rank's traceback
-        sequence_parallel = _sequence_parallel_phase()
-    except Exception:
-        sequence_parallel = {"error": traceback.format_exc()}
-    return {"loop": loop, "fit": fit, "norms": norms, "facts": facts, "sequence_parallel": sequence_parallel}
+    phases = {}
+    for name, phase in (("sequence_parallel", _sequence_parallel_phase), ("loss_parallel", _loss_parallel_phase),
+                        ("gpt2", _gpt2_phase)):
+        try:  # a failure here fails that phase's test alone, with this rank's traceback
+            phases[name] = phase()
+        except Exception:
+            phases[name] = {"error": traceback.format_exc()}
+    return {"loop": loop, "fit": fit, "norms": norms, "facts": facts, **phases}
 
 
 def _restore_under(mesh: str, checkpoint_dir: str) -> dict:
@@ -257,3 +265,134 @@ def test_dp2_tp2_with_sequence_parallelism_trains_as_one_device(launch):
     pytest.importorskip("transformers")  # a Hugging Face Llama: its own plan, its sequence-parallel variant
     assert chief["seen"]["llama_norm"] == (("Shard1",), (local, half, 32))
     _close(chief["llama"], _plain_llama_loop())
+
+
+# --- loss parallelism: the head's logits split over the vocabulary, the user's cross entropy on the slices -----------
+
+def _loss_parallel_phase() -> dict:
+    strategy = towers.FullyShardedStrategy(mesh="dp=2,tp=2", loss_parallel=True)
+    with strategy.scope():
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model, optimizer = strategy.prepare(model, optimizer)
+    norms, layouts = [], set()
+    for xb, yb in strategy.distribute_dataset(_data(), global_batch_size=GBS, shuffle=False):
+        loss, outputs = strategy.forward_backward(
+            model, xb, yb, lambda out, yb: towers.compute_average_loss(_token_loss(out, yb)))
+        layouts.add((_layout(outputs), type(loss).__name__))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).full_tensor()))
+        optimizer.step()
+        optimizer.zero_grad()
+    x, y = _data()
+    with torch.no_grad():
+        evaluated = model(x[:4])  # outside forward_backward: whole logits, as without loss parallelism
+    loop = strategy.full_state_dict(model)
+
+    with strategy.scope():
+        net = _model()
+        trainer = towers.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.5), strategy=strategy, breakdown_every=0,
+                                 loss=lambda logits, y: _token_loss(logits, y), metrics=["accuracy"])
+    history = trainer.fit((x, y), epochs=1, global_batch_size=GBS, shuffle=False)
+    return {"loop": loop, "norms": norms, "layouts": sorted(layouts), "evaluated": evaluated,
+            "fit": strategy.full_state_dict(trainer.model), "history": {k: history[k][0] for k in ("loss", "accuracy")}}
+
+
+def test_dp2_tp2_with_loss_parallelism_trains_as_one_device(launch):
+    results = [r["loss_parallel"] for r in launch[0]]
+    assert not any("error" in r for r in results), "\n".join(r.get("error", "") for r in results)
+    chief = results[0]
+    local = GBS // 2
+    # the logits the loss saw: split over the vocabulary (each tp process half of it); the loss came back whole
+    assert chief["layouts"] == [((("Shard0", "Shard2"), (local, CONFIG.block_size, CONFIG.vocab_size // 2)), "Tensor")] \
+        or chief["layouts"] == [((("Shard2",), (local, CONFIG.block_size, CONFIG.vocab_size // 2)), "Tensor")]
+    reference, norms = _plain_loop()
+    _close(chief["loop"], reference)
+    assert chief["norms"] == pytest.approx(norms, rel=1e-5)
+    model = _model()
+    model.load_state_dict(reference)
+    with torch.no_grad():
+        torch.testing.assert_close(chief["evaluated"], model(_data()[0][:4]), rtol=RTOL, atol=ATOL)
+
+    fit_reference, mean_loss = _plain_fit()  # the mean token loss: the mean of each sequence's mean (same lengths)
+    _close(chief["fit"], fit_reference)
+    assert chief["history"]["loss"] == pytest.approx(mean_loss, rel=1e-5)
+    assert 0 <= chief["history"]["accuracy"] <= 1
+
+
+# --- Hugging Face GPT-2: Conv1D layers, q, k and v in one layer, the head tied to the embedding ----------------------
+
+def _gpt2(transformers):
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=CONFIG.vocab_size, n_positions=CONFIG.block_size, n_embd=32, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"))
+
+
+def _gpt2_phase() -> dict:
+    if not _has_transformers():
+        return {}
+    transformers = importlib.import_module("transformers")
+    strategy = towers.FullyShardedStrategy(mesh="dp=2,tp=2")
+    with strategy.scope():
+        model = _gpt2(transformers)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model, optimizer = strategy.prepare(model, optimizer)
+    norms = []
+    for xb, yb in strategy.distribute_dataset(_data(), global_batch_size=GBS, shuffle=False):
+        strategy.forward_backward(model, {"input_ids": xb}, yb,
+                                  lambda out, yb: towers.compute_average_loss(_token_loss(out.logits, yb)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).full_tensor()))
+        optimizer.step()
+        optimizer.zero_grad()
+    inner = strategy.unwrap(model)
+    qkv = inner.transformer.h[0].attn.c_attn.weight
+    return {"state": strategy.full_state_dict(model), "norms": norms, "qkv": tuple(qkv.to_local().shape),
+            "tied": inner.lm_head.weight is inner.transformer.wte.weight}
+
+
+def test_hugging_face_gpt2_under_dp2_tp2_trains_as_one_device(launch):
+    transformers = pytest.importorskip("transformers")
+    results = [r["gpt2"] for r in launch[0]]
+    assert not any("error" in r for r in results), "\n".join(r.get("error", "") for r in results)
+    chief = results[0]
+    assert chief["qkv"] == (32 // 2, 3 * 32 // 2)  # rows sharded over dp, q/k/v columns of 2 of the 4 heads over tp
+    assert chief["tied"]  # the head is still the embedding
+    model = _gpt2(transformers)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    x, y = _data()
+    norms = []
+    for i in range(STEPS):  # the plain loop, no towers
+        _token_loss(model(input_ids=x[i * GBS:(i + 1) * GBS]).logits, y[i * GBS:(i + 1) * GBS]).mean().backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+    _close(chief["state"], model.state_dict())
+    assert chief["norms"] == pytest.approx(norms, rel=1e-5)
+
+
+# --- HSDP with tensor parallelism: 8 processes, (replicate 2, shard 2, tp 2) -----------------------------------------
+
+def _hsdp_job() -> dict:
+    strategy = towers.FullyShardedStrategy(mesh="dp=4,tp=2", shard_group_size=2)
+    with strategy.scope():
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model, optimizer = strategy.prepare(model, optimizer)
+    norms = _custom_loop(strategy, model, optimizer)
+    qkv = strategy.unwrap(model).blocks[0].attn.qkv.weight
+    return {"state": strategy.full_state_dict(model), "norms": norms, "replicas": strategy.num_replicas_in_sync,
+            "mesh": (tuple(strategy.mesh.mesh_dim_names), tuple(strategy.mesh.shape)),
+            "placements": [type(p).__name__ for p in qkv.placements], "local": tuple(qkv.to_local().shape)}
+
+
+def test_hsdp_with_tensor_parallelism_trains_as_one_device():
+    results = towers.spawn(_hsdp_job, 8, timeout_s=240, threads_per_process=1)
+    reference, norms = _plain_loop()
+    chief = results[0]
+    assert chief["mesh"] == (("replicate", "shard", "tp"), (2, 2, 2)) and chief["replicas"] == 4
+    # qkv: replicated across the 2 groups, its rows sharded within a group (FSDP2 over TP's split), split over tp
+    assert chief["placements"] == ["Replicate", "_StridedShard", "Shard"]
+    assert chief["local"] == (3 * 32 // 2 // 2, 32)
+    _close(chief["state"], reference)  # gathered onto the chief
+    for r in results:
+        assert r["norms"] == pytest.approx(norms, rel=1e-5)

@@ -112,6 +112,18 @@ def test_hugging_face_models_bring_their_own_plan():
         check_divisible(model, plan, 4)
 
 
+def test_hugging_face_gpt2_gets_a_plan_for_its_conv1d_layers_with_q_k_v_split_head_by_head():
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=8, n_embd=32, n_layer=2,
+                                                                 n_head=4))
+    plan = tp_plan_for(model, 2)
+    assert plan == {"transformer.h.*.attn.c_attn": "conv1d_colwise_qkv", "transformer.h.*.attn.c_proj": "conv1d_rowwise",
+                    "transformer.h.*.mlp.c_fc": "conv1d_colwise", "transformer.h.*.mlp.c_proj": "conv1d_rowwise"}
+    check_divisible(model, plan, 2)
+    with pytest.raises(ValueError, match=r"n_head must divide by tp.*n_head=4, tp=3"):
+        check_divisible(model, plan, 3)
+
+
 def test_a_plan_is_checked_against_the_model_before_anything_splits():
     model = GPT(GPTConfig(vocab_size=96, block_size=8, n_layer=1, n_head=4, n_embd=36))
     with pytest.raises(ValueError, match=r"n_head must divide by tp.*n_head=4, tp=3"):

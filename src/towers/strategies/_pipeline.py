@@ -21,6 +21,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
+from towers._batch import whole
 from towers._logging import get_logger
 from towers.errors import user_error
 
@@ -235,7 +236,7 @@ class Pipeline:
                 raise user_error("loss_fn must return the loss to backpropagate (a scalar tensor), e.g. "
                                  "towers.compute_average_loss(per_example_loss)", _describe(loss),
                                  "Return compute_average_loss(loss_per_example) (one device's maths over micro-batches).")
-            losses.append(loss.detach())
+            losses.append(whole(loss.detach()))  # a loss-parallel loss is a DTensor
             return loss
 
         key = (n, tuple(inputs.shape), inputs.dtype, _shape(targets))

@@ -9,10 +9,11 @@ process of a replica computes it whole on the same batch.
 
 Built-in plans: towers' GPT (``towers.models_gpt``), every Hugging Face model whose config
 carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2, ...; the head too, where the vocabulary
-divides by tp), models laid out as torchtitan's Llama 3 (``layers.N.attention.wq`` ...), and the MLPs of an
-``nn.Sequential`` (two linear layers with only activations between them: the first colwise, the second
-rowwise, as the seed CNN's classifier). Any other model: pass ``tp_plan=`` a
-dict of name -> style (the strings ``"colwise"`` / ``"rowwise"``, or style objects), or a callable
+divides by tp), Hugging Face's GPT-2 (its ``Conv1D`` layers, ``towers.strategies._conv1d_parallel``),
+models laid out as torchtitan's Llama 3 (``layers.N.attention.wq`` ...), and the MLPs of an
+``nn.Sequential`` (two linear layers with only activations between them: the first colwise, the
+second rowwise, as the seed CNN's classifier). Any other model: pass ``tp_plan=`` a dict of name ->
+style (the strings ``"colwise"`` / ``"rowwise"``, or style objects), or a callable
 ``plan(model, tp_size) -> dict``. ``sequence_parallel=True`` turns a plan into its sequence-parallel
 variant (``towers.strategies._sequence_parallel``).
 """
@@ -42,11 +43,17 @@ def _style(value: Any, name: str) -> Any:
 
     if isinstance(value, ParallelStyle):
         return value
-    styles: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-                                            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate())}
+    from torch.distributed.tensor import Shard
+
+    styles: dict[str, Callable[[], Any]] = {
+        "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_loss_parallel": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    from towers.strategies._conv1d_parallel import CONV1D_STYLES
     from towers.strategies._sequence_parallel import SEQUENCE_STYLES
 
     styles.update(SEQUENCE_STYLES)
+    styles.update(CONV1D_STYLES)
     if value not in styles:
         raise user_error(f"Tensor-parallel plan entry {name!r} names a style towers does not know", repr(value),
                          f"Use one of {sorted(styles)}, or a torch.distributed.tensor.parallel style object.")
@@ -83,6 +90,18 @@ def _hf_plan(model: nn.Module) -> dict[str, Any] | None:
         if style in ("colwise_rep", "colwise_gather_output"):
             plan[name] = "colwise_rep"
     return plan
+
+
+def _hf_gpt2_plan(model: nn.Module) -> dict[str, Any] | None:
+    """The plan for a Hugging Face GPT-2 (its ``Conv1D`` layers, the fused q/k/v split head by head), else None."""
+    if getattr(getattr(model, "config", None), "model_type", None) != "gpt2":
+        return None
+    found = [name for name, m in model.named_modules() if name.endswith("attn.c_attn") and type(m).__name__ == "Conv1D"]
+    if not found:
+        return None
+    prefix = found[0][:-len("attn.c_attn")].rstrip(".").rsplit(".", 1)[0]  # "transformer.h" or "h"
+    return {f"{prefix}.*.attn.c_attn": "conv1d_colwise_qkv", f"{prefix}.*.attn.c_proj": "conv1d_rowwise",
+            f"{prefix}.*.mlp.c_fc": "conv1d_colwise", f"{prefix}.*.mlp.c_proj": "conv1d_rowwise"}
 
 
 #: torchtitan's Llama 3 (``torchtitan.models.llama3``): its module names, and the plan torchtitan itself applies.
@@ -154,7 +173,7 @@ def _tp_plan(model: nn.Module, tp: int, plan: TPPlan) -> dict[str, Any]:
                          "Use e.g. tp_plan={'layers.*.fc1': 'colwise', 'layers.*.fc2': 'rowwise'}.")
     if _is_towers_gpt(model):
         return _towers_gpt_plan(model, tp)
-    found = _hf_plan(model) or _torchtitan_plan(model) or _sequential_mlp_plan(model, tp)
+    found = _hf_plan(model) or _hf_gpt2_plan(model) or _torchtitan_plan(model) or _sequential_mlp_plan(model, tp)
     if found is not None:
         return {k: v for k, v in found.items() if not _head_too_narrow(model, k, v, tp)}
     raise user_error(f"towers has no tensor-parallel plan for {type(model).__name__}", "tp_plan='auto'",
@@ -198,13 +217,17 @@ def check_divisible(model: nn.Module, plan: Mapping[str, Any], tp: int) -> None:
             raise user_error("A tensor-parallel plan entry matches no module of the model", repr(pattern),
                              "Name modules as model.named_modules() does, with * for one level (e.g. 'blocks.*.fc1').")
         style = plan[pattern]
-        kind = style if isinstance(style, str) else type(style).__name__.lower()
+        kind = (style if isinstance(style, str) else type(style).__name__.lower()).removeprefix("conv1d_")
         if not kind.startswith(("colwise", "rowwise")):
             continue  # replicated parameters (norms) or a change of layout only: nothing to divide
         for name, module in found:
-            if not isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear):
+                split = module.out_features if kind.startswith("colwise") else module.in_features
+            elif type(module).__name__ == "Conv1D":  # Hugging Face's: weight (in, out)
+                weight: Any = module.weight
+                split = int(weight.shape[1] if kind.startswith("colwise") else weight.shape[0])
+            else:
                 continue
-            split = module.out_features if kind.startswith("colwise") else module.in_features
             if split % tp:
                 raise user_error(f"Layer {name} cannot be split over tp={tp}", f"{split} features",
                                  f"Use a tp that divides {split}, or leave {name} out of the plan.")
@@ -228,6 +251,35 @@ def _replicate_rest(model: nn.Module, tp_mesh: Any) -> None:
             distribute_module(module, tp_mesh, input_fn=to_replicated, output_fn=to_local)
 
 
+def _tied(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that several modules share (a head tied to the embedding), in groups."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _tie_again(model: nn.Module, ties: list[list[str]]) -> None:
+    """Share each tied group's first (now distributed) parameter again: distributing gives each module its own copy.
+
+    Raises:
+        ValueError: the plan split the tied modules differently (one tensor cannot be both).
+    """
+    for first, *others in ties:
+        owner, _, leaf = first.rpartition(".")
+        param = getattr(model.get_submodule(owner), leaf)
+        for name in others:
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            mine = getattr(module, attr)
+            if getattr(mine, "placements", None) != getattr(param, "placements", None):
+                raise user_error("Tied parameters must be split alike by the tensor-parallel plan (they are one tensor)",
+                                 f"{first} as {getattr(param, 'placements', None)}, {name} as "
+                                 f"{getattr(mine, 'placements', None)}",
+                                 "Leave both modules out of tp_plan, or give both the same style; or untie them.")
+            module.register_parameter(attr, param)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: TPPlan = "auto", *,
                           sequence_parallel: bool = False) -> dict[str, Any]:
     """Split ``model``'s layers over ``tp_mesh`` by its plan (in place); return the plan applied.
@@ -240,8 +292,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: TPPlan = "auto",
     tp = tp_mesh.size()
     resolved = tp_plan_for(model, tp, plan, sequence_parallel=sequence_parallel)
     check_divisible(model, resolved, tp)
+    ties = _tied(model)
     parallelize_module(model, tp_mesh, {k: _style(v, k) for k, v in resolved.items()})
+    for pattern in (p for p, style in resolved.items() if style == "conv1d_colwise_qkv"):
+        for name, _ in _matched(model, pattern):  # GPT-2's attention splits q, k and v by this width: its slice
+            attention = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            attention.split_size = attention.split_size // tp
     _replicate_rest(model, tp_mesh)
+    _tie_again(model, ties)
     log.info("tensor parallel over %d processes: %s", tp, ", ".join(f"{k}={v}" for k, v in resolved.items()))
     return resolved
 

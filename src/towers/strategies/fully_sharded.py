@@ -17,14 +17,12 @@ job of another size or strategy reshards on load.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from towers._logging import get_logger
-from towers.checkpoint.api import require_optimizer_state
-from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.cluster.mesh import MeshSpec, parse_mesh
 from towers.errors import InvalidArgumentError, user_error
@@ -32,6 +30,7 @@ from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._ddp import check_same_parameters
 from towers.strategies._fsdp import ShardUnits, build_mesh, one_process_mesh, select_units, shard_model
+from towers.strategies._loss_parallel import gather_heads_outside, loss_parallel_plan, loss_parallel_scope
 from towers.strategies._pipeline import (
     Pipeline,
     PipelineComm,
@@ -40,10 +39,10 @@ from towers.strategies._pipeline import (
     check_schedule,
 )
 from towers.strategies._pipeline_split import parse_split
-from towers.strategies._pipeline_strategy import PipelineSteps
+from towers.strategies._sharded_state import ShardedState, raw_optimizer
 from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
-from towers.strategies._tensor_parallel import TPPlan, apply_tensor_parallel
+from towers.strategies._tensor_parallel import TPPlan, apply_tensor_parallel, tp_plan_for
 from towers.strategies.precision import Precision, resolve_precision
 
 __all__ = ["FullyShardedStrategy"]
@@ -57,11 +56,7 @@ def _replica_device(info: ProcessInfo) -> torch.device:
     return torch.device("cuda", info.local_rank) if gpu_count() >= info.local_world_size else torch.device("cpu")
 
 
-def _raw(optimizer: Any) -> torch.optim.Optimizer:
-    return getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside the one prepare returned
-
-
-class FullyShardedStrategy(PipelineSteps):
+class FullyShardedStrategy(ShardedState):
     """Sharded data parallelism: parameters, gradients and optimizer state split over the replicas (FSDP2).
 
     Options: ``shard_units`` (which submodules are FSDP units: ``"auto"`` = each repeated block of
@@ -85,6 +80,8 @@ class FullyShardedStrategy(PipelineSteps):
     replicas, which split the global batch. ``sequence_parallel=True`` also splits what the plan
     leaves whole (norms, residual stream, dropout) on the sequence over ``tp``; without a ``tp`` above
     1 it has nothing to split and is ignored with a warning (the same script runs on any mesh).
+    ``loss_parallel=True`` keeps the vocabulary head's logits split over ``tp`` for the loss inside
+    ``strategy.forward_backward`` (torch's ``loss_parallel``; see ``towers.strategies._loss_parallel``).
 
     A ``pp`` dimension (``mesh="pp=2,dp=2"``, outermost) adds pipeline parallelism: each process holds one
     stage of the model's blocks (``pp_split``: module names where stages 1.. begin; default balanced), and
@@ -99,7 +96,7 @@ class FullyShardedStrategy(PipelineSteps):
                  backend: str = "auto", precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1,
                  shard_units: ShardUnits = "auto", reshard_after_forward: bool = True, cpu_offload: bool = False,
                  shard_group_size: int | None = None, async_save: bool = False, mesh: "str | MeshSpec | None" = None,
-                 tp_plan: TPPlan = "auto", sequence_parallel: bool = False,
+                 tp_plan: TPPlan = "auto", sequence_parallel: bool = False, loss_parallel: bool = False,
                  pp_split: "str | list[str] | None" = None, pp_schedule: str = "1f1b", pp_microbatches: int | None = None):
         from towers import cluster
         from towers.devices import warn_if_gpus_idle
@@ -113,9 +110,10 @@ class FullyShardedStrategy(PipelineSteps):
         self._async_save = bool(async_save)
         self._owns_group = False
         self._tp_plan = tp_plan
-        if not isinstance(sequence_parallel, bool):
-            raise user_error("sequence_parallel must be True or False", repr(sequence_parallel),
-                             "Use sequence_parallel=True (--strategy-option sequence_parallel=true) or leave it out.")
+        for option, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+            if not isinstance(value, bool):
+                raise user_error(f"{option} must be True or False", repr(value),
+                                 f"Use {option}=True (--strategy-option {option}=true) or leave it out.")
         self._tp_mesh: Any = None  # the tensor-parallel dimension of a (dp, tp) mesh
         self._device_mesh: Any = None  # the whole mesh
         self._pipelines: list[Pipeline] = []  # this process's stage of each model prepare() split
@@ -127,18 +125,21 @@ class FullyShardedStrategy(PipelineSteps):
         self._pp_spec = spec if spec is not None and spec.pp > 1 else None
         self._pp_split, self._pp_schedule = parse_split(pp_split), check_schedule(pp_schedule)
         self._pp_microbatches = check_microbatches(pp_microbatches, spec.pp if spec is not None else 1)
-        if spec is not None:
-            if spec.tp > 1 and shard_group_size not in (None, spec.dp):
-                raise user_error("shard_group_size (HSDP) and a tensor-parallel mesh cannot be combined yet",
-                                 f"shard_group_size={shard_group_size}, mesh {spec.describe()}",
-                                 "Leave shard_group_size out with --mesh.")
-        if sequence_parallel and (spec is None or spec.tp == 1):
-            # Not an error: a script that asks for it runs unchanged on a mesh without tp (nothing to split there).
-            log.warning("sequence_parallel=True is ignored: it splits the sequence over the mesh's tp processes, and "
-                        "this job has %s. Add a tp dimension (--mesh dp=D,tp=T) to use it.",
-                        "no mesh" if spec is None else f"mesh {spec.describe()}")
-            sequence_parallel = False
-        self._sequence_parallel = sequence_parallel
+        if spec is not None and spec.tp > 1 and shard_group_size is not None and (
+                isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1
+                or spec.dp % shard_group_size):
+            raise user_error("Under a tensor-parallel mesh, shard_group_size (HSDP: shard within groups of that many "
+                             "replicas, replicate across them) must divide dp", f"shard_group_size={shard_group_size!r}, "
+                             f"mesh {spec.describe()}", f"Use a divisor of dp={spec.dp}, or leave it out (shard over all).")
+        for option, asked in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+            if asked and (spec is None or spec.tp == 1):
+                # Not an error: a script that asks for it runs unchanged on a mesh without tp (nothing to split there).
+                log.warning("%s=True is ignored: it splits over the mesh's tp processes, and this job has %s. Add a tp "
+                            "dimension (--mesh dp=D,tp=T) to use it.", option,
+                            "no mesh" if spec is None else f"mesh {spec.describe()}")
+        self._sequence_parallel = sequence_parallel and spec is not None and spec.tp > 1
+        self._loss_parallel = loss_parallel and spec is not None and spec.tp > 1
+        self._sharded_logits = False  # inside forward_backward under loss_parallel: the head's logits stay split
         device = _replica_device(info)
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
         # Options are checked before the process group is joined: a typo fails at once, on every rank alike.
@@ -156,7 +157,7 @@ class FullyShardedStrategy(PipelineSteps):
             if self._pp_spec is not None:
                 comm = self._build_pp_mesh(self._pp_spec, device, backend, timeout_s)
             elif spec is not None and spec.tp > 1:
-                comm = self._build_tp_mesh(spec, info, device, backend, timeout_s)
+                comm = self._build_tp_mesh(spec, device, backend, timeout_s, shard_group_size)
             else:
                 comm = ProcessGroupComm(rank=info.rank, num_replicas=info.world_size, backend=backend,
                                         timeout_s=timeout_s)
@@ -177,16 +178,25 @@ class FullyShardedStrategy(PipelineSteps):
                  None if self._mesh is None else dict(zip(self._mesh.mesh_dim_names, self._mesh.shape)),
                  self.precision.name, gradient_accumulation_steps, self._reshard_after_forward, self._cpu_offload)
 
-    def _build_tp_mesh(self, spec: MeshSpec, info: ProcessInfo, device: torch.device, backend: str,
-                       timeout_s: float) -> ProcessGroupComm:
-        """The ``(dp, tp)`` mesh; return the collectives over this process's data-parallel group (its replicas)."""
+    def _build_tp_mesh(self, spec: MeshSpec, device: torch.device, backend: str, timeout_s: float,
+                       shard_group_size: int | None) -> ProcessGroupComm:
+        """The ``(dp, tp)`` mesh, or ``(replicate, shard, tp)`` under HSDP; return the collectives over this process's
+        data-parallel group (its replicas)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._device_mesh = init_device_mesh(device.type, (spec.dp, spec.tp), mesh_dim_names=("dp", "tp"))
-        self._mesh, self._tp_mesh = self._device_mesh["dp"], self._device_mesh["tp"]
+        shard = spec.dp if shard_group_size is None else shard_group_size
+        if shard == spec.dp:
+            self._device_mesh = init_device_mesh(device.type, (spec.dp, spec.tp), mesh_dim_names=("dp", "tp"))
+            self._mesh = dp = self._device_mesh["dp"]
+        else:  # FSDP2 shards within groups of `shard` replicas and replicates across them
+            self._device_mesh = init_device_mesh(device.type, (spec.dp // shard, shard, spec.tp),
+                                                 mesh_dim_names=("replicate", "shard", "tp"))
+            self._mesh = self._device_mesh["replicate", "shard"]
+            dp = self._mesh._flatten("dp")  # torch's one way to get a group over both dimensions of a mesh
+        self._tp_mesh = self._device_mesh["tp"]
         groups = [[d * spec.tp + t for d in range(spec.dp)] for t in range(spec.tp)]  # each tp coordinate's replicas
-        return ProcessGroupComm(rank=self._device_mesh.get_local_rank("dp"), num_replicas=spec.dp, backend=backend,
-                                timeout_s=timeout_s, group=self._mesh.get_group(), groups=groups)
+        return ProcessGroupComm(rank=dp.get_local_rank(), num_replicas=spec.dp, backend=backend,
+                                timeout_s=timeout_s, group=dp.get_group(), groups=groups)
 
     @property
     def mesh(self) -> Any:
@@ -235,7 +245,7 @@ class FullyShardedStrategy(PipelineSteps):
         Raises:
             TypeError, ValueError: as ``SyncStrategy.prepare``; ValueError also when the optimizer already has state.
         """
-        if isinstance(optimizer, torch.optim.Optimizer) and _raw(optimizer).state:
+        if isinstance(optimizer, torch.optim.Optimizer) and raw_optimizer(optimizer).state:
             raise InvalidArgumentError(
                 "FullyShardedStrategy.prepare needs an optimizer that has not stepped yet (its state would be the "
                 "full, unsharded one). Build the optimizer, call prepare, then train; restore state through "
@@ -248,7 +258,7 @@ class FullyShardedStrategy(PipelineSteps):
             self._point_optimizer_at_stage(wrapped, optimizer, names)
         elif optimizer is not None and self._mesh is not None:
             sharded = dict(self._user_modules[-1].named_parameters())  # fully_shard swapped them in place
-            for group in _raw(optimizer).param_groups:
+            for group in raw_optimizer(optimizer).param_groups:
                 group["params"] = [sharded[names[id(p)]] if id(p) in names else p for p in group["params"]]
         return wrapped, prepared
 
@@ -260,8 +270,14 @@ class FullyShardedStrategy(PipelineSteps):
         plan, sequence_parallel = self._tp_plan, self._sequence_parallel
         if self._pp_spec is not None and self._pp_comm is not None:  # this process's stage; FSDP2 shards it over dp
             model, plan, sequence_parallel = self._keep_stage(model, self._pp_spec, self._pp_comm)
+        if self._tp_mesh is not None and self._loss_parallel:  # the vocabulary head's logits stay split for the loss
+            plan = loss_parallel_plan(tp_plan_for(model, self.tensor_parallel_size, plan, sequence_parallel=sequence_parallel))
+            sequence_parallel = False  # the plan is already its sequence-parallel variant where asked
         if self._tp_mesh is not None:  # split the layers first; FSDP2 then shards each split over dp (2-D)
-            apply_tensor_parallel(model, self._tp_mesh, plan, sequence_parallel=sequence_parallel)
+            applied = apply_tensor_parallel(model, self._tp_mesh, plan, sequence_parallel=sequence_parallel)
+            if self._loss_parallel and not gather_heads_outside(model, applied, lambda: self._sharded_logits):
+                log.warning("loss_parallel=True has nothing to split in this %s: its plan splits no vocabulary head "
+                            "(colwise_rep). The loss runs on whole logits.", type(model).__name__)
         shard_model(model, self._mesh, shard_units=self._shard_units, reshard_after_forward=self._reshard_after_forward,
                     precision=self.precision.name, cpu_offload=self._cpu_offload)
         self._sharded.append(model)
@@ -304,6 +320,23 @@ class FullyShardedStrategy(PipelineSteps):
                 return user
         return model
 
+    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any,
+                         loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        """``Strategy.forward_backward`` (a pipeline's schedule under pp); under ``loss_parallel`` the loss and its
+        backward run inside torch's ``loss_parallel()`` on logits split over the vocabulary, and the loss comes back
+        whole (``outputs``: the split logits, a DTensor)."""
+        if not self._loss_parallel:
+            return super().forward_backward(model, inputs, targets, loss_fn)
+        from towers._batch import whole
+
+        self._sharded_logits = True
+        try:
+            with loss_parallel_scope(True):
+                loss, outputs = super().forward_backward(model, inputs, targets, loss_fn)
+        finally:
+            self._sharded_logits = False
+        return whole(loss), outputs
+
     # --- gradients ------------------------------------------------------------------------------------
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of ``parameters`` (sharded or not) to a global norm ``max_norm``; return the norm before clipping.
@@ -314,78 +347,6 @@ class FullyShardedStrategy(PipelineSteps):
             total = super().clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
             return total.full_tensor() if hasattr(total, "full_tensor") else total
         return self._clip_over_stages(self._pp_comm, parameters, max_norm, norm_type)
-
-    # --- state and checkpoints ------------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
-        """Return ``{"model", "optimizer", "precision"}`` holding this rank's SHARDS (DTensors); a collective.
-
-        Optimizer state is keyed by parameter name (``get_state_dict``), so it loads into a job
-        of another size. ``export_model`` writes the full model for inference. With a pipeline: this
-        stage's part, under the original names (its optimizer's groups name the whole model's parameters).
-        """
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        if self._mesh is None:  # one process: a plain module
-            return super().state_dict(model, optimizer)
-        if optimizer is None:
-            model_state, optim_state = get_model_state_dict(model), None
-        else:
-            model_state, optim_state = get_state_dict(model, [_raw(optimizer)])
-            optim_state = self._whole_param_groups(optim_state, optimizer)  # with a pipeline: every stage's names
-        return {"model": model_state, "optimizer": optim_state, "precision": self.precision.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any = None) -> None:
-        """Restore a state from ``state_dict`` here, or a full one from any strategy, into the prepared model and optimizer.
-
-        Shards (DTensors) load as they are; full tensors (from another strategy, or read whole)
-        are cut into this process's shards. With a pipeline, each stage loads its own keys of the whole
-        model's ``state``.
-        """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
-        from towers.checkpoint.state import is_dtensor
-
-        require_optimizer_state(state, optimizer)
-        if self._mesh is None:
-            return super().load_state_dict(state, model, optimizer)
-        state = state if self._pp_comm is None else self._stage_part(state, model)
-        full = self._mesh is not None and not any(is_dtensor(v) for v in state["model"].values())
-        options = StateDictOptions(full_state_dict=full, strict=True)
-        if optimizer is None or state.get("optimizer") is None:
-            set_model_state_dict(model, state["model"], options=options)
-        else:
-            set_state_dict(model, [_raw(optimizer)], model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"], options=options)
-        self.precision.load_state_dict(state.get("precision") or {})
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """Return the user's module's full state dict, gathered from every shard (and pipeline stage) onto the CPU (a
-        collective)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        if self._mesh is None:
-            return super().full_state_dict(model)
-        if self._pp_comm is None:
-            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        # With a pipeline every stage gathers its part (cpu_offload would give it to the job's rank 0 alone).
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        return self._pp_comm.gather_stages({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
-
-    def checkpoint_io(self) -> CheckpointIO:
-        """Every process writes its own shards; with ``async_save`` a background thread does, on a Gloo group of its own."""
-        io = self.__dict__.get("_checkpoint_io")
-        if io is None:
-            group = None
-            if self._mesh is not None and self._async_save:
-                # Asynchronous saves talk in a background thread: a group of their own, so they never
-                # interleave with the training step's collectives.
-                import torch.distributed as dist
-
-                group = dist.new_group(backend="gloo")
-            io = self.__dict__["_checkpoint_io"] = CheckpointIO(collective=True, process_group=group,
-                                                                async_save=self._async_save,
-                                                                gather_parts=self._checkpoint_parts())
-        return io
 
     def shutdown(self) -> None:
         """Finish an asynchronous checkpoint in flight, then leave the process group this strategy joined (idempotent)."""

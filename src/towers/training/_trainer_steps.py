@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
+from towers._batch import whole
 from towers._logging import get_logger
 from towers.data import BatchInfo
 from towers.errors import InvalidArgumentError, user_error
@@ -50,9 +51,9 @@ class TrainingSteps(TrainerAttributes):
                 if per_example.dim() == 0:  # a loss that returns its batch's mean: one device's mean over the labels
                     count = label_count(replace(parts, labels=labels), self.ignore_index)
                     loss, shown = self._normalised_mean(per_example, count, outputs)
-                    kept.append((shown.expand(count).clone(), y_pred.detach()))
+                    kept.append((whole(shown).expand(count).clone(), whole(y_pred.detach())))
                     return loss
-                kept.append((per_example.detach(), y_pred.detach()))
+                kept.append((whole(per_example.detach()), whole(y_pred.detach())))  # split logits (loss parallel): whole
                 return compute_average_loss(per_example)  # strategy.backward scales it under fp16
 
             inputs = parts.inputs if parts.as_kwargs else (parts.inputs,)  # the prepared model applies its precision
