@@ -2,17 +2,22 @@
 
 Layouts: Mirrored (every rank the whole model), sharded (FSDP2 over 4), dp=2,tp=2 (tensor parallel
 pairs, FSDP2 across them), tp=4 (one replica split 4 ways), both tp layouts again with sequence
-parallelism (``+sp``), and pipelines: pp=2,dp=2 (2 stages, each sharded over 2) and pp=4 (4 stages,
-1F1B over 4 micro-batches). Under a pipeline the activations are not counted: the schedule frees a
-micro-batch's saved tensors after its backward, so their sum says nothing of the peak. After one
-AdamW step on a global batch of 8 sequences of 64 tokens, each rank
-sums the bytes of the tensors it holds: parameters, gradients and optimizer state (for a DTensor,
+parallelism (``+sp``) and with loss parallelism (``+lp``), and pipelines: pp=2,dp=2 (2 stages, each
+sharded over 2), pp=4 (4 stages, 1F1B over 4 micro-batches) and pp=2,tp=2. Under a pipeline the
+activations are not counted: the schedule frees a micro-batch's saved tensors after its backward, so
+their sum says nothing of the peak. After one AdamW step on a global batch of 8 sequences of 64
+tokens, each rank sums the bytes of the tensors it holds: parameters, gradients and optimizer state (for a DTensor,
 its local shard). ``activations`` is what the forward keeps for backward on that rank: the tensors
 autograd saves, each storage counted once, parameters left out. Also reported: the bytes each rank
 sends per step by the layout's collectives, computed from the shapes (not measured): see the docs.
 
     python benchmarks/model_parallel_memory.py            # ~4 minutes on 2 cores
     python benchmarks/model_parallel_memory.py --layouts "dp=2,tp=2" "dp=2,tp=2 +sp"
+    python benchmarks/model_parallel_memory.py --with-loss --layouts "dp=2,tp=2" "dp=2,tp=2 +lp"   # loss parallel
+
+``+lp`` is ``loss_parallel=True`` (the head's logits split over tp for the loss); ``--with-loss`` counts
+what the loss keeps for backward too (the step through ``strategy.forward_backward``), where the
+logits' difference lies. ``pp=2,tp=2``: each of 2 stages split over 2 processes.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ LAYOUTS = {"mirrored": ("mirrored", {}), "sharded": ("sharded", {}), "dp=2,tp=2"
            "tp=4": ("sharded", {"mesh": "tp=4"}),
            "dp=2,tp=2 +sp": ("sharded", {"mesh": "dp=2,tp=2", "sequence_parallel": True}),
            "tp=4 +sp": ("sharded", {"mesh": "tp=4", "sequence_parallel": True}),
-           "pp=2,dp=2": ("sharded", {"mesh": "pp=2,dp=2"}), "pp=4": ("sharded", {"mesh": "pp=4"})}
+           "pp=2,dp=2": ("sharded", {"mesh": "pp=2,dp=2"}), "pp=4": ("sharded", {"mesh": "pp=4"}),
+           "pp=2,tp=2": ("sharded", {"mesh": "pp=2,tp=2"}),
+           "dp=2,tp=2 +lp": ("sharded", {"mesh": "dp=2,tp=2", "loss_parallel": True}),
+           "tp=4 +lp": ("sharded", {"mesh": "tp=4", "loss_parallel": True})}
 
 
 def _local_bytes(tensors) -> int:
@@ -77,7 +85,13 @@ class _SavedForBackward:
         return t
 
 
-def _job(name: str, seq: int, gbs: int) -> dict:
+def token_loss(logits: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    """The mean token loss of each sequence, normalised by the global batch (towers' custom loop)."""
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="none")
+    return towers.compute_average_loss(per_token.view(len(yb), -1).mean(1))
+
+
+def _job(name: str, seq: int, gbs: int, loss_too: bool = False) -> dict:
     kind, options = LAYOUTS[name]
     strategy = towers.MirroredStrategy() if kind == "mirrored" else towers.FullyShardedStrategy(**options)
     config = GPTConfig.small()
@@ -92,13 +106,16 @@ def _job(name: str, seq: int, gbs: int) -> dict:
     pipelined = getattr(strategy, "pipeline_parallel_size", 1) > 1
     for xb, yb in strategy.distribute_dataset((x, y), global_batch_size=gbs, shuffle=False):
         if pipelined:  # the schedule runs forward and backward over the micro-batches: one call
-            strategy.forward_backward(model, xb, yb, lambda logits, yb: towers.compute_average_loss(
-                torch.nn.functional.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="none")
-                .view(len(yb), -1).mean(1)))
+            strategy.forward_backward(model, xb, yb, token_loss)
             optimizer.step()
             continue
 
         def step(xb, yb):
+            if loss_too:  # the forward and the loss: what loss parallelism changes is the loss's saved logits
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                    strategy.forward_backward(model, xb, yb, token_loss)
+                optimizer.step()
+                return
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 logits = model(xb)
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="none")
@@ -118,10 +135,12 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--with-loss", action="store_true",
+                        help="count the loss's saved tensors too (forward and loss through strategy.forward_backward)")
     args = parser.parse_args()
     rows = {}
     for name in args.layouts:
-        per_rank = towers.spawn(_job, 4, args=(name, args.seq, args.global_batch), timeout_s=900)
+        per_rank = towers.spawn(_job, 4, args=(name, args.seq, args.global_batch, args.with_loss), timeout_s=900)
         rows[name] = per_rank
         mb = [{k: None if v is None else round(v / 2**20, 1) for k, v in r.items()} for r in per_rank]
         worst = max(mb, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
