@@ -43,6 +43,17 @@ def test_a_mesh_that_does_not_span_the_processes_names_both_numbers():
         MeshSpec(tp=3).resolved(4)
 
 
+
+def test_hsdp_under_a_tp_mesh_needs_a_group_size_that_divides_dp_and_says_so_before_joining():
+    from towers.cluster.info import ProcessInfo
+    from towers.strategies.fully_sharded import FullyShardedStrategy
+
+    info = ProcessInfo(rank=0, world_size=8, local_rank=0, local_world_size=8)
+    with pytest.raises(ValueError, match=r"shard_group_size .* must divide dp. Received: shard_group_size=3, mesh "
+                                         r"dp=4,tp=2. Use a divisor of dp=4"):
+        FullyShardedStrategy(info=info, mesh="dp=4,tp=2", shard_group_size=3)
+
+
 def test_towers_launch_checks_the_mesh_before_starting_a_process(tmp_path, capsys):
     spec = parse_launch_args(["--nproc-per-node", "4", "--strategy", "sharded", "--mesh", "dp=2,tp=2", "t.py"])
     assert spec.strategy_options["mesh"] == "dp=2,tp=2"
@@ -238,7 +249,8 @@ def test_a_sequence_that_does_not_divide_by_tp_is_refused_naming_both_numbers():
         block(torch.zeros(2, 15, 4))
 
 
-def test_sequence_parallel_is_a_strategy_option_ignored_with_a_warning_without_tp(caplog):
+@pytest.mark.parametrize("option", ["sequence_parallel", "loss_parallel"])
+def test_sequence_and_loss_parallel_are_strategy_options_ignored_with_a_warning_without_tp(caplog, option):
     import logging
 
     from towers.cluster.info import ProcessInfo
@@ -246,22 +258,22 @@ def test_sequence_parallel_is_a_strategy_option_ignored_with_a_warning_without_t
     from towers.strategies.fully_sharded import FullyShardedStrategy
     from towers.strategies.registry import check_strategy_options
 
-    options = parse_strategy_options(["sequence_parallel=true"])
-    assert options == {"sequence_parallel": True}
+    options = parse_strategy_options([f"{option}=true"])
+    assert options == {option: True}
     check_strategy_options("sharded", options)  # the sharded strategy takes it
-    with pytest.raises(ValueError, match="does not take the option 'sequence_parallel'"):
+    with pytest.raises(ValueError, match=f"does not take the option '{option}'"):
         check_strategy_options("mirrored", options)
-    with pytest.raises(ValueError, match=r"sequence_parallel must be True or False. Received: 'yes'"):
-        FullyShardedStrategy(info=ProcessInfo(), sequence_parallel="yes")
+    with pytest.raises(ValueError, match=rf"{option} must be True or False. Received: 'yes'"):
+        FullyShardedStrategy(info=ProcessInfo(), **{option: "yes"})
     logger = logging.getLogger("towers")
     logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.WARNING, logger="towers"):
-            strategy = FullyShardedStrategy(info=ProcessInfo(), sequence_parallel=True)
+            strategy = FullyShardedStrategy(info=ProcessInfo(), **{option: True})
     finally:
         logger.removeHandler(caplog.handler)
     assert strategy.tensor_parallel_size == 1
-    assert "sequence_parallel=True is ignored" in caplog.text and "no mesh" in caplog.text
+    assert f"{option}=True is ignored" in caplog.text and "no mesh" in caplog.text
     assert "--mesh dp=D,tp=T" in caplog.text
 
 
