@@ -8,6 +8,7 @@ over the global batch, whatever the split (ragged last batch, empty shares inclu
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -46,6 +47,7 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
             when ``weights`` does not fit the loss, is combined with ``global_batch_size`` or
             ``sample_weight``, or an update mixes weighted and example-normalised losses.
     """
+    per_example_loss = _replicated_as_plain(per_example_loss)
     if weights is not None:
         return _weighted_loss(per_example_loss, weights, global_batch_size, sample_weight)
     if not isinstance(per_example_loss, torch.Tensor) or per_example_loss.dim() == 0:
@@ -70,6 +72,15 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
         if ctx is not None and (ctx.num_replicas_in_sync > 1 or ctx.accumulation_steps > 1):
             ctx.strategy.note_example_normalised_loss(update_step=ctx.is_update_step)
     return per_example_loss.sum() / global_batch_size
+
+
+def _replicated_as_plain(loss: Any) -> Any:
+    """A loss that torch's ``loss_parallel`` returned (a DTensor, the same on every tensor-parallel process) as the plain
+    tensor it equals, so that weights, sample weights and padding combine with it; anything else as it is."""
+    placements = getattr(loss, "placements", None)
+    if placements is not None and all(p.is_replicate() for p in placements):
+        return loss.to_local()  # its gradient flows back to the DTensor
+    return loss
 
 
 def _weighted_loss(loss: torch.Tensor, weights: torch.Tensor, global_batch_size: int | None,

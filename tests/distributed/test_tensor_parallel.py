@@ -11,8 +11,8 @@ sharded checkpoint the job writes loads into a plain one-process model and into 
 The same spawn then trains again under ``sequence_parallel=True`` (norms and residual stream on half
 of the sequence per tp process), towers' GPT and a Hugging Face Llama, against the same plain loops; and
 under ``loss_parallel=True`` (the head's logits split over the vocabulary for the loss): the custom loop
-through ``strategy.forward_backward`` and ``Trainer.fit`` with a per-token loss and accuracy, with the
-loss code unchanged. Last, a Hugging Face GPT-2 (its Conv1D layers, q/k/v fused, the head tied to the
+through ``strategy.forward_backward`` on a masked token mean (``compute_average_loss(..., weights=)``) and
+``Trainer.fit`` with a per-token loss and accuracy, with the loss code unchanged. Last, a Hugging Face GPT-2 (its Conv1D layers, q/k/v fused, the head tied to the
 embedding) trains under the same mesh as its plain loop does. A second spawn, of 8 processes, trains
 the custom loop under HSDP with tensor parallelism (``mesh="dp=4,tp=2", shard_group_size=2``).
 """
@@ -276,9 +276,13 @@ def _loss_parallel_phase() -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     model, optimizer = strategy.prepare(model, optimizer)
     norms, layouts = [], set()
+
+    def weighted(out, yb):  # the tokens of a mask weigh, the others do not: one device's mean over the weighed ones
+        per_token = torch.nn.functional.cross_entropy(out.flatten(0, 1), yb.flatten(), reduction="none")
+        return towers.compute_average_loss(per_token.view(len(yb), -1), weights=_mask(yb))
+
     for xb, yb in strategy.distribute_dataset(_data(), global_batch_size=GBS, shuffle=False):
-        loss, outputs = strategy.forward_backward(
-            model, xb, yb, lambda out, yb: towers.compute_average_loss(_token_loss(out, yb)))
+        loss, outputs = strategy.forward_backward(model, xb, yb, weighted)
         layouts.add((_layout(outputs), type(loss).__name__))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).full_tensor()))
         optimizer.step()
@@ -297,6 +301,26 @@ def _loss_parallel_phase() -> dict:
             "fit": strategy.full_state_dict(trainer.model), "history": {k: history[k][0] for k in ("loss", "accuracy")}}
 
 
+def _mask(y: torch.Tensor) -> torch.Tensor:
+    return (y % 3 != 0).float()  # about 2 tokens in 3 weigh
+
+
+def _plain_weighted_loop() -> tuple[dict, list[float]]:
+    """The custom loop on one device without towers, on the masked token mean."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    x, y = _data()
+    norms = []
+    for i in range(STEPS):
+        xb, yb = x[i * GBS:(i + 1) * GBS], y[i * GBS:(i + 1) * GBS]
+        per_token = torch.nn.functional.cross_entropy(model(xb).flatten(0, 1), yb.flatten(), reduction="none")
+        ((per_token.view(len(yb), -1) * _mask(yb)).sum() / _mask(yb).sum()).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict(), norms
+
+
 def test_dp2_tp2_with_loss_parallelism_trains_as_one_device(launch):
     results = [r["loss_parallel"] for r in launch[0]]
     assert not any("error" in r for r in results), "\n".join(r.get("error", "") for r in results)
@@ -305,7 +329,7 @@ def test_dp2_tp2_with_loss_parallelism_trains_as_one_device(launch):
     # the logits the loss saw: split over the vocabulary (each tp process half of it); the loss came back whole
     assert chief["layouts"] == [((("Shard0", "Shard2"), (local, CONFIG.block_size, CONFIG.vocab_size // 2)), "Tensor")] \
         or chief["layouts"] == [((("Shard2",), (local, CONFIG.block_size, CONFIG.vocab_size // 2)), "Tensor")]
-    reference, norms = _plain_loop()
+    reference, norms = _plain_weighted_loop()
     _close(chief["loop"], reference)
     assert chief["norms"] == pytest.approx(norms, rel=1e-5)
     model = _model()
