@@ -123,6 +123,15 @@ def one_device(recipe: Recipe, device: torch.device) -> towers.OneDeviceStrategy
     return towers.OneDeviceStrategy(towers_device(device), precision=recipe.precision)
 
 
+def _built_in_scope(recipe: Recipe, strategy: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The recipe's model (as towers' engines wrap it) and optimizer, made under ``strategy.scope()`` from seed 0."""
+    torch.manual_seed(0)
+    with strategy.scope():
+        net, make_opt = recipe.build()
+        net = recipe.towers_wrap(net)
+        return net, make_opt(net.parameters())
+
+
 def loop_engine(recipe: Recipe, device: torch.device, *,
                 strategy_fn: Callable[[Recipe, torch.device], Any] = one_device,
                 prepared: Callable[[nn.Module, Any], None] | None = None) -> Block:
@@ -131,11 +140,7 @@ def loop_engine(recipe: Recipe, device: torch.device, *,
     ``prepared(user_model, strategy)`` is called after ``prepare`` (to look at what it did to the model).
     """
     strategy = strategy_fn(recipe, device)
-    torch.manual_seed(0)
-    with strategy.scope():
-        net, make_opt = recipe.build()
-        net = recipe.towers_wrap(net)
-        opt = make_opt(net.parameters())
+    net, opt = _built_in_scope(recipe, strategy)
     model, opt = strategy.prepare(net, opt, compile=recipe.compile, **recipe.towers_options)
     if prepared is not None:
         prepared(net, strategy)
@@ -163,11 +168,7 @@ def loop_engine(recipe: Recipe, device: torch.device, *,
 def trainer_engine(recipe: Recipe, device: torch.device) -> Block:
     """``Trainer.fit`` on ``OneDeviceStrategy``: one epoch of ``recipe.steps`` steps per block."""
     strategy = one_device(recipe, device)
-    torch.manual_seed(0)
-    with strategy.scope():
-        net, make_opt = recipe.build()
-        net = recipe.towers_wrap(net)
-        opt = make_opt(net.parameters())
+    net, opt = _built_in_scope(recipe, strategy)
     trainer = towers.Trainer(net, opt, recipe.loss, strategy=strategy, ignore_index=-1, compile=recipe.compile,
                              **{**recipe.towers_options, **recipe.trainer_options})
 

@@ -31,17 +31,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from trainer_vs_loop import StepClock, towers_loop  # shared with the Trainer-vs-loop benchmark
 
 import towers
-
-
-class _StepClock(towers.callbacks.Callback):
-    def __init__(self, times: list[float]):
-        super().__init__()
-        self.times = times
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter())
 
 
 def _us(times: list[float]) -> float:
@@ -77,20 +69,10 @@ def _engines(steps: int, batch_size: int) -> dict[str, Callable[[], float]]:
     model, opt = strategy.prepare(loop_net, torch.optim.Adam(loop_net.parameters(), lr=1e-3))
     loop_data = torch.utils.data.TensorDataset(x, y)
 
-    def step(xb, yb):
-        loss = towers.compute_average_loss(F.cross_entropy(model(xb), yb, reduction="none"))
-        strategy.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    timed_loop = towers_loop(strategy, model, opt, loop_data, batch_size)
 
     def loop() -> float:
-        times, losses = [], []
-        for xb, yb in strategy.distribute_dataset(loop_data, batch_size, seed=1):
-            losses.append(strategy.run(step, args=(xb, yb)))
-            times.append(time.perf_counter())
-        strategy.reduce("sum", torch.stack(losses).sum())
-        return _us(times)
+        return _us(timed_loop())
 
     fit_strategy = towers.OneDeviceStrategy("cpu")
     fit_net = nn.Linear(32, 10)
@@ -99,7 +81,7 @@ def _engines(steps: int, batch_size: int) -> dict[str, Callable[[], float]]:
 
     def fit() -> float:
         times: list[float] = []
-        trainer.fit((x, y), epochs=1, global_batch_size=batch_size, callbacks=[_StepClock(times)])
+        trainer.fit((x, y), epochs=1, global_batch_size=batch_size, callbacks=[StepClock(times)])
         return _us(times)
 
     return {"raw": raw, "loop": loop, "fit": fit}

@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from towers.datasets import synthetic_images
 from towers.models import SeedCNN
 
 
-class _StepClock(towers.callbacks.Callback):
+class StepClock(towers.callbacks.Callback):
     """Records the wall time at the end of every training step."""
 
     def __init__(self, times: list[float]):
@@ -38,6 +39,27 @@ class _StepClock(towers.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.times.append(time.perf_counter())
+
+
+def towers_loop(strategy: towers.Strategy, model: torch.nn.Module, opt: Any, data: Any,
+                global_batch_size: int) -> Callable[[], list[float]]:
+    """towers' custom loop over one epoch of ``data`` (cross entropy, ``strategy.run``, one reduce at the end): a
+    function that runs it and returns the wall time at the end of every step."""
+    def step(x, y):
+        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        strategy.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    def loop() -> list[float]:
+        times, losses = [], []
+        for x, y in strategy.distribute_dataset(data, global_batch_size, seed=1):
+            losses.append(strategy.run(step, args=(x, y)))
+            times.append(time.perf_counter())
+        strategy.reduce("sum", torch.stack(losses).sum())  # one reduce, at the end
+        return times
+    return loop
 
 
 def _per_step_ms(times: list[float]) -> float:
@@ -57,25 +79,15 @@ def _measure(steps: int, repeats: int, batch_size: int) -> dict:
     model, opt = trainer.model, trainer.optimizer  # the same prepared model and optimizer for the loop
     devnull = open(os.devnull, "w")  # noqa: SIM115 (open for the whole run)
 
-    def step(x, y):
-        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-        strategy.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    timed_loop = towers_loop(strategy, model, opt, data, batch_size * n)
 
     def loop() -> float:
-        times, losses = [], []
-        for x, y in strategy.distribute_dataset(data, batch_size * n, seed=1):
-            losses.append(strategy.run(step, args=(x, y)))
-            times.append(time.perf_counter())
-        strategy.reduce("sum", torch.stack(losses).sum())  # one reduce, at the end
-        return _per_step_ms(times)
+        return _per_step_ms(timed_loop())
 
     def fit() -> float:
         times: list[float] = []
         trainer.fit(data, epochs=1, global_batch_size=batch_size * n,
-                    callbacks=[towers.callbacks.ProgressBar(stream=devnull), _StepClock(times)])
+                    callbacks=[towers.callbacks.ProgressBar(stream=devnull), StepClock(times)])
         return _per_step_ms(times)
 
     loop(), fit()  # warm-up

@@ -12,8 +12,9 @@ The same spawn then trains again under ``sequence_parallel=True`` (norms and res
 of the sequence per tp process), towers' GPT and a Hugging Face Llama, against the same plain loops; and
 under ``loss_parallel=True`` (the head's logits split over the vocabulary for the loss): the custom loop
 through ``strategy.forward_backward`` on a masked token mean (``compute_average_loss(..., weights=)``) and
-``Trainer.fit`` with a per-token loss and accuracy, with the loss code unchanged. Last, a Hugging Face GPT-2 (its Conv1D layers, q/k/v fused, the head tied to the
-embedding) trains under the same mesh as its plain loop does. A second spawn, of 8 processes, trains
+``Trainer.fit`` with a per-token loss and accuracy, with the loss code unchanged. Last, a Hugging Face
+GPT-2 (its Conv1D layers, q/k/v fused, the head tied to the embedding) trains under the same mesh as its
+plain loop does. A second spawn, of 8 processes, trains
 the custom loop under HSDP with tensor parallelism (``mesh="dp=4,tp=2", shard_group_size=2``).
 """
 
@@ -105,14 +106,15 @@ def _restore_under(mesh: str, checkpoint_dir: str) -> dict:
     return strategy.full_state_dict(model)
 
 
-def _plain_loop() -> tuple[dict, list[float]]:
+def _plain_loop(loss=lambda logits, yb: _token_loss(logits, yb).mean()) -> tuple[dict, list[float]]:
+    """The custom loop on one device without towers (``loss``: the batch's mean token loss by default)."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     x, y = _data()
     norms = []
     for i in range(STEPS):
         xb, yb = x[i * GBS:(i + 1) * GBS], y[i * GBS:(i + 1) * GBS]
-        _token_loss(model(xb), yb).mean().backward()
+        loss(model(xb), yb).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         optimizer.step()
         optimizer.zero_grad()
@@ -305,20 +307,10 @@ def _mask(y: torch.Tensor) -> torch.Tensor:
     return (y % 3 != 0).float()  # about 2 tokens in 3 weigh
 
 
-def _plain_weighted_loop() -> tuple[dict, list[float]]:
-    """The custom loop on one device without towers, on the masked token mean."""
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    x, y = _data()
-    norms = []
-    for i in range(STEPS):
-        xb, yb = x[i * GBS:(i + 1) * GBS], y[i * GBS:(i + 1) * GBS]
-        per_token = torch.nn.functional.cross_entropy(model(xb).flatten(0, 1), yb.flatten(), reduction="none")
-        ((per_token.view(len(yb), -1) * _mask(yb)).sum() / _mask(yb).sum()).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.state_dict(), norms
+def _masked_mean(logits: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    """One device's mean token loss over the tokens the mask weighs."""
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="none")
+    return (per_token.view(len(yb), -1) * _mask(yb)).sum() / _mask(yb).sum()
 
 
 def test_dp2_tp2_with_loss_parallelism_trains_as_one_device(launch):
@@ -329,7 +321,7 @@ def test_dp2_tp2_with_loss_parallelism_trains_as_one_device(launch):
     # the logits the loss saw: split over the vocabulary (each tp process half of it); the loss came back whole
     assert chief["layouts"] == [((("Shard0", "Shard2"), (local, CONFIG.block_size, CONFIG.vocab_size // 2)), "Tensor")] \
         or chief["layouts"] == [((("Shard2",), (local, CONFIG.block_size, CONFIG.vocab_size // 2)), "Tensor")]
-    reference, norms = _plain_weighted_loop()
+    reference, norms = _plain_loop(_masked_mean)
     _close(chief["loop"], reference)
     assert chief["norms"] == pytest.approx(norms, rel=1e-5)
     model = _model()

@@ -18,12 +18,12 @@ prediction, a model's own loss, a custom step that calls ``model(x)``) gathers t
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from typing import Any, Callable, Iterator, Mapping
 
 from torch import nn
 
 from towers._logging import get_logger
+from towers.strategies._tensor_parallel import matched_modules
 
 __all__ = ["LOSS_PARALLEL_STYLE", "loss_parallel_plan", "gather_heads_outside", "loss_parallel_scope"]
 
@@ -46,11 +46,10 @@ def gather_heads_outside(model: nn.Module, plan: Mapping[str, Any], sharded: Cal
     def whole_unless_sharded(_module: nn.Module, _inputs: Any, output: Any) -> Any:
         return output if sharded() or not hasattr(output, "full_tensor") else output.full_tensor()
 
-    names = [name for name, _ in model.named_modules()
-             if name and any(fnmatch.fnmatchcase(name, p) and name.count(".") == p.count(".") for p in heads)]
-    for name in names:
-        model.get_submodule(name).register_forward_hook(whole_unless_sharded)
-    return names
+    found = [(name, module) for pattern in heads for name, module in matched_modules(model, pattern)]
+    for _, module in found:
+        module.register_forward_hook(whole_unless_sharded)
+    return [name for name, _ in found]
 
 
 @contextlib.contextmanager

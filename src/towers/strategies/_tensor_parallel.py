@@ -29,7 +29,7 @@ from torch import nn
 from towers._logging import get_logger
 from towers.errors import user_error
 
-__all__ = ["TPPlan", "tp_plan_for", "check_divisible", "apply_tensor_parallel", "stage_plan"]
+__all__ = ["TPPlan", "tp_plan_for", "check_divisible", "apply_tensor_parallel", "stage_plan", "matched_modules"]
 
 log = get_logger(__name__)
 
@@ -113,7 +113,7 @@ _TORCHTITAN_LLAMA = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk"
 
 def _torchtitan_plan(model: nn.Module) -> dict[str, Any] | None:
     """The plan for a model laid out as torchtitan's Llama 3 (``layers.N.attention.wq`` ...), else None."""
-    if not all(_matched(model, pattern) for pattern in _TORCHTITAN_LLAMA):
+    if not all(matched_modules(model, pattern) for pattern in _TORCHTITAN_LLAMA):
         return None
     plan = dict(_TORCHTITAN_LLAMA)
     if isinstance(getattr(model, "output", None), nn.Linear):
@@ -186,14 +186,15 @@ def _head_too_narrow(model: nn.Module, pattern: str, style: Any, tp: int) -> boo
     """True for a gathered colwise head whose vocabulary does not divide by ``tp``: it stays whole (as towers' GPT's)."""
     if style != "colwise_rep":
         return False
-    heads = [m for _, m in _matched(model, pattern) if isinstance(m, nn.Linear)]
+    heads = [m for _, m in matched_modules(model, pattern) if isinstance(m, nn.Linear)]
     if heads and all(h.out_features % tp == 0 for h in heads):
         return False
     log.info("tensor parallel: %s stays whole (its outputs do not divide by tp=%d)", pattern, tp)
     return True
 
 
-def _matched(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+def matched_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """The ``(name, module)`` pairs of ``model`` that a plan's ``pattern`` names (``*``: one level of names)."""
     depth = pattern.count(".")
     return [(name, m) for name, m in model.named_modules()
             if name and name.count(".") == depth and fnmatch.fnmatchcase(name, pattern)]
@@ -212,7 +213,7 @@ def check_divisible(model: nn.Module, plan: Mapping[str, Any], tp: int) -> None:
             raise user_error(f"The model's {attr} must divide by tp (each process computes whole heads)",
                              f"{attr}={heads}, tp={tp}", f"Use a tp that divides {heads}, e.g. tp=1 or a divisor.")
     for pattern in plan:
-        found = _matched(model, pattern)
+        found = matched_modules(model, pattern)
         if not found:
             raise user_error("A tensor-parallel plan entry matches no module of the model", repr(pattern),
                              "Name modules as model.named_modules() does, with * for one level (e.g. 'blocks.*.fc1').")
@@ -295,7 +296,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: TPPlan = "auto",
     ties = _tied(model)
     parallelize_module(model, tp_mesh, {k: _style(v, k) for k, v in resolved.items()})
     for pattern in (p for p, style in resolved.items() if style == "conv1d_colwise_qkv"):
-        for name, _ in _matched(model, pattern):  # GPT-2's attention splits q, k and v by this width: its slice
+        for name, _ in matched_modules(model, pattern):  # GPT-2's attention splits q, k and v by this width: its slice
             attention = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             attention.split_size = attention.split_size // tp
     _replicate_rest(model, tp_mesh)
@@ -314,4 +315,4 @@ def stage_plan(model: nn.Module, stage: nn.Module, tp: int, plan: TPPlan = "auto
     """
     resolved = tp_plan_for(model, tp, plan, sequence_parallel=sequence_parallel)
     check_divisible(model, resolved, tp)
-    return {pattern: style for pattern, style in resolved.items() if _matched(stage, pattern)}
+    return {pattern: style for pattern, style in resolved.items() if matched_modules(stage, pattern)}
