@@ -7,7 +7,7 @@ plain torch loop a user writes on one device (no towers): per-example token loss
 the global batch, torch's ``clip_grad_norm_``, SGD with momentum. Three runs must match it within
 rtol 1e-4: the custom loop through ``strategy.forward_backward`` (1F1B, 2 micro-batches per share),
 ``Trainer.fit`` (GPipe, 4 micro-batches per share), and ``mesh="pp=4"`` (one block per stage, 1F1B,
-4 micro-batches), and ``mesh="pp=2,tp=2"`` (each stage's layers split over tp; plain, with sequence
+4 micro-batches), ``mesh="pp=2,dp=2,tp=2"`` on 8 processes (a second spawn), and ``mesh="pp=2,tp=2"`` (each stage's layers split over tp; plain, with sequence
 parallelism, and with loss parallelism), gradient accumulation (2 batches of 4 per update, clipped once) and ``Trainer.fit`` in bf16 with
 accumulation (within 1e-2). Under ``torch.no_grad()`` each pipelined model returns the trained plain model's logits on every
 stage; calling it directly with gradients on is refused with the API to use.
@@ -319,3 +319,19 @@ def test_the_trainers_checkpoint_under_pp_resumes_and_loads_into_one_process(lau
     _close(one_epoch, plain[0])
     assert set(momenta) == {n for n, _ in GPT(CONFIG).named_parameters()}
     assert len(towers.checkpoint.load_checkpoint(f"{checkpoint_dir}-trainer")["rng"]) == 2  # one per replica
+
+
+def _three_d_job(checkpoint_dir: str) -> dict:
+    return _custom_loop(towers.FullyShardedStrategy(mesh="pp=2,dp=2,tp=2"), checkpoint_dir)
+
+
+def test_pp2_dp2_tp2_on_8_processes_trains_as_one_device(plain, tmp_path):
+    """3-D: 2 stages, each split over tp=2 and sharded over dp=2 (FSDP2 over TP's split)."""
+    results = towers.spawn(_three_d_job, 8, args=(str(tmp_path / "ckpt"),), timeout_s=240, threads_per_process=1)
+    reference, norms, losses, _ = plain
+    assert {r["shape"] for r in results} == {(2, 2, 2)}
+    assert [r["qkv"] for r in results] == [3 * CONFIG.n_embd // 2 // 2] * 4 + [None] * 4  # rows over dp, heads over tp
+    for r in results:
+        _close(r["state"], reference)
+        assert r["norms"] == pytest.approx(norms, rel=1e-5)
+        assert r["losses"] == pytest.approx(losses, rel=1e-5)
