@@ -4,13 +4,14 @@ One spawn of 4 processes. Under ``FullyShardedStrategy(mesh="pp=2,dp=2")`` each 
 pipeline of 2 processes (stage 0: the embeddings and blocks 0-1; stage 1: blocks 2-3, ``ln_f`` and
 ``head``) fed the same batch, and FSDP2 shards each stage over the 2 replicas. The reference is the
 plain torch loop a user writes on one device (no towers): per-example token losses, their mean over
-the global batch, torch's ``clip_grad_norm_``, SGD with momentum. Three runs must match it within
-rtol 1e-4: the custom loop through ``strategy.forward_backward`` (1F1B, 2 micro-batches per share),
-``Trainer.fit`` (GPipe, 4 micro-batches per share), and ``mesh="pp=4"`` (one block per stage, 1F1B,
-4 micro-batches), ``mesh="pp=2,dp=2,tp=2"`` on 8 processes (a second spawn), and ``mesh="pp=2,tp=2"`` (each stage's layers split over tp; plain, with sequence
-parallelism, and with loss parallelism), gradient accumulation (2 batches of 4 per update, clipped once) and ``Trainer.fit`` in bf16 with
-accumulation (within 1e-2). Under ``torch.no_grad()`` each pipelined model returns the trained plain model's logits on every
-stage; calling it directly with gradients on is refused with the API to use.
+the global batch, torch's ``clip_grad_norm_``, SGD with momentum. These runs match it within rtol
+1e-4: the custom loop through ``strategy.forward_backward`` (1F1B, 2 micro-batches per share),
+``Trainer.fit`` (GPipe, 4 micro-batches per share), ``mesh="pp=4"`` (one block per stage, 1F1B, 4
+micro-batches), ``mesh="pp=2,tp=2"`` (each stage's layers split over tp; plain, with sequence
+parallelism, and with loss parallelism), gradient accumulation (2 batches of 4 per update, clipped
+once), and ``mesh="pp=2,dp=2,tp=2"`` on 8 processes (a second spawn); ``Trainer.fit`` in bf16 with
+accumulation within 1e-2. Under ``torch.no_grad()`` each pipelined model returns the trained plain
+model's logits on every stage; calling it directly with gradients on is refused with the API to use.
 
 Checkpoints: the custom loops save after 2 updates (each stage its part, sharded over dp). The
 pp=2,dp=2 one restores into one plain process (this test's: the plain loop's parameters and SGD momenta
