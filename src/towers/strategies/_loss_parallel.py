@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from torch import nn
 
+from towers._batch import whole
 from towers._logging import get_logger
 from towers.strategies._tensor_parallel import matched_modules
 
@@ -44,7 +45,7 @@ def gather_heads_outside(model: nn.Module, plan: Mapping[str, Any], sharded: Cal
     heads = [p for p, style in plan.items() if style == LOSS_PARALLEL_STYLE]
 
     def whole_unless_sharded(_module: nn.Module, _inputs: Any, output: Any) -> Any:
-        return output if sharded() or not hasattr(output, "full_tensor") else output.full_tensor()
+        return output if sharded() else whole(output)
 
     found = [(name, module) for pattern in heads for name, module in matched_modules(model, pattern)]
     for _, module in found:

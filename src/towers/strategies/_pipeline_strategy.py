@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from towers._batch import whole
 from towers.cluster.mesh import MeshSpec
 from towers.errors import user_error
 from towers.strategies._collectives import ProcessGroupComm
@@ -115,7 +116,7 @@ class PipelineSteps(SyncStrategy):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         grads = [p.grad for p in params if p.grad is not None]
         local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self.device)
-        total = comm.grad_norm(local.full_tensor() if hasattr(local, "full_tensor") else local, norm_type)
+        total = comm.grad_norm(whole(local), norm_type)
         if not self._updates_now():  # within an accumulation window: the norm so far; clip once, the whole gradient
             return total
         coefficient = min(1.0, float(max_norm) / (float(total) + 1e-6))

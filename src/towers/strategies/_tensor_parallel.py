@@ -132,16 +132,15 @@ def _sequential_mlp_plan(model: nn.Module, tp: int) -> dict[str, Any] | None:
     for prefix, container in model.named_modules():
         if not isinstance(container, nn.Sequential):
             continue
-        entries = list(container.named_children())
+        entries = [(f"{prefix}.{name}" if prefix else name, child) for name, child in container.named_children()]
         for i, (name, first) in enumerate(entries):
-            if not isinstance(first, nn.Linear) or first.out_features % tp or f"{prefix}.{name}".lstrip(".") in plan:
+            if not isinstance(first, nn.Linear) or first.out_features % tp or name in plan:
                 continue
             j = i + 1
             while j < len(entries) and isinstance(entries[j][1], _ELEMENTWISE):
                 j += 1
             if j < len(entries) and isinstance(entries[j][1], nn.Linear) and entries[j][1].in_features == first.out_features:
-                plan[f"{prefix}.{name}".lstrip(".")] = "colwise"
-                plan[f"{prefix}.{entries[j][0]}".lstrip(".")] = "rowwise"
+                plan[name], plan[entries[j][0]] = "colwise", "rowwise"
     return plan or None
 
 
@@ -267,18 +266,16 @@ def _tie_again(model: nn.Module, ties: list[list[str]]) -> None:
         ValueError: the plan split the tied modules differently (one tensor cannot be both).
     """
     for first, *others in ties:
-        owner, _, leaf = first.rpartition(".")
-        param = getattr(model.get_submodule(owner), leaf)
+        param = model.get_parameter(first)
         for name in others:
-            module_name, _, attr = name.rpartition(".")
-            module = model.get_submodule(module_name)
-            mine = getattr(module, attr)
+            mine = model.get_parameter(name)
             if getattr(mine, "placements", None) != getattr(param, "placements", None):
                 raise user_error("Tied parameters must be split alike by the tensor-parallel plan (they are one tensor)",
                                  f"{first} as {getattr(param, 'placements', None)}, {name} as "
                                  f"{getattr(mine, 'placements', None)}",
                                  "Leave both modules out of tp_plan, or give both the same style; or untie them.")
-            module.register_parameter(attr, param)
+            module_name, _, attr = name.rpartition(".")
+            model.get_submodule(module_name).register_parameter(attr, param)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: TPPlan = "auto", *,

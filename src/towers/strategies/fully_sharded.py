@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from towers._batch import whole
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.cluster.mesh import MeshSpec, parse_mesh
@@ -327,8 +328,6 @@ class FullyShardedStrategy(ShardedState):
         whole (``outputs``: the split logits, a DTensor)."""
         if not self._loss_parallel:
             return super().forward_backward(model, inputs, targets, loss_fn)
-        from towers._batch import whole
-
         self._sharded_logits = True
         try:
             with loss_parallel_scope(True):
@@ -345,7 +344,7 @@ class FullyShardedStrategy(ShardedState):
         """
         if self._pp_comm is None:
             total = super().clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
-            return total.full_tensor() if hasattr(total, "full_tensor") else total
+            return whole(total)
         return self._clip_over_stages(self._pp_comm, parameters, max_norm, norm_type)
 
     def shutdown(self) -> None:
