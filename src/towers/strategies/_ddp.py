@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from towers.errors import InvalidArgumentError
+from towers.strategies._summed_gradients import SummedGradients
 from towers.strategies.precision import Precision, precision_forward
 
 __all__ = ["TowersDDP", "check_same_parameters", "unused_parameters_error", "UNUSED_FIX"]
@@ -57,7 +59,11 @@ def unused_parameters_error(names: list[str]) -> InvalidArgumentError:
 
 
 class TowersDDP(DistributedDataParallel):
-    """DDP whose forward runs under the strategy's precision policy and explains DDP's unused-parameter error."""
+    """DDP whose forward runs under the strategy's precision policy and explains DDP's unused-parameter error.
+
+    Its gradient all-reduce is a SUM (the strategies' hook); gradients accumulated over several synchronised
+    backwards (a user's own accumulation, with or without ``no_sync()``) stay one device's (``SummedGradients``).
+    """
 
     def __init__(self, module: nn.Module, *, precision: Precision, **ddp_kwargs: Any):
         # Gradients as views of the all-reduce buckets: one copy less per bucket and step.
@@ -65,14 +71,28 @@ class TowersDDP(DistributedDataParallel):
         super().__init__(module, **ddp_kwargs)
         self._towers_precision = precision
         self.towers_forward_calls = 0
+        #: The strategy turned the all-reduce off for its own accumulation window (and turns it back on).
+        self.towers_paused_sync = False
+        self._towers_summed = SummedGradients(module)
+
+    def settle_gradients(self) -> None:
+        """Make ``p.grad`` the update's whole gradient (sums set aside during a manual accumulation added back)."""
+        self._towers_summed.settle()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Return the wrapped module's output (float32 floats under mixed precision)."""
         self.towers_forward_calls += 1
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if torch.is_grad_enabled():
+            self._towers_summed.before_forward(synced)
         try:
             if not self._towers_precision.enabled:
-                return super().forward(*args, **kwargs)
-            return precision_forward(super().forward, self._towers_precision, *args, **kwargs)
+                output = super().forward(*args, **kwargs)
+            else:
+                output = precision_forward(super().forward, self._towers_precision, *args, **kwargs)
+            if synced:
+                self._towers_summed.after_forward(output)
+            return output
         except RuntimeError as exc:
             if "Expected to have finished reduction" not in str(exc):
                 raise

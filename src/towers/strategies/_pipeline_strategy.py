@@ -23,6 +23,7 @@ from towers.strategies._collectives import ProcessGroupComm
 from towers.strategies._loss_weights import note_normalised
 from towers.strategies._pipeline import Pipeline, PipelineComm, build_pipeline_mesh
 from towers.strategies._pipeline_split import split_model
+from towers.strategies._stage_gradients import StageGradientGuard
 from towers.strategies._sync import SyncStrategy
 from towers.strategies._tensor_parallel import stage_plan
 from towers.strategies.base import ReplicaContext, current_replica_context
@@ -91,6 +92,7 @@ class PipelineSteps(SyncStrategy):
             self._step_outside_run(model, (inputs, targets), {})
             context = current_replica_context() or ReplicaContext(self)
         loss, outputs = pipeline.step(inputs, targets, loss_fn, context=context, enter=self._entered)
+        self._stage_grads.note(stage.parameters())  # torch's own clip would change them before the step
         if not pipeline.is_last:
             note_normalised()  # the last stage normalised the loss whose gradient reached this stage
         return loss, outputs
@@ -122,7 +124,25 @@ class PipelineSteps(SyncStrategy):
         coefficient = min(1.0, float(max_norm) / (float(total) + 1e-6))
         for grad in grads:
             grad.mul_(coefficient)
+        self._stage_grads.note(params)  # towers' own change: the norm over every stage
         return total
+
+    @property
+    def _stage_grads(self) -> StageGradientGuard:
+        """Notices torch's own clip (any in-place change of p.grad) between ``forward_backward`` and the step."""
+        guard = self.__dict__.get("_stage_gradient_guard")
+        if guard is None:
+            comm = self._pp_comm
+            any_stage = (lambda flag: bool(flag)) if comm is None else (
+                lambda flag: bool(comm.grad_norm(torch.tensor(float(flag)), float("inf")) > 0))
+            guard = self.__dict__["_stage_gradient_guard"] = StageGradientGuard(
+                self._pp_spec.describe() if self._pp_spec is not None else "-", any_stage)
+        return guard
+
+    def _check_stage_gradients(self) -> None:
+        """Before an update under pp: refuse gradients changed in place since forward_backward (torch's own clip)."""
+        if self._pp_comm is not None:
+            self._stage_grads.check()
 
     # --- checkpoints: each stage saves and loads its part, under the original names ------------------------
     def _point_optimizer_at_stage(self, stage: nn.Module, optimizer: Any, names: dict[int, str]) -> None:

@@ -135,6 +135,11 @@ class HybridStrategy(ParameterServerStrategy):
     def _sums_replica_gradients(self) -> bool:
         return True  # the dense layers are all-reduced (summed) among the workers in either mode
 
+    def _finish_loss_weights(self, when: str = "step") -> None:
+        for ddp in self._ddp:  # a manual accumulation's gradients whole before a step or a clip reads them
+            ddp.settle_gradients()
+        super()._finish_loss_weights(when)
+
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the dense gradients (all-reduced, the same on every worker) by their norm; the rows are not included."""
