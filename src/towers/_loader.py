@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from towers._logging import get_logger
+from towers.cluster.strategy_options import parse_flag
 from towers.errors import user_error
 
 __all__ = ["LoaderOptions", "Loader"]
@@ -62,9 +63,7 @@ class LoaderOptions:
         if p is not None and n == 0:
             raise user_error("prefetch_factor needs loader workers", f"prefetch_factor={p} with num_workers=0",
                              "Pass num_workers > 0, or leave prefetch_factor unset.")
-        if not isinstance(self.persistent_workers, bool):
-            raise user_error("persistent_workers must be True or False", self.persistent_workers,
-                             "Pass persistent_workers=True to keep the workers between epochs.", cls=TypeError)
+        object.__setattr__(self, "persistent_workers", parse_flag("persistent_workers", self.persistent_workers))
         if self.persistent_workers and n == 0:
             raise user_error("persistent_workers needs loader workers", "persistent_workers=True with num_workers=0",
                              "Pass num_workers > 0, or leave persistent_workers unset.")

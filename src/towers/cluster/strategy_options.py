@@ -5,6 +5,10 @@ worker (the manifests of ``towers k8s`` pass the same flags); ``towers.cluster.f
 into ``ProcessInfo.strategy_options`` and ``towers.strategy_from_env`` hands each option to the
 strategy, which must take it. A value is read as JSON when it is one (``2``, ``true``, ``0.5``,
 ``null``), else as text (``async``). No torch here.
+
+``parse_flag`` is the one parser of every boolean option towers takes (a strategy's, a loader's): ``True``,
+``False`` or the words ``true`` / ``false``; anything else (``perhaps``, ``1``, ``yes``) is refused, never
+read as True.
 """
 
 from __future__ import annotations
@@ -15,13 +19,32 @@ from typing import Any, Mapping, Sequence
 
 from towers.errors import InvalidArgumentError
 
-__all__ = ["ENV", "parse_strategy_options", "encode_strategy_options", "decode_strategy_options"]
+__all__ = ["ENV", "parse_strategy_options", "encode_strategy_options", "decode_strategy_options", "parse_flag"]
 
 #: The environment variable that carries the options to every worker.
 ENV = "TOWERS_STRATEGY_OPTIONS"
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = ("info",)  # set by strategy_from_env itself
+
+
+_WORDS = {"true": True, "false": False}
+
+
+def parse_flag(name: str, value: Any) -> bool:
+    """Return the boolean option ``name``'s value: ``True``/``False``, or the text ``"true"``/``"false"`` (any case).
+
+    What ``--strategy-option KEY=true`` gives is already a bool; ``KEY=True`` arrives as the text ``"True"``.
+
+    Raises:
+        ValueError: on anything else (``"perhaps"``, ``1``, ``"yes"``, None), naming the option and the value.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _WORDS:
+        return _WORDS[value.strip().lower()]
+    raise InvalidArgumentError(f"{name} must be True or False. Received: {value!r}. Pass {name}=True or "
+                               f"{name}=False (--strategy-option {name}=true from the command line), or leave it out.")
 
 
 def _value(text: str) -> Any:

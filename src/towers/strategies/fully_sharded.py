@@ -26,6 +26,7 @@ from towers._batch import whole
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.cluster.mesh import MeshSpec, parse_mesh
+from towers.cluster.strategy_options import parse_flag
 from towers.errors import InvalidArgumentError, user_error
 from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
@@ -106,15 +107,13 @@ class FullyShardedStrategy(ShardedState):
         if shard_units != "auto":
             select_units(nn.Module(), shard_units)  # validates the value now, not at prepare
         self._shard_units = shard_units
-        self._reshard_after_forward = bool(reshard_after_forward)
-        self._cpu_offload = bool(cpu_offload)
-        self._async_save = bool(async_save)
+        self._reshard_after_forward = parse_flag("reshard_after_forward", reshard_after_forward)
+        self._cpu_offload = parse_flag("cpu_offload", cpu_offload)
+        self._async_save = parse_flag("async_save", async_save)
         self._owns_group = False
         self._tp_plan = tp_plan
-        for option, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
-            if not isinstance(value, bool):
-                raise user_error(f"{option} must be True or False", repr(value),
-                                 f"Use {option}=True (--strategy-option {option}=true) or leave it out.")
+        sequence_parallel = parse_flag("sequence_parallel", sequence_parallel)
+        loss_parallel = parse_flag("loss_parallel", loss_parallel)
         self._tp_mesh: Any = None  # the tensor-parallel dimension of a (dp, tp) mesh
         self._device_mesh: Any = None  # the whole mesh
         self._pipelines: list[Pipeline] = []  # this process's stage of each model prepare() split

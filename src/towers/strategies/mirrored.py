@@ -16,6 +16,7 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
+from towers.cluster.strategy_options import parse_flag
 from towers.errors import FailedPreconditionError, InvalidArgumentError
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
@@ -62,13 +63,16 @@ class MirroredStrategy(SyncStrategy):
         from towers import cluster
         from towers.devices import warn_if_gpus_idle
 
-        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise InvalidArgumentError(f"bucket_cap_mb must be > 0 (or None for DDP's default). Received: {bucket_cap_mb}.")
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                                          or not bucket_cap_mb > 0):
+            raise InvalidArgumentError(f"bucket_cap_mb must be a number of megabytes > 0 (or None for DDP's default). "
+                                       f"Received: {bucket_cap_mb!r}. Pass e.g. bucket_cap_mb=25 (--strategy-option "
+                                       "bucket_cap_mb=25), or leave it out.")
         self._compression = check_compression(gradient_compression)
-        self._sync_batchnorm = bool(sync_batchnorm)
+        self._sync_batchnorm = parse_flag("sync_batchnorm", sync_batchnorm)
         # Passed to DDP only when set: an explicit value also drops DDP's small first bucket.
         self._ddp_options = {} if bucket_cap_mb is None else {"bucket_cap_mb": float(bucket_cap_mb)}
-        self._find_unused = bool(find_unused_parameters)
+        self._find_unused = parse_flag("find_unused_parameters", find_unused_parameters)
         self._powersgd = {"powersgd_rank": int(powersgd_rank), "powersgd_start_iter": int(powersgd_start_iter)}
         self._owns_group = False
         self._ddp_models: list[TowersDDP] = []
@@ -91,7 +95,7 @@ class MirroredStrategy(SyncStrategy):
                          gradient_accumulation_steps=gradient_accumulation_steps)
         log.info("%s: %d replica(s), this one on %s (precision=%s, accumulation=%d, compression=%s%s)",
                  type(self).__name__, self.num_replicas_in_sync, device, self.precision.name,
-                 gradient_accumulation_steps, self._compression, ", sync_batchnorm" if sync_batchnorm else "")
+                 gradient_accumulation_steps, self._compression, ", sync_batchnorm" if self._sync_batchnorm else "")
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         if self.num_replicas_in_sync == 1:  # nothing to synchronise; BatchNorm over one replica is already "synced"

@@ -8,6 +8,7 @@ import torch
 
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
+from towers.cluster.strategy_options import parse_flag
 from towers.strategies._collectives import LocalComm
 from towers.strategies._comm_hooks import check_compression
 from towers.strategies._sync import SyncStrategy
@@ -39,6 +40,8 @@ class OneDeviceStrategy(SyncStrategy):
         from towers.devices import resolve_device, warn_if_gpus_idle
 
         check_compression(gradient_compression)
+        parse_flag("sync_batchnorm", sync_batchnorm)  # checked as under Mirrored: a typo fails on one device too
+        parse_flag("find_unused_parameters", find_unused_parameters)
         info = info or cluster.from_env()
         resolved = resolve_device(_default_device() if device is None else device)
         warn_if_gpus_idle(info.local_world_size, [resolved], local_rank=info.local_rank)

@@ -14,6 +14,7 @@ from towers._logging import get_logger
 from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
 from towers.cluster.launch_notes import note_strategy_built
+from towers.cluster.strategy_options import parse_flag
 from towers.errors import InvalidArgumentError, InvalidTypeError
 
 if TYPE_CHECKING:
@@ -86,22 +87,54 @@ def _takers(option: str) -> list[str]:
     return [n for n in names if (taken := strategy_options(n)) is None or option in taken]
 
 
+def _typed(name: str) -> dict[str, str]:
+    """The options of strategy ``name`` that are a bool or a number: option -> its annotation (``"float | None"``)."""
+    return {p.name: str(p.annotation) for p in inspect.signature(_factory(name)).parameters.values()
+            if p.annotation in ("bool", "int", "float", "int | None", "float | None")}
+
+
+def _check_value(name: str, key: str, value: Any, annotation: str) -> None:
+    """Refuse an option's value of the wrong kind before any process starts (the strategy checks its range)."""
+    if annotation == "bool":
+        parse_flag(key, value)  # `cpu_offload=perhaps` is no True
+        return
+    kinds: tuple[type, ...] = (int,) if annotation.startswith("int") else (int, float)
+    if (value is None and annotation.endswith("None")) or (isinstance(value, kinds) and not isinstance(value, bool)):
+        return
+    example = 2 if kinds == (int,) else 25
+    raise InvalidArgumentError(f"Strategy {name!r} takes {key} as {'an integer' if kinds == (int,) else 'a number'}"
+                               f"{' or null' if annotation.endswith('None') else ''}. Received: --strategy-option "
+                               f"{key}={value!r}. Pass e.g. --strategy-option {key}={example}.")
+
+
 def check_strategy_options(name: str, options: Mapping[str, Any]) -> None:
-    """Raise when strategy ``name`` does not take one of ``options`` (``--strategy-option``: it must take each one).
+    """Raise when strategy ``name`` does not take one of ``options`` (``--strategy-option``: it must take each one),
+    or an option's value is of the wrong kind (``cpu_offload=perhaps``, ``bucket_cap_mb=abc``).
 
     What ``strategy_from_env`` checks in every process of ``towers launch``; ``towers k8s`` checks the
     same before it writes a manifest.
 
     Raises:
         ValueError: naming the option, the strategies that take it, and the options ``name`` takes; or when no
-            strategy is named ``name``.
+            strategy is named ``name``; or a value of the wrong kind (a boolean neither true nor false, text for a
+            number).
     """
     taken = strategy_options(name)
     if taken is None:
         return
+    typed = _typed(name)
     for key, value in options.items():
+        if key in typed:
+            _check_value(name, key, value, typed[key])
         if key not in taken:
             others = [n for n in _takers(key) if n != name]
+            if key == "mesh":
+                raise InvalidArgumentError(
+                    f"Strategy {name!r} takes no mesh (it does not take the option 'mesh'): a device mesh lays out "
+                    f"tensor, pipeline and sharded data parallelism, and only --strategy {', '.join(others) or 'sharded'} takes "
+                    f"one. Received: --mesh {value} with "
+                    f"--strategy {name}. Drop --mesh, or use --strategy {others[0] if others else 'sharded'} --mesh "
+                    f"{value}.")
             raise InvalidArgumentError(
                 f"Strategy {name!r} does not take the option {key!r}. Received: --strategy-option {key}={value!r} "
                 f"(TOWERS_STRATEGY_OPTIONS). {f'{key!r} is an option of {others}; ' if others else ''}{name!r} takes "

@@ -17,6 +17,7 @@ from torch import nn
 from towers._logging import configure_logging, configured_logging, get_logger, set_rank
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
+from towers.cluster.strategy_options import parse_flag
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
 from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S, check_timeout
 from towers.strategies._activation_checkpointing import apply_activation_checkpointing
@@ -96,9 +97,7 @@ class FaultTolerantStrategy(LiveGroupCollectives):
         layout = GroupLayout.resolve(info, replica_group_id, group_size, group_rank, group_port)
         self.replica_group_id, self.group_size, self.group_rank = layout.group, layout.size, layout.rank
         self.peer_timeout_s = peer_timeout_s
-        if not isinstance(shard, bool):
-            raise user_error("shard must be True or False", f"shard={shard!r}", "Use shard=True to shard the model "
-                             "inside each replica group (FSDP2), False to replicate it.")
+        shard = parse_flag("shard", shard)  # True: FSDP2 inside each replica group; False: replicated
         if shard and layout.size == 1:
             raise user_error("shard=True shards the model over the processes of a replica group, and this group has "
                              "one", "group_size=1", "Run groups of several processes (towers launch --group-size N "

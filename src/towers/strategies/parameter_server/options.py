@@ -12,8 +12,8 @@ MODES = ("async", "sync")
 
 
 def check_options(mode: str, staleness: int | None, *, timeout_s: float, overlap: bool, shared_memory: bool) -> None:
-    """Raise ``ValueError`` for an unknown mode, a bad staleness or timeout, or overlap / shared_memory that is not a
-    bool (overlap: async mode only)."""
+    """Raise ``ValueError`` for an unknown mode, a bad staleness or timeout, or overlap in sync mode (the strategy
+    parses ``overlap`` and ``shared_memory`` with ``parse_flag`` first)."""
     if mode not in MODES:
         raise InvalidArgumentError(f"mode must be one of {MODES}. Received: mode={mode!r}. Use 'async' to apply each "
                                    "gradient on arrival or 'sync' for one summed update per round.")
@@ -24,10 +24,7 @@ def check_options(mode: str, staleness: int | None, *, timeout_s: float, overlap
                                    f"staleness={staleness}. Drop staleness or use mode='async'.")
     if timeout_s <= 0:
         raise InvalidArgumentError(f"timeout_s must be > 0 seconds. Received: {timeout_s}. Use e.g. timeout_s=300.")
-    if not isinstance(overlap, bool) or (overlap and mode == "sync"):
-        raise user_error("overlap is a bool, for async mode only (a sync round needs every reply before the "
+    if overlap and mode == "sync":
+        raise user_error("overlap is for async mode only (a sync round needs every reply before the "
                          "next step)", f"overlap={overlap!r} with mode={mode!r}",
                          "Pass overlap=True with mode='async', or leave it out.")
-    if not isinstance(shared_memory, bool):
-        raise user_error("shared_memory is a bool", f"shared_memory={shared_memory!r}",
-                         "Pass shared_memory=False to keep every byte on the wire, or leave it out.")

@@ -34,6 +34,7 @@ from towers.checkpoint.preemption import Preempted
 from towers.cluster.deaths import StartupWatch
 from towers.cluster.info import ProcessInfo
 from towers.cluster.launch_notes import note_started
+from towers.cluster.strategy_options import parse_flag
 from towers.data import BatchInfo, Dispatch, DistributedDataset, DistributedStream, is_stream
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError, user_error
@@ -96,6 +97,8 @@ class ParameterServerStrategy(WorkerCollectives):
     def __init__(self, num_ps: int | None = None, mode: str = "async", staleness: int | None = None, *,
                  info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
                  precision: str | int | None = "32", overlap: bool = False, shared_memory: bool = True):
+        overlap, shared_memory = parse_flag("overlap", overlap), parse_flag("shared_memory", shared_memory)
+        exit_on_ps = parse_flag("exit_on_ps", exit_on_ps)
         check_options(mode, staleness, timeout_s=timeout_s, overlap=overlap, shared_memory=shared_memory)
         self.overlap, self.shared_memory = overlap, shared_memory
         if info is None:
