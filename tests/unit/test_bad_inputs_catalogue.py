@@ -19,8 +19,7 @@ from torch import nn
 
 import towers
 from towers import cli, cluster
-from towers.checkpoint import load_checkpoint
-from towers.checkpoint import CheckpointManager
+from towers.checkpoint import CheckpointManager, load_checkpoint
 
 
 def _cli(*argv: str) -> str:
@@ -106,6 +105,28 @@ CASES: list[tuple[str, Callable[[], Any], str, str]] = [
     ("checkpoint prefix", lambda: CheckpointManager("/nonexistent/towers", prefix="a b"), "prefix must be", "a b"),
     ("spawn nprocs", lambda: towers.spawn(print, 0), "nprocs must be", "0"),
     ("spawn timeout", lambda: towers.spawn(print, 1, timeout_s=0), "timeout_s must be", "0"),
+    # Boolean options are parsed strictly, by one parser: `perhaps` is no True, from the command line or in code.
+    ("flag option", lambda: _cli("launch", "--nproc-per-node", "2", "--strategy", "sharded", "--strategy-option",
+                                  "cpu_offload=perhaps", "t.py"), "cpu_offload must be True or False", "perhaps"),
+    ("flag argument", lambda: towers.MirroredStrategy(find_unused_parameters="maybe"),
+     "find_unused_parameters must be True or False", "maybe"),
+    ("flag of a loader", lambda: _ONE.distribute_dataset(_DS, 2, persistent_workers="no"),
+     "persistent_workers must be True or False", "no"),
+    ("bucket option", lambda: _cli("launch", "--nproc-per-node", "2", "--strategy", "mirrored", "--strategy-option",
+                                    "bucket_cap_mb=abc", "t.py"), "takes bucket_cap_mb as a number", "abc"),
+    ("bucket argument", lambda: towers.MirroredStrategy(bucket_cap_mb="abc"), "bucket_cap_mb must be a number", "abc"),
+    ("mesh of other size", lambda: _cli("launch", "--nproc-per-node", "4", "--strategy", "sharded", "--mesh", "tp=3",
+                                         "t.py"), "Use --mesh tp=2 or --mesh tp=4 on 4 processes", "tp=3"),
+    ("mesh under ps", lambda: _cli("launch", "--nproc-per-node", "2", "--strategy", "ps", "--mesh", "tp=2", "t.py"),
+     "'ps' takes no mesh", "--mesh tp=2"),
+    ("ledger missing", lambda: _cli("verify", "--ledger", "/nonexistent/towers/run"), "needs the run's directory",
+     "/nonexistent/towers/run"),
+    ("ledger a file", lambda: _cli("launch", "--nproc-per-node", "2", "--ledger", "t.py", "t.py"),
+     "--ledger must be a directory", "t.py"),
+    ("verify strategy", lambda: _cli("verify", "--strategies", "bogus", "t.py"), "Unknown strategy", "bogus"),
+    ("verify timeout", lambda: _cli("verify", "--timeout", "0", "t.py"), "--timeout must be", "0"),
+    ("plan seq len", lambda: _cli("plan", "--model", "towers.models_gpt:GPT", "--seq-len", "-1"),
+     "--seq-len) must be a positive number", "-1"),
 ]
 
 

@@ -38,6 +38,31 @@ class MeshSpec:
         """``"dp=2,tp=2"`` (``"pp=2,dp=2,tp=1"`` with a pipeline)."""
         return (f"pp={self.pp}," if self.pp > 1 else "") + f"dp={self.dp},tp={self.tp}"
 
+    def given(self) -> str:
+        """The dimensions as a user gives them: a ``dp`` of 1 left out when another dimension is set (``"tp=3"``)."""
+        parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS
+                 if getattr(self, name) > 1 or (name == "dp" and self.pp * self.tp == 1)]
+        return ",".join(parts)
+
+    def _fix(self, world_size: int) -> str:
+        """What to do when the mesh does not span ``world_size`` processes: meshes that do, or the processes it needs."""
+        fits = [MeshSpec(dp=world_size)] if self.pp * self.tp == 1 else []
+        if self.pp * self.tp > 1 and world_size % (self.pp * self.tp) == 0:  # only dp is off: the rest takes it
+            fits.append(MeshSpec(pp=self.pp, dp=1, tp=self.tp))
+        if world_size % self.pp == 0:  # keep pp, the tp that divides the rest nearest the one asked for
+            rest = world_size // self.pp
+            divisors = sorted((t for t in range(2, rest + 1) if rest % t == 0), key=lambda t: (abs(t - self.tp), t))
+            fits += [MeshSpec(pp=self.pp, dp=1, tp=t) for t in divisors[:2] if t != self.tp or not fits]
+        if self.tp == 1 and self.pp > 1:  # a pipeline only: the pp that divides the processes nearest the one asked
+            pps = sorted((p for p in range(2, world_size + 1) if world_size % p == 0), key=lambda p: (abs(p - self.pp), p))
+            fits += [MeshSpec(pp=p) for p in pps[:2]]
+        shown = list(dict.fromkeys(f.given() for f in fits if f.given() != self.given()))[:2]
+        need = self.pp * self.tp * (self.dp if self.dp > 1 else 1)
+        launch = f"launch a multiple of {need} processes" if self.dp == 1 else f"launch {need} processes"
+        if not shown:
+            return f"Use a mesh whose sizes multiply to {world_size} (or no --mesh), or {launch}."
+        return f"Use --mesh {' or --mesh '.join(shown)} on {world_size} processes, or {launch} for --mesh {self.given()}."
+
     def resolved(self, world_size: int) -> "MeshSpec":
         """The spec for ``world_size`` processes: a ``dp`` left at 1 with ``pp`` or ``tp`` given takes the rest.
 
@@ -49,11 +74,10 @@ class MeshSpec:
             spec = MeshSpec(pp=self.pp, dp=world_size // other, tp=self.tp)
         if spec.size != world_size:
             dims = "pp x dp x tp" if self.pp > 1 else "dp x tp"
-            pp = f"pp={self.pp}," if self.pp > 1 else ""
             raise user_error(f"The mesh must span the job's {world_size} process(es) ({dims} = {world_size})",
-                             f"mesh {self.describe()} ({self.size} processes)",
-                             f"Use e.g. {pp}dp={max(1, world_size // max(1, other))},tp={self.tp} if {other} divides "
-                             f"{world_size}, or launch {dims} processes.")
+                             f"--mesh {self.given()}{'' if self.given() == self.describe() else f', i.e. {self.describe()}'} "
+                             f"({self.size} processes)",
+                             self._fix(world_size))
         return spec
 
 

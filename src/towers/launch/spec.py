@@ -202,6 +202,10 @@ class LaunchSpec:
             raise InvalidArgumentError("--nproc-per-node must be a multiple of --group-size: a replica group's processes "
                                        f"run on one node. Received: --nproc-per-node {self.nproc_per_node} --group-size "
                                        f"{size}. Use e.g. --nproc-per-node {size * max(1, self.nproc_per_node // size)}.")
+        if self.ledger_dir is not None and os.path.exists(self.ledger_dir) and not os.path.isdir(self.ledger_dir):
+            raise InvalidArgumentError(f"--ledger must be a directory (every process writes its ledger file under "
+                                       f"DIR/ledger). Received: --ledger {self.ledger_dir}, a file. Pass a new or existing "
+                                       "directory, e.g. --ledger runs/job1.")
 
     @property
     def restarts_lost_replica(self) -> bool:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from towers._logging import get_logger
-from towers.errors import InvalidArgumentError
+from towers.errors import InvalidArgumentError, user_error
 
 __all__ = ["LEDGER_SUBDIR", "OrderSpec", "LedgerWriter"]
 
@@ -63,8 +63,13 @@ class LedgerWriter:
 
     def _write(self, line: str) -> None:
         if self._fd is None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            except OSError as exc:  # a file where the folder should be, no permission, a read-only disk
+                raise user_error(f"Cannot write the ledger under {self.dir}", f"{type(exc).__name__}: {exc.strerror}",
+                                 "Pass towers launch --ledger (TOWERS_LEDGER_DIR, or ExampleLedger's run_dir) a "
+                                 "directory this process can create and write.", cls=type(exc)) from exc
         os.write(self._fd, line.encode())
 
     def order(self, spec: OrderSpec) -> None:

@@ -201,11 +201,18 @@ def trace_model(model_factory: ModelFactory, *, batch_size: int, input_shape: tu
     """
     model = _build(model_factory)
     if seq_len is not None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise user_error("seq_len (--seq-len) must be a positive number of tokens per example", f"seq_len={seq_len!r}",
+                             "Pass the sequence length the model trains on, e.g. --seq-len 256.")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+            raise user_error("vocab_size (--vocab-size) must be a positive number of token ids",
+                             f"vocab_size={vocab_size!r}", "Pass e.g. --vocab-size 50257, or leave it out to use the "
+                             "model's first nn.Embedding's size.")
         if vocab_size is None:
             vocab_size = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
-        if vocab_size is None or seq_len < 1:
-            raise user_error("Token inputs need seq_len >= 1 and a vocabulary size (the model has no nn.Embedding)",
-                             f"seq_len={seq_len!r}, vocab_size={vocab_size!r}", "Pass --vocab-size.")
+        if vocab_size is None:
+            raise user_error("Token inputs need a vocabulary size, and the model has no nn.Embedding to take it from",
+                             f"seq_len={seq_len!r}, vocab_size=None", "Pass --vocab-size.")
         shape, vocab = (batch_size, seq_len), vocab_size
 
         def make_batch() -> Any:

@@ -13,6 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from towers.cluster import roles
 from towers.errors import FailedPreconditionError, user_error
 from towers.verify.causes import CAUSES, Cause, name_cause
 from towers.verify.compare import DEFAULT_TOLERANCE, Evidence, gather_evidence, load_capture, worst_difference
@@ -53,6 +54,17 @@ class VerifySpec:
                              "Use e.g. --replicas 2 or --replicas 2,3 (the one-process run is always made).")
         if not self.plain and not self.strategies:
             raise user_error("--strategies must name at least one strategy", "none", "Use e.g. --strategies mirrored.")
+        known = [e.name for e in roles.STRATEGIES if e.multi_process]
+        for name in () if self.plain else self.strategies:
+            entry = next((e for e in roles.STRATEGIES if name in (e.name, *e.aliases)), None)
+            if entry is None or not entry.multi_process:
+                what = ("Unknown strategy in --strategies" if entry is None else
+                        "--strategies takes strategies of several replicas (the one-process run is always made)")
+                raise user_error(what, repr(name), f"Use some of {', '.join(known)} (comma-separated), e.g. "
+                                 "--strategies mirrored,sharded.")
+        if not self.timeout_s > 0 or self.timeout_s == float("inf"):
+            raise user_error("--timeout must be a number of seconds > 0 (all runs together)", repr(self.timeout_s),
+                             "Use e.g. --timeout 300 (the default).")
         if not self.tolerance > 0:
             raise user_error("--tolerance must be > 0", repr(self.tolerance), "Use e.g. --tolerance 1e-3.")
 
