@@ -113,9 +113,21 @@ class MirroredStrategy(SyncStrategy):
         return ddp
 
     def _set_gradient_sync(self, enabled: bool) -> None:
-        # What DDP's no_sync() sets: read in forward(), so the backward skips (or does) the all-reduce.
+        # What DDP's no_sync() sets: read in forward(), so the backward skips (or does) the all-reduce. Only what
+        # towers paused is resumed: a user's own `with model.no_sync():` (or nanoGPT's
+        # `model.require_backward_grad_sync = False`) stays in force for that forward.
         for ddp in self._ddp_models:
-            ddp.require_backward_grad_sync = enabled
+            if not enabled:
+                ddp.towers_paused_sync = ddp.towers_paused_sync or ddp.require_backward_grad_sync
+                ddp.require_backward_grad_sync = False
+            elif ddp.towers_paused_sync:
+                ddp.towers_paused_sync = False
+                ddp.require_backward_grad_sync = True
+
+    def _finish_loss_weights(self, when: str = "step") -> None:
+        for ddp in self._ddp_models:  # a manual accumulation's gradients whole before a step or a clip reads them
+            ddp.settle_gradients()
+        super()._finish_loss_weights(when)
 
     def _before_step_check(self, wrapped: nn.Module) -> Callable[[], None] | None:
         if not isinstance(wrapped, TowersDDP):

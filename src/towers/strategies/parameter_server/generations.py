@@ -34,6 +34,10 @@ class ModelGenerations:
                 return i
         return len(self._models)
 
+    def replaced(self, generation: int) -> bool:
+        """True when a later model than ``generation`` was prepared (the ps tasks hold that one now)."""
+        return len(self._models) > generation + 1
+
     def prepared(self, model: nn.Module) -> None:
         """Count ``model`` as prepared (after the ps tasks took it: a model they refused takes no generation)."""
         if self.of(model) == len(self._models):

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from towers.errors import InvalidArgumentError, UnimplementedError
+from towers.errors import InvalidArgumentError, UnimplementedError, user_error
 from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.grad_guard import GradientGuard
 from towers.strategies.parameter_server.requests import hyperparameters
@@ -29,8 +29,10 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, bound: BoundModel | None, sparse: SparseTables | None = None,
                  step_batches: Callable[[], tuple[bool, list[Any]]] = lambda: (False, []),
                  finish_gradients: Callable[[], None] = lambda: None,
-                 expected_gradient_changes: Callable[[], int] = lambda: 0):
+                 expected_gradient_changes: Callable[[], int] = lambda: 0,
+                 replaced: Callable[[], bool] = lambda: False):
         self._building = True
+        self._replaced = replaced  # a later model was prepared: the ps tasks no longer hold this one
         self.optimizer = optimizer
         self._bound = bound
         self._sparse = sparse
@@ -47,6 +49,14 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Push this worker's gradients to the ps tasks and pull the updated parameters; return ``closure()``'s loss."""
         before_update(self)  # `towers verify` records the parameters here; nothing otherwise
+        if self._replaced():
+            raise user_error(
+                "ParameterServerStrategy holds one model at a time on its ps tasks, and a later strategy.prepare(...) "
+                "replaced the model this optimizer steps: its gradients would be pushed to another model's shards",
+                f"optimizer.step() of {type(self.optimizer).__name__} over the earlier model's parameters",
+                "Train models that step together (a GAN's generator and discriminator) under HybridStrategy "
+                "(--strategy hybrid: dense layers are summed among the workers, any number of models) or "
+                "MirroredStrategy; under ParameterServerStrategy train one model after the other.")
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -242,7 +242,8 @@ class ParameterServerStrategy(WorkerCollectives):
         self._prepared_any = True
         optimizer_out = (ParameterServerOptimizer(optimizer, bound, sparse, step_batches=self._take_step_batches,
                                                   finish_gradients=self._finish_loss_weights,
-                                                  expected_gradient_changes=lambda: int(self._loss_weights.divided))
+                                                  expected_gradient_changes=lambda: int(self._loss_weights.divided),
+                                                  replaced=lambda: self._generations.replaced(generation))
                          if optimizer is not None else None)
         return prepared, optimizer_out
 
