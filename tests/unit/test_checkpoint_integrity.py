@@ -161,6 +161,32 @@ def test_manager_falls_back_to_the_newest_intact_checkpoint(tmp_path, caplog):
     manager.close()
 
 
+@pytest.mark.parametrize("damage", ["state.pt deleted", "folder deleted"])
+def test_manager_passes_over_a_checkpoint_without_its_files_with_a_warning_too(tmp_path, caplog, damage):
+    manager = CheckpointManager(tmp_path, max_to_keep=None, preemption=False)
+    for value in (1.0, 2.0):
+        model, opt = _trained(value)
+        manager.save({"model": model, "optimizer": opt, "value": value})
+    newest = manager.latest_checkpoint
+    if damage == "state.pt deleted":
+        (newest / "state.pt").unlink()
+    else:  # the link stays, the folder it points to is gone
+        shutil.rmtree(newest.resolve())
+    model, opt = _trained(0.0)
+    with caplog.at_level(logging.WARNING, logger="towers"):
+        state = manager.restore({"model": model, "optimizer": opt})
+    assert state["value"] == 1.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(newest) in warnings[0], warnings
+    assert ("its file state.pt is missing" if damage == "state.pt deleted" else "points to a directory that is gone") \
+        in warnings[0]
+    assert f"Falling back to the previous checkpoint, {tmp_path / 'ckpt-0'}" in warnings[0]
+    (tmp_path / "ckpt-0" / "state.pt").unlink()  # nothing intact left: an error, not a fresh start
+    with pytest.raises(CorruptCheckpointError, match=f"No intact checkpoint in {tmp_path}: all 2 are damaged"):
+        manager.restore({"model": model})
+    manager.close()
+
+
 def test_backup_and_restore_refuses_a_damaged_backup(tmp_path):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 4, generator=g)
@@ -176,6 +202,9 @@ def test_backup_and_restore_refuses_a_damaged_backup(tmp_path):
                                                                              delete_checkpoint=False)])
     _flip(tmp_path / "backup" / "__0_0.distcp", random.Random(3))
     with pytest.raises(CorruptCheckpointError, match="its file __0_0.distcp does not match"):
+        trainer().fit((x, y), 1, 8, callbacks=[towers.callbacks.BackupAndRestore(tmp_path)])
+    (tmp_path / "backup" / "state.pt").unlink()  # not a fresh start in silence either
+    with pytest.raises(CorruptCheckpointError, match="its file state.pt is missing"):
         trainer().fit((x, y), 1, 8, callbacks=[towers.callbacks.BackupAndRestore(tmp_path)])
 
 

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "STATE_FILE", "data_dir_for", "is_checkpoint", "delete"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "STATE_FILE", "data_dir_for", "is_checkpoint", "is_published", "delete"]
 
 #: The chief's file: the manifest and every plain value of the state.
 STATE_FILE = "state.pt"
@@ -27,6 +27,16 @@ def is_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Return True when a complete checkpoint is published at ``path`` (a directory with its ``state.pt``)."""
     p = Path(path)
     return p.is_dir() and (p / STATE_FILE).is_file()
+
+
+def is_published(path: str | os.PathLike[str]) -> bool:
+    """Return True when a checkpoint was published at ``path`` (its link or directory is there), complete or damaged.
+
+    A save publishes in one step, after every file is written: a published checkpoint without its
+    ``state.pt`` (or whose link points nowhere) is damaged, not one being written.
+    """
+    p = Path(path)
+    return p.is_symlink() or p.is_dir()
 
 
 def delete(path: str | os.PathLike[str]) -> None:

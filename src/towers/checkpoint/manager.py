@@ -30,10 +30,11 @@ from typing import Any, Mapping
 from towers._logging import get_logger
 from towers._rng import replica_rng_state
 from towers.checkpoint import api, layout
+from towers.checkpoint.files import is_published
 from towers.checkpoint.preemption import Preempted, PreemptionHandler, preemption_signals
 from towers.checkpoint.state import CheckpointError, CorruptCheckpointError, rng_state, set_rng_state
 from towers.cluster.environ import read_environ
-from towers.errors import InvalidArgumentError
+from towers.errors import InvalidArgumentError, NotFoundError
 
 __all__ = ["CheckpointManager", "DirectoryClaim"]
 
@@ -130,13 +131,14 @@ class CheckpointManager:
         signals = preemption_signals(read_environ().get("TOWERS_PREEMPTION_SIGNALS"))
         self.preemption = PreemptionHandler(signals=signals, rank=_rank(strategy)).install() if preemption else None
 
-    def _numbered(self) -> list[tuple[int, Path]]:
+    def _numbered(self, *, damaged: bool = False) -> list[tuple[int, Path]]:
+        """The complete checkpoints, oldest first; with ``damaged``, also those published without their ``state.pt``."""
         if not self.directory.is_dir():
             return []
         found = []
         for entry in self.directory.iterdir():
             match = self._pattern.match(entry.name)
-            if match and layout.is_checkpoint(entry):
+            if match and (layout.is_checkpoint(entry) or (damaged and is_published(entry))):
                 found.append((int(match.group(1)), entry))
         return sorted(found)
 
@@ -229,7 +231,8 @@ class CheckpointManager:
             CorruptCheckpointError: when ``path`` is damaged, or every checkpoint in ``directory`` is.
             CheckpointError: when it is foreign, or a state does not fit its object.
         """
-        candidates = [str(path)] if path is not None else [str(p) for p in reversed(self.checkpoints)]
+        # A published checkpoint that lost its state.pt is a candidate too: passed over with a WARNING, as all damage.
+        candidates = [str(path)] if path is not None else [str(p) for _, p in reversed(self._numbered(damaged=True))]
         if self.strategy is not None and path is None:  # every process tries the chief's list, newest first
             candidates = self.strategy.broadcast_object(candidates, src=0)
         if not candidates:
@@ -247,7 +250,7 @@ class CheckpointManager:
         for i, target in enumerate(candidates):
             try:  # a damaged file raises on every process alike (integrity.py), before anything is loaded
                 return target, api.restore_checkpoint(target, objects, strategy=self.strategy)
-            except CorruptCheckpointError as exc:
+            except (CorruptCheckpointError, NotFoundError) as exc:  # NotFound: its link points to a folder that is gone
                 if not fall_back:
                     raise
                 if i + 1 == len(candidates):

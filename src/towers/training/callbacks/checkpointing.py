@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from towers._logging import get_logger
+from towers.checkpoint.files import is_published
 from towers.checkpoint.manager import DirectoryClaim
 from towers.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHandler, preemption_signals
 from towers.checkpoint.state import CheckpointError
@@ -136,7 +137,8 @@ class BackupAndRestore(Callback):
             try:
                 if self._claim is None:
                     self._claim = DirectoryClaim.acquire(self.backup_dir)
-                found = (strategy.checkpoint_exists(self.path), None)
+                # A backup published without its state.pt is damaged: restoring it names the damage (never a fresh start).
+                found = (strategy.checkpoint_exists(self.path) or is_published(self.path), None)
             except (CheckpointError, OSError) as exc:
                 found = (False, str(exc))
         exists, problem = strategy.broadcast_object(found, src=0)
