@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -10,6 +11,10 @@ from towers.errors import user_error
 from towers.verify_capture import before_update
 
 __all__ = ["FaultTolerantOptimizer"]
+
+# strategy -> the job's step count right after its last commit vote: a second optimizer.step() before the next step
+# begins would start a step of its own in the middle of the batch (two optimizers, one batch: a GAN's loop).
+_voted_at: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 class FaultTolerantOptimizer(torch.optim.Optimizer):
@@ -50,6 +55,16 @@ class FaultTolerantOptimizer(torch.optim.Optimizer):
             raise user_error("FaultTolerantStrategy's optimizer takes no closure", "a closure",
                              "Compute the loss and call backward before optimizer.step().", cls=TypeError)
         before_update(self)  # `towers verify` records the parameters here; nothing otherwise
-        if self._commit():
+        strategy = getattr(self._commit, "__self__", None)
+        if strategy is not None and not strategy.step_in_progress() and _voted_at.get(strategy) == strategy.current_step:
+            raise user_error(
+                "FaultTolerantStrategy commits one optimizer step per batch (its commit vote ends the job's step), and "
+                "this batch's step has voted already", f"a second optimizer.step() ({type(self.optimizer).__name__}) "
+                "in the same batch", "Train models that step together (a GAN's generator and discriminator) under "
+                "MirroredStrategy or HybridStrategy, or step one optimizer over both models' parameters per batch.")
+        committed = self._commit()
+        if strategy is not None:
+            _voted_at[strategy] = strategy.current_step
+        if committed:
             return self.optimizer.step()
         return None
