@@ -28,7 +28,7 @@ import towers
 
 ROWS, FEATURES, CLASSES, NOISE, GB = 32, 8, 3, 4, 8
 LR, CLIP, EMA_DECAY = 0.3, 0.5, 0.9
-HABITS = ("clip", "accumulation", "ema", "compile", "scheduler", "gan", "eval", "bf16", "copy")
+HABITS = ("clip", "accumulation", "accumulation_loop", "ema", "ema_helper", "compile", "scheduler", "gan", "eval", "bf16", "copy")
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,6 +138,17 @@ class Job:
             self.strategy.run(step, args=(xb, yb, i % 2 == 0))
         return {"weights": self.weights(model)}
 
+    def accumulation_loop(self) -> dict:
+        """The same accumulation in a plain loop (no strategy.run), without no_sync(): the commonest form of it."""
+        model, optimizer = self.prepare(classifier())
+        batches = self.strategy.distribute_dataset((self.x, self.y), GB // 2, shuffle=False)
+        for i, (xb, yb) in enumerate(batches):
+            self.strategy.forward_backward(model, xb, yb, self.loss_fn(2.0))
+            if i % 2:
+                optimizer.step()
+                optimizer.zero_grad()
+        return {"weights": self.weights(model)}
+
     def ema(self) -> dict:
         """An EMA of the weights: torch's AveragedModel of the prepared model, updated after every step."""
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -147,6 +158,13 @@ class Job:
         self.train(model, optimizer, after_step=lambda: average.update_parameters(model))
         return {"weights": self.weights(model),
                 "ema": {k: whole(v) for k, v in self.strategy.unwrap(average.module).state_dict().items()}}
+
+    def ema_helper(self) -> dict:
+        """The EMA where AveragedModel cannot copy the model: towers.ExponentialMovingAverage, under every strategy."""
+        model, optimizer = self.prepare(classifier())
+        average = towers.ExponentialMovingAverage(model, decay=EMA_DECAY, strategy=self.strategy)
+        self.train(model, optimizer, after_step=average.update)
+        return {"weights": self.weights(model), "ema": {k: whole(v) for k, v in average.full_state_dict().items()} or None}
 
     def compile(self) -> dict:
         """torch.compile of the prepared model (aot_eager: dynamo traces towers' wrappers; no C++ build on CI)."""

@@ -2,13 +2,15 @@
 
 Habits (``tests/habit_matrix_job.py``, all in sequence in ONE job per strategy): torch's own
 ``clip_grad_norm_``; manual accumulation (two batches per update, ``loss / 2``, DDP's ``no_sync()`` on the
-first where the model has it); an EMA through torch's ``AveragedModel``; ``torch.compile`` of the prepared
-model; an LR scheduler stepped per batch; two models with two optimizers (DCGAN's loop); evaluation
-between steps (``model.eval()``, ``no_grad``, ``model.train()``); bf16 autocast; ``copy.deepcopy`` and
-``torch.save`` of the model.
+first where the model has it), and the same in a plain loop (no ``strategy.run``) without ``no_sync()``; an
+EMA through torch's ``AveragedModel`` (and through towers' ``ExponentialMovingAverage``, the way that also
+works sharded and pipelined); ``torch.compile`` of the prepared model; an LR scheduler stepped per batch;
+two models with two optimizers (DCGAN's loop); evaluation between steps (``model.eval()``, ``no_grad``,
+``model.train()``); bf16 autocast; ``copy.deepcopy`` and ``torch.save`` of the model.
 
 Strategies: one process (``python job.py``), and under ``towers launch``: Mirrored 2, sharded 2, ps sync
-(2 workers + 1 ps), hybrid (2 workers + 1 ps), ``--mesh tp=2`` and ``--mesh pp=2``.
+(2 workers + 1 ps), hybrid (2 workers + 1 ps), ``--mesh tp=2``, ``--mesh pp=2`` and fault tolerant (2 replica
+groups; one job per habit, since it trains only the models prepared before its first step).
 
 The reference of every cell is the loop a user writes on one device without towers, computed here. A cell
 either equals it (``RTOL``/``ATOL``; bf16 autocast within ``BF16_TOL``: its matmuls round per batch shape,
@@ -67,7 +69,9 @@ REFUSED: dict[tuple[str, str], tuple[str, ...]] = {
     ("pp=2", "gan"): ("strategy.forward_backward",),
     ("pp=2", "compile"): ("torch.compile", "without pp"),
     ("fault tolerant", "accumulation"): ("optimizer.step() once per batch", "gradient_accumulation_steps"),
-    ("fault tolerant", "gan"): ("one optimizer step per batch", "HybridStrategy"),  # the generator's output feeds the discriminator: no pipeline
+    ("fault tolerant", "accumulation_loop"): ("optimizer.step() once per batch", "gradient_accumulation_steps"),
+    **{(s, "accumulation_loop"): ("outside strategy.run", "inside the step function") for s in ("ps sync", "hybrid")},
+    ("fault tolerant", "gan"): ("one optimizer step per batch", "HybridStrategy"),
     # copy.deepcopy (AveragedModel's first step) of a model whose parameters are shards or one stage
     **{(s, h): ("strategy.full_state_dict", "towers.ExponentialMovingAverage") for s in ("sharded 2", "tp=2", "pp=2")
        for h in ("ema", "copy")},
@@ -106,13 +110,13 @@ def _plain(habit: str) -> dict[str, Any]:
             out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), job.CLIP)))
             optimizer.step()
             optimizer.zero_grad()
-    elif habit == "accumulation":
+    elif habit in ("accumulation", "accumulation_loop"):
         for i, (xb, yb, _) in enumerate(_batches(job.GB // 2)):
             (F.cross_entropy(model(xb), yb) / 2).backward()
             if i % 2:
                 optimizer.step()
                 optimizer.zero_grad()
-    elif habit == "ema":
+    elif habit in ("ema", "ema_helper"):  # the plain loop's EMA is torch's AveragedModel
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
         average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(job.EMA_DECAY))
