@@ -1,22 +1,20 @@
 """``ParameterServerStrategy``: ps tasks hold the parameters; workers compute gradients, push them, pull fresh values.
 
-Roles: the last ``num_ps`` ranks of the job are the ps tasks (``ps:0`` .. ``ps:K-1``), ranks
-``0 .. W-1`` are the workers and replicas (worker 0 is the chief). This is the order of
-``towers.cluster`` for both ``towers launch --num-ps K`` and TF_CONFIG (chief, workers, ps).
+Roles: the last ``num_ps`` ranks of the job are the ps tasks (``ps:0`` .. ``ps:K-1``), ranks ``0 .. W-1`` are the
+workers and replicas (worker 0 is the chief). This is the order of ``towers.cluster`` for both ``towers launch
+--num-ps K`` and TF_CONFIG (chief, workers, ps).
 
-On a ps task the constructor serves until every worker is done, then exits the process with
-code 0 (like TF's ``server.join()``), so the rest of the training script runs only on workers.
-``exit_on_ps=False`` returns instead (tests, notebooks): check ``strategy.is_ps``.
+On a ps task the constructor serves until every worker is done, then exits the process with code 0 (like TF's
+``server.join()``), so the rest of the training script runs only on workers. ``exit_on_ps=False`` returns instead
+(tests, notebooks): check ``strategy.is_ps``.
 
-A preemption notice (SIGTERM, SIGUSR1, ``TOWERS_PREEMPTION_SIGNALS``) to a ps task does not end
-it: the parameters and embedding rows the workers checkpoint live here. It tells the workers
-through the job's store, serves while they agree on a step and save, and then exits with
-``PREEMPTED_EXIT_CODE`` (75), as they do (``towers.checkpoint.preemption``).
+A preemption notice (SIGTERM, SIGUSR1, ``TOWERS_PREEMPTION_SIGNALS``) to a ps task does not end it: the parameters and
+embedding rows the workers checkpoint live here. It tells the workers through the job's store, serves while they agree
+on a step and save, and then exits with ``PREEMPTED_EXIT_CODE`` (75), as they do (``towers.checkpoint.preemption``).
 
-Collectives (``reduce``, ``gather``, ``barrier``, ``*_object``) meet at ps task 0, not among the
-workers, so they keep working after a worker dies: they then combine the values of the live
-workers only. ``distribute_dataset`` gets its batches from ps task 0 one at a time, so the others
-take over a dead worker's share (``dispatch.py``).
+Collectives (``reduce``, ``gather``, ``barrier``, ``*_object``) meet at ps task 0, not among the workers, so they keep
+working after a worker dies: they then combine the values of the live workers only. ``distribute_dataset`` gets its
+batches from ps task 0 one at a time, so the others take over a dead worker's share (``dispatch.py``).
 """
 
 from __future__ import annotations
@@ -98,9 +96,8 @@ class ParameterServerStrategy(WorkerCollectives):
                  info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
                  precision: str | int | None = "32", overlap: bool = False, shared_memory: bool = True):
         overlap, shared_memory = parse_flag("overlap", overlap), parse_flag("shared_memory", shared_memory)
-        exit_on_ps = parse_flag("exit_on_ps", exit_on_ps)
         check_options(mode, staleness, timeout_s=timeout_s, overlap=overlap, shared_memory=shared_memory)
-        self.overlap, self.shared_memory = overlap, shared_memory
+        self.overlap, self.shared_memory, exit_on_ps = overlap, shared_memory, parse_flag("exit_on_ps", exit_on_ps)
         if info is None:
             from towers import cluster
 
