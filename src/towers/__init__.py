@@ -41,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     # losses
     "compute_average_loss": "towers.losses",
     "scale_regularization_loss": "towers.losses",
+    # weights
+    "ExponentialMovingAverage": "towers.ema",
     # training
     "Trainer": "towers.training",
     "History": "towers.training",

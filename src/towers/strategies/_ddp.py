@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, SupportsIndex
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from towers.errors import InvalidArgumentError
+from towers.strategies._copies import copy_of_wrapped, reduce_of_wrapped
 from towers.strategies._summed_gradients import SummedGradients
 from towers.strategies.precision import Precision, precision_forward
 
@@ -101,3 +102,11 @@ class TowersDDP(DistributedDataParallel):
             raise InvalidArgumentError(
                 "The previous step left some parameters without a gradient, so DDP (MirroredStrategy) could not "
                 f"finish its gradient all-reduce.{detail} {UNUSED_FIX}") from None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        """A copy of the prepared model is a plain copy of the user's module (no DDP, no hooks of the strategy)."""
+        return copy_of_wrapped(self.module, memo)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        """Pickled, the prepared model is the user's module: what a process without the job's group loads."""
+        return reduce_of_wrapped(self.module, protocol)

@@ -20,6 +20,7 @@ from towers.data import DistributedDataset, DistributedStream, find_batch_info, 
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
 from towers.strategies._activation_checkpointing import apply_activation_checkpointing
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
+from towers.strategies._copies import DetachedHook
 from towers.strategies._steps import StepTracker, StrategyOptimizer
 from towers.strategies.base import ReplicaContext, Strategy, current_replica_context, note_built
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
@@ -109,7 +110,8 @@ class SyncStrategy(Strategy):
         model = apply_activation_checkpointing(model.to(self._device), activation_checkpointing)
         wrapped = self._wrap_model(model)
         # A plain loop (no strategy.run) still trains one device's maths: the forward's batch starts the step.
-        wrapped.register_forward_pre_hook(self._step_outside_run, with_kwargs=True)
+        # Detached: a copy of the model (AveragedModel, deepcopy, pickle) is not prepared and copies no strategy.
+        wrapped.register_forward_pre_hook(DetachedHook(self._step_outside_run), with_kwargs=True)
         check = self._before_step_check(wrapped) if optimizer is not None else None
         wrapped = self._compile(wrapped, compile)
         self._user_modules.append(model)

@@ -30,6 +30,7 @@ from towers.cluster.strategy_options import parse_flag
 from towers.errors import InvalidArgumentError, user_error
 from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
+from towers.strategies._copies import refuse_copies
 from towers.strategies._ddp import check_same_parameters
 from towers.strategies._fsdp import ShardUnits, build_mesh, one_process_mesh, select_units, shard_model
 from towers.strategies._loss_parallel import gather_heads_outside, loss_parallel_plan, loss_parallel_scope
@@ -281,7 +282,18 @@ class FullyShardedStrategy(ShardedState):
         shard_model(model, self._mesh, shard_units=self._shard_units, reshard_after_forward=self._reshard_after_forward,
                     precision=self.precision.name, cpu_offload=self._cpu_offload)
         self._sharded.append(model)
+        # No process holds the whole model: copy.deepcopy and pickle (AveragedModel, torch.save) say what works instead.
+        refuse_copies(model, self._where_the_model_is())
         return model
+
+    def _where_the_model_is(self) -> str:
+        """Why no process holds the prepared model whole, for ``refuse_copies``' error."""
+        mesh = ",".join(f"{name}={size}" for name, size in zip(self.mesh.mesh_dim_names, self.mesh.shape))
+        if self._pp_spec is not None:
+            return (f"FullyShardedStrategy split it into {self._pp_spec.pp} pipeline stages (mesh {mesh}) and this process "
+                    f"holds stage {self._pp_mesh.get_local_rank()}")
+        return (f"FullyShardedStrategy sharded it with FSDP2 (mesh {mesh}): its parameters are DTensors, of which this "
+                "process holds its shards")
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         # Non-final micro-batches keep their (unsharded) gradients locally; the last one reduce-scatters the sum.

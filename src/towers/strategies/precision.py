@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any, Callable, ContextManager, Mapping, SupportsIndex
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from torch import nn
 from towers._logging import get_logger
 from towers.data import map_tensors
 from towers.errors import FailedPreconditionError, InvalidArgumentError
+from towers.strategies._copies import copy_of_wrapped, reduce_of_wrapped
 
 __all__ = ["PRECISIONS", "Precision", "resolve_precision", "MixedPrecisionModule", "precision_forward"]
 
@@ -248,3 +249,11 @@ class MixedPrecisionModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Return ``module(*args, **kwargs)`` computed under the precision."""
         return precision_forward(self.module, self._precision, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        """A copy of the prepared model is a plain copy of the user's module (float32, no hooks of the strategy)."""
+        return copy_of_wrapped(self.module, memo)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        """Pickled, the prepared model is the user's module."""
+        return reduce_of_wrapped(self.module, protocol)

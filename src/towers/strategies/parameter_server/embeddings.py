@@ -19,11 +19,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from towers.errors import FailedPreconditionError, InvalidArgumentError
+from towers.strategies._copies import refuse_copies
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.tables import ROW_OPTIMIZERS, TableSpec, check_options, hash_ids, initial_rows
 from towers.strategies.parameter_server.transport import Op
 
 __all__ = ["ShardedEmbedding", "SparseTables", "MODES"]
+
+#: What works instead of a copy of a model whose tables' rows live on the ps tasks.
+ROWS_ON_PS_FIX = ("Use strategy.full_state_dict(model) for its weights (the dense parameters, and under '<table>.rows' the "
+                  "rows the tables touched, fetched from the ps tasks) and strategy.save_checkpoint(...) for checkpoints. "
+                  "towers.ExponentialMovingAverage(model, decay=..., strategy=strategy) averages the dense parameters; "
+                  "the rows stay on the ps tasks, not averaged.")
 
 #: Pooling modes: ``sum``/``mean`` over each bag (``nn.EmbeddingBag``), or ``none`` (one row per id, ``nn.Embedding``).
 MODES = ("sum", "mean", "none")
@@ -73,8 +80,14 @@ class ShardedEmbedding(nn.Module):
         self._index = -1
 
     def connect(self, tables: "SparseTables", index: int) -> None:
-        """Keep this table's rows in ``tables`` (as its table ``index``): ``strategy.prepare`` connects it."""
+        """Keep this table's rows in ``tables`` (as its table ``index``): ``strategy.prepare`` connects it.
+
+        From then on the rows live on the ps tasks only: a copy of the model (``copy.deepcopy``, pickle,
+        ``AveragedModel``) is refused with what works instead.
+        """
         self._tables, self._index = tables, index
+        refuse_copies(self, f"the rows of its {type(self).__name__}({self.num_embeddings}, {self.embedding_dim}) live "
+                            "on the parameter servers' ps tasks", ROWS_ON_PS_FIX)
 
     def spec(self, name: str) -> TableSpec:
         """Return what the ps tasks are told about this table (``name``: its place in the model)."""

@@ -19,6 +19,7 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.errors import InvalidArgumentError
+from towers.strategies._copies import DetachedHook
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.dispatch import pack_unit
 from towers.strategies.parameter_server.requests import hyperparameters, optimizer_name, optimizer_spec
@@ -280,10 +281,13 @@ class BoundModel:
         self.client.request(Op.SET_PARAMS, ps=self.active, flats=[self.param_bufs[p] for p in self.active])
 
     def install_hooks(self, refresh_on_state_dict: bool) -> None:
-        """``model.state_dict()`` pulls first (``refresh_on_state_dict``); ``load_state_dict`` pushes after."""
+        """``model.state_dict()`` pulls first (``refresh_on_state_dict``); ``load_state_dict`` pushes after.
+
+        Detached hooks: a copy of the model (``copy.deepcopy``, ``AveragedModel``, pickle) neither pulls nor pushes.
+        """
         if refresh_on_state_dict:
-            self.model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.pull())
-        self.model.register_load_state_dict_post_hook(lambda module, incompatible: self.push_params())
+            self.model.register_state_dict_pre_hook(DetachedHook(lambda module, prefix, keep_vars: self.pull()))
+        self.model.register_load_state_dict_post_hook(DetachedHook(lambda module, incompatible: self.push_params()))
 
 
 def _unlink(buffers: list[SharedBuffer]) -> None:
