@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, SupportsIndex
+from typing import Any, Callable, Mapping, SupportsIndex
 
 import torch
 from torch import nn
@@ -110,3 +110,16 @@ class TowersDDP(DistributedDataParallel):
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         """Pickled, the prepared model is the user's module: what a process without the job's group loads."""
         return reduce_of_wrapped(self.module, protocol)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's module's ``state_dict()``: the names one device saves (DDP's own adds ``module.`` to each).
+
+        ``torch.save(model.state_dict(), path)`` then loads into the plain model, as it does without towers.
+        """
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load a state dict saved from the plain model (or with DDP's ``module.`` prefix) into the user's module."""
+        if state_dict and all(key.startswith("module.") for key in state_dict):
+            state_dict = {key[len("module."):]: value for key, value in state_dict.items()}
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

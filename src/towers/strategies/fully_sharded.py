@@ -310,6 +310,7 @@ class FullyShardedStrategy(ShardedState):
         check = StepCheck(self._tracker, rank=self.replica_id, num_replicas=self.num_replicas_in_sync)
 
         def compare_steps() -> None:
+            self._check_stage_gradients()  # under pp: torch's own clip measured one stage
             identity, mark = check.mark(torch.float32, self.device)
             with collective("optimizer.step: the replicas' step identities"):
                 dist.all_reduce(mark, group=getattr(self._comm, "group", None))
