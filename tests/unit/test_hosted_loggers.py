@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("w
 
 EPOCHS, BATCH, N, EVERY = 2, 8, 40, 2   # 5 steps an epoch; step logs at batches 0, 2, 4 of each epoch
 STEP_LOGS = [1, 3, 5, 6, 8, 10]          # their global_step
+REPORTS = [4, 6]                         # a step breakdown's reports (time/<phase>): off the period and on it
 PARAMS = {"epochs": "2", "steps": "5", "global_batch_size": "8", "num_replicas": "1", "strategy": "one_device"}
 
 
@@ -41,7 +42,10 @@ class ExtraKeys(Callback):
                 "time/forward": 0.01 * step, "time/comm_wait": 0.5}
 
     def on_train_batch_end(self, batch, logs=None):
-        logs.update(self.values(logs["global_step"]), note="not a number", flag=True)
+        values = self.values(logs["global_step"])
+        if logs["global_step"] not in REPORTS:  # the breakdown's keys are in the logs of its report steps only
+            values = {k: v for k, v in values.items() if not k.startswith("time/")}
+        logs.update(values, note="not a number", flag=True)
 
     def on_epoch_end(self, epoch, logs=None):
         logs.update(self.values(epoch), note="not a number", flag=True)
@@ -140,7 +144,8 @@ def test_mlflow_logs_the_history_fit_parameters_and_step_logs(fitted):
     assert batch_loss[-1][1] == pytest.approx(history["loss"][-1])  # the last step's running mean is the epoch's
     throughput = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "batch/examples_per_second"))
     assert throughput == [(s, 100.0 + s) for s in STEP_LOGS]
-    assert [m.step for m in client.get_metric_history(run_id, "batch/time/forward")] == STEP_LOGS
+    # Every report reaches the tracker at its own step, between the periodic step logs too (alone there).
+    assert sorted(m.step for m in client.get_metric_history(run_id, "batch/time/forward")) == REPORTS
 
 
 def test_wandb_offline_run_holds_the_history_config_and_step_logs(fitted):
@@ -164,11 +169,13 @@ def test_wandb_offline_run_holds_the_history_config_and_step_logs(fitted):
     for key in ExtraKeys.values(0):
         assert [r[key] for r in epochs] == [ExtraKeys.values(e)[key] for e in range(EPOCHS)], key
     assert all("note" not in r and "flag" not in r for r in rows)
-    steps = [r for r in rows if "global_step" in r]
+    steps = [r for r in rows if "batch/loss" in r]
     assert [r["global_step"] for r in steps] == STEP_LOGS
     assert [r["batch/examples_per_second"] for r in steps] == [100.0 + s for s in STEP_LOGS]
     assert steps[-1]["batch/loss"] == pytest.approx(history["loss"][-1])
-    assert "batch/time/forward" in steps[0]
+    reports = [r for r in rows if "batch/time/forward" in r]
+    assert [r["global_step"] for r in reports] == REPORTS and {k for k in reports[0] if not k.startswith("_")} == {
+        "global_step", "batch/time/forward", "batch/time/comm_wait"}  # off the period: the report alone
 
 
 def test_wandb_service_was_running_and_is_gone(fitted):
@@ -229,3 +236,23 @@ def test_a_missing_package_or_a_bad_period_says_what_to_do(cls, extra, monkeypat
     monkeypatch.setitem(sys.modules, cls.package, None)
     with pytest.raises(ImportError, match=rf"{cls.__name__} needs the {cls.package} package.*pip install 'towers\[{extra}\]'"):
         cls()
+
+
+@pytest.mark.parametrize("store", ["file", "default"])
+def test_a_tracking_store_mlflow_refuses_is_one_line_naming_the_fix(store, tmp_path, monkeypatch):
+    """MLflow 3 refuses a file: store unless MLFLOW_ALLOW_FILE_STORE=true, and its default (sqlite:///mlflow.db)
+    needs the full mlflow, which the client alone (mlflow-skinny, what towers[mlflow] installs) is not."""
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    if store == "default" and importlib.util.find_spec("sqlalchemy") is not None:
+        pytest.skip("the full mlflow is installed: its default store opens")
+    uri = f"file:{tmp_path / 'mlruns'}" if store == "file" else None
+    x, y = _data()
+    with pytest.raises(towers.TowersError) as caught:
+        _trainer().fit((x, y), 1, BATCH, callbacks=[MLflowLogger(tracking_uri=uri)])
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("MLflowLogger cannot open its tracking store")
+    assert f"tracking_uri={uri!r}" in message and "http://host:5000" in message
+    assert ("MLFLOW_ALLOW_FILE_STORE=true" if store == "file" else "pip install mlflow") in message

@@ -7,6 +7,7 @@ import re
 import time
 from typing import Any, Mapping
 
+from towers.errors import user_error
 from towers.training.callbacks._tracking import TrackerLogger
 
 __all__ = ["MLflowLogger"]
@@ -18,6 +19,31 @@ _NOT_IN_A_NAME = re.compile(r"[^\w\-. :/]")  # what MLflow accepts in a metric o
 
 def _mlflow_name(key: str) -> str:
     return _NOT_IN_A_NAME.sub("_", key)
+
+
+def _store_error(tracking_uri: str | None, exc: Exception) -> Exception | None:
+    """One line for a tracking store MLflow refuses to open (None: another error, raised as MLflow raised it).
+
+    MLflow 3 refuses a ``file:`` store (or a plain folder) unless ``MLFLOW_ALLOW_FILE_STORE=true``, and its
+    default store is ``sqlite:///mlflow.db``, which the client alone (``mlflow-skinny``, what
+    ``towers[mlflow]`` installs) cannot open: it has no database driver.
+    """
+    text = str(exc)
+    received = f"tracking_uri={tracking_uri!r}" + (" (MLFLOW_TRACKING_URI or MLflow's default)" if tracking_uri is None else "")
+    if "MLFLOW_ALLOW_FILE_STORE" in text:
+        return user_error("MLflowLogger cannot open its tracking store: MLflow 3 refuses a file store unless the "
+                          "environment has MLFLOW_ALLOW_FILE_STORE=true", received,
+                          "Point tracking_uri (or MLFLOW_TRACKING_URI) at your tracking server (http://host:5000), "
+                          "set MLFLOW_ALLOW_FILE_STORE=true to keep a local file: folder, or install the full mlflow "
+                          "(pip install mlflow) and use tracking_uri='sqlite:///mlflow.db'.", cls=RuntimeError)
+    if "sqlite" in text or "sqlalchemy" in text.lower():
+        return user_error("MLflowLogger cannot open its tracking store: a database store (MLflow 3's default is "
+                          "sqlite:///mlflow.db) needs the full mlflow package, and only its client (mlflow-skinny) is "
+                          "installed", received,
+                          "Point tracking_uri (or MLFLOW_TRACKING_URI) at your tracking server (http://host:5000), "
+                          "install the full mlflow (pip install mlflow), or use tracking_uri='file:./mlruns' with "
+                          "MLFLOW_ALLOW_FILE_STORE=true in the environment.", cls=RuntimeError)
+    return None
 
 
 class MLflowLogger(TrackerLogger):
@@ -57,8 +83,15 @@ class MLflowLogger(TrackerLogger):
     def _start(self, params: dict[str, Any]) -> None:
         mlflow = self._import()
         from mlflow.entities import Param, RunTag
+        from mlflow.exceptions import MlflowException
 
-        client = self._client = mlflow.tracking.MlflowClient(tracking_uri=self.tracking_uri)
+        try:  # MLflow opens the store here: a store it refuses is one line naming the fix
+            client = self._client = mlflow.tracking.MlflowClient(tracking_uri=self.tracking_uri)
+        except MlflowException as exc:
+            error = _store_error(self.tracking_uri, exc)
+            if error is None:
+                raise
+            raise error from None
         run_id = self._given_run_id
         if run_id is None and self.tracking_uri is None and mlflow.active_run() is not None:
             run_id = mlflow.active_run().info.run_id
