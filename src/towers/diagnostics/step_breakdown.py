@@ -33,7 +33,7 @@ from towers.diagnostics.straggler import Straggler, StragglerDetector
 from towers.errors import user_error
 from towers.strategies.base import PeerLostError, Strategy
 
-__all__ = ["BreakdownReport", "BreakdownReporter", "StepBreakdown", "check_every"]
+__all__ = ["BreakdownReport", "BreakdownReporter", "StepBreakdown", "check_every", "communicates"]
 
 log = get_logger(__name__)
 
@@ -50,6 +50,12 @@ def check_every(every: Any, name: str = "every") -> int:
     return every
 
 
+def communicates(strategy: Strategy) -> bool:
+    """True when ``strategy``'s steps wait for peers (other replicas, parameter servers, pipeline stages): its
+    threads' sleeps are ``comm_wait``. One process alone has only the machine to wait for."""
+    return strategy.num_replicas_in_sync > 1 or strategy.process_info.world_size > 1
+
+
 @dataclasses.dataclass(frozen=True)
 class BreakdownReport:
     """Every rank's seconds per step in each phase (``PHASES``) over the steps measured before ``global_step``."""
@@ -59,6 +65,13 @@ class BreakdownReport:
     seconds: list[list[float]]  # [rank][phase], seconds per step; NaN where a rank measured no step
     hosts: list[str]
     stragglers: list[Straggler]
+    #: The job has peers to wait for; False: there is no ``comm_wait`` (not logged, not in the summary).
+    communicates: bool = True
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The phases this report tells: ``PHASES``, less ``comm_wait`` in a job without communication."""
+        return PHASES if self.communicates else tuple(p for p in PHASES if p != "comm_wait")
 
     def _column(self, phase: str) -> list[tuple[float, int]]:
         i = PHASES.index(phase)
@@ -78,7 +91,7 @@ class BreakdownReport:
         if not any(self.steps):
             return {}
         out: dict[str, float] = {}
-        for phase in PHASES:
+        for phase in self.phases:
             out[f"time/{phase}"] = self.median(phase)
             out[f"time/{phase}_max"] = self.slowest(phase)[0]
         return out
@@ -86,7 +99,7 @@ class BreakdownReport:
     def summary(self) -> str:
         """One line: per phase, the median over ranks and the slowest rank, in ms per step."""
         parts = []
-        for phase in PHASES:
+        for phase in self.phases:
             worst, rank = self.slowest(phase)
             parts.append(f"{phase} {1000 * self.median(phase):.1f}/{1000 * worst:.1f} (r{rank})")
         measured = min((s for s in self.steps if s), default=0)
@@ -126,7 +139,7 @@ class BreakdownReporter:
         forward, backward = PHASES.index("forward"), PHASES.index("backward")
         found = self.detector.observe([r[forward] for r in seconds], [r[backward] for r in seconds], self._hosts)
         report = BreakdownReport(global_step=global_step, steps=counts, seconds=seconds, hosts=list(self._hosts),
-                                 stragglers=found)
+                                 stragglers=found, communicates=communicates(strategy))
         self.last = report
         if strategy.is_chief and any(counts):
             log.info("%s", report.summary())
@@ -149,7 +162,7 @@ class StepBreakdown:
         self.every = check_every(every)
         self.updates = 0
         self._reporter = BreakdownReporter(strategy, threshold=threshold, k=k, m=m)
-        self.timer = StepTimer(strategy.device, on_update=self._after_update)
+        self.timer = StepTimer(strategy.device, on_update=self._after_update, communicates=communicates(strategy))
         self.timer.attach(model, optimizer)
         self.timer.arm(measured_step(1, self.every))
 

@@ -74,9 +74,10 @@ class Trainer(Epochs, TrainingSteps, Inference):
     on every replica count; fp16 gradients unscaled first).
 
     ``breakdown_every``: every that many global steps, each rank's time per step in input, forward,
-    backward, comm_wait, optimizer and other is gathered (one small collective), the chief logs one
-    line and names a rank whose compute is consistently slower than the others', and the logs get
-    ``time/<phase>`` keys (``towers.callbacks.StepBreakdown``; None: every 100 steps, 0: off).
+    backward, comm_wait (a job that communicates), cpu_wait, optimizer and other is gathered (one small
+    collective), the chief logs it on a line of its own and names a rank whose compute is consistently
+    slower than the others', and the logs of that step and of its epoch get ``time/<phase>`` keys
+    (``towers.callbacks.StepBreakdown``; None: every 100 steps, 0: off).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any = None, *,

@@ -39,7 +39,9 @@ class TrackerLogger(Callback):
 
     Epoch logs are logged under their own names at step ``epoch``; every ``log_every_n_steps``-th step of
     each epoch (its first included, as the Trainer counts its reductions) the batch logs are logged as
-    ``batch/<name>`` at step ``global_step``. Subclasses implement ``_start``, ``_log`` and ``_finish``.
+    ``batch/<name>`` at step ``global_step``, and so is every step breakdown report (``batch/time/<phase>``)
+    at its own step between them (``log_every_n_steps=None``: epochs only). Subclasses implement ``_start``,
+    ``_log`` and ``_finish``.
 
     Raises:
         ValueError: when ``log_every_n_steps`` is neither None nor a positive integer.
@@ -84,11 +86,15 @@ class TrackerLogger(Callback):
         self._active = True
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
-        if not self._active or self.log_every_n_steps is None or batch % self.log_every_n_steps:
+        if not self._active or self.log_every_n_steps is None:
             return
         values = numeric_logs(logs)
         step = int(values.pop("global_step", 0))
-        self._log({f"batch/{k}": v for k, v in values.items()}, step=step, axis="global_step")
+        if batch % self.log_every_n_steps:
+            # Off the period, a step breakdown's report (its time/<phase> keys, at its step) is logged alone.
+            values = {k: v for k, v in values.items() if k.startswith("time/")}
+        if values:
+            self._log({f"batch/{k}": v for k, v in values.items()}, step=step, axis="global_step")
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         if self._active:

@@ -1,11 +1,13 @@
 """``StepBreakdown``: the Trainer's per-rank step breakdown (on by default), with the straggler named.
 
 Every ``every`` global steps, each rank's seconds per step in input, forward, backward,
-comm_wait, optimizer and other (measured over the steps just before, without adding a
-synchronisation to them: see ``towers.diagnostics.breakdown``) are gathered in one collective;
-the chief logs one line (median and slowest rank per phase) and a warning naming a rank whose
-compute is consistently slower than the others'. The logs of that step, and the epoch logs
-after it, get ``time/<phase>`` (median over ranks) and ``time/<phase>_max`` (slowest rank).
+comm_wait (jobs that communicate), cpu_wait, optimizer and other (measured over the steps just
+before, without adding a synchronisation to them: see ``towers.diagnostics.breakdown``) are
+gathered in one collective; the chief logs the breakdown on a line of its own (median and slowest
+rank per phase) and a warning naming a rank whose compute is consistently slower than the others'.
+The logs of that step get ``time/<phase>`` (median over ranks) and ``time/<phase>_max`` (slowest
+rank), and so do the logs of the epoch it was measured in (the History, the trackers); an epoch
+without a report has none (the progress line never shows them: they are the breakdown's line).
 
 Input is the time between the end of one step's ``on_train_batch_end`` (all callbacks) and the
 next ``on_train_batch_begin``: the callback is called first (so the loggers after it see its
@@ -17,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Mapping
 
 from towers.diagnostics.breakdown import StepTimer, measured_step
-from towers.diagnostics.step_breakdown import BreakdownReport, BreakdownReporter, check_every
+from towers.diagnostics.step_breakdown import BreakdownReport, BreakdownReporter, check_every, communicates
 from towers.errors import user_error
 from towers.training.callbacks.base import Callback, CallbackList
 
@@ -57,10 +59,13 @@ class StepBreakdown(Callback):
         strategy = trainer.strategy
         if self._reporter is None or self._reporter.strategy is not strategy:
             self._reporter = BreakdownReporter(strategy, **self._options)
-        self._timer = StepTimer(strategy.device)
+        self._timer = StepTimer(strategy.device, communicates=communicates(strategy))
         self._timer.attach(trainer.model, trainer.optimizer)
         self._epoch_logs = {}
         self._timer.arm(measured_step(trainer.progress.global_step + 1, self.every))
+
+    def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
+        self._epoch_logs = {}  # an epoch's logs carry the breakdown measured in it, not an earlier epoch's
 
     def on_train_batch_begin(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
         if self._timer is not None:

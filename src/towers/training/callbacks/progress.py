@@ -18,8 +18,11 @@ _THROUGHPUT_KEYS = ("examples_per_second", "tokens_per_second", "mfu")
 
 
 def _format_logs(logs: Mapping[str, Any], skip: tuple[str, ...] = ()) -> str:
+    # The step breakdown's time/<phase> keys are left out: they have a line of their own at each report (and the
+    # History and the trackers keep them), so an epoch's line stays what a Keras user reads: loss, metrics, speed.
     return ", ".join(f"{k} {v:.4g}" for k, v in logs.items()
-                     if k not in skip and k not in _THROUGHPUT_KEYS and isinstance(v, (int, float)))
+                     if k not in skip and k not in _THROUGHPUT_KEYS and not k.startswith("time/")
+                     and isinstance(v, (int, float)))
 
 
 def _format_throughput(examples_per_second: float, logs: Mapping[str, Any], peak: Any = None) -> str:
