@@ -8,6 +8,8 @@
 - Code nobody here wrote: a Hugging Face GPT-2 (from a config, dropout on as configs come) in a custom loop; a
   nanoGPT-style plain DDP script (gradient accumulation, flash attention dropout, weight tying, torch's clip); a plain
   DDP script with a DistributedSampler and an uneven last batch, and the same script bypassing DDP.
+- Data that is not one process's: the plain DDP script without its DistributedSampler (every replica reads the same
+  examples), and nanoGPT's own get_batch (each rank draws random batches from its own seed, by design).
 
 The expected verdict is what the plain torch maths says: a correct script gives one process's parameters.
 """
@@ -82,6 +84,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--examples", type=int, default=32)
 parser.add_argument("--bypass-ddp", action="store_true")
+parser.add_argument("--no-sampler", action="store_true")  # every rank iterates the whole data set
 args = parser.parse_args()
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 if world > 1:
@@ -90,7 +93,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
 g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(args.examples, 8, generator=g), torch.randint(0, 3, (args.examples,), generator=g))
-sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 and not args.no_sampler else None
 loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
 ddp = DDP(model) if world > 1 else model
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -104,7 +107,7 @@ if world > 1:
     dist.destroy_process_group()
 '''
 
-NANOGPT = r'''import math, os
+NANOGPT = r'''import math, os, sys
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -113,6 +116,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 block_size, vocab_size, n_layer, n_head, n_embd, dropout = 16, 64, 2, 2, 32, 0.1
 batch_size, gradient_accumulation_steps, max_iters = 4, 4, 20
+random_batches = "--random-batches" in sys.argv  # nanoGPT's own get_batch: each rank draws from its own seed
 
 class CausalSelfAttention(nn.Module):
     def __init__(self):
@@ -161,10 +165,13 @@ if ddp:
     gradient_accumulation_steps //= ddp_world_size
 else:
     ddp_rank, ddp_world_size, master_process = 0, 1, True
-torch.manual_seed(1337)
+torch.manual_seed(1337 + (ddp_rank if random_batches else 0))  # nanoGPT: seed_offset = ddp_rank
 data = torch.randint(0, vocab_size, (4096,), generator=torch.Generator().manual_seed(0))
 
 def get_batch(it, micro_step):
+    if random_batches:
+        ix = torch.randint(len(data) - block_size, (batch_size,))
+        return (torch.stack([data[i:i + block_size] for i in ix]), torch.stack([data[i + 1:i + 1 + block_size] for i in ix]))
     # deterministic: update `it` covers micro-batches it*total .. +total; this rank takes its contiguous share
     total = gradient_accumulation_steps * ddp_world_size
     start = (it * total + ddp_rank * gradient_accumulation_steps + micro_step) * batch_size * block_size
@@ -266,8 +273,13 @@ def test_code_nobody_here_wrote(tmp_path):
     nano = _row(tmp_path, "nanogpt.py", NANOGPT, plain=True)
     seen["nanogpt"] = [r.verdict for r in nano.rows]
     batch = "{16 // world_size}"
-    for name, args in {"ddp_uneven": ("--examples", "35"), "ddp_bypass": ("--examples", "32", "--bypass-ddp")}.items():
+    for name, args in {"ddp_uneven": ("--examples", "35"), "ddp_bypass": ("--examples", "32", "--bypass-ddp"),
+                       "ddp_no_sampler": ("--examples", "32", "--no-sampler")}.items():
         row = _row(tmp_path, f"{name}.py", PLAIN_DDP, "--batch-size", batch, *args, plain=True).rows[0]
         seen[name] = [row.verdict, row.cause.key if row.cause else None, row.first_step]
+    row = _row(tmp_path, "nanogpt_random.py", NANOGPT, "--random-batches", plain=True).rows[0]
+    seen["nanogpt_random"] = [row.verdict, row.cause.key if row.cause else None, row.first_step]
     assert seen == {"hf": ["same"], "nanogpt": ["same"],  # a correct plain DDP script: nanoGPT's
-                    "ddp_uneven": ["DIFFERS", "uneven-last-batch", 3], "ddp_bypass": ["DIFFERS", "replicas-drift", 1]}
+                    "ddp_uneven": ["DIFFERS", "uneven-last-batch", 3], "ddp_bypass": ["DIFFERS", "replicas-drift", 1],
+                    "ddp_no_sampler": ["DIFFERS", "same-examples", 1], "nanogpt_random": ["DIFFERS", "own-random-batches", 1]}
+    assert "each replica draws its own random batches (by design in this script?)" in row.cause.title

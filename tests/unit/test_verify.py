@@ -124,6 +124,40 @@ def test_a_last_batch_split_otherwise_is_the_uneven_last_batch():
     assert _cause(reference, ranks) == "uneven-last-batch"
 
 
+def _with_rows(steps: list[list[torch.Tensor]], rows: list[list[str]]) -> Capture:
+    """A capture whose update ``u`` trained the examples fingerprinted ``rows[u - 1]``."""
+    return Capture(names=NAMES, steps=steps, observed=[{"examples": len(r), "rows": r} for r in rows])
+
+
+def _ids(first: int, n: int) -> list[str]:
+    return [f"example{i}" for i in range(first, first + n)]
+
+
+ROWS_REFERENCE = _with_rows(_sgd_run(), [_ids(0, 16), _ids(16, 16), _ids(32, 16)])
+
+
+def test_replicas_that_read_the_same_examples_are_named():
+    run = _sgd_run(grad_scale=1.3)  # no DistributedSampler: both read examples 0..7, then 8..15, ...
+    same = [_ids(0, 8), _ids(8, 8), _ids(16, 8)]
+    assert _cause(ROWS_REFERENCE, [_with_rows(run, same), _with_rows(run, same)]) == "same-examples"
+
+
+def test_replicas_that_draw_their_own_random_batches_are_named():
+    run = _sgd_run(grad_scale=1.3)  # nanoGPT: rank 0 draws from the one process's seed, rank 1 from its own
+    ranks = [_with_rows(run, [_ids(0, 8), _ids(16, 8), _ids(32, 8)]),
+             _with_rows(run, [_ids(900, 8), _ids(908, 8), _ids(916, 8)])]
+    assert _cause(ROWS_REFERENCE, ranks) == "own-random-batches"
+
+
+def test_replicas_that_share_one_processs_examples_are_neither():
+    run = _sgd_run(grad_scale=1.2)  # each takes its half of one process's batch: the data is right
+    ranks = [_with_rows(run, [_ids(0, 8), _ids(16, 8), _ids(32, 8)]),
+             _with_rows(run, [_ids(8, 8), _ids(24, 8), _ids(40, 8)])]
+    for capture in ranks:
+        capture.unsynced_batchnorm = ["1"]
+    assert _cause(ROWS_REFERENCE, ranks) == "batchnorm-unsynced"
+
+
 def test_script_arguments_are_filled_per_world_size():
     assert format_args(["--batch-size", "{64 // world_size}", "--n={world_size}", "{not ours}"], 4) == (
         "--batch-size", "16", "--n=4", "{not ours}")

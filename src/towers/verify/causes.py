@@ -51,6 +51,16 @@ def _whole_batch(e: Evidence) -> bool:
     return e.replicas > 1 and _diverged(e) and bool(ref) and bool(mine) and mine[0] == ref[0] and ref[0] > 1
 
 
+def _same_examples(e: Evidence) -> bool:
+    return e.replicas > 1 and _diverged(e) and e.same_examples_on_replicas
+
+
+def _own_random_batches(e: Evidence) -> bool:
+    # From the first update the replicas' examples, together, are not one process's, and not all the same ones:
+    # each replica drew its own (a ragged last batch differs only at its end: uneven-last-batch).
+    return e.replicas > 1 and _diverged(e) and not e.same_examples_on_replicas and e.first_update_as_one_process is False
+
+
 def _uneven_last(e: Evidence) -> bool:
     if e.difference is None or e.difference.step < 2:
         return False
@@ -92,6 +102,17 @@ CAUSES: tuple[Cause, ...] = (
     Cause("whole-batch", "each replica reads the whole global batch instead of its share",
           "iterate strategy.distribute_dataset(data, global_batch_size=B) (or a DistributedSampler) so each replica "
           "gets B / N examples", _whole_batch),
+    Cause("same-examples", "every replica reads the same examples: each one iterates the whole data set (no "
+          "DistributedSampler), so N replicas train on one replica's share, N times",
+          "give each replica its share: DataLoader(data, sampler=DistributedSampler(data), batch_size=B // N) with "
+          "sampler.set_epoch(epoch) each epoch, or strategy.distribute_dataset(data, global_batch_size=B)",
+          _same_examples),
+    Cause("own-random-batches", "each replica draws its own random batches (by design in this script?): the replicas "
+          "together train on other examples than one process, so the runs cannot match update by update",
+          "if by design (nanoGPT's get_batch draws from torch.manual_seed(1337 + rank)), compare loss curves, not "
+          "parameters; to verify it, draw each step's global batch from one seed on every rank and take this "
+          "rank's share of it (or use strategy.distribute_dataset / a DistributedSampler with one seed)",
+          _own_random_batches),
     Cause("clip-before-final", "gradients are changed (clipped) per replica before the replicas summed them "
           "(a hook on a parameter's gradient)",
           "clip once per update after backward: strategy.clip_grad_norm_(model.parameters(), max_norm)", _clip_early),

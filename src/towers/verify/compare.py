@@ -6,6 +6,7 @@ updates plus what the script did in update ``i + 1`` (``towers.verify_capture``)
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -66,6 +67,10 @@ class Evidence:
     replica_examples: tuple[int, ...] = ()  # per update, replica 0 alone
     unsynced_batchnorm: tuple[str, ...] = ()
     grad_hooks: int = 0
+    #: Every replica trained on the same examples in the first differing update (their fingerprints agree).
+    same_examples_on_replicas: bool = False
+    #: The replicas' examples of the first update, together, are one process's (None: not fingerprinted).
+    first_update_as_one_process: bool | None = None
 
 
 def load_capture(directory: str) -> Capture | None:
@@ -149,6 +154,28 @@ def _examples(capture: Capture) -> tuple[int, ...]:
     return tuple(int(o.get("examples", 0)) for o in capture.observed)
 
 
+def _rows(capture: Capture | None, update: int) -> collections.Counter[str] | None:
+    """The fingerprints of the examples ``update`` (1-based) trained on, as a multiset (None: not recorded)."""
+    if capture is None or not 0 < update <= len(capture.observed):
+        return None
+    rows = capture.observed[update - 1].get("rows")
+    return collections.Counter(rows) if rows else None
+
+
+def _same_examples(ranks: Sequence[Capture | None], update: int) -> bool:
+    """True when every replica's examples of ``update`` are the same ones (two replicas or more)."""
+    seen = [_rows(r, update) for r in ranks]
+    return len(seen) > 1 and all(s is not None and s == seen[0] for s in seen)
+
+
+def _as_one_process(reference: Capture, ranks: Sequence[Capture | None], update: int) -> bool | None:
+    """Whether the replicas' examples of ``update``, together, are the one process's (None: not recorded)."""
+    ours, theirs = _rows(reference, update), [_rows(r, update) for r in ranks]
+    if ours is None or any(t is None for t in theirs):
+        return None
+    return sum((t for t in theirs if t is not None), collections.Counter()) == ours
+
+
 def gather_evidence(reference: Capture, ranks: Sequence[Capture | None], *, replicas: int, error: str | None,
                     tolerance: float = DEFAULT_TOLERANCE) -> Evidence:
     """Compare one run's per-rank captures (``ranks[r]``, None where a rank recorded nothing) with the reference."""
@@ -173,4 +200,6 @@ def gather_evidence(reference: Capture, ranks: Sequence[Capture | None], *, repl
         delta_ratio=ratio[0] if ratio else None, cosine=ratio[1] if ratio else None, replica_drift_step=drift,
         reference_examples=_examples(reference), run_examples=run_examples, replica_examples=_examples(chief),
         unsynced_batchnorm=tuple(chief.unsynced_batchnorm),
-        grad_hooks=max(int(o.get("grad_hooks", 0)) for r in present for o in (r.observed or [{}])))
+        grad_hooks=max(int(o.get("grad_hooks", 0)) for r in present for o in (r.observed or [{}])),
+        same_examples_on_replicas=difference is not None and _same_examples(ranks, difference.step),
+        first_update_as_one_process=_as_one_process(reference, ranks, 1))

@@ -6,7 +6,8 @@ Before the user's script runs (``runpy``, as ``python script.py`` would, unchang
   gets ``dropout_p=0``, so ``nn.Dropout`` modules, Hugging Face attention dropout and nanoGPT's flash
   attention draw no mask (one process and N replicas draw different masks by design);
 - counts, per update, the training forwards of the outermost module and the examples they saw (the first
-  dimension of the first tensor argument), and notes gradient hooks put on parameters and clip calls;
+  dimension of the first tensor argument), with a fingerprint of each example (a hash of its row), and notes
+  gradient hooks put on parameters and clip calls;
 - under ``--plain`` (a script without towers) registers torch's global optimizer step pre-hook, which
   calls ``towers.verify_capture.before_update`` as towers' own optimizers do.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import os
 import runpy
 import sys
@@ -31,9 +33,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from towers import verify_capture
 from towers.process_group import leave_before_exit
 
-__all__ = ["Recorder", "turn_dropout_off", "main"]
+__all__ = ["Recorder", "fingerprints", "turn_dropout_off", "main"]
 
 _DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+_MAX_ROWS = 4096  # example fingerprints kept per update: enough to tell whose examples a replica read
 
 
 def turn_dropout_off() -> None:
@@ -61,6 +64,16 @@ def _first_tensor(args: Sequence[Any]) -> torch.Tensor | None:
     return None
 
 
+def fingerprints(batch: torch.Tensor, limit: int = _MAX_ROWS) -> list[str]:
+    """Return a short hash of each of ``batch``'s first ``limit`` rows (its examples): equal rows, equal hashes."""
+    try:
+        rows = batch.detach()[:limit].reshape(min(limit, batch.shape[0]), -1).to("cpu").contiguous()
+        data = (rows.float() if rows.dtype == torch.bfloat16 else rows).numpy()  # numpy has no bfloat16
+    except (RuntimeError, TypeError):  # a tensor subclass or layout numpy cannot read: no fingerprints
+        return []
+    return [hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest() for row in data]
+
+
 class Recorder:
     """What the script did between two updates: outermost training forwards, their examples, clips, gradient hooks."""
 
@@ -69,6 +82,7 @@ class Recorder:
         self._counted = True  # the outermost forward in progress has had its examples counted
         self.forwards = 0
         self.examples = 0
+        self.rows: list[str] = []  # the fingerprints of the examples counted
         self.clips = 0
         self.grad_hooks = 0  # hooks on parameters' gradients: they run before replicas sum the gradient
 
@@ -107,6 +121,8 @@ class Recorder:
             first = _first_tensor(args)
             if first is not None:
                 self.examples += int(first.shape[0])
+                if len(self.rows) < _MAX_ROWS:
+                    self.rows += fingerprints(first, _MAX_ROWS - len(self.rows))
                 self._counted = True
         self._depth += 1
 
@@ -115,8 +131,10 @@ class Recorder:
 
     def take(self) -> dict[str, Any]:
         """Return what was counted since the last call, and start counting the next update."""
-        out = {"forwards": self.forwards, "examples": self.examples, "clips": self.clips, "grad_hooks": self.grad_hooks}
+        out = {"forwards": self.forwards, "examples": self.examples, "clips": self.clips, "grad_hooks": self.grad_hooks,
+               "rows": self.rows}
         self.forwards = self.examples = self.clips = 0
+        self.rows = []
         return out
 
 
