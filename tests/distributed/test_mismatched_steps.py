@@ -67,61 +67,6 @@ def test_a_replica_with_fewer_batches_is_named_with_both_counts_at_the_epoch_end
     assert "error" in results[1 - short], results[1 - short]  # its extra step cannot complete without the other
 
 
-def _metric_on_the_chief_only() -> dict:
-    """TensorFlow's habit: ``metric.result()`` inside ``if strategy.is_chief:``, between steps of a custom loop."""
-    strategy = towers.MirroredStrategy(timeout_s=6)  # the named error comes within half of it
-    with strategy.scope():
-        torch.manual_seed(0)
-        net = nn.Linear(4, 3)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        accuracy = towers.metrics.SparseCategoricalAccuracy()
-    net, opt = strategy.prepare(net, opt)
-    correct = torch.zeros(2)  # plain torch on this replica's own examples: [right, seen]
-
-    def step(x, y):
-        logits = net(x)
-        strategy.backward(towers.compute_average_loss(F.cross_entropy(logits, y, reduction="none")))
-        opt.step()
-        opt.zero_grad()
-        accuracy.update(logits, y)
-        correct.add_(torch.tensor([float((logits.argmax(1) == y).sum()), float(len(y))]))
-
-    g = torch.Generator().manual_seed(0)
-    batches = list(strategy.distribute_dataset((torch.randn(40, 4, generator=g), torch.randint(0, 3, (40,), generator=g)), 8))
-    out: dict = {"rank": strategy.replica_id}
-    for batch in batches[:2]:
-        strategy.run(step, args=batch)
-    out["every_rank"], out["plain"] = accuracy.result(), correct.clone()  # the collective, as documented
-    strategy.run(step, args=batches[2])
-    if strategy.is_chief:
-        started = time.monotonic()
-        try:
-            out["chief_only"] = accuracy.result()
-        except Exception as exc:  # noqa: BLE001 - returned so the parent asserts on it
-            out["error"] = f"{type(exc).__name__}: {exc}"
-        out["waited_s"] = time.monotonic() - started
-    for batch in batches[3:]:  # both ranks go on: nothing aborted, the gradient all-reduces still pair
-        strategy.run(step, args=batch)
-    out["params"] = [p.detach().clone() for p in net.parameters()]
-    return out
-
-
-def test_metric_result_on_the_chief_only_names_result_and_the_fix_without_a_gloo_abort():
-    try:
-        results = towers.spawn(_metric_on_the_chief_only, 2, timeout_s=60)
-    except SpawnError as exc:
-        pytest.fail(f"a rank failed instead of reporting (a Gloo abort or a hang): {exc}")
-    chief, other = results
-    plain = chief["plain"] + other["plain"]  # the replicas' own counts, added without towers
-    assert chief["every_rank"] == other["every_rank"] == pytest.approx(float(plain[0] / plain[1]))
-    assert "chief_only" not in chief, "the chief alone cannot combine the other replica's examples"
-    assert chief["error"].startswith("PartialCollectiveError: [rank 0/2] Metric.result() of "
-                                     "'sparse_categorical_accuracy'"), chief["error"]
-    assert "Call result() on every replica and print on the chief" in chief["error"]
-    assert chief["waited_s"] < 6  # half the strategy's timeout_s, before the other rank's own collective gives up
-    assert all(torch.equal(a, b) for a, b in zip(chief["params"], other["params"]))
-
-
 def _out_of_step() -> dict:
     """A rank-dependent loop over ``distribute_dataset``: rank 1 runs a batch twice, then (fresh model) skips one."""
     strategy = towers.MirroredStrategy(timeout_s=30)

@@ -5,6 +5,7 @@ The watchdog is per process, as the process group and torch's flight recorder ar
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any
@@ -12,14 +13,16 @@ from typing import Any
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.diagnostics import progress as _progress
+from towers.diagnostics.named import publish_exit
 from towers.diagnostics.watchdog import DEFAULT_FACTOR, DEFAULT_MIN_S, Watchdog
 
-__all__ = ["start_watchdog", "stop_watchdog", "current_watchdog"]
+__all__ = ["start_watchdog", "stop_watchdog", "current_watchdog", "named_store", "take_verdict"]
 
 log = get_logger(__name__)
 
 _current: Watchdog | None = None
 _step_hook: Any = None  # the optimizer-step hook that feeds the current watchdog's progress
+_named_store: Any = None  # the main thread's client for collectives every replica must call (named_store)
 
 
 def _store_client(info: ProcessInfo, timeout_s: float) -> Any:
@@ -59,6 +62,7 @@ def start_watchdog(info: ProcessInfo, *, min_s: float | None = None, factor: flo
     _step_hook = register_optimizer_step_post_hook(_progress.PROGRESS.on_step)
     watchdog = Watchdog(info, store, min_s=float(min_s), factor=factor, report_dir=report_dir)
     _current = watchdog.start()
+    atexit.register(_at_exit)  # after the process group's own exit hook: runs before it, the store still up
     log.debug("stuck-job watchdog: bound max(%g s, %g x slowest recent step), heartbeat every %g s", min_s, factor,
               watchdog.poll_s)
     return watchdog
@@ -66,15 +70,47 @@ def start_watchdog(info: ProcessInfo, *, min_s: float | None = None, factor: flo
 
 def stop_watchdog() -> None:
     """Stop this process's watchdog, if one runs (idempotent)."""
-    global _current, _step_hook
+    global _current, _step_hook, _named_store
     watchdog, _current = _current, None
     hook, _step_hook = _step_hook, None
+    _named_store = None
     if watchdog is not None:
         watchdog.stop()
     if hook is not None:
         hook.remove()
 
 
+def _at_exit() -> None:
+    atexit.unregister(_at_exit)
+    if _current is not None:
+        publish_exit(_current.store, _current.info.rank, _current.progress)
+
+
 def current_watchdog() -> Watchdog | None:
     """Return the watchdog this process runs, or None."""
     return _current
+
+
+def named_store() -> Any | None:
+    """Return this process's main-thread client of the watchdog's store, for collectives every replica must call.
+
+    None while no watchdog runs (``towers.diagnostics.named`` then has no rescue to offer). A client of its
+    own: the agreement waits in it, and the watchdog's thread must not queue behind that wait.
+    """
+    global _named_store
+    if _current is None:
+        return None
+    if _named_store is None:
+        try:
+            _named_store = _store_client(_current.info, timeout_s=60.0)
+        except Exception as exc:  # noqa: BLE001 - the caller agrees over its process group instead
+            log.warning("could not reach the rendezvous store for a collective every replica must call (%s)", exc)
+            return None
+    return _named_store
+
+
+def take_verdict() -> None:
+    """Count this process among those that took the verdict on a collective not every replica called, before its
+    main thread raises it (``Watchdog.take_verdict``); nothing without a watchdog."""
+    if _current is not None:
+        _current.take_verdict()

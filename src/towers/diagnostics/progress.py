@@ -46,6 +46,10 @@ class Progress:
         self.step_times: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
         self._last_call: float | None = None
         self.call_gaps: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS * 4)
+        #: The collective every replica must call that this process is in now (a ``named.NamedCall``), and how
+        #: many such calls it entered: the same count on every replica of a correct program.
+        self.named: Any = None
+        self.named_calls = 0
 
     def enter(self, kind: str) -> None:
         """Record that this process entered the towers call ``kind`` (nested calls refine the kind)."""

@@ -15,6 +15,9 @@ launcher (``towers launch``, torchrun) ends it once the others have exited.
 
 No rank needs to be healthy: the store is the job's own (hosted by the launcher's agent, or by rank
 0). When the store does not answer, a waiting process writes a report of its own and exits.
+
+A collective every replica must call (``Metric.result()``) that one replica did not call is not a hang to
+report: ``named.NamedWatch`` finds it within seconds and the watchdog ends that replica with the error (exit 1).
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ from typing import Any, Callable
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.diagnostics import progress as _progress
+from towers.diagnostics.named import ABORT_KEY, NamedWatch, describe, take_verdict
 from towers.diagnostics.report import STUCK_EXIT_CODE, build_report
 from towers.errors import DeadlineExceededError, InvalidArgumentError
 
-__all__ = ["Watchdog", "python_stacks", "DEFAULT_MIN_S", "DEFAULT_FACTOR", "STARTUP_FACTOR", "CHECK_S", "BEAT_S"]
+__all__ = ["Watchdog", "python_stacks", "DEFAULT_MIN_S", "DEFAULT_FACTOR", "STARTUP_FACTOR", "CHECK_S", "PS_CHECK_S",
+           "BEAT_S"]
 
 log = get_logger(__name__)
 
@@ -49,6 +54,8 @@ DEFAULT_FACTOR = 10.0
 STARTUP_FACTOR = 5.0
 #: The longest interval between two looks at the store's ``abort`` key (shorter when ``answer_s`` is).
 CHECK_S = 10.0
+#: The same for a parameter-server task: few of them, and no wait of their own by which to notice that the job ended.
+PS_CHECK_S = 2.0
 #: The longest interval between two heartbeats (shorter when ``min_s`` is): a heartbeat is read only
 #: for a rank that does not answer, to say where it was.
 BEAT_S = 30.0
@@ -99,7 +106,7 @@ class Watchdog:
         self.answer_s = answer_s if answer_s is not None else min(20.0, max(2.0, self.min_s / 3))
         # The store is shared by every rank of the job: each rank's own traffic is a few operations a
         # minute, not per second. Every rank sees "abort" within check_s, well inside the answer window.
-        self.check_s = max(self.poll_s, min(CHECK_S, self.answer_s / 2))
+        self.check_s = max(self.poll_s, min(PS_CHECK_S if progress.role == "ps" else CHECK_S, self.answer_s / 2))
         self.beat_s = max(self.poll_s, min(BEAT_S, self.min_s / 2))
         self._next_check = self._next_beat = 0.0
         self._backoff_s = max(0.02, self.poll_s / 4)
@@ -110,6 +117,9 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="towers-watchdog", daemon=True)
         self.report_path: Path | None = None
         self.report: str | None = None
+        self._named = NamedWatch(rank=info.rank, world_size=info.world_size, store=store, progress=progress,
+                                 poll_s=self.poll_s, check_s=self.check_s)
+        self._took_verdict = False
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> "Watchdog":
@@ -150,6 +160,12 @@ class Watchdog:
         The thread calls it every ``poll_s``; a simulation drives it directly.
         """
         snap = self.snapshot()
+        error = self._named.tick(time.time(), snap, self._hold_main_thread)
+        if error is not None:  # this rank waits for a replica in a call it never made: an error, not a hang
+            _say(f"PartialCollectiveError: {error}")
+            self.take_verdict()
+            self._finish(1)
+            return True
         overdue = bool(snap["waiting"]) and time.time() - float(snap["since"]) > float(snap["bound_s"])
         aborted, store_error = False, None
         try:
@@ -157,13 +173,19 @@ class Watchdog:
                 self.store.set(f"beat/{self.info.rank}", json.dumps(snap))
                 self._next_beat = now + self.beat_s
             if now >= self._next_check or overdue:
-                aborted = self.store.check(["abort"])
+                aborted = self.store.check([ABORT_KEY])
                 self._next_check = now + self.check_s
         except Exception as exc:  # noqa: BLE001 - a store that went away (job end, stopped host) is data
             store_error = exc
         if aborted:
             self._hold_main_thread()
-            self._answer_and_exit()
+            error = self._verdict()
+            if error is not None:  # not a hang: a replica missing from a collective every replica must call
+                _say(f"PartialCollectiveError: {error}")
+                self.take_verdict()
+                self._finish(1)
+            else:
+                self._answer_and_exit()
             return True
         if not overdue:
             return False
@@ -182,6 +204,21 @@ class Watchdog:
             self._report(snap)
             return True
         return False  # another rank reports: its "abort" is seen on the next poll (an overdue rank checks each one)
+
+    def take_verdict(self) -> None:
+        """Count this process among those that took the job's verdict (``named.take_verdict``; once per process)."""
+        if not self._took_verdict:
+            self._took_verdict = True
+            take_verdict(self.store, hosts_store=self.info.rank == 0 and not self.info.agent_store,
+                         world_size=self.info.world_size)
+
+    def _verdict(self) -> str | None:
+        """Return the error an ``abort`` carries (``named.py``'s verdict, told as this rank), or None: a stuck job."""
+        try:
+            verdict = json.loads(self.store.get(ABORT_KEY)).get("verdict")
+        except Exception:  # noqa: BLE001 - unreadable: answer as to a stuck job
+            return None
+        return None if verdict is None else describe(verdict, self.info.rank, self.info.world_size)
 
     def _hold_main_thread(self) -> None:
         """Keep the main thread from ending the process first while this watchdog ends it.
@@ -238,7 +275,7 @@ class Watchdog:
 
     def _report(self, trigger: dict[str, Any]) -> None:
         world = self.info.world_size
-        self.store.set("abort", json.dumps({"rank": self.info.rank}))
+        self.store.set(ABORT_KEY, json.dumps({"rank": self.info.rank}))
         self._answer()
         answers: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + self.answer_s
@@ -321,7 +358,7 @@ class Watchdog:
         self.report, self.report_path = text, path
         return path
 
-    def _finish(self) -> None:
+    def _finish(self, code: int = STUCK_EXIT_CODE) -> None:
         for handler in [*logging.getLogger("towers").handlers, *logging.getLogger().handlers]:
             try:
                 handler.flush()
@@ -329,4 +366,4 @@ class Watchdog:
                 pass
         sys.stdout.flush()
         sys.stderr.flush()
-        self._exit(STUCK_EXIT_CODE)
+        self._exit(code)

@@ -7,11 +7,9 @@ call it in the same order.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import zlib
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +17,7 @@ import torch.distributed as dist
 from towers.diagnostics import track
 from towers.errors import InvalidArgumentError, InvalidTypeError, TowersError
 from towers.process_group import collective, first_line
+from towers.strategies._named import NamedAgreement, PartialCollectiveError, current_named_collective, named_collective
 from towers.strategies.base import REDUCE_OPS
 
 __all__ = ["LocalComm", "ProcessGroupComm", "StepCounts", "MismatchedStepsError", "PartialCollectiveError",
@@ -75,31 +74,7 @@ class MismatchedStepsError(TowersError, RuntimeError):
     """Replicas ran different numbers of steps before a collective; the message names the ranks and their counts."""
 
 
-class PartialCollectiveError(TowersError, RuntimeError):
-    """A named collective (``named_collective``) that not every replica called: the message names it and the fix."""
-
-
 _RUN, _COLLECTIVE, _NAMED = 0, 1, 2
-#: The collective the current block belongs to (``named_collective``), None outside one.
-_OPERATION: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("towers_named_collective",
-                                                                                     default=None)
-
-
-@contextlib.contextmanager
-def named_collective(operation: str, fix: str) -> Iterator[None]:
-    """Mark the strategy collectives of this block as ``operation``, which every replica must call.
-
-    A collective that users tend to call on one replica only (``Metric.result()`` inside ``if
-    strategy.is_chief:``) would otherwise pair with another replica's next collective (a gradient
-    all-reduce: Gloo aborts the process on the size mismatch). Inside this block ``ProcessGroupComm``
-    first checks, on a side group and within its ``timeout_s``, that every replica is in the same
-    ``operation``; if not it raises ``PartialCollectiveError`` naming ``operation`` and ``fix``.
-    """
-    token = _OPERATION.set((operation, fix))
-    try:
-        yield
-    finally:
-        _OPERATION.reset(token)
 _IN_FLIGHT = 64
 
 
@@ -115,8 +90,9 @@ class StepCounts:
     step's DDP all-reduce (a silent wrong result, or a "Connection closed by peer" blamed on the peer).
     Batches from ``distribute_dataset`` are aligned by construction and are not counted.
 
-    A named collective (``named_collective``) sends ``[_NAMED, tag]`` on the same group
-    (``agree``), so it also pairs with another replica's step or collective marker, and is named.
+    Where no store agreement is possible (no watchdog runs), a named collective (``named_collective``)
+    sends ``[_NAMED, tag]`` on the same group (``agree``), so it also pairs with another replica's step
+    or collective marker, and is named.
     """
 
     def __init__(self, *, rank: int, num_replicas: int, timeout_s: float | None = None,
@@ -273,6 +249,7 @@ class ProcessGroupComm:
         self.rank, self.num_replicas, self.backend, self.timeout_s = rank, num_replicas, backend, timeout_s
         self.group = group
         self._steps = StepCounts(rank=rank, num_replicas=num_replicas, timeout_s=timeout_s, groups=groups)
+        self._named = NamedAgreement(rank=rank, num_replicas=num_replicas, timeout_s=timeout_s, group=group)
 
     def note_run(self, batch: Any) -> None:
         """Count a ``strategy.run`` (only for batches without ``BatchInfo``: ``distribute_dataset``'s are aligned)."""
@@ -280,10 +257,13 @@ class ProcessGroupComm:
             self._steps.run()
 
     def reduce(self, op: str, value: torch.Tensor, axis: int | None) -> torch.Tensor:
-        named = _OPERATION.get()
-        if named is not None:  # every replica must be in it: checked on the side group, never a Gloo abort
+        named = current_named_collective()
+        if named is not None:  # every replica must be in it: checked in the store (else on the side group)
             with track(named[0]):
-                self._steps.agree(*named)
+                if self._named.agree(*named):
+                    self._steps.check(named[0])  # a user's own loader's steps, counted as before any reduce
+                else:
+                    self._steps.agree(*named)
         else:
             self._steps.check(f"strategy.reduce({op!r})")
         with collective(f"strategy.reduce({op!r})"), track(f"strategy.reduce({op!r})"):

@@ -88,12 +88,13 @@ class Metric(ABC):
                 print(f"accuracy {accuracy:.3f}")
 
         Raises:
-            PartialCollectiveError: (a ``RuntimeError``) only some replicas called it, e.g. inside
-                ``if strategy.is_chief:``; raised within the strategy's ``timeout_s`` (at once where
-                the other replicas reach another towers collective), never a Gloo abort.
+            PartialCollectiveError: (a ``TowersError`` and ``RuntimeError``) only some replicas called it, e.g.
+                inside ``if strategy.is_chief:``. Within seconds, on every rank: a replica that went on to
+                its next step (or another collective) ends with the same error, naming this call and the
+                fix, instead of waiting out a timeout; never a Gloo abort.
         """
         if self._strategy is not None and self._strategy.num_replicas_in_sync > 1:
-            from towers.strategies._collectives import named_collective
+            from towers.strategies._named import named_collective
 
             local = self._pending if self._pending is not None else torch.zeros(self.num_states, dtype=torch.float64)
             with named_collective(
