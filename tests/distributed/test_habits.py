@@ -2,7 +2,8 @@
 
 - A Hugging Face model trained by ``Trainer(model, optimizer)`` on its own loss (GPT-2, Llama, BERT, T5)
   against the plain one-device loop ``model(**batch).loss.backward()``: a causal LM's loss counts the
-  shifted labels, and so must the update's normalisation. With and without accumulation.
+  shifted labels, and so must the update's normalisation. With and without accumulation. GPT-2 also on
+  ``(input_ids, labels)`` pairs, against ``model(input_ids=x, labels=y).loss.backward()``.
 - ``compute_average_loss(per_token, weights=)`` followed by torch's own ``clip_grad_norm_`` (nanoGPT, Hugging
   Face loops and torchtitan call it and log its norm): ``p.grad`` must be final when backward returns.
 - A per-replica mean loss (``strategy.backward(out.loss)``, Accelerate's habit): one error naming
@@ -259,6 +260,7 @@ def _habits(accumulations: tuple[int, ...]) -> dict | None:
             out[f"{kind} {accumulation}"] = _attempt(_hf_trainer, strategy, model, optimizer, data, accumulation)
         out[f"clip {accumulation}"] = _attempt(_towers_clip, strategy, accumulation)
     strategy = towers.strategy_from_env(timeout_s=60)
+    out["pairs gpt2"] = _attempt(_hf_pairs, strategy)
     out["mean loss"] = _towers_mean_loss(strategy)
     out["streams"] = _streams(strategy)
     out["partial state"] = _partial_state(strategy)
@@ -270,6 +272,28 @@ def _hf_trainer(strategy: towers.Strategy, model: nn.Module, optimizer: torch.op
     trainer = towers.Trainer(model, optimizer, strategy=strategy)  # no loss=: the model's own
     trainer.fit(data, epochs=2, global_batch_size=BATCH // accumulation, shuffle=False)
     return [_full(p) for p in trainer.unwrapped_model.parameters()]
+
+
+def _hf_pairs(strategy: towers.Strategy) -> list[torch.Tensor]:
+    """GPT-2 on ``(input_ids, labels)`` pairs, no loss=: the labels go to the model as ``labels=``."""
+    model, data = _hf("gpt2")
+    with strategy.scope():
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    trainer = towers.Trainer(model, optimizer, strategy=strategy)
+    trainer.fit((data["input_ids"], data["labels"]), epochs=2, global_batch_size=BATCH, shuffle=False)
+    return [_full(p) for p in trainer.unwrapped_model.parameters()]
+
+
+def _plain_pairs() -> list[torch.Tensor]:
+    model, data = _hf("gpt2")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for _ in range(2):
+        for start in range(0, ROWS, BATCH):
+            x, y = data["input_ids"][start:start + BATCH], data["labels"][start:start + BATCH]
+            model(input_ids=x, labels=y).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def _close(got: list[torch.Tensor] | str, want: list[torch.Tensor], what: str) -> None:
@@ -294,6 +318,13 @@ def test_a_hugging_face_models_own_loss_trains_as_the_plain_loop(runs: dict, kin
     for name, ranks in runs.items():
         for key in (k for k in ranks[0] if k.startswith(f"{kind} ")):
             _close(ranks[0][key], want, f"{name}, {key}")
+
+
+def test_input_ids_and_labels_pairs_train_on_the_models_own_loss_as_the_plain_loop(runs: dict) -> None:
+    want = _plain_pairs()
+    for name, ranks in runs.items():
+        for rank in ranks:
+            _close(rank["pairs gpt2"], want, f"{name}, (input_ids, labels) pairs")
 
 
 def test_torchs_own_clip_sees_the_final_gradient(runs: dict) -> None:

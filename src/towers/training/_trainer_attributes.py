@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from towers.strategies.base import Strategy
     from towers.training._state import TrainingProgress
     from towers.training._steps import MetricSet
-    from towers.training.batches import BatchParts
+    from towers.training.batches import BatchParts, LabelsArgument
     from towers.training.callbacks.base import CallbackList
     from towers.training.history import History
     from towers.training.metrics import ExternalMetric, Metric
@@ -52,6 +52,7 @@ class TrainerAttributes:
     _val_metrics: MetricSet
     _passes_count: bool
     _shifted_labels: bool
+    _labels_argument: LabelsArgument
     _callbacks: CallbackList
     _resume: dict[str, Any] | None
     _last_global_batch_size: int | None

@@ -57,7 +57,7 @@ class Inference(TrainerAttributes):
 
                 def step(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
                     parts = split_batch(batch, label_key=self.label_key, with_labels_in_inputs=self.loss_fn is None)
-                    outputs = call_model(self.model, parts)
+                    outputs = call_model(self.model, parts, labels=self._labels_argument)
                     if self.loss_fn is not None:
                         y_pred = predictions(outputs, self.prediction_key)
                         losses = self.loss_fn(y_pred, required_labels(parts, self.label_key)).detach()

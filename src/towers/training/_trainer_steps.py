@@ -100,7 +100,7 @@ class TrainingSteps(TrainerAttributes):
         # takes num_items_in_batch (Hugging Face's) divides its sum by exactly that count, so the product is its
         # sum of token losses whatever tokens it counts (a causal LM shifts its labels).
         extra = {"num_items_in_batch": max(count, 1)} if self._passes_count else {}
-        outputs = call_model(self.model, parts, **extra)
+        outputs = call_model(self.model, parts, labels=self._labels_argument, **extra)
         shown = self._backward_mean(model_loss(outputs), count, outputs)
         return shown.expand(count).clone(), predictions_or(outputs, self.prediction_key, shown)
 

@@ -1,7 +1,11 @@
 """Batches and model outputs as real models have them: ``(x, y)`` tuples, dicts (Hugging Face), tuples, ``ModelOutput``.
 
 A dict batch is passed to the model as keyword arguments (``model(**batch)``, Hugging Face's
-convention); its labels are found by key (``label_key``, default ``"labels"``). A model's output
+convention); its labels are found by key (``label_key``, default ``"labels"``). For a model that
+computes its own loss, an ``(x, y)`` batch's labels go where its forward takes them (``LabelsArgument``):
+by position when its second parameter is named like labels (nanoGPT's ``forward(idx, targets)``), else
+by name (Hugging Face's ``forward(input_ids, ..., labels=None)``); a forward that takes neither is
+refused before the first step. A model's output
 may be a tensor, a tuple or list (nanoGPT's ``(logits, loss)``), a dict or a ``ModelOutput``: the
 predictions are the ``"logits"`` (or ``prediction_key``: a key or an index), the model's own loss
 is ``"loss"`` (a tuple's 0-dim tensor).
@@ -9,6 +13,7 @@ is ``"loss"`` (a tuple's 0-dim tensor).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -16,9 +21,13 @@ import torch
 from torch import nn
 
 from towers._batch import host_copy
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 
-__all__ = ["BatchParts", "split", "call_model", "predictions", "model_loss", "label_count", "loss_shifts_labels"]
+__all__ = ["BatchParts", "LabelsArgument", "labels_argument", "split", "call_model", "predictions", "model_loss",
+           "label_count", "loss_shifts_labels"]
+
+#: Names of a forward's second parameter that takes the labels by position (nanoGPT's ``targets``).
+LABEL_NAMES = ("targets", "target", "labels", "label", "y", "y_true")
 
 
 @dataclass(frozen=True)
@@ -63,12 +72,79 @@ def split(batch: Any, *, label_key: str = "labels", with_labels_in_inputs: bool 
                      "'labels': ...}.")
 
 
-def call_model(model: nn.Module, parts: BatchParts, **extra: Any) -> Any:
-    """Return ``model(**inputs)`` for a dict batch, ``model(inputs)`` otherwise (``model(x, y)`` for a batch split
-    with its labels in the inputs: nanoGPT's ``model(idx, targets)``); ``extra`` keyword arguments are added."""
+@dataclass(frozen=True)
+class LabelsArgument:
+    """How a model that computes its own loss takes a batch's labels (see ``labels_argument``)."""
+
+    #: ``model(x, **{keyword: y})`` for an ``(x, y)`` batch; None: ``model(x, y)``.
+    keyword: str | None = None
+    #: Why an ``(x, y)`` batch cannot be given to the model (the error raised before its first step), or None.
+    refusal: str | None = None
+    #: The forward takes the labels by the batch's label key: a dict batch without them gives it none.
+    by_key: str | None = None
+
+
+def labels_argument(model: nn.Module, label_key: str = "labels") -> LabelsArgument:
+    """Return how ``model.forward`` takes the labels of a batch when the model computes its own loss.
+
+    By position when its second parameter is named like labels (``LABEL_NAMES``: nanoGPT's ``targets``); by
+    name when it takes ``label_key`` (Hugging Face's ``labels=``) or ``**kwargs`` (a wrapper hands them on);
+    by position when it takes ``*args`` only; otherwise an ``(x, y)`` batch is refused.
+    """
+    forward = getattr(model, "forward", None)
+    try:
+        parameters = list(inspect.signature(forward).parameters.values()) if forward is not None else []
+    except (TypeError, ValueError):  # a forward without a signature: as before, by position
+        return LabelsArgument()
+    kinds = inspect.Parameter
+    positional = [p for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    named = any(p.name == label_key and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)
+                for p in parameters)
+    by_key = label_key if named else None
+    if len(positional) >= 2 and positional[1].name.lower() in LABEL_NAMES:
+        return LabelsArgument(by_key=by_key)
+    if named or any(p.kind is kinds.VAR_KEYWORD for p in parameters):  # a wrapper's **kwargs hands them on
+        return LabelsArgument(keyword=label_key, by_key=by_key)
+    if any(p.kind is kinds.VAR_POSITIONAL for p in parameters):
+        return LabelsArgument()
+    shown = ", ".join(p.name for p in parameters[:4]) + (", ..." if len(parameters) > 4 else "")
+    refusal = user_error(
+        f"Trainer(loss=None) trains on the loss the model computes from the labels, but "
+        f"{type(model).__name__}.forward({shown}) takes them neither as its second argument (named like "
+        f"{', '.join(LABEL_NAMES[:3])}) nor as {label_key}=",
+        "(x, y) batches",
+        f"Give dict batches whose keys are the forward's argument names (e.g. {{'input_ids': x, '{label_key}': y}}; "
+        "Trainer(label_key=...) names the labels' key), or pass a loss, e.g. Trainer(model, optimizer, "
+        "loss=F.cross_entropy).")
+    return LabelsArgument(refusal=str(refusal))
+
+
+def call_model(model: nn.Module, parts: BatchParts, *, labels: LabelsArgument | None = None, **extra: Any) -> Any:
+    """Return ``model(**inputs)`` for a dict batch, ``model(inputs)`` otherwise; ``extra`` keyword arguments are added.
+
+    A batch split with its labels in the inputs (the model computes its own loss) gives them where ``labels``
+    says: ``model(x, y)`` (nanoGPT's ``model(idx, targets)``) or ``model(x, labels=y)`` (Hugging Face's).
+
+    Raises:
+        ValueError: an ``(x, y)`` batch for a model that takes no labels, or a dict batch without the labels
+            for a model that takes them by name (before the model runs).
+    """
+    how = labels or LabelsArgument()
     if parts.as_kwargs:
+        if parts.labels_in_inputs and parts.labels is None and how.by_key is not None:
+            raise user_error(
+                f"Trainer(loss=None) trains on the loss {type(model).__name__} computes from {how.by_key!r}, and this "
+                "dict batch has none", f"keys {sorted(map(str, parts.inputs))}",
+                f"Add the labels to every batch under {how.by_key!r} (a causal LM's labels are its input_ids: the model "
+                "shifts them itself, and DataCollatorForLanguageModeling(tokenizer, mlm=False) adds them), name their "
+                "key with Trainer(label_key=...), or pass a loss, e.g. Trainer(model, optimizer, "
+                "loss=F.cross_entropy).")
         return model(**parts.inputs, **extra)
     if parts.labels_in_inputs and parts.labels is not None:
+        if how.refusal is not None:
+            raise InvalidArgumentError(how.refusal)
+        if how.keyword is not None:
+            return model(parts.inputs, **{how.keyword: parts.labels}, **extra)
         return model(parts.inputs, parts.labels, **extra)
     return model(parts.inputs, **extra)
 

@@ -28,7 +28,7 @@ from towers.training._throughput import epoch_throughput
 from towers.training._trainer_epochs import Epochs
 from towers.training._trainer_inference import Inference
 from towers.training._trainer_steps import TrainingSteps
-from towers.training.batches import loss_shifts_labels
+from towers.training.batches import LabelsArgument, labels_argument, loss_shifts_labels
 from towers.training.callbacks.base import Callback, CallbackList
 from towers.training.callbacks.breakdown import with_step_breakdown
 from towers.training.history import History
@@ -67,7 +67,11 @@ class Trainer(Epochs, TrainingSteps, Inference):
     ``ignore_index``) over every replica and micro-batch: the model's mean times this batch's label
     count (a model that takes ``num_items_in_batch``, as Hugging Face's do, is given that count)
     is its sum of label losses, and at the update step the gradient is divided by the global count.
-    A tuple batch ``(x, y)`` is passed as ``model(x, y)`` then (nanoGPT's ``model(idx, targets)``).
+    A tuple batch ``(x, y)`` gives the model its labels where its forward takes them: ``model(x, y)``
+    when its second parameter is named like labels (nanoGPT's ``forward(idx, targets)``), else
+    ``model(x, labels=y)`` (Hugging Face's ``input_ids``, ``labels``); a forward that takes neither is
+    refused before the first step, and so is a dict batch without ``label_key`` for a model whose
+    forward takes it.
 
     ``clip_grad_norm``: clip the gradient's global norm to this value before every update
     (``strategy.clip_grad_norm_``: once per update, on the complete gradient, under accumulation and
@@ -117,6 +121,8 @@ class Trainer(Epochs, TrainingSteps, Inference):
         self._passes_count = loss is None and _takes(model, "num_items_in_batch")
         # A causal LM's own loss predicts label i+1 from position i: it counts labels[..., 1:], and so does the Trainer.
         self._shifted_labels = loss is None and loss_shifts_labels(model)
+        # Where the model's own loss takes an (x, y) batch's labels: model(x, y) or model(x, labels=y) (Hugging Face).
+        self._labels_argument = labels_argument(model, label_key) if loss is None else LabelsArgument()
         # Passed only when asked for: a strategy of the user's own may take compile= alone.
         checkpointing = {} if activation_checkpointing == "off" else {"activation_checkpointing": activation_checkpointing}
         self.model, self.optimizer = strategy.prepare(model, optimizer, compile=compile, **checkpointing)
