@@ -142,6 +142,21 @@ def test_two_ranks_in_different_calls_at_the_same_point_both_get_the_verdict() -
     assert "rank 1 called Metric.result() of 'loss' while rank 0 called Metric.result() of 'accuracy'" in describe(out["a"], 0, 2)
 
 
+def test_a_rank_waiting_in_a_group_without_the_caller_may_still_come(monkeypatch) -> None:
+    """On a mesh, rank 2 waits for its slow tp peer 3, in a group without the caller (rank 0): no verdict yet."""
+    import towers.diagnostics.named as named
+
+    monkeypatch.setattr(named, "group_ranks", {"tp": [2, 3], "dp": [0, 2]}.get)
+    store, caller = _Store(), Progress()
+    with named_call(OP, FIX, caller) as call:
+        now = call.since + QUICK_S + 0.5
+        _watch(0, store, caller, world_size=4).tick(now, _waiting(call.since), hold=lambda: None)
+        in_tp = {**_waiting(call.since), "collective": {**_waiting(call.since)["collective"], "pending_group": "tp"}}
+        assert _watch(2, store, Progress(), world_size=4).tick(now, in_tp, hold=lambda: None) is None
+        in_dp = {**in_tp, "collective": {**in_tp["collective"], "pending_group": "dp"}}
+        assert "but not on rank 2 (this rank)" in str(_watch(2, store, Progress(), 4).tick(now, in_dp, lambda: None))
+
+
 class _CountingStore:
     """A store that counts the operations made on it."""
 

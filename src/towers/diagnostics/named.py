@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
-from towers.diagnostics.progress import PROGRESS, Progress
+from towers.diagnostics.progress import PROGRESS, Progress, group_ranks
 from towers.diagnostics.report import describe_position
 
 __all__ = ["QUICK_S", "GRACE_S", "ACK_S", "ABORT_KEY", "NamedCall", "named_call", "describe", "verdict_of", "StoreAgreement",
@@ -205,6 +205,16 @@ def take_verdict(store: Any, *, hosts_store: bool, world_size: int) -> None:
         pass
 
 
+def _waits_for(snap: dict[str, Any], rank: int) -> bool:
+    """True when the collective this process waits in involves ``rank`` (or its group is unknown: a towers call,
+    a request to parameter servers, which the job's every replica joins)."""
+    fr = snap.get("collective") or {}
+    if fr.get("done", True) or fr.get("pending_group") is None:
+        return True
+    ranks = group_ranks(fr["pending_group"])
+    return ranks is None or rank in ranks
+
+
 class NamedWatch:
     """The watchdog's part: publish this process's long named call; find out when it waits for one it never made."""
 
@@ -282,6 +292,8 @@ class NamedWatch:
             return None
         if self.progress.named_calls >= int(other["index"]):
             return None  # this rank made that call already: the record is an old one
+        if not _waits_for(snap, int(other["rank"])):
+            return None  # it waits in a group without the caller (a mesh's tp peer, slow): it may still come
         end_key = other["end_key"]
         if self.store.check([end_key]) and self.store.get(end_key) == b"ok":
             return None  # that call completed (another group's, on a mesh): this rank was not missing from it

@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable
 
 __all__ = ["Progress", "PROGRESS", "track", "set_role", "flight_recorder_position", "enable_flight_recorder",
-           "FLIGHT_RECORDER_ENTRIES"]
+           "FLIGHT_RECORDER_ENTRIES", "group_ranks"]
 
 #: Collectives torch's flight recorder keeps (``TORCH_FR_BUFFER_SIZE`` when the user set none).
 FLIGHT_RECORDER_ENTRIES = 256
@@ -158,7 +158,21 @@ def flight_recorder_position(read: Callable[[], list[dict[str, Any]]] = _read_fl
             "since": int(oldest.get("time_created_ns", 0)) / 1e9,
             "pending_seq": int(oldest.get("collective_seq_id", 0)) if pending else None,
             "pending_kind": _kind(oldest) if pending else None,
+            "pending_group": _group(oldest) if pending else None,
             "sizes": last.get("input_sizes")}
+
+
+def group_ranks(name: str | None) -> list[int] | None:
+    """Return the global ranks of this process's process group named ``name`` (the flight recorder's), or None."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        for group, group_name in c10d._world.pg_names.items():
+            if group_name == name:
+                return sorted(c10d._world.pg_group_ranks[group])
+    except Exception:  # noqa: BLE001 - diagnostics must never fail the job
+        return None
+    return None
 
 
 def _group(entry: dict[str, Any]) -> str:
