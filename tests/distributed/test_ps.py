@@ -143,8 +143,14 @@ def _ps_async_worker(slow_s: float) -> dict | None:
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-            if strategy.replica_id == 1:
-                time.sleep(slow_s)
+            if strategy.replica_id == 1 and staleness is None and len(losses) == 1:
+                # Unbounded, the fast worker runs ahead: wait (on the ps's count, not on a clock that a busy machine
+                # stretches) until it is 5 versions in, so its lead of more than 3 is a fact, not a race.
+                deadline = time.monotonic() + 60
+                while strategy.ps_stats()[0]["worker_versions"][0] < 5 and time.monotonic() < deadline:
+                    time.sleep(0.01)  # polling the outcome, bounded by the deadline
+            elif strategy.replica_id == 1:
+                time.sleep(slow_s)  # bounded: the fast worker waits for this one (max_lead <= 1 whatever the timing)
         mean_first = strategy.reduce("mean", torch.tensor(sum(losses[:5]) / 5))
         mean_last = strategy.reduce("mean", torch.tensor(sum(losses[-5:]) / 5))
         strategy.barrier()
