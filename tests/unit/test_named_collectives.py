@@ -11,15 +11,8 @@ from typing import Any
 import torch.distributed as dist
 
 from towers.cluster.info import ProcessInfo
-from towers.diagnostics.named import (
-    QUICK_S,
-    NamedWatch,
-    StoreAgreement,
-    describe,
-    named_call,
-    publish_exit,
-    verdict_of,
-)
+from towers.diagnostics.named import QUICK_S, StoreAgreement, describe, named_call, publish_exit, verdict_of
+from towers.diagnostics.named_watch import NamedWatch
 from towers.diagnostics.progress import Progress
 from towers.diagnostics.watchdog import Watchdog
 
@@ -144,9 +137,9 @@ def test_two_ranks_in_different_calls_at_the_same_point_both_get_the_verdict() -
 
 def test_a_rank_waiting_in_a_group_without_the_caller_may_still_come(monkeypatch) -> None:
     """On a mesh, rank 2 waits for its slow tp peer 3, in a group without the caller (rank 0): no verdict yet."""
-    import towers.diagnostics.named as named
+    import towers.diagnostics.named_watch as named_watch
 
-    monkeypatch.setattr(named, "group_ranks", {"tp": [2, 3], "dp": [0, 2]}.get)
+    monkeypatch.setattr(named_watch, "group_ranks", {"tp": [2, 3], "dp": [0, 2]}.get)
     store, caller = _Store(), Progress()
     with named_call(OP, FIX, caller) as call:
         now = call.since + QUICK_S + 0.5

@@ -9,10 +9,10 @@ to a counter in the job's store (``named/<group>/<index>/<tag>``, the tag being 
 arrive writes ``ok`` to the call's end key, on which the others wait. Two or three store round trips per replica
 and call, and nothing that could pair with another rank's gradient all-reduce.
 
-**Rescue** (every strategy, by the watchdogs, ``NamedWatch``): a rank that has waited ``QUICK_S`` in a named call
-publishes it (``named/waiting``: rank, index, operation, fix, end key). A rank that has waited ``QUICK_S`` in
-anything else reads that key at 2, 3, 4.5, ... s of its wait (then every ``check_s``); reading costs nothing
-before. When it never entered that call (its count is lower), it cannot come: it waits, in another collective,
+**Rescue** (every strategy, by the watchdogs, ``named_watch.NamedWatch``): a rank that has waited ``QUICK_S``
+in a named call publishes it (``named/waiting``: rank, index, operation, fix, end key). A rank that has waited
+``QUICK_S`` in anything else reads that key at 2, 3, 4.5, ... s of its wait (then every ``check_s``); reading
+costs nothing before. When it never entered that call (its count is lower), it cannot come: it waits, in another collective,
 for the caller. It then writes the verdict to the call's end key, and to the watchdogs' ``abort`` key (so that
 every other process, a parameter-server task or a rank that computes, ends with it within its ``check_s``).
 The caller wakes on the end key. It and the missing replicas wait (``ACK_S`` at most) until every missing
@@ -31,13 +31,12 @@ import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-from towers.diagnostics.progress import PROGRESS, Progress, group_ranks
-from towers.diagnostics.report import describe_position
+from towers.diagnostics.progress import PROGRESS, Progress
 
-__all__ = ["QUICK_S", "GRACE_S", "ACK_S", "ABORT_KEY", "NamedCall", "named_call", "describe", "verdict_of", "StoreAgreement",
-           "NamedWatch", "take_verdict", "publish_exit"]
+__all__ = ["QUICK_S", "GRACE_S", "ACK_S", "ABORT_KEY", "WAITING_KEY", "TAKEN_KEY", "LEFT_KEY", "NamedCall", "named_call",
+           "describe", "verdict_of", "StoreAgreement", "await_acks", "take_verdict", "publish_exit"]
 
 #: How long a rank waits in a named call before the others are asked where they are (and they look).
 QUICK_S = 2.0
@@ -48,9 +47,12 @@ GRACE_S = 3.0
 ACK_S = 5.0
 #: The watchdogs' key that ends the job (``watchdog.py``); a verdict there ends every process with the error.
 ABORT_KEY = "abort"
-_WAITING = "named/waiting"
-_TAKEN = "named/verdict_taken"
-_LEFT = "named/left"
+#: Where a rank that has waited QUICK_S in a named call publishes it (``named_watch.py`` reads it).
+WAITING_KEY = "named/waiting"
+#: How many processes took the job's verdict (``take_verdict``).
+TAKEN_KEY = "named/verdict_taken"
+#: The last process that ended, and after how many named calls (``publish_exit``).
+LEFT_KEY = "named/left"
 
 
 @dataclass
@@ -157,13 +159,13 @@ class StoreAgreement:
             return None
         verdict: dict[str, Any] = json.loads(value)
         if verdict.get("kind") == "missing":
-            _await_acks(self.store, call.end_key, counter, num_replicas)
+            await_acks(self.store, call.end_key, counter, num_replicas)
             who = self.store.get(f"{call.end_key}/who") if self.store.check([f"{call.end_key}/who"]) else b""
             verdict["missing_ranks"] = sorted({int(r) for r in who.decode().split(",") if r})
         return verdict
 
 
-def _await_acks(store: Any, end_key: str, counter: str, num_replicas: int) -> None:
+def await_acks(store: Any, end_key: str, counter: str, num_replicas: int) -> None:
     """Return once every replica missing from the call took its verdict (``ACK_S`` at most: one that computes never
     does). Until then none of them ends: the first exit breaks the others' collectives, and a launcher stops them."""
     _await_count(store, f"{end_key}/acks", num_replicas - store.add(counter, 0))
@@ -185,7 +187,7 @@ def publish_exit(store: Any, rank: int, progress: Progress = PROGRESS) -> None:
     if progress.role == "ps":
         return
     try:
-        store.set(_LEFT, json.dumps({"rank": rank, "named_calls": progress.named_calls}))
+        store.set(LEFT_KEY, json.dumps({"rank": rank, "named_calls": progress.named_calls}))
     except Exception:  # noqa: BLE001 - the process ends either way
         pass
 
@@ -198,113 +200,8 @@ def take_verdict(store: Any, *, hosts_store: bool, world_size: int) -> None:
     parameter-server task looks every ``PS_CHECK_S``) would end with a bare connection error instead.
     """
     try:
-        store.add(_TAKEN, 1)
+        store.add(TAKEN_KEY, 1)
         if hosts_store:
-            _await_count(store, _TAKEN, world_size)
+            _await_count(store, TAKEN_KEY, world_size)
     except Exception:  # noqa: BLE001 - the job ends either way
         pass
-
-
-def _waits_for(snap: dict[str, Any], rank: int) -> bool:
-    """True when the collective this process waits in involves ``rank`` (or its group is unknown: a towers call,
-    a request to parameter servers, which the job's every replica joins)."""
-    fr = snap.get("collective") or {}
-    if fr.get("done", True) or fr.get("pending_group") is None:
-        return True
-    ranks = group_ranks(fr["pending_group"])
-    return ranks is None or rank in ranks
-
-
-class NamedWatch:
-    """The watchdog's part: publish this process's long named call; find out when it waits for one it never made."""
-
-    def __init__(self, *, rank: int, world_size: int, store: Any, progress: Progress, poll_s: float,
-                 check_s: float):
-        self.rank, self.world_size, self.store, self.progress = rank, world_size, store, progress
-        self.poll_s, self.check_s = poll_s, check_s
-        self._published: str | None = None
-        self._published_index = 0
-        self._wait_since: float | None = None
-        self._next_look = 0.0
-        self._verdict_at: float | None = None
-
-    def tick(self, now: float, snap: dict[str, Any], hold: Callable[[], None]) -> str | None:
-        """Do this poll's part at wall time ``now``; return the error this process must end with, or None.
-
-        ``snap`` is the process's snapshot; ``hold`` is called before a verdict is written (the watchdog keeps
-        the main thread from ending the process first, once the caller raises and its connections close).
-        """
-        try:
-            return self._tick(now, snap, hold)
-        except Exception:  # noqa: BLE001 - a store hiccup: the stuck-job bound still ends a real hang
-            return None
-
-    def _tick(self, now: float, snap: dict[str, Any], hold: Callable[[], None]) -> str | None:
-        call: NamedCall | None = self.progress.named
-        if self._published is not None and (call is None or call.index != self._published_index):
-            self.store.compare_set(_WAITING, self._published, "")  # only our own record: another may be newer
-            self._published, self._verdict_at = None, None
-        if call is not None and self._published is None and now - call.since >= QUICK_S:
-            self._published, self._published_index = json.dumps(call.record(self.rank)), call.index
-            self.store.set(_WAITING, self._published)
-        since = snap.get("since") if snap.get("waiting") else None
-        if since is None or now - float(since) < QUICK_S:
-            return None
-        if since != self._wait_since:  # a new wait: look at once, then less and less often
-            self._wait_since, self._next_look = since, now
-        if now < self._next_look:
-            return None
-        self._next_look = now + min(self.check_s, max(self.poll_s, (now - float(since)) / 2))
-        if call is not None:
-            own = verdict_of(self.store, call)
-            if own is not None:
-                self._verdict_at = self._verdict_at or now
-                if now - self._verdict_at < GRACE_S:
-                    return None  # the main thread raises it as its wait ends
-                hold()
-                return describe(own, self.rank, self.world_size)
-            # A rank that ended before it made this call, where every replica must make it (parameter servers
-            # leave a worker that said goodbye out of their gathers: no agreement in the store there).
-            left = self.store.get(_LEFT) if call.counter is not None and self.store.check([_LEFT]) else b""
-            if left and int(json.loads(left)["named_calls"]) < call.index:
-                verdict = {"kind": "missing", "caller": self.rank, "operation": call.operation, "fix": call.fix,
-                           "waited_s": now - call.since, "missing": json.loads(left)["rank"],
-                           "where": "ended (its script finished or failed) without calling it"}
-                self.store.compare_set(call.end_key, "", json.dumps(verdict))
-                self.store.compare_set(ABORT_KEY, "", json.dumps({"rank": self.rank, "verdict": verdict}))
-                self.store.append(f"{call.end_key}/who", f"{verdict['missing']},")
-                self.store.add(f"{call.end_key}/acks", 1)  # for the rank that ended: nothing more to wait for
-                self.store.add(_TAKEN, 1)
-                return None  # the main thread raises it as its wait ends (or GRACE_S later this watchdog ends it)
-        raw = self.store.get(_WAITING) if self.store.check([_WAITING]) else b""
-        if not raw:
-            return None
-        other = json.loads(raw)
-        if other["rank"] == self.rank:
-            return None
-        if call is not None and call.index == int(other["index"]):
-            if call.tag == int(other["tag"]):
-                return None  # waiting together for a third rank, which looks too
-            verdict = {"kind": "different", "caller": other["rank"], "operation": other["operation"],
-                       "missing": self.rank, "other_operation": call.operation, "fix": other["fix"]}
-            for key in (other["end_key"], call.end_key):  # both main threads wait in a named call: both raise
-                self.store.compare_set(key, "", json.dumps(verdict))
-            return None
-        if self.progress.named_calls >= int(other["index"]):
-            return None  # this rank made that call already: the record is an old one
-        if not _waits_for(snap, int(other["rank"])):
-            return None  # it waits in a group without the caller (a mesh's tp peer, slow): it may still come
-        end_key = other["end_key"]
-        if self.store.check([end_key]) and self.store.get(end_key) == b"ok":
-            return None  # that call completed (another group's, on a mesh): this rank was not missing from it
-        verdict = {"kind": "missing", "caller": other["rank"], "operation": other["operation"], "fix": other["fix"],
-                   "waited_s": now - float(other["since"]), "missing": self.rank,
-                   "where": describe_position(snap, now)}
-        hold()  # from here this watchdog ends the process: the caller's raise must not reach this one first
-        self.store.compare_set(end_key, "", json.dumps(verdict))
-        self.store.compare_set(ABORT_KEY, "", json.dumps({"rank": self.rank, "verdict": verdict}))  # ps tasks too
-        self.store.append(f"{end_key}/who", f"{self.rank},")
-        self.store.add(f"{end_key}/acks", 1)
-        if other.get("counter") and other.get("num_replicas"):
-            _await_acks(self.store, end_key, other["counter"], int(other["num_replicas"]))
-        return describe(verdict, self.rank, self.world_size)

@@ -17,7 +17,7 @@ No rank needs to be healthy: the store is the job's own (hosted by the launcher'
 0). When the store does not answer, a waiting process writes a report of its own and exits.
 
 A collective every replica must call (``Metric.result()``) that one replica did not call is not a hang to
-report: ``named.NamedWatch`` finds it within seconds and the watchdog ends that replica with the error (exit 1).
+report: ``named_watch.NamedWatch`` finds it within seconds and the watchdog ends that replica with the error (exit 1).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from typing import Any, Callable
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.diagnostics import progress as _progress
-from towers.diagnostics.named import ABORT_KEY, NamedWatch, describe, take_verdict
+from towers.diagnostics.named import ABORT_KEY, describe, take_verdict
+from towers.diagnostics.named_watch import NamedWatch
 from towers.diagnostics.report import STUCK_EXIT_CODE, build_report
 from towers.errors import DeadlineExceededError, InvalidArgumentError
 
