@@ -8,16 +8,20 @@ activations are alive) or ``"gpipe"`` (``ScheduleGPipe``: every forward, then ev
 Activations and their gradients go from stage to stage by send/recv (Gloo on the CPU, NCCL on GPUs).
 
 The maths stays one device's. The last stage computes each micro-batch's loss with the user's
-``loss_fn`` inside a replica context whose global batch size is the step's, so
+``loss_fn`` inside a replica context whose global batch size is the step's and whose micro-batches
+are the update's (the step's accumulated batches times its micro-batches), so
 ``compute_average_loss`` divides the micro-batch's per-example SUM by the GLOBAL batch size (a
 micro-batch's padding examples weigh zero). The schedule does not rescale (``scale_grads=False``):
 the gradients of the micro-batches add up to the gradient of the step's loss, and FSDP2 over ``dp``
 then sums the replicas' (``towers.strategies._fsdp``): one device's gradient of the global batch.
+A loss normalised by weights (``compute_average_loss(per_token, weights=mask)``) backpropagates its
+weighted SUM; the strategy divides every stage's gradient by the update's global weight once the
+update's last schedule has run (``towers.strategies._pipeline_strategy``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any, Callable, ContextManager, Mapping, NamedTuple
 
 import torch
 
@@ -26,7 +30,7 @@ from towers._logging import get_logger
 from towers.errors import user_error
 
 __all__ = ["SCHEDULES", "check_schedule", "check_microbatches", "check_pipeline_options", "microbatches_for",
-           "build_pipeline_mesh", "Pipeline", "PipelineComm"]
+           "build_pipeline_mesh", "Pipeline", "PipelineComm", "StepResult"]
 
 log = get_logger(__name__)
 
@@ -144,6 +148,14 @@ class PipelineComm:
         return {k: v for part in self.all_gather_object(state) for k, v in part.items()}
 
 
+class StepResult(NamedTuple):
+    """What one schedule over a step's micro-batches left on this stage (``Pipeline.step``)."""
+
+    losses: list[torch.Tensor]  # what loss_fn returned for each micro-batch, detached, in order (the last stage's)
+    outputs: Any  # the last stage's merged outputs; None on the others
+    failure: Exception | None  # the first error loss_fn raised on the last stage (for every stage to raise)
+
+
 class Pipeline:
     """This process's stage of a pipelined model and the schedules that run it (one per micro-batch shape)."""
 
@@ -194,12 +206,16 @@ class Pipeline:
         return cached[0]
 
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
-             context: Any, enter: Callable[[Any], ContextManager[None]]) -> tuple[torch.Tensor, Any]:
-        """Run one step's forward and backward over every micro-batch; return ``(loss, outputs)``.
+             context: Any, enter: Callable[[Any], ContextManager[None]]) -> StepResult:
+        """Run one step's forward and backward over every micro-batch; return what it left on this stage.
 
-        ``loss`` is the sum of the micro-batches' losses (what ``loss_fn`` returned for the whole
-        share), on every stage of the pipeline; ``outputs`` the last stage's merged outputs (None on
-        the others). ``context`` is the step's replica context; ``enter(ctx)`` makes ``ctx`` current.
+        ``losses`` are what ``loss_fn`` returned for each micro-batch, detached and in order, on the last
+        stage (empty on the others: the strategy brings the step's loss to them); ``outputs`` the last
+        stage's merged outputs (None on the others). An error of ``loss_fn`` (a refusal of towers' loss
+        normalisers included) is not raised inside the schedule, where the other stages would wait for
+        this one's gradients: its micro-batch and the rest backpropagate zero, and it comes back as
+        ``failure`` for the strategy to raise on every stage. ``context`` is the step's replica
+        context; ``enter(ctx)`` makes ``ctx`` current.
 
         Raises:
             ValueError: inputs that are not one tensor, an empty share.
@@ -222,6 +238,7 @@ class Pipeline:
         padding = int(getattr(context, "num_padding_examples", 0) or 0)
         global_batch = getattr(context, "global_batch_size", None)
         losses: list[torch.Tensor] = []
+        failures: list[Exception] = []
 
         def micro_loss(output: Any, target: Any) -> torch.Tensor:
             # A new schedule first runs the stage on placeholder tensors to learn the shapes it sends (torch's
@@ -229,13 +246,21 @@ class Pipeline:
             if not getattr(schedule, "_stage_backward_initialized", True):
                 return _placeholder_loss(output)
             i = len(losses)
-            ctx = _micro_context(context, _padding_in(i, size, local, padding), global_batch, local)
-            with enter(ctx):
-                loss = loss_fn(output, target)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise user_error("loss_fn must return the loss to backpropagate (a scalar tensor), e.g. "
-                                 "towers.compute_average_loss(per_example_loss)", _describe(loss),
-                                 "Return compute_average_loss(loss_per_example) (one device's maths over micro-batches).")
+            ctx = _micro_context(context, _padding_in(i, size, local, padding), global_batch, local, n)
+            try:
+                if failures:  # an earlier micro-batch's loss failed: the step is refused, loss_fn not called again
+                    raise failures[0]
+                with enter(ctx):
+                    loss = loss_fn(output, target)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise user_error("loss_fn must return the loss to backpropagate (a scalar tensor), e.g. "
+                                     "towers.compute_average_loss(per_example_loss)", _describe(loss),
+                                     "Return compute_average_loss(loss_per_example) (one device's maths over "
+                                     "micro-batches).")
+            except Exception as exc:  # the schedule runs to its end on every stage; the strategy raises it on all
+                if not failures:
+                    failures.append(exc)
+                loss = _placeholder_loss(output)
             losses.append(whole(loss.detach()))  # a loss-parallel loss is a DTensor
             return loss
 
@@ -249,9 +274,7 @@ class Pipeline:
                 outputs = schedule.step(target=targets if self.is_last else None)
         finally:
             self.module.in_schedule = False
-        total = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
-        total = self.comm.from_last_stage(total.float().reshape(1)).reshape(())
-        return total, (_detached(outputs) if self.is_last else None)
+        return StepResult(losses, _detached(outputs) if self.is_last else None, failures[0] if failures else None)
 
 
 class _Deferred:
@@ -263,14 +286,18 @@ class _Deferred:
         return self.target(output, target)
 
 
-def _micro_context(context: Any, padding: int, global_batch: int | None, local: int) -> Any:
+def _micro_context(context: Any, padding: int, global_batch: int | None, local: int, microbatches: int) -> Any:
     from towers.strategies.context import ReplicaContext
 
     strategy = context.strategy
     if global_batch is None and strategy.num_replicas_in_sync == 1:
         global_batch = local  # one replica, a batch without accounting: the share is the global batch
+    # The update's gradient is the sum of every micro-batch's (the step's accumulated batches, each cut in
+    # `microbatches`): a weighted loss cannot divide by its own micro-batch's weight, a regularization term added
+    # in each is counted once per update.
     return ReplicaContext(strategy, global_batch_size=global_batch, num_padding_examples=padding,
-                          accumulation_steps=context.accumulation_steps, is_update_step=context.is_update_step)
+                          accumulation_steps=context.accumulation_steps * microbatches,
+                          is_update_step=context.is_update_step)
 
 
 def _placeholder_loss(output: Any) -> torch.Tensor:

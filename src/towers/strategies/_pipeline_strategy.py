@@ -3,6 +3,16 @@
 A base class of ``FullyShardedStrategy`` (its state is the strategy's): without a pipeline
 (``_pp_comm`` None) every method here is the next class's. See ``towers.strategies._pipeline``.
 
+Losses normalised by weights (``compute_average_loss(per_token, weights=mask)``, and the Trainer's
+loss that returns its batch's mean): the last stage computes each micro-batch's loss and notes its
+weight; its gradient is the weighted SUM, and it reaches every stage through the schedule. When the
+update's last ``forward_backward`` has run its schedule (FSDP2's reduce-scatter included), the last
+stage's weight of the update (over its micro-batches and accumulated batches) travels to every stage
+with the step's loss (one broadcast, which every step makes anyway), is summed over ``dp``, and every
+stage divides its gradients by it: ``p.grad`` is one device's before ``forward_backward`` returns, as
+the stage gradient guard notes it. The loss returned is what the same loss returns without a
+pipeline: this replica's weighted mean over its share, divided by the update's shares.
+
 Checkpoints: each stage's processes save the stage's part (FSDP2 shards over dp) under the original
 names, the optimizer's parameter groups naming the whole model's parameters; the chief's manifest
 lists every stage's tensors (``CheckpointIO.gather_parts``), so the union is the whole model's state
@@ -18,11 +28,11 @@ from torch import nn
 
 from towers._batch import whole
 from towers.cluster.mesh import MeshSpec
-from towers.errors import user_error
+from towers.errors import FailedPreconditionError, user_error
 from towers.strategies._collectives import ProcessGroupComm
 from towers.strategies._compile import compile_options
 from towers.strategies._loss_weights import note_normalised
-from towers.strategies._pipeline import Pipeline, PipelineComm, build_pipeline_mesh
+from towers.strategies._pipeline import Pipeline, PipelineComm, StepResult, build_pipeline_mesh
 from towers.strategies._pipeline_split import split_model
 from towers.strategies._stage_gradients import StageGradientGuard
 from towers.strategies._sync import SyncStrategy
@@ -77,8 +87,14 @@ class PipelineSteps(SyncStrategy):
 
         With a ``pp`` mesh every stage of the pipeline calls it with the same ``inputs`` and ``targets``:
         the last stage calls ``loss_fn`` once per micro-batch (``compute_average_loss`` there divides by
-        the step's GLOBAL batch size), ``loss`` (their sum) reaches every stage, ``outputs`` only the last
-        stage (None on the others). Without one, ``Strategy.forward_backward``.
+        the step's GLOBAL batch size, or with ``weights=`` by the update's global weight), ``loss`` reaches
+        every stage (what ``loss_fn`` returns for the whole share without a pipeline: the micro-batches'
+        sum, or their weighted mean), ``outputs`` only the last stage (None on the others). Without one,
+        ``Strategy.forward_backward``.
+
+        Raises:
+            Exception: what ``loss_fn`` raised on the last stage (a refusal of towers' normalisers included),
+                on every stage, after the schedule.
         """
         if self._pp_comm is None:
             return super().forward_backward(model, inputs, targets, loss_fn)
@@ -94,11 +110,63 @@ class PipelineSteps(SyncStrategy):
         if context is None or context.until_next_step:  # a loop without strategy.run: its batch starts the step
             self._step_outside_run(model, (inputs, targets), {})
             context = current_replica_context() or ReplicaContext(self)
-        loss, outputs = pipeline.step(inputs, targets, loss_fn, context=context, enter=self._entered)
+        weights = self._loss_weights
+        micro_weights: list[float] = []  # the weight each micro-batch's loss noted (0: none)
+
+        def weighed(output: Any, target: Any) -> torch.Tensor:
+            before = weights.weight
+            loss = loss_fn(output, target)
+            micro_weights.append(weights.weight - before)
+            return loss
+
+        result = pipeline.step(inputs, targets, weighed, context=context, enter=self._entered)
+        loss = self._finish_step(pipeline, result, micro_weights, update=context.is_update_step)
         self._stage_grads.note(stage.parameters())  # torch's own clip would change them before the step
         if not pipeline.is_last:
             note_normalised()  # the last stage normalised the loss whose gradient reached this stage
-        return loss, outputs
+        return loss, result.outputs
+
+    def _finish_step(self, pipeline: Pipeline, result: StepResult, micro_weights: list[float], *,
+                     update: bool) -> torch.Tensor:
+        """Return the step's loss on every stage; at an update's last step, divide every stage's gradients by the
+        update's global weight where its losses were weighted.
+
+        Raises:
+            Exception: what ``loss_fn`` raised on the last stage, on every stage.
+        """
+        comm, weights = pipeline.comm, self._loss_weights
+        # One broadcast from the last stage: the step's loss, whether the update is weighted, its weight so far, and
+        # whether loss_fn failed there.
+        shared = torch.zeros(4, dtype=torch.float64, device=self.device)
+        if result.losses:
+            shared[0] = _step_loss(result.losses, micro_weights).to(torch.float64)
+            shared[1], shared[2] = float(weights.weighted), weights.weight
+            shared[3] = float(result.failure is not None)
+        shared = comm.from_last_stage(shared)
+        weighted, weight, failed = shared[1:].tolist()  # (the clip and the step's checks wait for the device anyway)
+        if failed:
+            _raise_everywhere(comm, result.failure)
+        if update:
+            if weighted and not pipeline.is_last:  # the earlier stages' gradient is the last stage's weighted sum's
+                weights.note_weighted(weight, last_micro_batch=True)
+            dp_sum = super().reduce  # the replicas of this stage: each brings its own pipeline's weight
+            weights.finish(pipeline.module.parameters(), lambda total: dp_sum("sum", total), when="backward")
+        return shared[0].to(torch.float32)
+
+    # --- the loss normalisers' hooks: under pp the update ends with its last schedule, not a backward of its own ---
+    def note_weighted_loss(self, loss: torch.Tensor, weight: float, *, update_step: bool) -> None:
+        """Note a loss normalised by ``weight`` (``Strategy.note_weighted_loss``); with a pipeline its gradients are
+        divided after the update's last schedule, on every stage (``forward_backward``)."""
+        if self._pp_comm is None:
+            return super().note_weighted_loss(loss, weight, update_step=update_step)
+        self._check_weighted_loss()
+        self._loss_weights.note_weighted(weight, last_micro_batch=False)  # the update closes in forward_backward
+        return None
+
+    def note_example_normalised_loss(self, *, update_step: bool) -> None:
+        """Note a loss normalised by examples (``Strategy.note_example_normalised_loss``); with a pipeline the update
+        closes after its last schedule, so a weighted loss in another micro-batch of it is still refused."""
+        self._loss_weights.note_plain(update_step and self._pp_comm is None)
 
     def _compile(self, module: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
         if self._pp_comm is not None and compile_options(compile) is not None:
@@ -120,24 +188,16 @@ class PipelineSteps(SyncStrategy):
         result = super().reduce(op, value, axis)
         return result if self._pp_comm is None else self._pp_comm.from_last_stage(result)
 
-    def _check_weighted_loss(self) -> None:
-        if self._pp_spec is not None:
-            raise user_error("compute_average_loss(..., weights=...) (and a loss that returns its batch's mean) is not "
-                             "built under pipeline parallelism", f"mesh {self._pp_spec.describe()}",
-                             "Return one loss per example (reduction='none') and normalise it with "
-                             "towers.compute_average_loss(per_example_loss).")
-        super()._check_weighted_loss()
-
     def _clip_over_stages(self, comm: PipelineComm, parameters: Any, max_norm: float, norm_type: float) -> torch.Tensor:
         """torch's ``clip_grad_norm_`` with the norm over every stage's gradients (torch's own sees one stage)."""
         check_max_norm(max_norm)
-        self._finish_loss_weights("clip")
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         grads = [p.grad for p in params if p.grad is not None]
         local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self.device)
         total = comm.grad_norm(whole(local), norm_type)
         if not self._updates_now():  # within an accumulation window: the norm so far; clip once, the whole gradient
             return total
+        self._finish_loss_weights("clip")  # nothing left: forward_backward divided the update's gradients already
         coefficient = min(1.0, float(max_norm) / (float(total) + 1e-6))
         for grad in grads:
             grad.mul_(coefficient)
@@ -195,3 +255,32 @@ class PipelineSteps(SyncStrategy):
     def _checkpoint_parts(self) -> Callable[[Any], list[Any]] | None:
         """How checkpoints gather the parts the stages hold (every stage's, in stage order); None without a pipeline."""
         return None if self._pp_comm is None else self._pp_comm.all_gather_object
+
+
+def _step_loss(losses: list[torch.Tensor], micro_weights: list[float]) -> torch.Tensor:
+    """The step's loss from its micro-batches': their sum, or where they are weighted (each the micro-batch's weighted
+    mean over the update's shares) their weighted average times their count: the share's weighted mean, over its
+    shares, as one loss over the whole share returns it."""
+    total = float(sum(micro_weights))
+    if total <= 0 or len(micro_weights) != len(losses):
+        return torch.stack(losses).sum()
+    stacked = torch.stack(losses).to(torch.float64)
+    return (stacked * stacked.new_tensor(micro_weights)).sum() * (len(losses) / total)
+
+
+def _raise_everywhere(comm: PipelineComm, failure: Exception | None) -> None:
+    """Raise the last stage's ``failure`` there; on the other stages, its text as its nearest towers or builtin class
+    (what every process can unpickle: a class of the user's may be defined where only the last stage sees it)."""
+    said = None
+    if failure is not None:
+        kind = next(k for k in type(failure).__mro__ if k.__module__ in ("builtins", "towers.errors"))
+        said = (kind, type(failure).__name__, str(failure))
+    kind, name, text = comm.all_gather_object(said)[-1]
+    if failure is not None:
+        raise failure
+    text = f"loss_fn raised {name} on this pipeline's last stage (global rank {comm.last_rank}): {text}"
+    try:
+        error = kind(text)
+    except Exception:  # a class that takes other arguments
+        error = FailedPreconditionError(text)
+    raise error
