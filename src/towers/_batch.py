@@ -79,6 +79,10 @@ class BatchInfo:
     rows: tuple[int, int] | None = None
     #: The job's position at this batch (set by every input of towers; None for a batch without one).
     position: JobPosition | None = None
+    #: Positions ``[lo, hi)`` of the other replicas' shares of the same update, where this replica's commit of the
+    #: update proves them trained: a replica can be lost after its share entered the update but before it recorded
+    #: it (fault tolerance), so each live one records the others' shares as seen. () elsewhere.
+    peer_rows: tuple[tuple[int, int], ...] = ()
 
 
 #: Attribute under which a yielded tensor carries its batch's ``BatchInfo``.

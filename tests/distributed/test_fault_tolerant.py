@@ -1,4 +1,5 @@
-"""FaultTolerantStrategy (torchft): its options and name, what a job without torchft or a lighthouse is told, a dead lighthouse.
+"""FaultTolerantStrategy (torchft): its options and name, what a job without torchft or a lighthouse is told, a dead lighthouse,
+and a group started again after the job ended on another node (it finds the end in the job's store and exits 0).
 
 A replica group SIGKILLed mid-training is tested where the same job (``tests/ft_job.py``) already
 runs: tests/distributed/test_ft_launch.py (``towers launch --strategy ft`` restarts the lost group:
@@ -9,7 +10,11 @@ docs/fault_tolerance.md's script, tests/distributed/test_ft_trainer.py.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,12 +56,13 @@ def test_no_lighthouse_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_dead_lighthouse_stops_the_step_with_a_clear_error(tmp_path: Path) -> None:
     pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
+    from towers.launch.job_end import joined_noted
     from towers.strategies.fault_tolerant import FaultTolerantStrategy
 
     lighthouse, address = lighthouse_process(PEER_TIMEOUT_S)
     try:
-        strategy = FaultTolerantStrategy(info=ProcessInfo(), lighthouse=address, peer_timeout_s=PEER_TIMEOUT_S,
-                                         quorum_timeout_s=2.0)
+        strategy = FaultTolerantStrategy(info=ProcessInfo(launch_dir=str(tmp_path)), lighthouse=address,
+                                         peer_timeout_s=PEER_TIMEOUT_S, quorum_timeout_s=2.0)
         net = torch.nn.Linear(4, 2)
         model, optimizer = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
 
@@ -65,8 +71,11 @@ def test_a_dead_lighthouse_stops_the_step_with_a_clear_error(tmp_path: Path) -> 
             optimizer.step()
             optimizer.zero_grad()
 
+        assert not joined_noted(str(tmp_path), os.getpid())
         strategy.run(step, args=(torch.ones(3, 4),))
         assert strategy.current_step == 1 and strategy.num_replicas_in_sync == 1
+        # A group of the job now: under towers launch its supervisor lets it end with the job (never stops it).
+        assert joined_noted(str(tmp_path), os.getpid())
         lighthouse.kill()
         lighthouse.wait(timeout=10)
         started = time.monotonic()
@@ -104,5 +113,65 @@ def test_the_first_step_waits_for_every_launched_group() -> None:
         assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
         strategy.shutdown()
     finally:
+        lighthouse.kill()
+        lighthouse.wait(timeout=10)
+
+
+def test_a_group_started_again_after_the_job_ended_on_another_node_exits_0(caplog: pytest.LogCaptureFixture) -> None:
+    """A group on another node than the groups that ended the job reads the job's store (its supervisor has no
+    note of the end): before its first quorum, and while its first step waits for the launched groups."""
+    pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from towers.launch.job_end import JobComplete, note_job_complete
+    from towers.strategies.fault_tolerant import FaultTolerantStrategy
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))  # torchrun's
+    # Group 1 of 2, one group per node (world_size 2, local_world_size 1), under torchrun's agent store.
+    info = ProcessInfo(rank=1, world_size=2, agent_store=True, master_port=store.port)
+    lighthouse, address = lighthouse_process(PEER_TIMEOUT_S)
+    waiting = threading.Event()
+
+    class _Waits(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waits for all 2 launched replica groups" in record.getMessage():
+                waiting.set()
+
+    handler = _Waits()
+    logging.getLogger("towers").addHandler(handler)
+    try:
+        strategy = FaultTolerantStrategy(info=info, lighthouse=address, peer_timeout_s=PEER_TIMEOUT_S,
+                                         quorum_timeout_s=30.0)
+        net = torch.nn.Linear(4, 2)
+        model, optimizer = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+        def step(x: torch.Tensor) -> None:
+            model(x).sum().backward()
+            optimizer.step()
+
+        def end_the_job() -> None:  # group 0's supervisor, on the other node, once this group waits for it
+            if waiting.wait(timeout=20):
+                note_job_complete(dataclasses.replace(info, rank=0), 0)
+
+        ender = threading.Thread(target=end_the_job, daemon=True)
+        ender.start()
+        started = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="towers"), pytest.raises(JobComplete) as raised:
+            strategy.run(step, args=(torch.ones(3, 4),))
+        assert raised.value.code == 0 and raised.value.end.group == 0 and waiting.is_set()
+        assert time.monotonic() - started < 15  # not quorum_timeout_s
+        lines = [r.getMessage() for r in caplog.records if "found the job complete" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith("replica group 1 found the job complete: replica group 0 "
+                                                       "ended the job's training"), lines
+        # Started after the end: it says so before it asks for any quorum.
+        again = FaultTolerantStrategy(info=info, lighthouse=address, peer_timeout_s=PEER_TIMEOUT_S)
+        net = torch.nn.Linear(4, 2)
+        model, optimizer = again.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        with pytest.raises(JobComplete):
+            again.run(step, args=(torch.ones(3, 4),))
+    finally:
+        logging.getLogger("towers").removeHandler(handler)
         lighthouse.kill()
         lighthouse.wait(timeout=10)

@@ -76,3 +76,17 @@ def test_a_batch_taken_before_the_previous_step_voted_is_refused():
     with pytest.raises(RuntimeError, match=r"must end with the prepared optimizer's step\(\).*Received: a batch after "
                                            r"the one of step 0"):
         next(steps)  # an evaluation loop, or a step that forgot optimizer.step(): never the same batch forever
+
+
+def test_each_share_names_the_other_groups_shares_of_its_step():
+    """What the ledger records as seen: a commit proves the whole step's split, also of a group lost before recording."""
+    job = _Job(step=1, num_replicas=3, replica_id=1)  # global batch 1 (positions 4..7) over 3 groups: 2, 1, 1
+    x, _ = next(iter(_batches(job)))
+    info = batch_info(x)
+    assert info.rows == (6, 7) and info.peer_rows == ((4, 6), (7, 8))
+    job = _Job(step=2, num_replicas=3, replica_id=0)  # the last global batch (positions 8, 9): the third share is empty
+    x, _ = next(iter(_batches(job)))
+    assert batch_info(x).rows == (8, 9) and batch_info(x).peer_rows == ((9, 10),)
+    job = _Job(step=1, num_replicas=1)  # alone: nobody else's share
+    x, _ = next(iter(_batches(job)))
+    assert batch_info(x).rows == (4, 8) and batch_info(x).peer_rows == ()

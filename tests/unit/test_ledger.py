@@ -218,3 +218,88 @@ def test_towers_verify_ledger_prints_the_proof_and_exits_by_its_verdict(tmp_path
     assert "TOWERS_LEDGER_DIR" in capsys.readouterr().err
     assert main(["verify"]) == 2
     assert "Pass your training script" in capsys.readouterr().err
+
+
+def _simulated_job(tmp_path: Path, seed: int, *, groups: int = 3, kills: int = 12,
+                   seen: bool = True) -> tuple[int, int]:
+    """Write the ledger of a job of ``groups`` replica groups killed ``kills`` times at seeded moments of a step.
+
+    What each group's ``ExampleLedger`` writes under FaultTolerantStrategy: after a committed step its own
+    share (``U``) and the other groups' shares of the step (``W``; not with ``seen=False``, the old ledger).
+    A kill before the commit (between steps, in forward or backward) drops the step on every group, which
+    retry it over the survivors; a kill after the commit and before the ledger line leaves the victim's share
+    to the others; a kill after the line loses nothing. A killed group is back 1-3 steps later. Return the
+    kills after a commit and the number of kills made.
+    """
+    import random
+
+    from towers._batch import shard_bounds
+
+    rng = random.Random(seed)
+    moments = ["between", "forward", "backward", "commit", "recorded"]
+    writers = {g: LedgerWriter(tmp_path, f"rank{g}", rank=g, world_size=groups) for g in range(groups)}
+    for w in writers.values():
+        w.order(ORDER)
+    away: dict[int, int] = {}  # killed group -> steps until it is back
+    lost = made = step = 0
+    while step < EPOCHS * N // B:
+        epoch, batch = divmod(step, N // B)
+        live = [g for g in range(groups) if away.get(g, 0) == 0]
+        away = {g: n - 1 for g, n in away.items() if n > 1}
+        kill = made < kills and len(live) > 1 and rng.random() < 0.7
+        victim, moment = (rng.choice(live), rng.choice(moments)) if kill else (None, None)
+        if victim is not None:
+            made += 1
+            away[victim] = rng.randint(1, 3)
+        if moment in ("between", "forward", "backward"):
+            continue  # not committed anywhere: the same global batch again, over the survivors
+        shares = [(batch * B + lo, batch * B + hi) for lo, hi in (shard_bounds(B, len(live), r) for r in range(len(live)))]
+        step += 1
+        for r, g in enumerate(live):
+            if g == victim and moment == "commit":
+                lost += 1
+                continue  # killed after its commit, before its ledger line
+            writers[g].update(step, epoch, batch, *shares[r])
+            for other, (lo, hi) in enumerate(shares):
+                if other != r and seen:
+                    writers[g].witnessed(step, epoch, batch, lo, hi)
+    for w in writers.values():
+        w.close()
+    return lost, made
+
+
+EPOCHS = 6
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_share_whose_group_died_after_the_commit_is_proved_by_the_live_groups(tmp_path, seed):
+    """Seeded kills at every moment of a step, 3 groups: exactly once, each lost share counted from a live record."""
+    lost, made = _simulated_job(tmp_path / "seen", seed)
+    assert made == 12
+    proof = prove_ledger(tmp_path / "seen")
+    assert proof.ok and [e.verdict for e in proof.epochs] == ["exactly once"] * EPOCHS, proof.format()
+    assert proof.witnessed == lost
+    if lost:  # each group recording only its own share (the old ledger): the killed groups' shares go missing
+        _simulated_job(tmp_path / "own", seed, seen=False)
+        old = prove_ledger(tmp_path / "own")
+        assert not old.ok and sum(e.missing_count for e in old.epochs) > 0, old.format()
+
+
+def test_a_seen_share_counts_once_and_never_beside_its_own_record(tmp_path):
+    writer = LedgerWriter(tmp_path, "rank0")
+    other = LedgerWriter(tmp_path, "rank1")
+    writer.order(ORDER)
+    other.order(ORDER)
+    for g in range(N // B):
+        writer.update(g + 1, 0, g, g * B, g * B + B // 2)
+        writer.witnessed(g + 1, 0, g, g * B + B // 2, (g + 1) * B)
+        other.witnessed(g + 1, 0, g, g * B, g * B + B // 2)  # recorded by its own group too: not counted again
+        if g != 2:  # the share of batch 2 was seen by two groups and recorded by none: counted once
+            other.update(g + 1, 0, g, g * B + B // 2, (g + 1) * B)
+        else:
+            other.witnessed(g + 1, 0, g, g * B + B // 2, (g + 1) * B)
+    proof = prove_ledger(tmp_path)
+    assert proof.ok and proof.epochs[0].verdict == "exactly once" and proof.witnessed == 1, proof.format()
+    assert "1 share(s) counted from another replica's record" in proof.format()
+    writer.update(99, 0, 1, B, B + 1)  # a real double (another step) is still named
+    assert prove_ledger(tmp_path).epochs[0].doubled_count == 1

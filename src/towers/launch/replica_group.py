@@ -19,6 +19,12 @@ It starts the command N times, one process per member of the group, and waits fo
 - this process is signalled (the agent stopping the job): the signal goes to every member and the
   group exits as they do, never restarted.
 
+When every member exited 0 the group ran the script to its end, and the job's training ended with it
+(the live groups step together): the supervisor records that (``towers.launch.job_end``). A group
+that fails after that is not started again, and one started again that has not joined a step when
+the record comes is stopped: either way the supervisor says in one line that the group found the job
+complete, and exits 0, instead of a group waiting for a quorum that cannot come.
+
 Each member gets ``TOWERS_FT_GROUP`` (the group id: torchrun's ``RANK`` of this process),
 ``TOWERS_FT_GROUP_RANK``, ``TOWERS_FT_GROUP_SIZE`` and ``TOWERS_FT_GROUP_PORT`` (a free port, new for
 every start, where member 0 serves the group's store). With N > 1, torchrun's ``RANK``,
@@ -36,7 +42,9 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from towers.cluster.info import ProcessInfo
 from towers.launch.exits import describe_exit
+from towers.launch.job_end import JobEnd, job_end_noted, joined_noted, note_job_complete
 from towers.launch.spawn import free_port
 from towers.launch.supervise import FORWARDED_SIGNALS, child_setup, read_reports, send_signal, write_report
 
@@ -155,6 +163,41 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _JobEnd:
+    """The job's end as this supervisor sees it (``towers.launch.job_end``): noted when its group ends the training,
+    read before the group is started again and while a group started again has not joined a step."""
+
+    def __init__(self, who: str) -> None:
+        from towers.cluster import from_env
+
+        self.who = who
+        try:
+            self.info: ProcessInfo | None = from_env()
+        except ValueError:  # not torchrun's environment (a supervisor run by hand): no record
+            self.info = None
+        self.launch_dir = self.info.launch_dir if self.info is not None else None
+
+    def note(self) -> None:
+        """Record that this group ended the job's training (its processes all exited 0)."""
+        if self.info is None:
+            return
+        try:
+            note_job_complete(self.info, int(os.environ.get("RANK", "0")))
+        except (OSError, RuntimeError) as exc:  # the directory or the store is gone (the job is being stopped)
+            print(f"towers: {self.who} ended the job's training but could not record it ({type(exc).__name__}: {exc}); "
+                  "a group started again now waits quorum_timeout_s for a quorum, then fails", file=sys.stderr,
+                  flush=True)
+
+    def ended(self) -> JobEnd | None:
+        return job_end_noted(self.launch_dir)
+
+    def before_joining(self, group: _Group, restart: int) -> JobEnd | None:
+        """The job's end, when it came before this start of the group (a restart) joined a step; else None."""
+        if restart == 0 or any(joined_noted(self.launch_dir, m.pid) for m in group.members):
+            return None
+        return self.ended()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the group; return its exit code (a member's signal death is re-raised on this process instead)."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -176,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
+    job_end = _JobEnd(who)
     restart = 0
     while True:
         try:
@@ -186,16 +230,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         current[:] = [group]
         if received:  # a stop came while the group was being started
             group.signal_all(received[-1])
-        while not group.done() and group.failure() is None:
+        ended = None
+        while not group.done() and group.failure() is None and ended is None:
             time.sleep(_POLL_S)  # a monitor's poll, as torchrun's agent polls its workers
             group.poll(who, args.stopped_kill_s)
+            ended = job_end.before_joining(group, restart)
+        if ended is not None:  # started again after the last step: it would wait for a quorum that cannot come
+            group.kill()
+            print(f"towers: {who} found the job complete: {ended.describe()}, before this start of the group (restart "
+                  f"{restart}) took part in a step; stopping it: nothing is left to train, and it is not started again",
+                  file=sys.stderr, flush=True)
+            code = 0
+            break
         failed = group.failure()
         if failed is not None:
             group.kill()
         if failed is None or received:
             code = failed[1] if failed is not None else 0
+            if code == 0 and not received:
+                job_end.note()
             break
         member, code = failed
+        ended = job_end.ended()
+        if ended is not None:  # the live groups finished the job's training meanwhile: a new start has nothing to do
+            lost = "it" if args.group_size == 1 else group.name(who, member)
+            print(f"towers: {who} found the job complete: {ended.describe()}, and {lost} (pid "
+                  f"{group.members[member].pid}) {describe_exit(code)}; it is not started again", file=sys.stderr,
+                  flush=True)
+            code = 0
+            break
         if restart >= args.restarts:
             print(f"towers: {group.name(who, member)} {describe_exit(code)} after {restart} restart(s) of the group, the "
                   "most --group-restarts allows; the job stops", file=sys.stderr, flush=True)

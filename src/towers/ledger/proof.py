@@ -5,7 +5,9 @@ written before it by its own process or by a process that wrote nothing after it
 earlier processes, gone when the job restored): those updates were trained, then lost with the state
 the job restored over. A process of the restored job that is still writing (a parameter server, a
 worker that started sooner) keeps its lines. What is left is the run's history; its positions are
-counted per epoch and mapped to dataset indices through the epoch's order (``OrderSpec``).
+counted per epoch and mapped to dataset indices through the epoch's order (``OrderSpec``). A share seen
+committed by another replica (``W``) counts once, and only where no replica's own line (``U``) of the same
+step records it: the share of a replica group lost between its update's commit and its own line.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class Update:
     hi: int
     order: OrderSpec
     writer: str
+    #: A ``W`` line: another replica's share of the update, seen committed by ``writer``.
+    witnessed: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class LedgerProof:
     rolled_back: int
     restores: list[str]
     epochs: list[EpochProof]
+    #: Shares counted from a ``W`` line alone: their replica was lost before it recorded them.
+    witnessed: int = 0
 
     @property
     def ok(self) -> bool:
@@ -101,6 +107,9 @@ class LedgerProof:
         lines = [f"ledger of {self.run_dir}: {self.files} file(s), {self.updates} committed update line(s) kept, "
                  f"{self.rolled_back} rolled back by {len(self.restores)} start(s) or restore(s)"]
         lines += [f"  {r}" for r in self.restores]
+        if self.witnessed:
+            lines.append(f"  {self.witnessed} share(s) counted from another replica's record of the committed "
+                         "update (their own replica was lost before it recorded them)")
         header = ("epoch", "examples", "trained once", "missing", "doubled", "verdict")
         rows = [tuple(str(v) for v in (e.epoch, e.num_examples, e.once, e.missing_count if e.complete else "-",
                                        e.doubled_count, e.verdict)) for e in self.epochs]
@@ -159,12 +168,12 @@ def read_ledger(run_dir: str | os.PathLike[str]) -> tuple[list[Update], list[_Go
                     last[path.stem] = max(last.get(path.stem, 0.0), float(h["time"]))
                     order = OrderSpec(int(h["num_examples"]), int(h["global_batch_size"]), int(h["seed"]),
                                       bool(h["shuffle"]))
-                elif parts[0] == "U":
+                elif parts[0] in ("U", "W"):
                     if order is None:
                         raise InvalidArgumentError("an update line before any header")
                     t, step, epoch, batch, lo, hi = parts[1:7]
                     updates.append(Update(float(t), int(step), int(epoch), int(batch), int(lo), int(hi), order,
-                                          path.stem))
+                                          path.stem, witnessed=parts[0] == "W"))
                     last[path.stem] = max(last[path.stem], float(t))
                 elif parts[0] == "R":
                     t, epoch, position, how = parts[1:5]
@@ -260,6 +269,7 @@ def prove_ledger(run_dir: str | os.PathLike[str]) -> LedgerProof:
         if not by:
             kept.append(u)
     rolled_back = len(updates) - len(kept)
+    kept, witnessed = _one_record_per_share(kept)
     restore_lines = []
     for (epoch, position), rs in sorted(described.items(), key=lambda kv: min(r.time for r in kv[1])):
         where = "started at the beginning" if (epoch, position) == (0, 0) else \
@@ -281,4 +291,23 @@ def prove_ledger(run_dir: str | os.PathLike[str]) -> LedgerProof:
         spec = by_epoch[epoch][0].order
         complete = epoch < final_epoch or any(u.hi >= spec.num_examples for u in by_epoch[epoch])
         epochs.append(_prove_epoch(epoch, by_epoch[epoch], complete))
-    return LedgerProof(str(run_dir), len(last), len(kept), rolled_back, restore_lines, epochs)
+    return LedgerProof(str(run_dir), len(last), len(kept) - witnessed, rolled_back, restore_lines, epochs,
+                       witnessed=witnessed)
+
+
+def _one_record_per_share(kept: list[Update]) -> tuple[list[Update], int]:
+    """``kept`` without each ``W`` share that a ``U`` line of its step, or an earlier ``W`` line, records; and how
+    many ``W`` lines are left in (shares whose own replica never recorded them)."""
+    def key(u: Update) -> tuple[int, int, int, int]:
+        return u.epoch, u.step, u.lo, u.hi
+
+    recorded = {key(u) for u in kept if not u.witnessed}
+    out, count = [], 0
+    for u in kept:
+        if u.witnessed:
+            if key(u) in recorded:
+                continue
+            recorded.add(key(u))
+            count += 1
+        out.append(u)
+    return out, count

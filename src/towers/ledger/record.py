@@ -7,6 +7,12 @@ at any moment leaves whole lines, or one cut last line that the reader skips):
                                    "writer", "rank", "world_size", "time"}`` (before its first update line)
 ``U  <time> <global step> <epoch> <global batch> <lo> <hi>``
                                    a committed share: positions ``[lo, hi)`` of the epoch's example order
+``W  <time> <global step> <epoch> <global batch> <lo> <hi>``
+                                   another replica's share of the same committed update, seen committed here:
+                                   under fault tolerance a group can be lost after its share entered the
+                                   update and before it wrote its ``U`` line, so each live group also records
+                                   the others' shares of the step; the proof counts a ``W`` share once, and
+                                   only where no ``U`` line of the same step records it
 ``R  <time> <epoch> <step> <how>``  the job went on from its ``step``-th global batch of ``epoch``: ``how`` is
                                    ``restore`` (from a checkpoint: every update line at or after that
                                    position written before this line was rolled back) or ``join`` (a
@@ -85,6 +91,11 @@ class LedgerWriter:
         """Record that positions ``[lo, hi)`` of ``epoch``'s order, in global batch ``batch``, were trained and committed."""
         self._write(f"U\t{time.time():.6f}\t{global_step}\t{epoch}\t{batch}\t{lo}\t{hi}\n")
         self.records += 1
+
+    def witnessed(self, global_step: int, epoch: int, batch: int, lo: int, hi: int) -> None:
+        """Record that positions ``[lo, hi)``, another replica's share of the update of ``global_step``, were in the
+        update this process committed (a ``W`` line: proof for a share whose replica was lost before recording it)."""
+        self._write(f"W\t{time.time():.6f}\t{global_step}\t{epoch}\t{batch}\t{lo}\t{hi}\n")
 
     def went_on(self, epoch: int, step: int, how: str) -> None:
         """Record that the job went on from global batch ``step`` of ``epoch`` (``how``: ``restore`` or ``join``)."""

@@ -16,7 +16,11 @@ package puts the towers API on top:
   split over the groups of *that step's* quorum: after a loss the survivors take the lost
   group's share. A step that was in flight when a group died does not commit; the next step
   retries the same global batch over the survivors (counted in ``steps_not_committed`` and
-  logged), so no example is lost. A healed group continues at the live peers' step.
+  logged), so no example is lost. A group lost after its share entered a step's all-reduce is in
+  that step's update, which the survivors commit; each group's ledger lines name the other groups'
+  shares of the step too (``BatchInfo.peer_rows``), so the lost share is proved trained. A healed
+  group continues at the live peers' step. A group started again after the job's training ended
+  finds the job complete and exits 0 (``towers.launch.job_end``).
 * ``reduce``/``gather``/``barrier``/object exchange run over the live groups (torchft's
   process group of the current quorum).
 

@@ -182,10 +182,15 @@ class FaultTolerantBatches:
             if hi == lo and not padding:
                 batch = map_tensors(batch, lambda t: t[:0])
             yielded = step
+            start = index * self.global_batch_size
+            # The other groups' shares of this step: a commit here proves them in the update, also when their group
+            # is lost before it records them (the ledger's "seen" lines).
+            peers = tuple((start + a, start + b) for a, b in (shard_bounds(len(indices), n, r) for r in range(n)
+                                                              if r != me) if b > a)
             yield attach_batch_info(to_device(batch, strategy.device), BatchInfo(
                 index=index, num_batches=self.num_batches, global_batch_size=len(indices), local_batch_size=hi - lo,
                 num_padding_examples=padding, examples_per_update=len(indices), batches_per_update=1,
                 last_in_update=True, epoch=epoch,
-                rows=(index * self.global_batch_size + lo, index * self.global_batch_size + hi),
+                rows=(start + lo, start + hi), peer_rows=peers,
                 position=JobPosition(epoch, index, committed=partial(_committed, strategy, step))))
         self._epoch = max(epoch, strategy.current_step // self.num_batches)

@@ -16,6 +16,7 @@ from torch import nn
 from towers._batch import BatchInfo, find_batch_info
 from towers._logging import get_logger
 from towers.errors import FailedPreconditionError, user_error
+from towers.launch.job_end import JobComplete, JobEndView
 from towers.strategies.base import ReplicaContext, Strategy
 from towers.strategies.fault_tolerant.grads import GradientSync
 from towers.strategies.fault_tolerant.groups import QuorumClient, quorum_started
@@ -54,6 +55,7 @@ class QuorumSteps(Strategy):
     _user_modules: list[nn.Module]
     _lighthouse: str
     _quorum_timeout_s: float
+    _job_end: JobEndView  # the launcher's record that the job's training ended; this group's note that it joined
 
     # --- the live groups ------------------------------------------------------------------------------
     @property
@@ -88,9 +90,12 @@ class QuorumSteps(Strategy):
             raise FailedPreconditionError("FaultTolerantStrategy: a step began before any model was prepared. Expected "
                                           "`model, optimizer = strategy.prepare(model, optimizer)` before iterating the dataset "
                                           "or calling strategy.run (a healing group loads the live state into them).")
+        if not quorum_started(self._manager):  # this group's first step: is there still a job to join?
+            self._end_if_job_complete()
         self._start_quorum()
         if self.current_step == 0:
             self._await_launched_groups()
+        self._job_end.joined()  # a group of the job now: its supervisor lets it end with the job
         self._steps.open = True
         self._note_members()
         if self._intra is not None and not self._group_synced and not self.shard:
@@ -123,6 +128,7 @@ class QuorumSteps(Strategy):
         deadline = time.monotonic() + self._quorum_timeout_s
         said = False
         while self.current_step == 0 and self._manager.num_participants() < launched:
+            self._end_if_job_complete()  # the live groups may have ended the job while this group was starting
             if not said:
                 log.info("replica group %d: the job's first step waits for all %d launched replica groups (%d here)",
                          self.replica_group_id, launched, self._manager.num_participants())
@@ -138,6 +144,22 @@ class QuorumSteps(Strategy):
                     "process count as ProcessInfo.world_size.", cls=RuntimeError)
             time.sleep(_FIRST_QUORUM_POLL_S)  # between quorum requests: the lighthouse answers at once
             self._start_quorum()
+
+    def _end_if_job_complete(self) -> None:
+        """Exit 0 (``JobComplete``) when the job's training ended before this group took part in any step.
+
+        A group started again after the job's last committed step would otherwise wait ``quorum_timeout_s``
+        for groups that are gone, fail, and be started again. The launcher's supervisors record the end
+        (``towers.launch.job_end``: on this node the supervisor itself stops the group; this reads the
+        record of the groups on other nodes); groups started by hand have no such record.
+        """
+        end = self._job_end.ended()
+        if end is None:
+            return
+        log.warning("replica group %d found the job complete: %s, before this group took part in a step; nothing "
+                    "is left to train, so it exits 0 and is not started again", self.replica_group_id, end.describe())
+        self.shutdown()
+        raise JobComplete(end)
 
     def _sync_group(self) -> None:
         """Make the group's processes hold process 0's parameters and buffers, once, after their first quorum.

@@ -19,6 +19,7 @@ from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.cluster.strategy_options import parse_flag
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
+from towers.launch.job_end import JobEndView
 from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S, check_timeout
 from towers.strategies._activation_checkpointing import apply_activation_checkpointing
 from towers.strategies.base import note_built
@@ -136,6 +137,7 @@ class FaultTolerantStrategy(LiveGroupCollectives):
         self._gradient_syncs: list[GradientSync] = []
         self._lighthouse = lighthouse or "(none given)"
         self._quorum_timeout_s = quorum_timeout_s
+        self._job_end = JobEndView(info)  # under towers launch: the record that the job's training ended
         self._user_modules: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._closed = False

@@ -23,7 +23,10 @@ class ExampleLedger(Callback):
     them that each example of each completed epoch was trained exactly once.
 
     A step is recorded after it committed (a fault-tolerant step that did not commit never reaches the
-    callbacks); at the start of ``fit`` the position the job goes on from is recorded, so that a restore
+    callbacks). Where a batch names the other replicas' shares of its update (``BatchInfo.peer_rows``:
+    replica groups that can be lost after their share entered the committed update, before they wrote
+    their own line), they are recorded too, as seen (``W`` lines), so the live replicas' lines prove
+    them. At the start of ``fit`` the position the job goes on from is recorded, so that a restore
     from a checkpoint rolls back the steps trained after that checkpoint. Under parameter servers ps
     task 0 records the shares whose gradients it applied, and the workers only the positions they go
     on from. A stream's batches are not recorded (their positions are not an order the ledger can map).
@@ -66,7 +69,10 @@ class ExampleLedger(Callback):
             return
         self._writer.order(order())
         lo, hi = info.rows
-        self._writer.update(int((logs or {}).get("global_step", 0)), info.epoch, info.index, lo, hi)
+        step = int((logs or {}).get("global_step", 0))
+        self._writer.update(step, info.epoch, info.index, lo, hi)
+        for peer_lo, peer_hi in info.peer_rows:  # the other replicas' shares this commit proves (fault tolerance)
+            self._writer.witnessed(step, info.epoch, info.index, peer_lo, peer_hi)
 
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
         if self._writer is not None:
