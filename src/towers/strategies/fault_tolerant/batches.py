@@ -163,8 +163,11 @@ class FaultTolerantBatches:
                     "FaultTolerantStrategy's batches are the job's steps: each one must end with the prepared "
                     "optimizer's step() (the commit vote) before the next one is taken",
                     f"a batch after the one of step {yielded}, whose step has not voted yet",
-                    "Call optimizer.step() once per batch. An evaluation pass (Trainer.evaluate, fit(validation_data="
-                    "...)) is not supported under FaultTolerantStrategy yet: evaluate under another strategy.",
+                    "Call optimizer.step() once per batch: several batches per update (a manual gradient "
+                    "accumulation) are not built under FaultTolerantStrategy; take a larger global batch, or "
+                    "accumulate under MirroredStrategy(gradient_accumulation_steps=k). An evaluation pass "
+                    "(Trainer.evaluate, fit(validation_data=...)) is not supported under FaultTolerantStrategy yet: "
+                    "evaluate under another strategy.",
                     cls=RuntimeError)
             strategy.begin_step()  # the quorum (and healing) first: it decides the split and the step
             step = strategy.current_step
