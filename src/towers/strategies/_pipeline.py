@@ -1,11 +1,15 @@
 """Pipeline parallelism on the mesh's ``pp`` dimension: one step's micro-batches through the stages, and its maths.
 
-Each process of a pipeline holds one stage (``towers.strategies._pipeline_split``) and is given the
-same batch (its replica's share, as tp processes are). A step cuts the batch into micro-batches
-and runs torch's ``torch.distributed.pipelining`` schedule over them: ``"1f1b"`` (``Schedule1F1B``:
-after a warm-up, each stage alternates one forward and one backward, so at most ``pp`` micro-batches'
-activations are alive) or ``"gpipe"`` (``ScheduleGPipe``: every forward, then every backward).
-Activations and their gradients go from stage to stage by send/recv (Gloo on the CPU, NCCL on GPUs).
+Each process of a pipeline holds one stage, or two for the schedules that interleave them
+(``towers.strategies._pipeline_split``), and is given the same batch (its replica's share, as tp
+processes are). A step cuts the batch into micro-batches and runs the ``torch.distributed.pipelining``
+schedule ``pp_schedule`` names over them: ``"1f1b"`` (``Schedule1F1B``: after a warm-up, each stage
+alternates one forward and one backward, so at most ``pp`` micro-batches' activations are alive),
+``"gpipe"`` (every forward, then every backward), or one of the five with two stages per process
+(``towers.strategies._pipeline_schedules``: which stages each process holds, what a shape a
+schedule cannot run falls back to, and the bubble). torch's schedule gets one ``PipelineStage``
+per stage this process holds. Activations and their gradients go from stage to stage by send/recv
+(Gloo on the CPU, NCCL on GPUs), or stay in the process where the next stage is its own.
 
 The maths stays one device's. The last stage computes each micro-batch's loss with the user's
 ``loss_fn`` inside a replica context whose global batch size is the step's and whose micro-batches
@@ -28,27 +32,25 @@ import torch
 from towers._batch import whole
 from towers._logging import get_logger
 from towers.errors import user_error
+from towers.strategies._pipeline_comm import PipelineComm, build_pipeline_mesh
+from towers.strategies._pipeline_schedules import (
+    SCHEDULES,
+    ScheduleSpec,
+    bubble_fraction,
+    build_schedule,
+    check_schedule,
+    rank_actions,
+    runnable_schedule,
+    schedule_actions,
+    schedule_spec,
+)
+from towers.strategies._pipeline_split import StageView
+from towers.strategies._pipeline_stages import HeldStages
 
 __all__ = ["SCHEDULES", "check_schedule", "check_microbatches", "check_pipeline_options", "microbatches_for",
            "build_pipeline_mesh", "Pipeline", "PipelineComm", "StepResult"]
 
 log = get_logger(__name__)
-
-#: ``pp_schedule`` values and the torch schedule each names.
-SCHEDULES = ("1f1b", "gpipe")
-
-
-def check_schedule(value: Any) -> str:
-    """Return ``pp_schedule`` in lower case.
-
-    Raises:
-        ValueError: a schedule towers does not run.
-    """
-    name = str(value).strip().lower()
-    if name not in SCHEDULES:
-        raise user_error("pp_schedule names a pipeline schedule towers runs", repr(value),
-                         "Use pp_schedule='1f1b' (the default: less activation memory) or 'gpipe'.")
-    return name
 
 
 def check_microbatches(value: Any, stages: int) -> int:
@@ -97,57 +99,6 @@ def _padding_in(micro: int, size: int, local: int, padding: int) -> int:
     return max(0, min(size, (micro + 1) * size - max(real, micro * size)))
 
 
-class PipelineComm:
-    """The processes of this process's pipeline (the pp dimension at its dp, tp coordinate) and its last stage."""
-
-    def __init__(self, group: Any, *, last_rank: int, stages: int, width: int = 1):
-        self.group = group
-        self.last_rank = last_rank  # global rank of this pipeline's last stage (it holds the losses)
-        self.stages = stages
-        self.width = width  # processes per stage (dp * tp): the next stage's process is this rank + width
-
-    def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Return the last stage's ``tensor`` on every stage of this pipeline (same shape everywhere)."""
-        import torch.distributed as dist
-
-        from towers.process_group import collective
-
-        tensor = tensor.contiguous()
-        with collective("pipeline: the last stage's value to the other stages"):
-            dist.broadcast(tensor, src=self.last_rank, group=self.group)
-        return tensor
-
-    def grad_norm(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
-        """Return the whole model's gradient norm from this stage's ``norm``: combined over the stages."""
-        import torch.distributed as dist
-
-        from towers.process_group import collective
-
-        value = norm.detach().to(torch.float64).reshape(1).clone()
-        with collective("clip_grad_norm_: the pipeline stages' gradient norms"):
-            if norm_type == float("inf"):
-                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-                return value.reshape(()).to(norm.dtype)
-            value = value ** norm_type
-            dist.all_reduce(value, group=self.group)
-        return (value ** (1.0 / norm_type)).reshape(()).to(norm.dtype)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Return every stage's ``obj`` (of this process's pipeline), in stage order."""
-        import torch.distributed as dist
-
-        from towers.process_group import collective
-
-        parts: list[Any] = [None] * self.stages
-        with collective("pipeline: the stages' parts"):
-            dist.all_gather_object(parts, obj, group=self.group)
-        return parts
-
-    def gather_stages(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Return every stage's ``state`` (keyed by original names) merged in stage order: the whole model's."""
-        return {k: v for part in self.all_gather_object(state) for k, v in part.items()}
-
-
 class StepResult(NamedTuple):
     """What one schedule over a step's micro-batches left on this stage (``Pipeline.step``)."""
 
@@ -157,7 +108,7 @@ class StepResult(NamedTuple):
 
 
 class Pipeline:
-    """This process's stage of a pipelined model and the schedules that run it (one per micro-batch shape)."""
+    """This process's stages of a pipelined model and the schedules that run them (one per micro-batch shape)."""
 
     def __init__(self, stage_module: Any, *, comm: PipelineComm, device: torch.device, schedule: str,
                  microbatches: int):
@@ -165,8 +116,15 @@ class Pipeline:
         self.comm = comm
         self.device = device
         self.schedule_name = schedule
+        self.spec: ScheduleSpec = schedule_spec(schedule)
         self.microbatches = microbatches
-        self._schedules: dict[tuple[Any, ...], tuple[Any, _Deferred]] = {}  # shape -> (schedule, its loss)
+        self._schedules: dict[tuple[Any, ...], _Built] = {}  # one per micro-batch shape
+        # One module per stage for torch's PipelineStage; with one stage per process, the stage module itself (so
+        # torch sees the FSDP2 module it is and defers the gradients' reduce-scatter to the step's last backward).
+        self._views = [stage_module] if self.spec.layout == "single" else [
+            StageView(stage_module, index) for index in stage_module.stage_indices]
+        #: The idle fraction of the last step's schedule (before the first step: the one ``microbatches`` runs).
+        self.bubble_fraction = self._expected_bubble(microbatches)
         stage_module.forward_without_backward = self.forward_without_backward
 
     def forward_without_backward(self, stage: Any, x: Any) -> torch.Tensor:
@@ -175,35 +133,44 @@ class Pipeline:
 
         from towers.strategies._pipeline_inference import forward_through_stages
 
-        rank, index, comm = dist.get_rank(), stage.stage_index, self.comm
-        return forward_through_stages(stage, x, stage.run_stage, group=comm.group, device=self.device,
-                                      previous_rank=rank - comm.width if index > 0 else None,
-                                      next_rank=rank + comm.width if index < stage.num_stages - 1 else None,
-                                      last_rank=comm.last_rank)
+        return forward_through_stages(stage, x, stage.run_stage, group=self.comm.group, device=self.device,
+                                      stage_ranks=self.comm.stage_ranks, rank=dist.get_rank())
 
     @property
     def is_last(self) -> bool:
         return bool(self.module.is_last)
 
-    def _schedule(self, key: tuple[Any, ...], n: int, loss_fn: Callable[..., torch.Tensor]) -> Any:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    def _expected_bubble(self, n: int) -> float:
+        name, _ = runnable_schedule(self.schedule_name, n, self.comm.stages)
+        spec = schedule_spec(name)
+        return bubble_fraction(schedule_actions(name, self.comm.stages, n), spec.num_stages(self.comm.stages))
 
-        cached = self._schedules.get(key)
-        if cached is None:
-            # A new shape gets its own stage (its receive buffers are sized at the first step); every stage of a
+    def _schedule(self, key: tuple[Any, ...], n: int, loss_fn: Callable[..., torch.Tensor]) -> Any:
+        built = self._schedules.get(key)
+        if built is None:
+            # A new shape gets its own stages (their receive buffers are sized at the first step); every stage of a
             # pipeline sees the same batch, so all of them build one at the same step.
-            stage = PipelineStage(self.module, self.module.stage_index, self.module.num_stages, self.device,
-                                  group=self.comm.group)
-            kind = Schedule1F1B if self.schedule_name == "1f1b" and n >= self.module.num_stages else ScheduleGPipe
-            if kind is not Schedule1F1B and self.schedule_name == "1f1b":
-                log.info("pipeline: a share of %s example(s) runs %d micro-batch(es), fewer than the %d stages 1F1B "
-                         "needs: this shape runs GPipe", key[1], n, self.module.num_stages)
+            pp, module = self.comm.stages, self.module
+            held = HeldStages(module, self._views, device=self.device, group=self.comm.group)
+            name, reason = runnable_schedule(self.schedule_name, n, pp)
+            if reason is not None:
+                log.info("pipeline: a share of %s example(s) runs %d micro-batch(es); %s: this shape runs %s", key[1][0],
+                         n, reason, schedule_spec(name).torch_name)
+            held.keep_gathered(name)
             if len(self._schedules) >= 8:  # shapes seen once (a ragged last batch) do not pile up
                 self._schedules.pop(next(iter(self._schedules)))
-            deferred = _Deferred()
-            cached = self._schedules[key] = (kind(stage, n, loss_fn=deferred, scale_grads=False), deferred)
-        cached[1].target = loss_fn  # the step's loss (its replica contexts) on a cached schedule
-        return cached[0]
+            loss = _Deferred()
+            schedule = build_schedule(name, held.stages, n, loss)
+            bubble = bubble_fraction(rank_actions(schedule, name, pp, n), module.num_stages)
+            if not self._schedules or reason is not None:  # the first step, and each shape that falls back
+                log.info("pipeline: %s over %d micro-batch(es) on pp=%d (%d stage(s) per process): bubble %.3f of the "
+                         "step (idle slots over all slots; a forward 1, a backward 2)", schedule_spec(name).torch_name,
+                         n, pp, len(module.stage_indices), bubble)
+            built = self._schedules[key] = _Built(schedule, loss, bubble, held)
+        built.loss.target = loss_fn  # the step's loss (its replica contexts) on a cached schedule
+        built.held.new_step()
+        self.bubble_fraction = built.bubble
+        return built.schedule
 
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
              context: Any, enter: Callable[[Any], ContextManager[None]]) -> StepResult:
@@ -243,7 +210,7 @@ class Pipeline:
         def micro_loss(output: Any, target: Any) -> torch.Tensor:
             # A new schedule first runs the stage on placeholder tensors to learn the shapes it sends (torch's
             # metadata inference), loss included: that call is not a micro-batch, and the user's loss_fn never sees it.
-            if not getattr(schedule, "_stage_backward_initialized", True):
+            if not getattr(schedule, "_stage_backward_initialized", getattr(schedule, "_stages_backward_initialized", True)):
                 return _placeholder_loss(output)
             i = len(losses)
             ctx = _micro_context(context, _padding_in(i, size, local, padding), global_batch, local, n)
@@ -275,6 +242,15 @@ class Pipeline:
         finally:
             self.module.in_schedule = False
         return StepResult(losses, _detached(outputs) if self.is_last else None, failures[0] if failures else None)
+
+
+class _Built(NamedTuple):
+    """A schedule built for one micro-batch shape."""
+
+    schedule: Any
+    loss: "_Deferred"
+    bubble: float  # its idle fraction (towers.strategies._pipeline_schedules.bubble_fraction)
+    held: HeldStages
 
 
 class _Deferred:
@@ -324,16 +300,3 @@ def _detached(outputs: Any) -> Any:
     if isinstance(outputs, (tuple, list)):
         return type(outputs)(_detached(v) for v in outputs)
     return outputs
-
-
-def build_pipeline_mesh(spec: Any, device_type: str) -> tuple[Any, list[list[int]], int]:
-    """Return the ``(pp, dp, tp)`` DeviceMesh, each (pp, tp) coordinate's dp group (global ranks), and the global
-    rank of the last stage of this process's pipeline."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device_type, (spec.pp, spec.dp, spec.tp), mesh_dim_names=("pp", "dp", "tp"))
-    width = spec.dp * spec.tp  # processes per stage
-    groups = [[p * width + d * spec.tp + t for d in range(spec.dp)] for p in range(spec.pp) for t in range(spec.tp)]
-    last_rank = (spec.pp - 1) * width + dist.get_rank() % width
-    return mesh, groups, last_rank

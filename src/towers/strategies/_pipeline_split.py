@@ -1,10 +1,18 @@
-"""Pipeline stages: which of a model's modules each of the ``pp`` stages holds, under their ORIGINAL names.
+"""Pipeline stages: which of a model's modules each stage holds, under their ORIGINAL names.
 
-A stage is a small module that holds its share of the user's modules (the same objects, not
-copies) at the names they have in the whole model: stage 1 of a 4-block GPT holds ``blocks.2``,
+A process's stage module holds its share of the user's modules (the same objects, not copies)
+at the names they have in the whole model: stage 1 of a 4-block GPT holds ``blocks.2``,
 ``blocks.3``, ``ln_f`` and ``head``, so its ``named_parameters()`` are ``blocks.2.attn.qkv.weight``,
 ..., ``head.weight``, as in the whole model. Checkpoints and comparisons with the one-device model
 therefore need no renaming.
+
+Schedules with two stages per process (``towers.strategies._pipeline_schedules``) cut the model
+into ``2 pp`` stages, and one process's module holds both of its stages' parts (stages 0 and 2 of a
+4-stage cut of a 4-block GPT: ``wte``, ``wpe``, ``blocks.0`` and ``blocks.2``), still under the
+original names: one module, which FSDP2 shards, the optimizer points at and checkpoints save as
+with one stage. torch's schedule gets one ``StageView`` per stage it holds: a module whose
+parameters are that stage's and whose call runs that stage's modules through the process's module
+(so FSDP2's hooks on it gather and free the parameters as with one stage).
 
 Two kinds of models split:
 
@@ -27,7 +35,7 @@ from torch import nn
 
 from towers.errors import FailedPreconditionError, InvalidArgumentError, user_error
 
-__all__ = ["PipelineStageModule", "split_model", "stage_bounds", "parse_split"]
+__all__ = ["PipelineStageModule", "StageView", "split_model", "stage_bounds", "parse_split"]
 
 _CALL_ERROR = (
     "A pipelined model (mesh {mesh}) cannot be called as model(x): this process holds stage {stage} of {stages} "
@@ -41,26 +49,28 @@ _CALL_ERROR = (
 
 
 class PipelineStageModule(nn.Module):
-    """One stage of a pipelined model: its share of the user's modules, run in order, under their original names.
+    """This process's stages of a pipelined model: their share of the user's modules, under their original names.
 
-    Called by the pipeline schedule only (``strategy.forward_backward``); a direct call raises
-    the API to use instead.
+    Called by the pipeline schedule only (``strategy.forward_backward``, through a ``StageView`` per
+    stage); a direct call under ``torch.no_grad()`` runs the whole pipeline forward, and with
+    gradients on raises the API to use instead.
     """
 
-    def __init__(self, parts: Sequence[tuple[str, nn.Module]], *, stage: int, num_stages: int,
-                 gpt: Any = None, mesh: str = "pp"):
+    def __init__(self, parts: Sequence[tuple[int, str, nn.Module]], *, num_stages: int, gpt: Any = None,
+                 mesh: str = "pp"):
         super().__init__()
-        self.stage_index, self.num_stages = stage, num_stages
-        self.module_names = [name for name, _ in parts]
+        self.stage_indices = sorted({stage for stage, _, _ in parts})  # the stages this process holds, in order
+        self.stage_index, self.num_stages = self.stage_indices[0], num_stages
+        self.module_names = [name for _, name, _ in parts]
         self._mesh_text = mesh
         self._gpt_config = gpt  # towers' GPT: its config (the first stage adds the embeddings, the last the head)
-        self._order: list[nn.Module] = []
+        self._parts: dict[int, list[tuple[str, nn.Module]]] = {s: [] for s in self.stage_indices}
         self.in_schedule = False  # set by the strategy around the schedule's step
         #: ``(stage, x) -> output``: the pipeline's forward without backward (set by the strategy), for model(x) under no_grad
         self.forward_without_backward: Callable[[Any, Any], torch.Tensor] | None = None
-        for name, module in parts:
+        for stage, name, module in parts:
             self._place(name, module)
-            self._order.append(module)
+            self._parts[stage].append((name, module))
 
     def _place(self, name: str, module: nn.Module) -> None:
         owner: nn.Module = self
@@ -73,39 +83,48 @@ class PipelineStageModule(nn.Module):
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        """Whether this process holds the first stage (it takes the model's input)."""
+        return 0 in self._parts
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        """Whether this process holds the last stage (it computes the losses)."""
+        return self.num_stages - 1 in self._parts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Run this stage's modules on ``x`` (the schedule's micro-batch).
+    def stage_modules(self, stage: int) -> list[tuple[str, nn.Module]]:
+        """The ``(original name, module)`` pairs of ``stage``, in the order they run."""
+        return list(self._parts[stage])
+
+    def forward(self, x: torch.Tensor, stage: int | None = None) -> torch.Tensor:
+        """Run ``stage``'s modules on ``x`` (the schedule's micro-batch; ``stage`` None: the one stage held).
 
         Called directly under ``torch.no_grad()`` (evaluation, prediction), it runs the whole pipeline forward
         (``forward_without_backward``, set by the strategy) and returns the whole model's output on every stage;
         called directly with gradients on, it raises the API to use instead.
         """
         if self.in_schedule:
-            return self.run_stage(x)
+            return self.run_stage(x, stage)
         if not torch.is_grad_enabled() and self.forward_without_backward is not None:
             return self.forward_without_backward(self, x)
         names = ", ".join(self.module_names[:3]) + (", ..." if len(self.module_names) > 3 else "")
-        raise FailedPreconditionError(_CALL_ERROR.format(mesh=self._mesh_text, stage=self.stage_index,
-                                                         stages=self.num_stages, names=names))
+        held = " and ".join(str(s) for s in self.stage_indices)
+        raise FailedPreconditionError(_CALL_ERROR.format(mesh=self._mesh_text, stage=held, stages=self.num_stages,
+                                                         names=names))
 
-    def run_stage(self, x: torch.Tensor) -> torch.Tensor:
-        """This stage's modules on ``x``: the input of the stage (tokens on the first stage of a GPT)."""
+    def run_stage(self, x: torch.Tensor, stage: int | None = None) -> torch.Tensor:
+        """``stage``'s modules on ``x`` (None: the one stage held): the input of the stage (tokens on the first stage
+        of a GPT)."""
+        stage = self.stage_indices[0] if stage is None else stage
         if self._gpt_config is not None:
-            return self._gpt_forward(x)
-        for module in self._order:
+            return self._gpt_forward(x, stage)
+        for _, module in self._parts[stage]:
             x = module(x)
         return x
 
-    def _gpt_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _gpt_forward(self, x: torch.Tensor, stage: int) -> torch.Tensor:
         # towers' GPT.forward, cut: embeddings on the first stage, ln_f and head on the last.
-        modules = dict(zip(self.module_names, self._order))
-        if self.is_first:
+        modules = dict(self._parts[stage])
+        if stage == 0:
             t = x.size(1)
             if t > self._gpt_config.block_size:
                 raise InvalidArgumentError(
@@ -115,9 +134,24 @@ class PipelineStageModule(nn.Module):
         for name, module in modules.items():
             if name.startswith("blocks."):
                 x = module(x)
-        if self.is_last:
+        if stage == self.num_stages - 1:
             x = modules["head"](modules["ln_f"](x))
         return x
+
+
+class StageView(nn.Module):
+    """One stage of a ``PipelineStageModule`` as torch's ``PipelineStage`` takes it: its parameters are the stage's,
+    and calling it runs the stage through the process's module (whose FSDP2 hooks then gather its parameters)."""
+
+    def __init__(self, owner: PipelineStageModule, stage: int):
+        super().__init__()
+        self.stage_index = stage
+        self.parts = nn.ModuleList(module for _, module in owner.stage_modules(stage))  # for .parameters()
+        self.__dict__["_owner"] = owner  # not a child: its other stages' parameters are not this stage's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's output for ``x`` (within the schedule)."""
+        return self.__dict__["_owner"](x, stage=self.stage_index)
 
 
 def parse_split(value: "str | Sequence[str] | None") -> list[str] | None:
@@ -136,16 +170,22 @@ def parse_split(value: "str | Sequence[str] | None") -> list[str] | None:
                      "Use e.g. pp_split=['blocks.2'] (--strategy-option pp_split=blocks.2).", cls=TypeError)
 
 
-def stage_bounds(count: int, stages: int, what: str) -> list[int]:
-    """Return where each stage begins among ``count`` blocks: balanced, the earlier stages take the extra ones.
+def stage_bounds(count: int, stages: int, what: str, per_rank: int = 1) -> list[int]:
+    """Return where each stage begins among ``count`` blocks: balanced, the earlier stages take the extra ones
+    (``per_rank``: stages each process holds, for the message).
 
     Raises:
         ValueError: fewer blocks than stages.
     """
     if count < stages:
-        raise user_error(f"Each of the pp={stages} pipeline stages needs at least one of the model's {what}",
-                         f"{count} {what} for pp={stages}",
-                         f"Use pp={max(1, count)} or fewer, or a model with at least {stages} {what}.")
+        if per_rank == 1:
+            raise user_error(f"Each of the pp={stages} pipeline stages needs at least one of the model's {what}",
+                             f"{count} {what} for pp={stages}",
+                             f"Use pp={max(1, count)} or fewer, or a model with at least {stages} {what}.")
+        raise user_error(f"Each of the {stages} pipeline stages (pp={stages // per_rank}, {per_rank} per process) needs at "
+                         f"least one of the model's {what}", f"{count} {what} for {stages} stages",
+                         f"Use pp={max(1, count // per_rank)} or fewer, a schedule with one stage per process "
+                         f"(pp_schedule='1f1b' or 'gpipe'), or a model with at least {stages} {what}.")
     size, extra = divmod(count, stages)
     return [i * size + min(i, extra) for i in range(stages)]
 
@@ -169,15 +209,17 @@ def _gpt_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _starts(units: list[tuple[str, nn.Module]], split: list[str] | None, stages: int, *,
-            movable: list[int], model_name: str) -> list[int]:
+            movable: list[int], model_name: str, per_rank: int) -> list[int]:
     """Index in ``units`` where each stage begins (``split``: the names given; else balanced over ``movable``)."""
     if split is None:
-        bounds = stage_bounds(len(movable), stages, "blocks" if model_name == "GPT" else "top-level entries")
+        what = "blocks" if model_name == "GPT" else "top-level entries"
+        bounds = stage_bounds(len(movable), stages, what, per_rank)
         return [0] + [movable[b] for b in bounds[1:]]
     names = [n for n, _ in units]
     if len(split) != stages - 1:
         example = [names[m] for m in movable[1:stages]]
-        raise user_error(f"pp_split names where stages 1..{stages - 1} begin: {stages - 1} module name(s) for pp={stages}",
+        cut = f"pp={stages}" if per_rank == 1 else f"{stages} stages (pp={stages // per_rank}, {per_rank} per process)"
+        raise user_error(f"pp_split names where stages 1..{stages - 1} begin: {stages - 1} module name(s) for {cut}",
                          f"{len(split)} name(s) {split}", f"Give {stages - 1} names, e.g. {example}.")
     starts = [0]
     for name in split:
@@ -191,9 +233,10 @@ def _starts(units: list[tuple[str, nn.Module]], split: list[str] | None, stages:
     return starts
 
 
-def split_model(model: nn.Module, stage: int, num_stages: int, split: "str | Sequence[str] | None" = None, *,
-                mesh: str = "pp") -> PipelineStageModule:
-    """Return stage ``stage`` of ``num_stages`` of ``model``: a ``PipelineStageModule`` holding its modules.
+def split_model(model: nn.Module, stage: "int | Sequence[int]", num_stages: int,
+                split: "str | Sequence[str] | None" = None, *, mesh: str = "pp") -> PipelineStageModule:
+    """Return stage ``stage`` of ``num_stages`` of ``model`` (or the stages ``stage`` lists, for schedules with several
+    stages per process): a ``PipelineStageModule`` holding their modules under their original names.
 
     Raises:
         ValueError: a model towers cannot split (neither towers' GPT nor an ``nn.Sequential``), fewer blocks
@@ -201,6 +244,7 @@ def split_model(model: nn.Module, stage: int, num_stages: int, split: "str | Seq
     """
     from towers.models_gpt import GPT
 
+    held = [stage] if isinstance(stage, int) else sorted(stage)
     names = parse_split(split)
     gpt = isinstance(model, GPT)
     if gpt:
@@ -214,7 +258,8 @@ def split_model(model: nn.Module, stage: int, num_stages: int, split: "str | Seq
                          "entries in order) into stages", f"a {type(model).__name__}",
                          "Write the model as nn.Sequential(embedding, *blocks, head) (each entry taking the previous "
                          "one's output, one tensor), or use a mesh without pp.")
-    starts = _starts(units, names, num_stages, movable=movable, model_name=type(model).__name__)
+    starts = _starts(units, names, num_stages, movable=movable, model_name=type(model).__name__,
+                     per_rank=len(held))
     ends = [*starts[1:], len(units)]
-    parts = units[starts[stage]:ends[stage]]
-    return PipelineStageModule(parts, stage=stage, num_stages=num_stages, gpt=model.config if gpt else None, mesh=mesh)
+    parts = [(s, name, module) for s in held for name, module in units[starts[s]:ends[s]]]
+    return PipelineStageModule(parts, num_stages=num_stages, gpt=model.config if gpt else None, mesh=mesh)

@@ -33,6 +33,7 @@ from towers.strategies._collectives import ProcessGroupComm
 from towers.strategies._compile import compile_options
 from towers.strategies._loss_weights import note_normalised
 from towers.strategies._pipeline import Pipeline, PipelineComm, StepResult, build_pipeline_mesh
+from towers.strategies._pipeline_schedules import schedule_spec
 from towers.strategies._pipeline_split import split_model
 from towers.strategies._stage_gradients import StageGradientGuard
 from towers.strategies._sync import SyncStrategy
@@ -62,24 +63,36 @@ class PipelineSteps(SyncStrategy):
 
     def _build_pp_mesh(self, spec: MeshSpec, device: torch.device, backend: str, timeout_s: float) -> ProcessGroupComm:
         """The ``(pp, dp, tp)`` mesh; return the collectives over this process's data-parallel group (its replicas)."""
-        self._device_mesh, groups, last_rank = build_pipeline_mesh(spec, device.type)
+        self._device_mesh, groups, stage_ranks = build_pipeline_mesh(spec, device.type, self._pp_schedule)
         self._mesh, self._pp_mesh = self._device_mesh["dp"], self._device_mesh["pp"]
         self._tp_mesh = self._device_mesh["tp"] if spec.tp > 1 else None  # each stage's layers split over tp
-        self._pp_comm = PipelineComm(self._pp_mesh.get_group(), last_rank=last_rank, stages=spec.pp,
+        self._pp_comm = PipelineComm(self._pp_mesh.get_group(), stage_ranks=stage_ranks, stages=spec.pp,
                                      width=spec.dp * spec.tp)
         return ProcessGroupComm(rank=self._device_mesh.get_local_rank("dp"), num_replicas=spec.dp, backend=backend,
                                 timeout_s=timeout_s, group=self._mesh.get_group(), groups=groups)
 
     def _keep_stage(self, model: nn.Module, spec: MeshSpec, comm: PipelineComm) -> tuple[nn.Module, Any, bool]:
-        """Return this process's stage of ``model`` (its pipeline registered), the tensor-parallel plan for it and
-        whether to derive that plan's sequence-parallel variant: the whole model's plan, for the modules it holds."""
-        stage = split_model(model, self._pp_mesh.get_local_rank(), spec.pp, self._pp_split, mesh=spec.describe())
+        """Return this process's stage(s) of ``model`` (one module; its pipeline registered), the tensor-parallel plan
+        for it and whether to derive that plan's sequence-parallel variant: the whole model's plan, for the modules it
+        holds."""
+        layout = schedule_spec(self._pp_schedule)  # which stages this pp coordinate holds: one, or two
+        stage = split_model(model, layout.stages_of(self._pp_mesh.get_local_rank(), spec.pp), layout.num_stages(spec.pp),
+                            self._pp_split, mesh=spec.describe())
+        for name in model.state_dict():  # gathered parts come back in the whole model's order
+            comm.whole_order.setdefault(name, len(comm.whole_order))
         self._pipelines.append(Pipeline(stage, comm=comm, device=self.device, schedule=self._pp_schedule,
                                         microbatches=self._pp_microbatches))
         if self._tp_mesh is None:
             return stage, self._tp_plan, self._sequence_parallel
         plan = stage_plan(model, stage, int(self._tp_mesh.size()), self._tp_plan, sequence_parallel=self._sequence_parallel)
         return stage, plan, False  # the plan is already its sequence-parallel variant where asked
+
+    @property
+    def pipeline_bubble_fraction(self) -> float | None:
+        """The idle fraction of a step of the last prepared pipeline's schedule, from its actions (idle slots over all
+        slots, a forward 1 slot, a backward 2): the last step's, or before the first step the one ``pp_microbatches``
+        runs; None without a pipeline. See ``towers.strategies._pipeline_schedules``."""
+        return self._pipelines[-1].bubble_fraction if self._pp_comm is not None and self._pipelines else None
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any,
                          loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, Any]:

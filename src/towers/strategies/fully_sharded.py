@@ -41,6 +41,7 @@ from towers.strategies._pipeline import (
     check_pipeline_options,
     check_schedule,
 )
+from towers.strategies._pipeline_schedules import schedule_spec
 from towers.strategies._pipeline_split import parse_split
 from towers.strategies._sharded_state import ShardedState, raw_optimizer
 from towers.strategies._step_check import StepCheck
@@ -87,9 +88,11 @@ class FullyShardedStrategy(ShardedState):
     ``strategy.forward_backward`` (torch's ``loss_parallel``; see ``towers.strategies._loss_parallel``).
 
     A ``pp`` dimension (``mesh="pp=2,dp=2"``, outermost) adds pipeline parallelism: each process holds one
-    stage of the model's blocks (``pp_split``: module names where stages 1.. begin; default balanced), and
-    a step runs ``pp_microbatches`` micro-batches (default: one per stage) through the stages by
-    ``pp_schedule`` (``"1f1b"`` or ``"gpipe"``) in ``strategy.forward_backward``. The processes of one
+    stage of the model's blocks, or two under the schedules that interleave them (``pp_split``: module
+    names where stages 1.. begin; default balanced), and a step runs ``pp_microbatches`` micro-batches
+    (default: one per stage) through the stages by ``pp_schedule`` (any of torch's seven: ``"1f1b"``,
+    ``"gpipe"``, ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zero_bubble"``,
+    ``"zbv_zero_bubble"``, ``"dualpipe_v"``) in ``strategy.forward_backward``. The processes of one
     pipeline see the same batch; ``num_replicas_in_sync`` is ``dp``. See ``towers.strategies._pipeline``.
     """
 
@@ -125,7 +128,8 @@ class FullyShardedStrategy(ShardedState):
             spec = spec.resolved(info.world_size)
         self._pp_spec = spec if spec is not None and spec.pp > 1 else None
         self._pp_split, self._pp_schedule = parse_split(pp_split), check_schedule(pp_schedule)
-        self._pp_microbatches = check_microbatches(pp_microbatches, spec.pp if spec is not None else 1)
+        stages = schedule_spec(self._pp_schedule).num_stages(spec.pp) if spec is not None else 1
+        self._pp_microbatches = check_microbatches(pp_microbatches, stages)  # default: one per stage
         if spec is not None and spec.tp > 1 and shard_group_size is not None and (
                 isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1
                 or spec.dp % shard_group_size):
