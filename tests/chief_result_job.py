@@ -4,7 +4,8 @@ A custom loop over ``strategy.distribute_dataset`` with a towers metric updated 
 first epoch (or after the loop) the chief alone calls ``result()`` (it prints ``CALL <time>`` first), the
 other replicas go on to the next epoch's steps (or end). Importable by name (tests/ is on the path), so
 the ranks fork from a server that imported torch once (see tests/stuck_job.py, whose ``run_as_script``
-runs each rank as a script).
+runs each rank as a script). Run as a script (``python chief_result_job.py epoch``), it is the job that
+``towers launch --strategy fault_tolerant`` runs as two replica groups.
 """
 
 from __future__ import annotations
@@ -64,3 +65,9 @@ def _job(when: str) -> None:
             print(f"CALL {time.time():.3f}", flush=True)
             print(f"epoch {epoch}: accuracy {accuracy.result():.3f}", flush=True)  # the other replicas never call it
     print("DONE", flush=True)
+
+
+if __name__ == "__main__":  # as a script under `towers launch` (the fault-tolerant case): chief_result_job.py epoch|end
+    import sys
+
+    _job(sys.argv[1] if len(sys.argv) > 1 else "epoch")  # later arguments mark the test's processes: ignored

@@ -7,12 +7,18 @@ process must exit non-zero within ``BOUND_S`` of the call, each with ``PartialCo
 ``result()`` and the fix, never with the stuck-job watchdog's timeout (its bound stays the default 60 s,
 and the strategies' ``timeout_s`` 300 s). The ranks find their place torchrun-style (see test_stuck.py); the
 test owns the deadline and SIGKILLs anything left over.
+
+Under ``towers launch --strategy fault_tolerant`` (2 replica groups, each its own process group, no watchdog
+across them) the same: every group ends with the error within ``BOUND_S``, the job exits non-zero, and no
+group is started again for it (a restart would hide the error: the other group trained on alone, exit 0).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import subprocess
 import time
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -20,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import chief_result_job
+from cli_support import OutputReader, clean_env, kill, processes_running, start, towers_command
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,3 +110,41 @@ def test_result_on_the_chief_only_after_the_loop_ends_the_chief_with_the_error(t
     assert "but not on rank 1, which went on and ended (its script finished or failed) without calling it" in \
         job["err"][0], logs
     assert "Call result() on every replica and print on the chief" in job["err"][0], logs
+
+
+def test_result_on_the_chief_only_ends_every_fault_tolerant_group_with_the_error(tmp_path):
+    """Two replica groups under towers launch: the chief's group waits in result(), the other begins its next step."""
+    pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
+    argv = [*towers_command(), "launch", "--nproc-per-node", "2", "--strategy", "fault_tolerant",
+            chief_result_job.__file__, "epoch", str(tmp_path)]  # the last argument marks the job's processes
+    env = clean_env()
+    env.pop("RUST_LOG", None)
+    launcher = OutputReader(start(argv, cwd=tmp_path, env=env))
+    try:
+        launcher.proc.wait(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        pass  # told below, with the job's output
+    finally:
+        ended_at = time.time()  # torchrun's agent returns once every group's processes exited
+        running = launcher.proc.poll() is None
+        if running:
+            os.killpg(launcher.proc.pid, signal.SIGKILL)
+        leftovers = processes_running(str(tmp_path))
+        kill(leftovers)
+    out, err = launcher.collect(timeout_s=10)
+    logs = f"stdout:\n{out}\nstderr:\n{err[-8000:]}"
+    assert not running, f"towers launch still running after {DEADLINE_S:g} s\n{logs}"
+    assert leftovers == [], f"processes left behind: {leftovers}\n{logs}"
+    assert launcher.proc.returncode not in (0, 124), f"towers launch exited {launcher.proc.returncode}\n{logs}"
+    called_at = float(next(line for line in out.splitlines() if line.startswith("[rank 0]: CALL")).split()[-1])
+    print(f"fault_tolerant: every process exited within {ended_at - called_at:.1f} s of result()")
+    assert ended_at - called_at < BOUND_S, logs
+    assert "DONE" not in out and "accuracy" not in out, logs  # nothing went on
+    for group in (0, 1):
+        said = "\n".join(line for line in err.splitlines() if line.startswith(f"[rank {group}]: "))
+        assert "PartialCollectiveError: " in said, f"group {group}\n{logs}"
+        assert "Metric.result() of 'sparse_categorical_accuracy' was called on rank 0" in said, f"group {group}\n{logs}"
+        assert "Call result() on every replica and print on the chief" in said, f"group {group}\n{logs}"
+        assert f"replica group {group} exited with code 1 on an error of the whole job" in said, logs
+    assert "but not on rank 1 (this rank), which went on and began the job's next step" in err, logs
+    assert "restarting" not in err and "restarted alone" not in err and "Timed out" not in err, logs

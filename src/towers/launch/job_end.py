@@ -15,6 +15,11 @@ groups that are gone, fail and be started again. On another node than the groups
 group's own strategy reads the store before its first quorum and while it waits for one
 (``JobEndView.ended``) and ends the script with ``JobComplete`` (exit code 0). Groups started by hand
 have neither record, and wait as before.
+
+The other record is the job's failure: a process that ends with an error every replica group shares (a
+collective that not every group called, ``fault_tolerant.agreement``) notes it first (``JobEndView.failed``,
+in the launch directory). Its supervisor then does not start the group again (a new start would find
+the same job, and train on alone in silence): the group's exit is the job's, non-zero.
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ from typing import Any
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 
-__all__ = ["JobEnd", "JobComplete", "JobEndView", "note_job_complete", "job_end_noted", "joined_noted"]
+__all__ = ["JobEnd", "JobComplete", "JobEndView", "note_job_complete", "job_end_noted", "joined_noted",
+           "job_failure_noted"]
 
 log = get_logger(__name__)
 
 _NOTE = "ft-job-complete"
 _JOINED_NOTE = "ft-joined-pid"
+_FAILED_NOTE = "ft-job-failed"
 #: Seconds a store call may take before the record is taken as unreadable (the job goes on as without it).
 _STORE_TIMEOUT_S = 5.0
 
@@ -119,11 +126,23 @@ def joined_noted(launch_dir: str | None, pid: int) -> bool:
     return bool(launch_dir) and os.path.exists(os.path.join(str(launch_dir), f"{_JOINED_NOTE}{pid}"))
 
 
+def job_failure_noted(launch_dir: str | None, attempt: int = 0) -> str | None:
+    """Return the error a process of this node noted as the failure of the job's ``attempt`` (torchrun's restart
+    count: a job restarted whole starts afresh) (``JobEndView.failed``), or None."""
+    if not launch_dir:
+        return None
+    try:
+        with open(os.path.join(launch_dir, f"{_FAILED_NOTE}-{attempt}"), encoding="utf-8") as fh:
+            return fh.read() or None
+    except OSError:
+        return None
+
+
 class JobEndView:
     """A replica group's side of the record: it notes that it joined the job, and reads the job's end across nodes."""
 
     def __init__(self, info: ProcessInfo) -> None:
-        self._launch_dir = info.launch_dir
+        self._launch_dir, self._attempt = info.launch_dir, info.restart_count
         self._info = info if _spans_nodes(info) and info.agent_store and info.master_port is not None else None
         self._store: Any = None
         self._noted = False
@@ -138,6 +157,23 @@ class JobEndView:
                 pass
         except OSError as exc:
             log.debug("could not note in %s that this group joined the job: %s", self._launch_dir, exc)
+
+    def failed(self, error: str) -> None:
+        """Note that this process ends the job with ``error``, shared by every group: its supervisor does not restart it."""
+        if not self._launch_dir:
+            return
+        path = os.path.join(self._launch_dir, f"{_FAILED_NOTE}-{self._attempt}")
+        try:
+            with open(f"{path}.{os.getpid()}", "w", encoding="utf-8") as fh:
+                fh.write(error.splitlines()[0] if error else "failed")
+            os.replace(f"{path}.{os.getpid()}", path)
+        except OSError as exc:
+            log.warning("could not note in %s that the job failed (%s): this group may be started again", self._launch_dir,
+                        exc)
+
+    def noted(self) -> JobEnd | None:
+        """The job's end, noted on this node or (across nodes) in the job's store; else None."""
+        return job_end_noted(self._launch_dir) or self.ended()
 
     def ended(self) -> JobEnd | None:
         """The job's end, when a group on another node recorded it in the job's store; else None."""

@@ -23,7 +23,9 @@ When every member exited 0 the group ran the script to its end, and the job's tr
 (the live groups step together): the supervisor records that (``towers.launch.job_end``). A group
 that fails after that is not started again, and one started again that has not joined a step when
 the record comes is stopped: either way the supervisor says in one line that the group found the job
-complete, and exits 0, instead of a group waiting for a quorum that cannot come.
+complete, and exits 0, instead of a group waiting for a quorum that cannot come. A member that ended
+with an error every group shares (a collective not every group called) notes it first: the group is not
+started again, and its exit code is the job's.
 
 Each member gets ``TOWERS_FT_GROUP`` (the group id: torchrun's ``RANK`` of this process),
 ``TOWERS_FT_GROUP_RANK``, ``TOWERS_FT_GROUP_SIZE`` and ``TOWERS_FT_GROUP_PORT`` (a free port, new for
@@ -44,7 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from towers.cluster.info import ProcessInfo
 from towers.launch.exits import describe_exit
-from towers.launch.job_end import JobEnd, job_end_noted, joined_noted, note_job_complete
+from towers.launch.job_end import JobEnd, job_end_noted, job_failure_noted, joined_noted, note_job_complete
 from towers.launch.spawn import free_port
 from towers.launch.supervise import FORWARDED_SIGNALS, child_setup, read_reports, send_signal, write_report
 
@@ -191,6 +193,10 @@ class _JobEnd:
     def ended(self) -> JobEnd | None:
         return job_end_noted(self.launch_dir)
 
+    def failed(self) -> str | None:
+        """The error a member noted as the job's failure before it ended (``JobEndView.failed``), or None."""
+        return job_failure_noted(self.launch_dir, self.info.restart_count if self.info is not None else 0)
+
     def before_joining(self, group: _Group, restart: int) -> JobEnd | None:
         """The job's end, when it came before this start of the group (a restart) joined a step; else None."""
         if restart == 0 or any(joined_noted(self.launch_dir, m.pid) for m in group.members):
@@ -251,6 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 job_end.note()
             break
         member, code = failed
+        error = job_end.failed()
+        if error is not None:  # an error of the job, not of this group: a new start would meet it again, or train alone
+            print(f"towers: {group.name(who, member)} {describe_exit(code)} on an error of the whole job ({error}); "
+                  "it is not started again, and the job stops", file=sys.stderr, flush=True)
+            break
         ended = job_end.ended()
         if ended is not None:  # the live groups finished the job's training meanwhile: a new start has nothing to do
             lost = "it" if args.group_size == 1 else group.name(who, member)

@@ -37,7 +37,8 @@ The modules: ``strategy.py`` (``FaultTolerantStrategy``: construction, ``prepare
 ``batches.py`` (``FaultTolerantBatches``, the input), ``optimizer.py`` (the optimizer that steps
 on a committed step), ``groups.py`` (a process's replica group, its own process group, torchft's
 quorum client), ``store.py`` (where a group listens), ``grads.py`` (the gradient all-reduce),
-``transport.py`` (the healing state on the wire) and ``shards.py`` (a sharded group's state).
+``transport.py`` (the healing state on the wire), ``shards.py`` (a sharded group's state) and
+``agreement.py`` (a collective every replica must call, ``Metric.result()``, agreed across the groups).
 """
 
 from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S, Lighthouse, start_lighthouse

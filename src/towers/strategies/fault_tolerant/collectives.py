@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from towers.strategies._collectives import as_tensor, check_op, local_reduce
+from towers.strategies._named import current_named_collective
 from towers.strategies.base import PeerLostError
 from towers.strategies.fault_tolerant.groups import quorum_started
 from towers.strategies.fault_tolerant.steps import QuorumSteps
@@ -23,15 +24,19 @@ class LiveGroupCollectives(QuorumSteps):
         from torch.distributed import ReduceOp
 
         reduce_op = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}[op]
+        started = quorum_started(self._manager)
+        if started and current_named_collective() is not None:  # every live group's processes in it, or one error
+            self._agreement.agree(step=self.current_step, expected=self.live_replicas)
         if self._intra is not None:  # this group's processes first (a lost one fails this at once), then the groups
             import torch.distributed as dist
 
             dist.all_reduce(tensor, op=reduce_op, group=self._intra)
-        if not quorum_started(self._manager):  # before the first step: this group alone
+        if not started:  # before the first step: this group alone
             return tensor
         work = self._manager.allreduce(tensor, reduce_op=reduce_op)
         work.wait()
-        if self._manager.errored():
+        if self._manager.errored():  # the other groups may have gone on while one waits in a named call: that is told
+            self._agreement.check(step=self.current_step, where=f"waited in {what} over the live replica groups")
             raise PeerLostError(f"replica group {self.replica_group_id}: {what} failed over the live replica groups: "
                                f"{self._manager.errored()}. A group was lost since this step's quorum; the next step's "
                                "quorum leaves it out. Call it again after the next step.")

@@ -18,6 +18,7 @@ from towers._logging import get_logger
 from towers.errors import FailedPreconditionError, user_error
 from towers.launch.job_end import JobComplete, JobEndView
 from towers.strategies.base import ReplicaContext, Strategy
+from towers.strategies.fault_tolerant.agreement import GroupAgreement
 from towers.strategies.fault_tolerant.grads import GradientSync
 from towers.strategies.fault_tolerant.groups import QuorumClient, quorum_started
 
@@ -56,6 +57,7 @@ class QuorumSteps(Strategy):
     _lighthouse: str
     _quorum_timeout_s: float
     _job_end: JobEndView  # the launcher's record that the job's training ended; this group's note that it joined
+    _agreement: GroupAgreement  # named collectives (Metric.result()) across the groups
 
     # --- the live groups ------------------------------------------------------------------------------
     @property
@@ -92,6 +94,10 @@ class QuorumSteps(Strategy):
                                           "or calling strategy.run (a healing group loads the live state into them).")
         if not quorum_started(self._manager):  # this group's first step: is there still a job to join?
             self._end_if_job_complete()
+            self._agreement.lost()  # started again: a named call that waited for this group cannot complete
+        else:  # a live group that goes on while another waits in a named call (result() on the chief alone) ends it
+            self._agreement.check(step=self.current_step, where=f"began the job's next step (after {self.current_step} "
+                                  f"committed) in replica group {self.replica_group_id}")
         self._start_quorum()
         if self.current_step == 0:
             self._await_launched_groups()
@@ -105,6 +111,9 @@ class QuorumSteps(Strategy):
         try:
             self._manager.start_quorum()
         except Exception as exc:  # torchft raises the RPC's TimeoutError or a connection error
+            # A process of this group that waits in a named call left (its group's server with it): say why.
+            self._agreement.check(step=self.current_step, where=f"began the job's next step (after "
+                                  f"{self.current_step} committed) in replica group {self.replica_group_id}")
             raise FailedPreconditionError(
                 f"replica group {self.replica_group_id}: no quorum from the lighthouse {self._lighthouse} within "
                 f"quorum_timeout_s={self._quorum_timeout_s} ({type(exc).__name__}: {exc}). The lighthouse is the job's "

@@ -23,6 +23,7 @@ from towers.launch.job_end import JobEndView
 from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S, check_timeout
 from towers.strategies._activation_checkpointing import apply_activation_checkpointing
 from towers.strategies.base import note_built
+from towers.strategies.fault_tolerant.agreement import GroupAgreement
 from towers.strategies.fault_tolerant.batches import FaultTolerantBatches
 from towers.strategies.fault_tolerant.collectives import LiveGroupCollectives
 from towers.strategies.fault_tolerant.grads import GradientSync, sum_hook
@@ -138,6 +139,10 @@ class FaultTolerantStrategy(LiveGroupCollectives):
         self._lighthouse = lighthouse or "(none given)"
         self._quorum_timeout_s = quorum_timeout_s
         self._job_end = JobEndView(info)  # under towers launch: the record that the job's training ended
+        # Collectives every replica must call (Metric.result()), agreed across the groups in the job's store.
+        self._agreement = GroupAgreement(info, group=self.replica_group_id, group_size=layout.size,
+                                         job_end=self._job_end, timeout_s=quorum_timeout_s,
+                                         peer_timeout_s=peer_timeout_s, leave=self.shutdown)
         self._user_modules: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._closed = False
