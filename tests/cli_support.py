@@ -162,3 +162,17 @@ def _end_session(proc: subprocess.Popen) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         return proc.communicate()
+
+
+def wait_for_exits(procs: Sequence, *, deadline_s: float) -> dict[int, float]:
+    """Wait until every ``multiprocessing`` process in ``procs`` exits or ``deadline_s`` passes; return each exited
+    process's index -> the wall-clock time it was seen to exit (those still running are left to the caller)."""
+    from multiprocessing.connection import wait
+
+    exited_at: dict[int, float] = {}
+    sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+    deadline = time.monotonic() + deadline_s
+    while sentinels and time.monotonic() < deadline:
+        for s in wait(list(sentinels), timeout=max(0.0, deadline - time.monotonic())):
+            exited_at[sentinels.pop(s)] = time.time()
+    return exited_at

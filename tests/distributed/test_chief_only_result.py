@@ -20,13 +20,12 @@ import os
 import signal
 import subprocess
 import time
-from multiprocessing.connection import wait
 from pathlib import Path
 
 import pytest
 
 import chief_result_job
-from cli_support import OutputReader, clean_env, kill, processes_running, start, towers_command
+from cli_support import OutputReader, clean_env, kill, processes_running, start, towers_command, wait_for_exits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,11 +54,7 @@ def _run_job(tmp_path: Path, strategy: str, when: str = "epoch") -> dict:
         procs.append(p)
     exited_at: dict[int, float] = {}
     try:
-        sentinels = {p.sentinel: r for r, p in enumerate(procs)}
-        deadline = time.monotonic() + DEADLINE_S
-        while sentinels and time.monotonic() < deadline:
-            for s in wait(list(sentinels), timeout=max(0.0, deadline - time.monotonic())):
-                exited_at[sentinels.pop(s)] = time.time()
+        exited_at = wait_for_exits(procs, deadline_s=DEADLINE_S)
     finally:
         left = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import towers
+from ema_support import plain_ema
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,14 +51,8 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 def _plain() -> dict:
     """The one-device loop without towers: a mean over the global batch, torch's AveragedModel after each step."""
     model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY))
     x, y = _data()
-    for start in range(0, ROWS, GBS):
-        F.cross_entropy(model(x[start:start + GBS]), y[start:start + GBS]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        averaged.update_parameters(model)
+    averaged = plain_ema(model, x, y, lr=LR, decay=DECAY, batch=GBS)
     with torch.no_grad():
         return {"weights": model.state_dict(), "ema": averaged.module.state_dict(), "ema output": averaged(x)}
 

@@ -11,7 +11,6 @@ import json
 import multiprocessing as mp
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -90,8 +89,8 @@ DEADLINE_S = 60.0
 
 
 def _run_stuck_job(tmp_path: Path, backend: str) -> dict:
-    from multiprocessing.connection import wait
-
+    
+    from cli_support import wait_for_exits
     from towers.launch.spawn import free_port
 
     port, world = free_port(), 2
@@ -109,11 +108,7 @@ def _run_stuck_job(tmp_path: Path, backend: str) -> dict:
         procs.append(p)
     exited_at: dict[int, float] = {}
     try:
-        sentinels = {p.sentinel: r for r, p in enumerate(procs)}
-        deadline = time.monotonic() + DEADLINE_S
-        while sentinels and time.monotonic() < deadline:
-            for s in wait(list(sentinels), timeout=max(0.0, deadline - time.monotonic())):
-                exited_at[sentinels.pop(s)] = time.time()
+        exited_at = wait_for_exits(procs, deadline_s=DEADLINE_S)
     finally:
         left = [p.pid for p in procs if p.is_alive()]
         for p in procs:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import towers
+from ema_support import plain_ema
 from towers.strategies import current_replica_context
 from towers.strategies._copies import DetachedHook, refuse_copies
 
@@ -56,15 +57,7 @@ def _train(strategy: towers.Strategy, model: nn.Module, optimizer: torch.optim.O
 
 def _plain_ema() -> tuple[nn.Module, AveragedModel]:
     model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY))
-    x, y = _data()
-    for start in range(0, ROWS, GBS):
-        F.cross_entropy(model(x[start:start + GBS]), y[start:start + GBS]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        averaged.update_parameters(model)
-    return model, averaged
+    return model, plain_ema(model, *_data(), lr=LR, decay=DECAY, batch=GBS)
 
 
 def _close(got: dict, want: dict) -> None:
