@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import time
@@ -140,6 +141,7 @@ def test_result_on_the_chief_only_ends_every_fault_tolerant_group_with_the_error
         assert "PartialCollectiveError: " in said, f"group {group}\n{logs}"
         assert "Metric.result() of 'sparse_categorical_accuracy' was called on rank 0" in said, f"group {group}\n{logs}"
         assert "Call result() on every replica and print on the chief" in said, f"group {group}\n{logs}"
-        assert f"replica group {group} exited with code 1 on an error of the whole job" in said, logs
+    # The group that exits first ends the job; its supervisor says so (torchrun may stop the other before its own line).
+    assert re.search(r"replica group [01] exited with code 1 on an error of the whole job", err), logs
     assert "but not on rank 1 (this rank), which went on and began the job's next step" in err, logs
     assert "restarting" not in err and "restarted alone" not in err and "Timed out" not in err, logs
