@@ -22,3 +22,18 @@ def _collective_interfaces_restored() -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def _no_strategy_left_current() -> Iterator[None]:
+    """A loop without ``strategy.run`` leaves its last step's strategy and replica context current, as a script's loop
+    does (its step lasts until the next forward). In one pytest process that would reach the next test: each test
+    starts and ends with none."""
+    from towers.strategies import base
+
+    variables = (base._current_strategy, base._current_replica)  # noqa: SLF001 (test isolation only)
+    for variable in variables:
+        variable.set(None)
+    yield
+    for variable in variables:
+        variable.set(None)

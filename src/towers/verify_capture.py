@@ -140,12 +140,20 @@ def _owner(params: list[torch.Tensor]) -> torch.nn.Module | None:
     best, best_count = None, 0
     with warnings.catch_warnings():  # isinstance on some objects (torch's deprecated aliases) warns
         warnings.simplefilter("ignore")
-        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.nn.Module)]
+        objects = [obj for obj in gc.get_objects() if _is_module(obj)]
     for obj in objects:
         count = sum(1 for p in obj.parameters() if id(p) in wanted)
         if count > best_count or (count == best_count and best is not None and _depth(obj) > _depth(best)):
             best, best_count = obj, count
     return best
+
+
+def _is_module(obj: object) -> bool:
+    """True for a live ``nn.Module`` (a ``weakref.proxy`` whose object is gone raises on isinstance: not one)."""
+    try:
+        return isinstance(obj, torch.nn.Module)
+    except ReferenceError:
+        return False
 
 
 def _depth(module: torch.nn.Module) -> int:

@@ -46,13 +46,19 @@ def _prepared(**options) -> tuple[towers.Strategy, nn.Module, torch.optim.Optimi
 
 
 def _train(strategy: towers.Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, after_step=None) -> None:
-    """The plain loop a towers script writes: no strategy.run, compute_average_loss, one update per batch."""
-    for x, y in strategy.distribute_dataset(_data(), GBS, shuffle=False):
-        towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none")).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if after_step is not None:
-            after_step()
+    """The plain loop a towers script writes: no strategy.run, compute_average_loss, one update per batch.
+
+    Run in a context of its own: a loop without strategy.run leaves its last step's strategy current, as a script's
+    does, and the tests after this one start with none."""
+    def loop() -> None:
+        for x, y in strategy.distribute_dataset(_data(), GBS, shuffle=False):
+            towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none")).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if after_step is not None:
+                after_step()
+
+    contextvars.copy_context().run(loop)
 
 
 def _plain_ema() -> tuple[nn.Module, AveragedModel]:

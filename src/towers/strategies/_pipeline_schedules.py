@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-from towers.errors import user_error
+from towers.errors import InvalidArgumentError, user_error
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "check_schedule", "schedule_spec", "runnable_schedule", "build_schedule",
            "schedule_actions", "rank_actions", "bubble_fraction"]
@@ -260,6 +260,7 @@ def bubble_fraction(actions: dict[int, list[Any]], num_stages: int) -> float:
                 progressed = True
         if not progressed:
             stuck = {rank: str(queue[position[rank]]) for rank, queue in actions.items() if position[rank] < len(queue)}
-            raise ValueError(f"the schedule's actions wait for each other; next on each rank: {stuck}")
+            raise InvalidArgumentError(f"The schedule's actions wait for each other, so its bubble cannot be measured; "
+                                       f"next on each rank: {stuck}. Report it with the schedule's name and sizes.")
     length = max(free.values())
     return 0.0 if length == 0 else 1.0 - sum(busy.values()) / (len(actions) * length)
