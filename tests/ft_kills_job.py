@@ -43,25 +43,11 @@ from torch import nn
 
 import towers
 from ft_support import end_job
+from ft_trainer_job import GLOBAL_BATCH_SIZE, dataset, model_and_optimizer
 
-NUM_EXAMPLES = 500  # 16 global batches of 32 per epoch, the last one of 20
-GLOBAL_BATCH_SIZE = 32
-STEPS_PER_EPOCH = 16
+STEPS_PER_EPOCH = 16  # of ft_trainer_job's data and global batch, whose model and optimizer this job trains too
 PHASES = ("between", "forward", "backward", "commit", "recorded")
 HOLD_DEADLINE_S = 60.0
-
-
-def dataset() -> torch.utils.data.TensorDataset:
-    """The job's data (the test builds the same for its one-device reference)."""
-    x = torch.randn(NUM_EXAMPLES, 8, generator=torch.Generator().manual_seed(123))
-    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
-
-
-def model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The job's model and optimizer, from ``seed``'s initial weights."""
-    torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
 
 def _say(line: str) -> None:
