@@ -29,9 +29,9 @@ def _no_strategy_left_current() -> Iterator[None]:
     """A loop without ``strategy.run`` leaves its last step's strategy and replica context current, as a script's loop
     does (its step lasts until the next forward). In one pytest process that would reach the next test: each test
     starts and ends with none."""
-    from towers.strategies import base
+    from towers.strategies import context
 
-    variables = (base._current_strategy, base._current_replica)  # noqa: SLF001 (test isolation only)
+    variables = (context.CURRENT_STRATEGY, context.CURRENT_REPLICA)
     for variable in variables:
         variable.set(None)
     yield

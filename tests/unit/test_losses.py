@@ -11,17 +11,18 @@ from towers import compute_average_loss, scale_regularization_loss
 from towers.cluster.info import ProcessInfo
 from towers.strategies import base
 from towers.strategies.base import ReplicaContext
+from towers.strategies.context import CURRENT_REPLICA, CURRENT_STRATEGY
 from towers.strategies.one_device import OneDeviceStrategy
 
 
 def _in_context(fn, **context):
     replicas = context.pop("replicas", 1)
     ctx = ReplicaContext(SimpleNamespace(replica_id=0, num_replicas_in_sync=replicas), **context)
-    token = base._current_replica.set(ctx)
+    token = CURRENT_REPLICA.set(ctx)
     try:
         return fn()
     finally:
-        base._current_replica.reset(token)
+        CURRENT_REPLICA.reset(token)
 
 
 def test_outside_a_strategy_it_is_the_local_mean():
@@ -61,13 +62,13 @@ def test_without_batch_knowledge_several_replicas_or_micro_batches_need_the_glob
 
 
 def test_outside_run_with_several_replicas_in_sync_it_refuses_to_guess():
-    token = base._current_strategy.set(SimpleNamespace(num_replicas_in_sync=2))
+    token = CURRENT_STRATEGY.set(SimpleNamespace(num_replicas_in_sync=2))
     try:
         with pytest.raises(ValueError, match="outside strategy.run while 2 replicas train in sync"):
             compute_average_loss(torch.ones(3))
         assert compute_average_loss(torch.ones(3), 6).item() == pytest.approx(0.5)
     finally:
-        base._current_strategy.reset(token)
+        CURRENT_STRATEGY.reset(token)
 
 
 def test_a_kept_batch_a_prefetched_batch_and_an_eval_pass_in_between_keep_their_own_divisor():

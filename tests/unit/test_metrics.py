@@ -120,7 +120,7 @@ def test_keras_style_update_and_result_in_a_custom_loop():
 
 def test_metric_result_combines_every_replicas_updates_through_the_strategy():
     from towers.metrics import Accuracy
-    from towers.strategies.base import _current_strategy
+    from towers.strategies.context import CURRENT_STRATEGY
 
     class TwoReplicas:  # the other replica saw 3 examples, all right
         num_replicas_in_sync = 2
@@ -130,9 +130,9 @@ def test_metric_result_combines_every_replicas_updates_through_the_strategy():
             return value + torch.tensor([3.0, 3.0], dtype=torch.float64)
 
     metric = Accuracy()
-    token = _current_strategy.set(TwoReplicas())  # as inside strategy.run
+    token = CURRENT_STRATEGY.set(TwoReplicas())  # as inside strategy.run
     try:
         metric.update(torch.tensor([[1.0, 0.0]]), torch.tensor([1]))  # this replica: 0 of 1
     finally:
-        _current_strategy.reset(token)
+        CURRENT_STRATEGY.reset(token)
     assert metric.result() == pytest.approx(3 / 4)

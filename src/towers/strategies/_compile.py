@@ -17,7 +17,7 @@ from torch import nn
 
 from towers.errors import FailedPreconditionError, InvalidTypeError
 
-__all__ = ["compile_options", "compile_module"]
+__all__ = ["compile_options", "compile_module", "CompiledModules"]
 
 _COMPILERS = ("c++", "g++", "clang++")
 
@@ -51,3 +51,23 @@ def compile_module(module: nn.Module, options: Mapping[str, Any], device: torch.
             f"CPU, and none of {', '.join(_COMPILERS)} is on PATH. Install one (e.g. `apt-get install g++`), pass "
             "compile={'backend': 'aot_eager'} (traced, no C++ kernels), or leave compile=False.")
     return torch.compile(module, **options)  # type: ignore[return-value]
+
+
+class CompiledModules:
+    """The modules a strategy's ``prepare`` compiled, each under its compiled form (``strategy.unwrap`` sees through it)."""
+
+    def __init__(self) -> None:
+        self._originals: dict[int, nn.Module] = {}  # id(compiled module) -> the module it compiles
+
+    def compile(self, module: nn.Module, compile: bool | Mapping[str, Any], device: torch.device) -> nn.Module:
+        """Return ``module`` compiled as ``prepare(..., compile=)`` asks (``module`` itself when it does not)."""
+        options = compile_options(compile)
+        if options is None:
+            return module
+        compiled = compile_module(module, options, device)
+        self._originals[id(compiled)] = module
+        return compiled
+
+    def original(self, module: nn.Module) -> nn.Module:
+        """The module ``module`` compiles, when it is one compiled here; else ``module``."""
+        return self._originals.get(id(module), module)

@@ -11,17 +11,22 @@ one device's: torch's own ``clip_grad_norm_``, gradient logging and the optimize
 Losses that no towers normaliser produced (a model's mean ``out.loss``, Accelerate's habit) are
 refused at the update step where replicas sum their gradients: summed means are N times one
 device's gradient, so the first such step stops with the fix instead of training on it.
+
+Every strategy holds one ``UpdateWeights`` (``strategy._loss_weights``); the hooks ``towers.losses``
+calls (``note_weighted_loss``, ``note_example_normalised_loss``) and the ones a strategy overrides
+(``_check_weighted_loss``, ``_finish_loss_weights``, ``_sums_replica_gradients``) are ``Strategy``'s
+methods (``base.py``), built from the helpers here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from towers.errors import user_error
 
-__all__ = ["UpdateWeights", "StrategyLossWeights", "note_normalised"]
+__all__ = ["UpdateWeights", "note_normalised", "prepared_parameters", "no_optimizer_to_divide", "after_backward"]
 
 # Losses towers normalised in this process (compute_average_loss, scale_regularization_loss), inside strategy.run
 # or not: an update with none since the last one backpropagated something else (a per-replica mean).
@@ -122,95 +127,39 @@ class UpdateWeights:
                 p.grad.div_(total)
 
 
-class StrategyLossWeights:
-    """The part of ``Strategy`` that normalises a loss by the update's global weight (a base class: its state is the
-    strategy's). ``towers.losses`` calls its two public hooks; a strategy overrides ``_check_weighted_loss`` where it
-    cannot normalise by weights, and ``_sums_replica_gradients`` where an update is not the replicas' sum."""
+def prepared_parameters(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    """The parameters of ``optimizers``, lazily (``UpdateWeights.finish`` lists them only where it needs them)."""
+    return (p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"])
 
-    if TYPE_CHECKING:
-        @property
-        def num_replicas_in_sync(self) -> int: ...
-        def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor: ...
-        def _prepared_optimizers(self) -> list[torch.optim.Optimizer]: ...
 
-    @property
-    def _loss_weights(self) -> UpdateWeights:
-        """This replica's loss weights in the update in progress (``compute_average_loss(weights=...)``)."""
-        return self.__dict__.setdefault("_update_weights", UpdateWeights())
+def no_optimizer_to_divide(strategy_name: str) -> Exception:
+    """The error for a weighted loss under a strategy that prepared no optimizer.
 
-    # --- the loss normalisers' hooks (towers.losses; not for user code) -------------------------------
-    def note_example_normalised_loss(self, *, update_step: bool) -> None:
-        """Note a loss normalised by examples in the update in progress (``update_step``: its last micro-batch).
+    The division happens in the prepared optimizer's ``step()`` (or ``clip_grad_norm_``): without a
+    prepared optimizer the gradient would silently stay the weighted sum.
+    """
+    return user_error(
+        "compute_average_loss(..., weights=...) divides the gradient by the update's global weight when the "
+        "optimizer returned by strategy.prepare steps, and this strategy prepared no optimizer",
+        f"{strategy_name} with no prepared optimizer",
+        "Prepare the optimizer with the model: model, optimizer = strategy.prepare(model, optimizer), and call "
+        "that optimizer's step().")
 
-        Called by ``towers.losses`` (``compute_average_loss`` without ``weights``, ``scale_regularization_loss``)
-        where several replicas or micro-batches share an update.
 
-        Raises:
-            ValueError: the update already holds a loss normalised by weights.
-        """
-        self._loss_weights.note_plain(update_step)
+def after_backward(loss: torch.Tensor, finish: Callable[[], None]) -> None:
+    """Call ``finish`` as the backward through ``loss`` ends, after the strategy's own backward callbacks.
 
-    def note_weighted_loss(self, loss: torch.Tensor, weight: float, *, update_step: bool) -> None:
-        """Note a loss normalised by ``weight`` (``compute_average_loss(..., weights=...)``) in the update in progress.
+    A hook on ``loss`` queues a callback at the start of its backward; the callback queues ``finish``
+    once more, so that it runs after the callbacks DDP and FSDP queue during the same backward (their
+    gradient all-reduce / reduce-scatter): ``p.grad`` is final when backward returns.
+    """
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
 
-        ``loss`` is what the caller returns (its gradient is the weighted SUM); at the update step
-        (``update_step``) the update's gradients are divided by its global weight as the backward
-        through ``loss`` ends. Called by ``towers.losses``.
+    def after_the_strategys_callbacks() -> None:
+        engine.queue_callback(finish)
 
-        Raises:
-            NotImplementedError: this strategy cannot normalise by weights.
-            ValueError: this strategy prepared no optimizer, or the update mixes weighted and example-normalised
-                losses, or its gradient was divided already.
-        """
-        self._check_weighted_loss()
-        self._loss_weights.note_weighted(weight, update_step)
-        if update_step:
-            self._finish_after_backward(loss)
+    def at_backward_start(grad: torch.Tensor) -> torch.Tensor:
+        engine.queue_callback(after_the_strategys_callbacks)
+        return grad
 
-    def _check_weighted_loss(self) -> None:
-        """Raise when this strategy cannot normalise a loss by the update's global weight.
-
-        The division happens in the prepared optimizer's ``step()`` (or ``clip_grad_norm_``): without a
-        prepared optimizer the gradient would silently stay the weighted sum.
-        """
-        if not self._prepared_optimizers():
-            raise user_error(
-                "compute_average_loss(..., weights=...) divides the gradient by the update's global weight when the "
-                "optimizer returned by strategy.prepare steps, and this strategy prepared no optimizer",
-                f"{type(self).__name__} with no prepared optimizer",
-                "Prepare the optimizer with the model: model, optimizer = strategy.prepare(model, optimizer), and call "
-                "that optimizer's step().")
-
-    def _finish_loss_weights(self, when: str = "step") -> None:
-        """At an update step: divide the gradients by the update's global loss weight, when its losses were weighted.
-
-        Called as the update step's backward ends (``"backward"``), and again in ``clip_grad_norm_`` (``"clip"``) and
-        as the optimizer steps (``"step"``), which find nothing left to divide and refuse a loss no towers
-        normaliser produced."""
-        params = (p for optimizer in self._prepared_optimizers() for group in optimizer.param_groups
-                  for p in group["params"])  # lazily: finish lists them only where it needs them
-        self._loss_weights.finish(params, lambda total: self.reduce("sum", total), when=when,
-                                  replicas_summed=self.num_replicas_in_sync if self._sums_replica_gradients else 1)
-
-    @property
-    def _sums_replica_gradients(self) -> bool:
-        """True where an update is the SUM of the replicas' gradients (one device's only for normalised losses)."""
-        return True
-
-    def _finish_after_backward(self, loss: torch.Tensor) -> None:
-        """Divide the update's gradients by its global weight as the backward through ``loss`` ends.
-
-        A hook on ``loss`` queues a callback at the start of its backward; the callback queues the
-        division once more, so that it runs after the callbacks DDP and FSDP queue during the same
-        backward (their gradient all-reduce / reduce-scatter): ``p.grad`` is final when backward returns.
-        """
-        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
-
-        def after_the_strategys_callbacks() -> None:
-            engine.queue_callback(lambda: self._finish_loss_weights("backward"))
-
-        def at_backward_start(grad: torch.Tensor) -> torch.Tensor:
-            engine.queue_callback(after_the_strategys_callbacks)
-            return grad
-
-        loss.register_hook(at_backward_start)
+    loss.register_hook(at_backward_start)

@@ -23,6 +23,7 @@ from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tenso
 from towers.strategies._copies import DetachedHook
 from towers.strategies._steps import StepTracker, StrategyOptimizer
 from towers.strategies.base import ReplicaContext, Strategy, current_replica_context, note_built
+from towers.strategies.context import enter_until_next_step
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
 
 __all__ = ["SyncStrategy"]
@@ -146,7 +147,7 @@ class SyncStrategy(Strategy):
         implicit = ReplicaContext(
             self, global_batch_size=run.global_batch_size, num_padding_examples=run.num_padding_examples,
             accumulation_steps=run.accumulation_steps, is_update_step=run.sync, until_next_step=True)
-        self._enter_until_next_step(implicit)
+        enter_until_next_step(self, implicit)
 
     def _updates_now(self) -> bool:
         context = current_replica_context()  # outside run: the last run's place in its accumulation window

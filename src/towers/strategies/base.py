@@ -1,4 +1,5 @@
-"""The Strategy interface, the replica context and the registry of strategy names.
+"""The Strategy interface; the replica context (``context.py``) and the registry of strategy names (``registry.py``),
+re-exported.
 
 A strategy owns *how* replicas cooperate (devices, processes, gradient exchange); user code
 only calls the methods below, so one script runs unchanged under every strategy.
@@ -7,60 +8,52 @@ only calls the methods below, so one script runs unchanged under every strategy.
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import os
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from towers._logging import get_logger
+from towers import checkpoint
 from towers._rng import fork_replica_stream, owns_stream
+from towers.checkpoint.api import load_plain_state_dict, plain_state_dict
+from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.data import BatchInfo, InputContext, find_batch_info
 from towers.errors import InvalidTypeError
-from towers.strategies._compile import compile_module, compile_options
-from towers.strategies._loss_weights import StrategyLossWeights
-from towers.strategies._strategy_checkpoints import StrategyCheckpoints
-from towers.strategies.context import PeerLostError, ReplicaContext, check_max_norm
+from towers.strategies._compile import CompiledModules
+from towers.strategies._loss_weights import UpdateWeights, after_backward, no_optimizer_to_divide, prepared_parameters
+from towers.strategies.context import (
+    PeerLostError,
+    ReplicaContext,
+    accumulated_norm,
+    check_max_norm,
+    current_replica_context,
+    current_strategy,
+    entered,
+    strategy_scope,
+)
 from towers.strategies.precision import Precision
+from towers.strategies.registry import (
+    check_strategy_options,
+    get_strategy,
+    note_built,
+    register_strategy,
+    strategy_from_env,
+    strategy_names,
+    strategy_options,
+)
 
-__all__ = [
-    "strategy_options",
-    "check_strategy_options",
-    "REDUCE_OPS",
-    "Strategy",
-    "ReplicaContext",
-    "current_strategy",
-    "current_replica_context",
-    "register_strategy",
-    "get_strategy",
-    "strategy_names",
-    "strategy_from_env",
-    "PeerLostError",
-    "note_built",
-]
-
-log = get_logger(__name__)
+__all__ = ["strategy_options", "check_strategy_options", "REDUCE_OPS", "Strategy", "ReplicaContext", "current_strategy",
+           "current_replica_context", "register_strategy", "get_strategy", "strategy_names", "strategy_from_env",
+           "PeerLostError", "note_built"]
 
 #: Reductions accepted by ``Strategy.reduce``.
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
-_current_strategy: contextvars.ContextVar["Strategy | None"] = contextvars.ContextVar("towers_strategy", default=None)
-_current_replica: contextvars.ContextVar["ReplicaContext | None"] = contextvars.ContextVar("towers_replica", default=None)
 
-
-def current_strategy() -> "Strategy | None":
-    """Return the strategy whose ``scope()`` or ``run()`` encloses this code, or None."""
-    return _current_strategy.get()
-
-
-def current_replica_context() -> ReplicaContext | None:
-    """Return the replica context of the enclosing ``strategy.run``, or None outside one."""
-    return _current_replica.get()
-
-
-class Strategy(StrategyLossWeights, StrategyCheckpoints, ABC):
+class Strategy(ABC):
     """How replicas cooperate. Subclasses implement the abstract methods; user code calls only these.
 
     A strategy owns everything that depends on it: device placement, wrapping (``prepare``),
@@ -68,6 +61,10 @@ class Strategy(StrategyLossWeights, StrategyCheckpoints, ABC):
     optimizer state (``state_dict``/``load_state_dict``), the checkpoint format
     (``save_checkpoint``/``load_checkpoint``) and the collectives. Every method that
     communicates is a collective: every replica calls it, in the same order.
+
+    What it holds besides: the loss weights of the update in progress (``_loss_weights``, an
+    ``UpdateWeights``) and how its processes write checkpoint tensors (``checkpoint_io()``, a
+    ``CheckpointIO``); the checkpoint format itself is ``towers.checkpoint``'s.
     """
 
     #: Registry name (``towers.get_strategy(name)``, ``towers launch --strategy name``).
@@ -108,12 +105,8 @@ class Strategy(StrategyLossWeights, StrategyCheckpoints, ABC):
     @contextlib.contextmanager
     def scope(self) -> Iterator["Strategy"]:
         """Make this the current strategy; modules and tensors created inside land on ``self.device``."""
-        token = _current_strategy.set(self)
-        try:
-            with torch.device(self.device):
-                yield self
-        finally:
-            _current_strategy.reset(token)
+        with strategy_scope(self), torch.device(self.device):
+            yield self
 
     @abstractmethod
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -129,21 +122,17 @@ class Strategy(StrategyLossWeights, StrategyCheckpoints, ABC):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """Return the user's module inside whatever ``prepare`` wrapped (and compiled) it in."""
-        model = self._compiled_from().get(id(model), model)
+        model = self._compiled_modules.original(model)
         return getattr(model, "module", model)
 
     def _compile(self, module: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
         """Return ``module`` compiled as ``prepare(..., compile=)`` asks (itself when not); ``unwrap`` sees through it."""
-        options = compile_options(compile)
-        if options is None:
-            return module
-        compiled = compile_module(module, options, self.device)
-        self._compiled_from()[id(compiled)] = module
-        return compiled
+        return self._compiled_modules.compile(module, compile, self.device)
 
-    def _compiled_from(self) -> dict[int, nn.Module]:
-        """id(compiled module) -> the module it compiles, for the modules ``prepare`` compiled."""
-        return self.__dict__.setdefault("_compiled_modules", {})
+    @property
+    def _compiled_modules(self) -> CompiledModules:
+        """The modules ``prepare`` compiled (made at the first use: a subclass's ``__init__`` need not call ours)."""
+        return self.__dict__.setdefault("_compiled", CompiledModules())
 
     @abstractmethod
     def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
@@ -186,32 +175,14 @@ class Strategy(StrategyLossWeights, StrategyCheckpoints, ABC):
             return fn(*args, **kwargs)
 
     def _own_random_stream(self) -> None:
-        """At this replica's first step (and after the script seeds again): fork a stream of its own (replica 0 keeps
-        the script's).
-
-        The script's ``torch.manual_seed`` gave every replica the same initial weights; from the first step
-        on, dropout masks and other draws differ between replicas (``towers._rng``)."""
+        """At this replica's first step (and after the script seeds again): fork a random stream of its own (replica 0
+        keeps the script's): the same initial weights everywhere, then dropout masks that differ (``towers._rng``)."""
         if self.replica_id > 0 and not owns_stream(self.replica_id):  # first step, or the script seeded again
             fork_replica_stream(self.replica_id)
 
-    @contextlib.contextmanager
-    def _entered(self, context: ReplicaContext) -> Iterator[None]:
+    def _entered(self, context: ReplicaContext) -> contextlib.AbstractContextManager[None]:
         """Make this the current strategy and ``context`` the current replica context, restored on exit."""
-        strategy_token = _current_strategy.set(self)
-        replica_token = _current_replica.set(context)
-        try:
-            yield
-        finally:
-            _current_replica.reset(replica_token)
-            _current_strategy.reset(strategy_token)
-
-    def _enter_until_next_step(self, context: ReplicaContext) -> None:
-        """Make ``context`` the current replica context (and this the current strategy) without a scope to leave.
-
-        For a loop without ``strategy.run``: the step a prepared model's forward started lasts until the next one.
-        """
-        _current_strategy.set(self)
-        _current_replica.set(context)
+        return entered(self, context)
 
     def _replica_context(self, batch: BatchInfo | None) -> ReplicaContext:
         """The context ``run`` enters for a step on a batch carrying ``batch`` (None: unknown)."""
@@ -264,11 +235,7 @@ class Strategy(StrategyLossWeights, StrategyCheckpoints, ABC):
         """
         check_max_norm(max_norm)
         if not self._updates_now():
-            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
-            norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).cpu()
-                                                          for g in grads]), norm_type) if grads else torch.zeros(()))
-            return norm / self.precision.scale if self.precision.needs_loss_scaling else norm
+            return accumulated_norm(parameters, norm_type, self.precision)
         self._finish_loss_weights("clip")
         for optimizer in self._prepared_optimizers():
             self.precision.unscale_gradients(optimizer)
@@ -310,19 +277,118 @@ class Strategy(StrategyLossWeights, StrategyCheckpoints, ABC):
     def shutdown(self) -> None:  # noqa: B027 (a no-op by default, not abstract: most strategies start nothing)
         """Release processes, groups and servers this strategy started (idempotent)."""
 
-    # --- state and checkpoints -----------------------------------------------------------------------
+    # --- the loss normalisers' hooks (towers.losses; not for user code) ------------------------------------------
+    @property
+    def _loss_weights(self) -> UpdateWeights:
+        """This replica's loss weights in the update in progress (``compute_average_loss(weights=...)``)."""
+        return self.__dict__.setdefault("_update_weights", UpdateWeights())
+
+    def note_example_normalised_loss(self, *, update_step: bool) -> None:
+        """Note a loss normalised by examples (``compute_average_loss`` without ``weights``, ``scale_regularization_loss``)
+        in the update in progress (``update_step``: its last micro-batch).
+
+        Raises:
+            ValueError: the update already holds a loss normalised by weights.
+        """
+        self._loss_weights.note_plain(update_step)
+
+    def note_weighted_loss(self, loss: torch.Tensor, weight: float, *, update_step: bool) -> None:
+        """Note a loss normalised by ``weight`` (``compute_average_loss(..., weights=...)``) in the update in progress:
+        ``loss``'s gradient is the weighted SUM, divided by the update's global weight as the backward through it ends
+        at the update step (``update_step``).
+
+        Raises:
+            NotImplementedError: this strategy cannot normalise by weights.
+            ValueError: this strategy prepared no optimizer, or the update mixes weighted and example-normalised
+                losses, or its gradient was divided already.
+        """
+        self._check_weighted_loss()
+        self._loss_weights.note_weighted(weight, update_step)
+        if update_step:
+            self._finish_after_backward(loss)
+
+    def _check_weighted_loss(self) -> None:
+        """Raise where this strategy cannot normalise a loss by the update's global weight (here: no prepared optimizer,
+        whose ``step()`` or ``clip_grad_norm_`` divides the gradient)."""
+        if not self._prepared_optimizers():
+            raise no_optimizer_to_divide(type(self).__name__)
+
+    def _finish_loss_weights(self, when: str = "step") -> None:
+        """At an update step (``when``: as its backward ends ``"backward"``, in ``clip_grad_norm_`` ``"clip"``, as the
+        optimizer steps ``"step"``): divide the gradients by the update's global weight (``UpdateWeights.finish``)."""
+        self._loss_weights.finish(prepared_parameters(self._prepared_optimizers()), lambda total: self.reduce("sum", total),
+                                  when=when, replicas_summed=self.num_replicas_in_sync if self._sums_replica_gradients else 1)
+
+    @property
+    def _sums_replica_gradients(self) -> bool:
+        """True where an update is the SUM of the replicas' gradients (one device's only for normalised losses)."""
+        return True
+
+    def _finish_after_backward(self, loss: torch.Tensor) -> None:
+        """Divide the update's gradients by its global weight as the backward through ``loss`` ends (after DDP's and
+        FSDP's gradient all-reduce / reduce-scatter: ``p.grad`` is final when backward returns)."""
+        after_backward(loss, lambda: self._finish_loss_weights("backward"))
+
+    # --- state and checkpoints (the format is towers.checkpoint's) -------------------------------------------------
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """Return ``{"model", "optimizer", "precision"}``: the training state of a prepared model and optimizer.
+
+        The model's is the user's module's ``state_dict()`` (full tensors, or this process's shards
+        as DTensors under a sharded strategy); the optimizer's is keyed by parameter NAME, not by
+        torch's position, so it loads under any strategy. Plain tensors, numbers, strings, lists and
+        dicts only. A collective where the state lives elsewhere (shards): every replica calls it.
+        """
+        return {**plain_state_dict(self.unwrap(model), optimizer), "precision": self.precision.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any], model: nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Restore what ``state_dict`` returned (under this or another strategy) into a prepared model and optimizer.
+
+        Every replica calls it. The optimizer loads first: torch checks its state before changing anything.
+        """
+        load_plain_state_dict(state, self.unwrap(model), optimizer)
+        self.precision.load_state_dict(state.get("precision") or {})
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """Return the user's module's full (unsharded) ``state_dict()``; a collective where it is sharded."""
+        return self.unwrap(model).state_dict()
+
+    def checkpoint_io(self) -> CheckpointIO:
+        """How this strategy's processes write checkpoint tensors (every process its part, by default)."""
+        return self.__dict__.setdefault("_checkpoint_io", CheckpointIO(collective=True))
+
+    def export_model(self, model: nn.Module, path: str | os.PathLike[str]) -> Any:
+        """Write the user's module's full weights to ``path`` for inference (safetensors or a torch file); every replica
+        calls it. ``towers.checkpoint.export_model(model, path, strategy=self)``; returns the path."""
+        return checkpoint.export_model(model, path, strategy=self)
+
+    def save_checkpoint(self, path: str | os.PathLike[str], state: Mapping[str, Any]) -> str:
+        """Write ``state`` (your dict: model, optimizer, data, values) as a checkpoint at ``path``; every replica calls
+        it. ``towers.checkpoint.save_checkpoint(path, state, strategy=self)``; any strategy restores it."""
+        return str(checkpoint.save_checkpoint(path, state, strategy=self))
+
+    def restore_checkpoint(self, path: str | os.PathLike[str], objects: Mapping[str, Any]) -> dict[str, Any]:
+        """Load the checkpoint at ``path`` into ``objects`` (``{"model": model, ...}``) and return all it holds.
+        ``towers.checkpoint.restore_checkpoint(path, objects, strategy=self)``."""
+        return checkpoint.restore_checkpoint(path, objects, strategy=self)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Return the dict saved at ``path`` (tensors whole, on the CPU); every replica reads it."""
+        return checkpoint.load_checkpoint(path, strategy=self)
+
+    def checkpoint_exists(self, path: str | os.PathLike[str]) -> bool:
+        """Return True when a complete checkpoint is published at ``path``."""
+        return checkpoint.checkpoint_exists(path)
+
+    def delete_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Remove the checkpoint at ``path`` and everything it holds; call it on the chief (nothing if absent)."""
+        checkpoint.delete_checkpoint(path)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous checkpoint in flight (if any) is written and visible at its path."""
+        self.checkpoint_io().wait(is_chief=self.is_chief, broadcast_object=self.broadcast_object)
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(replica {self.replica_id}/{self.num_replicas_in_sync}, "
                 f"device={self.device})")
 
-
-# The registry of strategy names (get_strategy, strategy_from_env, ...) lives in registry.py; re-exported here.
-from towers.strategies.registry import (  # noqa: E402
-    check_strategy_options,
-    get_strategy,
-    note_built,
-    register_strategy,
-    strategy_from_env,
-    strategy_names,
-    strategy_options,
-)

@@ -1,11 +1,14 @@
-"""What code inside ``strategy.run`` knows about its step (``ReplicaContext``), and the errors and checks every
-strategy shares: ``PeerLostError`` (a fault-tolerant strategy lost a replica mid-step), ``check_max_norm``.
+"""What code inside ``strategy.run`` knows about its step (``ReplicaContext``, ``current_replica_context()``,
+``current_strategy()``), and the errors and checks every strategy shares: ``PeerLostError`` (a fault-tolerant
+strategy lost a replica mid-step), ``check_max_norm``, ``accumulated_norm``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
@@ -13,8 +16,56 @@ from towers.errors import InvalidArgumentError, TowersError
 
 if TYPE_CHECKING:
     from towers.strategies.base import Strategy
+    from towers.strategies.precision import Precision
 
-__all__ = ["PeerLostError", "check_max_norm", "ReplicaContext"]
+__all__ = ["PeerLostError", "check_max_norm", "accumulated_norm", "ReplicaContext", "current_strategy",
+           "current_replica_context", "CURRENT_STRATEGY", "CURRENT_REPLICA", "strategy_scope", "entered",
+           "enter_until_next_step"]
+
+#: The strategy whose ``scope()`` or ``run()`` encloses the code, and the replica context of the enclosing step.
+CURRENT_STRATEGY: contextvars.ContextVar["Strategy | None"] = contextvars.ContextVar("towers_strategy", default=None)
+CURRENT_REPLICA: contextvars.ContextVar["ReplicaContext | None"] = contextvars.ContextVar("towers_replica", default=None)
+
+
+def current_strategy() -> "Strategy | None":
+    """Return the strategy whose ``scope()`` or ``run()`` encloses this code, or None."""
+    return CURRENT_STRATEGY.get()
+
+
+def current_replica_context() -> "ReplicaContext | None":
+    """Return the replica context of the enclosing ``strategy.run``, or None outside one."""
+    return CURRENT_REPLICA.get()
+
+
+@contextlib.contextmanager
+def strategy_scope(strategy: "Strategy") -> Iterator[None]:
+    """Make ``strategy`` the current strategy, restored on exit (``strategy.scope()``)."""
+    token = CURRENT_STRATEGY.set(strategy)
+    try:
+        yield
+    finally:
+        CURRENT_STRATEGY.reset(token)
+
+
+@contextlib.contextmanager
+def entered(strategy: "Strategy", context: "ReplicaContext") -> Iterator[None]:
+    """Make ``strategy`` the current strategy and ``context`` the current replica context, restored on exit."""
+    strategy_token = CURRENT_STRATEGY.set(strategy)
+    replica_token = CURRENT_REPLICA.set(context)
+    try:
+        yield
+    finally:
+        CURRENT_REPLICA.reset(replica_token)
+        CURRENT_STRATEGY.reset(strategy_token)
+
+
+def enter_until_next_step(strategy: "Strategy", context: "ReplicaContext") -> None:
+    """Make ``context`` the current replica context (and ``strategy`` the current strategy) without a scope to leave.
+
+    For a loop without ``strategy.run``: the step a prepared model's forward started lasts until the next one.
+    """
+    CURRENT_STRATEGY.set(strategy)
+    CURRENT_REPLICA.set(context)
 
 
 class PeerLostError(TowersError, RuntimeError):
@@ -30,6 +81,17 @@ def check_max_norm(max_norm: Any) -> None:
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
         raise InvalidArgumentError(f"max_norm must be a positive finite number. Received: max_norm={max_norm!r}. Use the "
                                    "largest gradient norm you accept, e.g. 1.0; to not clip, do not call clip_grad_norm_.")
+
+
+def accumulated_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float,
+                     precision: Precision) -> torch.Tensor:
+    """The norm of the gradient ``parameters`` accumulated so far on this replica (unscaled): what ``clip_grad_norm_``
+    returns on a micro-batch that does not update (the update's last one clips the whole gradient)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).cpu()
+                                                  for g in grads]), norm_type) if grads else torch.zeros(()))
+    return norm / precision.scale if precision.needs_loss_scaling else norm
 
 
 class ReplicaContext:
