@@ -182,7 +182,7 @@ def test_distributed_dataset_pins_host_batches_and_copies_them_without_blocking(
 
 
 def test_counting_the_labels_of_a_batch_on_the_gpu_does_not_wait_for_the_gpu():
-    from towers._batch import to_device
+    from towers.data._batch import to_device
     from towers.training.batches import label_count, split
 
     idx = torch.randint(0, 10, (4, 6))

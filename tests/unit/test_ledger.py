@@ -233,7 +233,7 @@ def _simulated_job(tmp_path: Path, seed: int, *, groups: int = 3, kills: int = 1
     """
     import random
 
-    from towers._batch import shard_bounds
+    from towers.data._batch import shard_bounds
 
     rng = random.Random(seed)
     moments = ["between", "forward", "backward", "commit", "recorded"]

@@ -374,7 +374,7 @@ def test_a_stream_handed_out_by_ps_task_0_gives_any_replicas_share_of_any_batch(
     # Parameter servers hand out units (global batch g, replica r) at run time: a worker's own, then a dead
     # worker's (earlier batches: the stream is read again from its start). Each is that share of one device's batch.
     from towers.data import Dispatch, batch_info, shard_bounds
-    from towers.streams import DistributedStream
+    from towers.data.streams import DistributedStream
 
     class Numbers(IterableDataset):
         def __iter__(self):

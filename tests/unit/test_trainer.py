@@ -192,7 +192,7 @@ class _JobInput:
     def iter_from(self, batch: int):
         from dataclasses import replace
 
-        from towers._batch import JobPosition, attach_batch_info, batch_info
+        from towers.data._batch import JobPosition, attach_batch_info, batch_info
 
         while self.strategy.job_step // self.batches_per_epoch == self._epoch:
             step = self.strategy.job_step
@@ -337,7 +337,7 @@ def test_the_label_count_of_a_moved_batch_is_read_from_its_host_copy():
     # A batch moved to a device keeps its host tensors, so counting labels does not wait for the device's queue
     # (on a GPU that wait stalled every step of a token-loss model). A meta tensor holds no values: counting it
     # would fail, so the count below can only come from the host copy.
-    from towers._batch import host_copy, to_device
+    from towers.data._batch import host_copy, to_device
     from towers.training.batches import label_count, split
 
     idx = torch.randint(0, 10, (4, 6))

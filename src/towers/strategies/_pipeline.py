@@ -29,8 +29,8 @@ from typing import Any, Callable, ContextManager, Mapping, NamedTuple
 
 import torch
 
-from towers._batch import whole
 from towers._logging import get_logger
+from towers.data._batch import whole
 from towers.errors import user_error
 from towers.strategies._pipeline_comm import PipelineComm, build_pipeline_mesh
 from towers.strategies._pipeline_schedules import (

@@ -26,8 +26,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from towers._batch import whole
 from towers.cluster.mesh import MeshSpec
+from towers.data._batch import whole
 from towers.errors import FailedPreconditionError, user_error
 from towers.strategies._collectives import ProcessGroupComm
 from towers.strategies._compile import compile_options

@@ -22,11 +22,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from towers._batch import whole
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.cluster.mesh import MeshSpec, parse_mesh
 from towers.cluster.strategy_options import parse_flag
+from towers.data._batch import whole
 from towers.errors import InvalidArgumentError, user_error
 from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
 from towers.strategies._collectives import LocalComm, ProcessGroupComm

@@ -8,9 +8,9 @@ from typing import Any, Mapping
 
 import torch
 
-from towers._batch import whole
 from towers._logging import get_logger
 from towers.data import BatchInfo
+from towers.data._batch import whole
 from towers.errors import InvalidArgumentError, user_error
 from towers.strategies.base import PeerLostError
 from towers.training._steps import per_example

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from towers._batch import host_copy
+from towers.data._batch import host_copy
 from towers.errors import InvalidArgumentError, user_error
 
 __all__ = ["BatchParts", "LabelsArgument", "labels_argument", "split", "call_model", "predictions", "model_loss",

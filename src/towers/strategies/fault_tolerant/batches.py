@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
-from towers._batch import BatchInfo, JobPosition, attach_batch_info, map_tensors, shard_bounds, to_device
+from towers.data._batch import BatchInfo, JobPosition, attach_batch_info, map_tensors, shard_bounds, to_device
 from towers.errors import user_error
 from towers.ledger.record import OrderSpec
 
@@ -34,8 +34,8 @@ class FaultTolerantBatches:
     def __init__(self, strategy: FaultTolerantStrategy, dataset: Any, global_batch_size: int, *, shuffle: bool,
                  seed: int, drop_remainder: bool, max_steps: int | None,
                  collate_fn: Callable[[list[Any]], Any] | None, pad_empty_batches: bool = False) -> None:
-        from towers._map_sources import map_source
-        from towers.streams import is_stream
+        from towers.data._map_sources import map_source
+        from towers.data.streams import is_stream
 
         if is_stream(dataset):
             raise user_error("FaultTolerantStrategy does not take streams yet", type(dataset).__name__,

@@ -13,8 +13,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from torch import nn
 
-from towers._batch import BatchInfo, find_batch_info
 from towers._logging import get_logger
+from towers.data._batch import BatchInfo, find_batch_info
 from towers.errors import FailedPreconditionError, user_error
 from towers.launch.job_end import JobComplete, JobEndView
 from towers.strategies.base import ReplicaContext, Strategy

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from towers._batch import map_tensors
+from towers.data._batch import map_tensors
 from towers.errors import user_error
 
 __all__ = ["BatchReader", "Transform", "Work"]

@@ -21,7 +21,7 @@ reads it from the arguments it is given (``batch_info``), so fetching batches ah
 evaluation pass in between, or running a kept batch again never changes what a step divides by.
 
 Streams (``Shards``, a torch ``IterableDataset``, a Hugging Face streaming dataset) are split the
-same way by ``DistributedStream`` (``towers.streams``); ``distribute_dataset`` picks the class.
+same way by ``DistributedStream`` (``towers.data.streams``); ``distribute_dataset`` picks the class.
 Both are ``DistributedBatches``, the protocol the Trainer relies on.
 """
 
@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from towers._batch import (
+from towers._logging import get_logger
+from towers.data._batch import (
     BatchInfo,
     DistributedBatches,
     JobPosition,
@@ -46,19 +47,18 @@ from towers._batch import (
     shard_bounds,
     to_device,
 )
-from towers._dataloader_answers import DataLoaderNames, EpochSampler
-from towers._loader import Loader, LoaderOptions
-from towers._logging import get_logger
-from towers._map_sources import Fetch
-from towers._map_sources import TensorDictDataset as TensorDictDataset  # re-exported: towers.data.TensorDictDataset
-from towers._map_sources import TensorSource as _TensorSource
-from towers._map_sources import as_user_dataset as _as_user_dataset
-from towers._map_sources import map_source as _source
-from towers._map_sources import run_fetch as _run_fetch
-from towers._prefetch import copied_ahead
+from towers.data._dataloader_answers import DataLoaderNames, EpochSampler
+from towers.data._loader import Loader, LoaderOptions
+from towers.data._map_sources import Fetch
+from towers.data._map_sources import TensorDictDataset as TensorDictDataset  # re-exported: towers.data.TensorDictDataset
+from towers.data._map_sources import TensorSource as _TensorSource
+from towers.data._map_sources import as_user_dataset as _as_user_dataset
+from towers.data._map_sources import map_source as _source
+from towers.data._map_sources import run_fetch as _run_fetch
+from towers.data._prefetch import copied_ahead
+from towers.data.streams import DistributedStream, InputContext, ShardChangedError, Shards, is_stream
 from towers.errors import InvalidArgumentError, user_error
 from towers.ledger.record import OrderSpec
-from towers.streams import DistributedStream, InputContext, ShardChangedError, Shards, is_stream
 
 __all__ = ["BatchInfo", "DistributedDataset", "Dispatch", "distribute_dataset", "shard_bounds", "global_batch_sizes",
            "batch_info", "find_batch_info", "map_tensors", "DistributedBatches", "JobPosition", "DistributedStream",

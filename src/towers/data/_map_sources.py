@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.utils.data import IterableDataset, TensorDataset, default_collate
 
-from towers._batch import map_tensors
+from towers.data._batch import map_tensors
 from towers.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["Fetch", "MapSource", "TensorDictDataset", "TensorSource", "as_user_dataset", "map_source", "run_fetch"]

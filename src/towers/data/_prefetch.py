@@ -16,7 +16,7 @@ from typing import Any, Iterator, TypeVar
 
 import torch
 
-from towers._batch import map_tensors, to_device
+from towers.data._batch import map_tensors, to_device
 
 __all__ = ["copied_ahead"]
 

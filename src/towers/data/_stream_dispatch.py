@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from towers._batch import BatchInfo, JobPosition, attach_batch_info, global_batch_sizes, pass_examples, to_device
-from towers._shard_files import ShardFiles, content_digest
-from towers._stream_position import Position
-from towers._stream_reading import BatchReader, Transform, Work
+from towers.data._batch import BatchInfo, JobPosition, attach_batch_info, global_batch_sizes, pass_examples, to_device
+from towers.data._shard_files import ShardFiles, content_digest
+from towers.data._stream_position import Position
+from towers.data._stream_reading import BatchReader, Transform, Work
 
 __all__ = ["StreamDispatch"]
 

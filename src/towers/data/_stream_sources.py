@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from torch.utils.data import IterableDataset
 
-from towers._shard_files import ShardFiles, check_read, names_files, shard_files
+from towers.data._shard_files import ShardFiles, check_read, names_files, shard_files
 from towers.errors import user_error
 
 __all__ = ["Shards", "is_stream", "make_source", "sequence"]
@@ -101,7 +101,7 @@ class _ShardSource:
         self.names_files = names_files(shards.items)
 
     def files(self) -> list[ShardFiles] | None:
-        """Fingerprint every shard's files now (see ``towers._shard_files``); None when no entry may name a file."""
+        """Fingerprint every shard's files now (see ``towers.data._shard_files``); None when no entry may name a file."""
         return [shard_files(item) for item in self.shards.items] if self.names_files else None
 
     def begin_pass(self, files: list[ShardFiles] | None = None, epoch: int = 0) -> _ShardPass:
