@@ -3,7 +3,7 @@
 For each ``pp_schedule`` (the seven of ``torch.distributed.pipelining``), each ``pp`` and each
 micro-batch count, this builds torch's schedule over stand-in stages (what a schedule reads of a
 stage: its index, the stage count, the pipeline's size) and takes its per-rank action lists, as a
-training step does at its first step (``towers.strategies._pipeline_schedules``). The bubble is
+training step does at its first step (``towers.parallel.pipeline_schedules``). The bubble is
 the idle fraction of the step those actions make on a clock where a forward takes 1 slot, a
 backward 2 (its input and weight parts 1 each), and each action waits for its process and for what
 it needs: idle slots over all slots (processes x the step's length). Sends and receives are free
@@ -23,7 +23,7 @@ import argparse
 import json
 from typing import Any
 
-from towers.strategies._pipeline_schedules import (
+from towers.parallel.pipeline_schedules import (
     SCHEDULES,
     bubble_fraction,
     runnable_schedule,

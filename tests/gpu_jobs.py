@@ -119,7 +119,7 @@ def fsdp_one_gpu_cpu_offload(precision: str = "bf16", steps: int = STEPS) -> dic
     """One process (world 1) on cuda:0: towers' FSDP2 sharding with CPU offload and ``precision``'s policy.
 
     ``FullyShardedStrategy`` shards only with more than one process, so this calls the one place that
-    applies ``fully_shard`` (``towers.strategies._fsdp.shard_model``) on a 1-rank mesh, as the strategy would.
+    applies ``fully_shard`` (``towers.parallel.fsdp.shard_model``) on a 1-rank mesh, as the strategy would.
     """
     import copy
 
@@ -128,7 +128,7 @@ def fsdp_one_gpu_cpu_offload(precision: str = "bf16", steps: int = STEPS) -> dic
 
     from towers.cluster import from_env
     from towers.process_group import init_process_group
-    from towers.strategies._fsdp import build_mesh, fsdp_modules, shard_model
+    from towers.parallel.fsdp import build_mesh, fsdp_modules, shard_model
 
     info = from_env()
     backend = init_process_group(info, timeout_s=60)

@@ -106,6 +106,11 @@ class GPT(nn.Module):
 
     ``model(idx, targets)`` also returns the mean token loss, as nanoGPT's does (``Trainer`` without
     ``loss=`` trains on it, ``ignore_index=-1``).
+
+    It declares its own plans for model parallelism, as Hugging Face models carry ``base_model_tp_plan``:
+    ``towers_tp_plan(tp)`` (which layers split over ``tp``) and ``towers_pipeline_units()`` with
+    ``towers_stage_forward`` (how pipeline stages cut it). Any model may define the same three to be
+    split by ``--mesh tp=...`` or ``pp=...`` (``towers.parallel``).
     """
 
     def __init__(self, config: GPTConfig | None = None):
@@ -145,6 +150,39 @@ class GPT(nn.Module):
             return logits
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
         return logits, loss
+
+    def towers_tp_plan(self, tp: int) -> dict[str, str]:
+        """Return the tensor-parallel plan for ``tp`` processes: attention and MLP split Megatron-style (their first
+        linear by output, their second by input), the head by vocabulary where ``vocab_size`` divides by ``tp``."""
+        plan = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
+                "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+        if self.config.vocab_size % tp == 0:
+            plan["head"] = "colwise_rep"  # each process computes a slice of the vocabulary; the logits are gathered
+        return plan
+
+    def towers_pipeline_units(self) -> list[tuple[str, nn.Module]]:
+        """Return the ``(name, module)`` units a pipeline cuts this model into, in order; stages begin at a block."""
+        return [("wte", self.wte), ("wpe", self.wpe), *((f"blocks.{i}", b) for i, b in enumerate(self.blocks)),
+                ("ln_f", self.ln_f), ("head", self.head)]
+
+    @staticmethod
+    def towers_stage_forward(config: GPTConfig, modules: dict[str, nn.Module], x: torch.Tensor, *, first: bool,
+                             last: bool) -> torch.Tensor:
+        """``forward`` of one pipeline stage holding ``modules``: the embeddings on the first, ``ln_f`` and the head on
+        the last."""
+        if first:
+            t = x.size(1)
+            if t > config.block_size:
+                raise InvalidArgumentError(
+                    f"GPT input has {t} tokens per row; this model's context is block_size={config.block_size}. "
+                    "Cut the sequences or build the model with a larger block_size.")
+            x = modules["wte"](x) + modules["wpe"](torch.arange(t, device=x.device))
+        for name, module in modules.items():
+            if name.startswith("blocks."):
+                x = module(x)
+        if last:
+            x = modules["head"](modules["ln_f"](x))
+        return x
 
     def num_parameters(self) -> int:
         """Return the number of parameters (each tensor counted once)."""

@@ -199,7 +199,7 @@ def test_pp2_dp2_custom_loop_trains_as_one_device(launch, plain):
     reference, norms, losses, _ = plain
     facts = [r["facts"] for r in results]
     assert [f["chief"] for f in facts] == [True, False, False, False]
-    assert {(f["replicas"], f["mesh"], f["shape"], f["pp"]) for f in facts} == {(2, ("pp", "dp", "tp"), (2, 2, 1), 2)}
+    assert {(f["replicas"], f["mesh"], f["shape"], f["pp"]) for f in facts} == {(2, ("pp", "dp_shard"), (2, 2), 2)}
     # ranks 0, 1: stage 0 (replicas 0, 1); ranks 2, 3: stage 1; each stage keeps the original names
     stage0, stage1 = results[0]["loop"]["names"], results[2]["loop"]["names"]
     assert stage0[0].startswith("blocks.0.") and "wte.weight" in stage0 and "wpe.weight" in stage0

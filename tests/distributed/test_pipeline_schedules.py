@@ -35,7 +35,7 @@ from torch import nn
 import towers
 from gpt_support import token_loss as _token_loss
 from towers.models_gpt import GPT, GPTConfig, random_tokens
-from towers.strategies._pipeline_schedules import SCHEDULES
+from towers.parallel.pipeline_schedules import SCHEDULES
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -111,7 +111,7 @@ class _Lines(logging.Handler):
 
 def _pp2_job(checkpoint: str) -> dict:
     lines = _Lines()
-    logger = logging.getLogger("towers.strategies._pipeline")
+    logger = logging.getLogger("towers.parallel.pipeline")
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
     out: dict = {}

@@ -23,7 +23,7 @@ from torch import nn
 import towers
 from towers.cluster.info import ProcessInfo
 from towers.diagnostics.throughput import THROUGHPUT_KEYS
-from towers.strategies._fsdp import fsdp_modules
+from towers.parallel.fsdp import fsdp_modules
 
 pytestmark = pytest.mark.timeout(240)
 

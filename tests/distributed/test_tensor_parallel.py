@@ -153,7 +153,7 @@ def test_dp2_tp2_trains_as_one_device_and_its_checkpoint_loads_on_one_process(la
     chief = results[0]
     facts = [r["facts"] for r in results]
     assert [f["chief"] for f in facts] == [True, False, False, False]
-    assert {(f["replicas"], f["mesh"], f["shape"], f["tp"]) for f in facts} == {(2, ("dp", "tp"), (2, 2), 2)}
+    assert {(f["replicas"], f["mesh"], f["shape"], f["tp"]) for f in facts} == {(2, ("dp_shard", "tp"), (2, 2), 2)}
     # a split layer is sharded over dp (FSDP2) and tp; the embedding over dp, replicated on the tp processes
     assert facts[0]["placements"] == [["_StridedShard", "Shard"], ["Shard", "Replicate"]]  # FSDP2 over TP's shard
     assert all(f["loss"] == facts[0]["loss"] for f in facts)  # every process reports the job's History
@@ -405,7 +405,7 @@ def test_hsdp_with_tensor_parallelism_trains_as_one_device():
     results = towers.spawn(_hsdp_job, 8, timeout_s=240, threads_per_process=1)
     reference, norms = _plain_loop()
     chief = results[0]
-    assert chief["mesh"] == (("replicate", "shard", "tp"), (2, 2, 2)) and chief["replicas"] == 4
+    assert chief["mesh"] == (("dp_replicate", "dp_shard", "tp"), (2, 2, 2)) and chief["replicas"] == 4
     # qkv: replicated across the 2 groups, its rows sharded within a group (FSDP2 over TP's split), split over tp
     assert chief["placements"] == ["Replicate", "_StridedShard", "Shard"]
     assert chief["local"] == (3 * 32 // 2 // 2, 32)

@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 import towers
 from towers.cluster.info import ProcessInfo
 from towers.models_gpt import GPT, GPTConfig
-from towers.strategies._activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
-from towers.strategies._fsdp import fsdp_modules
+from towers.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
+from towers.parallel.fsdp import fsdp_modules
 from towers.strategies.fully_sharded import FullyShardedStrategy
 
 MODES = ("block", "selective")

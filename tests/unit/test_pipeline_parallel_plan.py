@@ -13,8 +13,8 @@ import towers
 from towers.cli import main
 from towers.cluster.mesh import MeshSpec, parse_mesh
 from towers.models_gpt import GPT, GPTConfig
-from towers.strategies._pipeline import check_microbatches, check_pipeline_options, check_schedule, microbatches_for
-from towers.strategies._pipeline_split import split_model
+from towers.parallel.pipeline import check_microbatches, check_pipeline_options, check_schedule, microbatches_for
+from towers.parallel.pipeline_split import split_model
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from towers.models_gpt import GPT, GPTConfig
-from towers.strategies._pipeline_schedules import (
+from towers.parallel.pipeline_schedules import (
     SCHEDULES,
     bubble_fraction,
     check_schedule,
@@ -19,7 +19,7 @@ from towers.strategies._pipeline_schedules import (
     schedule_actions,
     schedule_spec,
 )
-from towers.strategies._pipeline_split import StageView, split_model
+from towers.parallel.pipeline_split import StageView, split_model
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
 

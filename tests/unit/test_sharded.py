@@ -20,7 +20,7 @@ from towers.checkpoint import CheckpointError, checkpoint_info, layout, load_exp
 from towers.cluster.info import ProcessInfo
 from towers.models import SeedCNN
 from towers.models_gpt import GPT, Block, GPTConfig, random_tokens
-from towers.strategies._fsdp import DEFAULT_MIN_NUM_PARAMS, build_mesh, select_units
+from towers.parallel.fsdp import DEFAULT_MIN_NUM_PARAMS, build_mesh, select_units
 from towers.strategies.fully_sharded import FullyShardedStrategy
 
 

@@ -13,7 +13,7 @@ from towers.cli import main
 from towers.cluster.mesh import MeshSpec, parse_mesh
 from towers.launch.spec import parse_launch_args
 from towers.models_gpt import GPT, GPTConfig
-from towers.strategies._tensor_parallel import check_divisible, tp_plan_for
+from towers.parallel.tensor_parallel import check_divisible, tp_plan_for
 
 
 def test_a_mesh_parses_and_fills_dp_from_the_processes():
@@ -186,8 +186,8 @@ def test_every_sequence_style_string_is_the_torch_style_it_names():
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
-    from towers.strategies._sequence_parallel import GatherSequence, SequenceParallelGather, SplitSequence
-    from towers.strategies._tensor_parallel import _style
+    from towers.parallel.sequence_parallel import GatherSequence, SequenceParallelGather, SplitSequence
+    from towers.parallel.tensor_parallel import _style
 
     assert type(_style("sequence_parallel", "n")) is SequenceParallel
     rowwise = _style("rowwise_seq", "p")
@@ -236,7 +236,7 @@ def test_a_plan_without_the_shape_sequence_parallelism_needs_is_refused_naming_w
 
 
 def test_a_sequence_that_does_not_divide_by_tp_is_refused_naming_both_numbers():
-    from towers.strategies._sequence_parallel import SplitSequence
+    from towers.parallel.sequence_parallel import SplitSequence
 
     class TwoProcesses:  # what the style reads of the mesh before anything is sent
         def size(self) -> int:

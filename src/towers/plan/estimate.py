@@ -110,8 +110,8 @@ def _state_bytes(optimizer: str, param_bytes: int, count: int) -> int:
 
 def _gathered_bytes(model: nn.Module, dtype: torch.dtype | None) -> int:
     """Sharded: the root's own parameters (kept gathered from forward to backward) plus the two largest units'."""
-    from towers.strategies._fsdp import log as fsdp_log
-    from towers.strategies._fsdp import select_units
+    from towers.parallel.fsdp import log as fsdp_log
+    from towers.parallel.fsdp import select_units
 
     level = fsdp_log.level
     fsdp_log.setLevel(logging.ERROR)  # its note on the units chosen is for a real job, not for the plan

@@ -1,7 +1,7 @@
 """What a strategy with a ``pp`` mesh does differently: the step, the values every stage sees, the norm, checkpoints.
 
 A base class of ``FullyShardedStrategy`` (its state is the strategy's): without a pipeline
-(``_pp_comm`` None) every method here is the next class's. See ``towers.strategies._pipeline``.
+(``_pp_comm`` None) every method here is the next class's. See ``towers.parallel.pipeline``.
 
 Losses normalised by weights (``compute_average_loss(per_token, weights=mask)``, and the Trainer's
 loss that returns its batch's mean): the last stage computes each micro-batch's loss and notes its
@@ -29,15 +29,14 @@ from torch import nn
 from towers.cluster.mesh import MeshSpec
 from towers.data._batch import whole
 from towers.errors import FailedPreconditionError, user_error
-from towers.strategies._collectives import ProcessGroupComm
-from towers.strategies._compile import compile_options
+from towers.parallel.compile import compile_options
+from towers.parallel.pipeline import Pipeline, PipelineComm, StepResult
+from towers.parallel.pipeline_schedules import schedule_spec
+from towers.parallel.pipeline_split import split_model
+from towers.parallel.stage_gradients import StageGradientGuard
+from towers.parallel.tensor_parallel import stage_plan
 from towers.strategies._loss_weights import note_normalised
-from towers.strategies._pipeline import Pipeline, PipelineComm, StepResult, build_pipeline_mesh
-from towers.strategies._pipeline_schedules import schedule_spec
-from towers.strategies._pipeline_split import split_model
-from towers.strategies._stage_gradients import StageGradientGuard
 from towers.strategies._sync import SyncStrategy
-from towers.strategies._tensor_parallel import stage_plan
 from towers.strategies.base import ReplicaContext, current_replica_context
 from towers.strategies.context import check_max_norm
 
@@ -61,16 +60,6 @@ class PipelineSteps(SyncStrategy):
     _tp_plan: Any
     _sequence_parallel: bool
 
-    def _build_pp_mesh(self, spec: MeshSpec, device: torch.device, backend: str, timeout_s: float) -> ProcessGroupComm:
-        """The ``(pp, dp, tp)`` mesh; return the collectives over this process's data-parallel group (its replicas)."""
-        self._device_mesh, groups, stage_ranks = build_pipeline_mesh(spec, device.type, self._pp_schedule)
-        self._mesh, self._pp_mesh = self._device_mesh["dp"], self._device_mesh["pp"]
-        self._tp_mesh = self._device_mesh["tp"] if spec.tp > 1 else None  # each stage's layers split over tp
-        self._pp_comm = PipelineComm(self._pp_mesh.get_group(), stage_ranks=stage_ranks, stages=spec.pp,
-                                     width=spec.dp * spec.tp)
-        return ProcessGroupComm(rank=self._device_mesh.get_local_rank("dp"), num_replicas=spec.dp, backend=backend,
-                                timeout_s=timeout_s, group=self._mesh.get_group(), groups=groups)
-
     def _keep_stage(self, model: nn.Module, spec: MeshSpec, comm: PipelineComm) -> tuple[nn.Module, Any, bool]:
         """Return this process's stage(s) of ``model`` (one module; its pipeline registered), the tensor-parallel plan
         for it and whether to derive that plan's sequence-parallel variant: the whole model's plan, for the modules it
@@ -91,7 +80,7 @@ class PipelineSteps(SyncStrategy):
     def pipeline_bubble_fraction(self) -> float | None:
         """The idle fraction of a step of the last prepared pipeline's schedule, from its actions (idle slots over all
         slots, a forward 1 slot, a backward 2): the last step's, or before the first step the one ``pp_microbatches``
-        runs; None without a pipeline. See ``towers.strategies._pipeline_schedules``."""
+        runs; None without a pipeline. See ``towers.parallel.pipeline_schedules``."""
         return self._pipelines[-1].bubble_fraction if self._pp_comm is not None and self._pipelines else None
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any,

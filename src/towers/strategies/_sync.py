@@ -18,7 +18,7 @@ from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset, DistributedStream, find_batch_info, is_stream
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
-from towers.strategies._activation_checkpointing import apply_activation_checkpointing
+from towers.parallel.activation_checkpointing import apply_activation_checkpointing
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
 from towers.strategies._copies import DetachedHook
 from towers.strategies._steps import StepTracker, StrategyOptimizer

@@ -22,7 +22,7 @@ from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.data import BatchInfo, InputContext, find_batch_info
 from towers.errors import InvalidTypeError
-from towers.strategies._compile import CompiledModules
+from towers.parallel.compile import CompiledModules
 from towers.strategies._loss_weights import UpdateWeights, after_backward, no_optimizer_to_divide, prepared_parameters
 from towers.strategies.context import (
     PeerLostError,

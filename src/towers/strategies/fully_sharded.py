@@ -27,26 +27,34 @@ from towers.cluster.info import ProcessInfo
 from towers.cluster.mesh import MeshSpec, parse_mesh
 from towers.cluster.strategy_options import parse_flag
 from towers.data._batch import whole
-from towers.errors import InvalidArgumentError, user_error
-from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
-from towers.strategies._collectives import LocalComm, ProcessGroupComm
-from towers.strategies._copies import refuse_copies
-from towers.strategies._ddp import check_same_parameters
-from towers.strategies._fsdp import ShardUnits, build_mesh, one_process_mesh, select_units, shard_model
-from towers.strategies._loss_parallel import gather_heads_outside, loss_parallel_plan, loss_parallel_scope
-from towers.strategies._pipeline import (
+from towers.errors import InvalidArgumentError
+from towers.parallel.fsdp import ShardUnits, select_units, shard_model
+from towers.parallel.layout import Layout, LayoutMesh
+from towers.parallel.loss_parallel import gather_heads_outside, loss_parallel_plan, loss_parallel_scope
+from towers.parallel.pipeline import (
     Pipeline,
     PipelineComm,
     check_microbatches,
     check_pipeline_options,
     check_schedule,
+    pipeline_comm,
 )
-from towers.strategies._pipeline_schedules import schedule_spec
-from towers.strategies._pipeline_split import parse_split
+from towers.parallel.pipeline_schedules import schedule_spec
+from towers.parallel.pipeline_split import parse_split
+from towers.parallel.tensor_parallel import TPPlan, apply_tensor_parallel, tp_plan_for
+from towers.process_group import (
+    DEFAULT_TIMEOUT_S,
+    collective,
+    destroy_process_group,
+    init_one_process_group,
+    init_process_group,
+)
+from towers.strategies._collectives import LocalComm, ProcessGroupComm
+from towers.strategies._copies import refuse_copies
+from towers.strategies._ddp import check_same_parameters
 from towers.strategies._sharded_state import ShardedState, raw_optimizer
 from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
-from towers.strategies._tensor_parallel import TPPlan, apply_tensor_parallel, tp_plan_for
 from towers.strategies.precision import Precision, resolve_precision
 
 __all__ = ["FullyShardedStrategy"]
@@ -79,13 +87,13 @@ class FullyShardedStrategy(ShardedState):
     ``mesh`` (``"dp=2,tp=2"``, or ``towers launch --mesh``) adds tensor parallelism: the processes
     form a ``(dp, tp)`` mesh, the ``tp`` processes of one model replica split its layers by
     ``tp_plan`` (``"auto"``: towers' GPT and Hugging Face models with a ``base_model_tp_plan``; or a
-    dict / callable, see ``towers.strategies._tensor_parallel``) and see the same batch, and FSDP2
+    dict / callable, see ``towers.parallel.tensor_parallel``) and see the same batch, and FSDP2
     shards each split layer over ``dp``. ``num_replicas_in_sync`` is then ``dp``: the model
     replicas, which split the global batch. ``sequence_parallel=True`` also splits what the plan
     leaves whole (norms, residual stream, dropout) on the sequence over ``tp``; without a ``tp`` above
     1 it has nothing to split and is ignored with a warning (the same script runs on any mesh).
     ``loss_parallel=True`` keeps the vocabulary head's logits split over ``tp`` for the loss inside
-    ``strategy.forward_backward`` (torch's ``loss_parallel``; see ``towers.strategies._loss_parallel``).
+    ``strategy.forward_backward`` (torch's ``loss_parallel``; see ``towers.parallel.loss_parallel``).
 
     A ``pp`` dimension (``mesh="pp=2,dp=2"``, outermost) adds pipeline parallelism: each process holds one
     stage of the model's blocks, or two under the schedules that interleave them (``pp_split``: module
@@ -93,7 +101,7 @@ class FullyShardedStrategy(ShardedState):
     (default: one per stage) through the stages by ``pp_schedule`` (any of torch's seven: ``"1f1b"``,
     ``"gpipe"``, ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zero_bubble"``,
     ``"zbv_zero_bubble"``, ``"dualpipe_v"``) in ``strategy.forward_backward``. The processes of one
-    pipeline see the same batch; ``num_replicas_in_sync`` is ``dp``. See ``towers.strategies._pipeline``.
+    pipeline see the same batch; ``num_replicas_in_sync`` is ``dp``. See ``towers.parallel.pipeline``.
     """
 
     name = "sharded"
@@ -119,7 +127,7 @@ class FullyShardedStrategy(ShardedState):
         sequence_parallel = parse_flag("sequence_parallel", sequence_parallel)
         loss_parallel = parse_flag("loss_parallel", loss_parallel)
         self._tp_mesh: Any = None  # the tensor-parallel dimension of a (dp, tp) mesh
-        self._device_mesh: Any = None  # the whole mesh
+        self._pp_mesh: Any = None  # the pp dimension: this process's pipeline
         self._pipelines: list[Pipeline] = []  # this process's stage of each model prepare() split
         self._pp_comm: PipelineComm | None = None  # this process's pipeline (with a pp mesh)
         self._pp_group_names: dict[int, list[list[str]]] = {}  # the optimizers' groups, whole-model names (pp)
@@ -130,12 +138,6 @@ class FullyShardedStrategy(ShardedState):
         self._pp_split, self._pp_schedule = parse_split(pp_split), check_schedule(pp_schedule)
         stages = schedule_spec(self._pp_schedule).num_stages(spec.pp) if spec is not None else 1
         self._pp_microbatches = check_microbatches(pp_microbatches, stages)  # default: one per stage
-        if spec is not None and spec.tp > 1 and shard_group_size is not None and (
-                isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1
-                or spec.dp % shard_group_size):
-            raise user_error("Under a tensor-parallel mesh, shard_group_size (HSDP: shard within groups of that many "
-                             "replicas, replicate across them) must divide dp", f"shard_group_size={shard_group_size!r}, "
-                             f"mesh {spec.describe()}", f"Use a divisor of dp={spec.dp}, or leave it out (shard over all).")
         for option, asked in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
             if asked and (spec is None or spec.tp == 1):
                 # Not an error: a script that asks for it runs unchanged on a mesh without tp (nothing to split there).
@@ -152,27 +154,26 @@ class FullyShardedStrategy(ShardedState):
         if self._pp_spec is not None:
             check_pipeline_options(self._pp_spec, shard_group_size, precision.name)
         StepTracker(gradient_accumulation_steps)
+        if shard_group_size is None and (spec is None or spec.pp * spec.tp == 1) and info.world_size > info.local_world_size:
+            shard_group_size = info.local_world_size  # several nodes: HSDP, shards within a node
+        #: The job's degrees of parallelism (pp, dp_replicate x dp_shard, tp), checked before the group is joined.
+        self.layout = Layout.from_spec(spec, info.world_size, shard_group_size=shard_group_size)
         comm: LocalComm | ProcessGroupComm = LocalComm()
-        self._mesh: Any = None
+        self._layout_mesh: LayoutMesh | None = None
         if info.world_size > 1:
             from towers.process_group import is_initialized
 
             self._owns_group = not is_initialized()
             backend = init_process_group(info, backend=backend, timeout_s=timeout_s)
-            if self._pp_spec is not None:
-                comm = self._build_pp_mesh(self._pp_spec, device, backend, timeout_s)
-            elif spec is not None and spec.tp > 1:
-                comm = self._build_tp_mesh(spec, device, backend, timeout_s, shard_group_size)
-            else:
-                comm = ProcessGroupComm(rank=info.rank, num_replicas=info.world_size, backend=backend,
-                                        timeout_s=timeout_s)
-                if shard_group_size is None and info.world_size > info.local_world_size:
-                    shard_group_size = info.local_world_size  # several nodes: HSDP, shards within a node
-                self._mesh = build_mesh(info.world_size, device.type, shard_group_size)
-        elif shard_group_size not in (None, 1):
-            raise InvalidArgumentError(f"shard_group_size must divide the number of processes (1). Received: {shard_group_size}.")
+            self._layout_mesh = self.layout.build(device.type)
+            comm = self._replica_comm(self._layout_mesh, info, backend, timeout_s)
         if info.world_size == 1 and (self._cpu_offload or precision.name != "32"):  # FSDP2's offload and bf16, one GPU
-            self._mesh, self._owns_group = one_process_mesh(device, backend=backend, timeout_s=timeout_s)
+            self._owns_group = init_one_process_group(device, backend=backend, timeout_s=timeout_s)
+            self._layout_mesh = self.layout.build(device.type)
+        self._mesh: Any = None if self._layout_mesh is None else self._layout_mesh.fsdp  # what FSDP2 shards over
+        self._device_mesh: Any = None  # the whole mesh, under tp or pp (one process's replica spans several)
+        if self._layout_mesh is not None and self.layout.model_parallel:
+            self._device_mesh, self._tp_mesh = self._layout_mesh.world, self._layout_mesh.tp
         if device.type == "cuda":
             torch.cuda.set_device(device)
         super().__init__(info=info, device=device, comm=comm, precision=precision,
@@ -180,34 +181,24 @@ class FullyShardedStrategy(ShardedState):
         self._sharded: list[Any] = []  # the FSDP roots prepare() made
         log.info("%s: %d replica(s), this one on %s (mesh %s, precision=%s, accumulation=%d, reshard_after_forward=%s, "
                  "cpu_offload=%s)", type(self).__name__, self.num_replicas_in_sync, device,
-                 None if self._mesh is None else dict(zip(self._mesh.mesh_dim_names, self._mesh.shape)),
+                 None if self._layout_mesh is None else self._layout_mesh.describe(),
                  self.precision.name, gradient_accumulation_steps, self._reshard_after_forward, self._cpu_offload)
 
-    def _build_tp_mesh(self, spec: MeshSpec, device: torch.device, backend: str, timeout_s: float,
-                       shard_group_size: int | None) -> ProcessGroupComm:
-        """The ``(dp, tp)`` mesh, or ``(replicate, shard, tp)`` under HSDP; return the collectives over this process's
-        data-parallel group (its replicas)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shard = spec.dp if shard_group_size is None else shard_group_size
-        if shard == spec.dp:
-            self._device_mesh = init_device_mesh(device.type, (spec.dp, spec.tp), mesh_dim_names=("dp", "tp"))
-            self._mesh = dp = self._device_mesh["dp"]
-        else:  # FSDP2 shards within groups of `shard` replicas and replicates across them
-            self._device_mesh = init_device_mesh(device.type, (spec.dp // shard, shard, spec.tp),
-                                                 mesh_dim_names=("replicate", "shard", "tp"))
-            self._mesh = self._device_mesh["replicate", "shard"]
-            dp = self._mesh._flatten("dp")  # torch's one way to get a group over both dimensions of a mesh
-        self._tp_mesh = self._device_mesh["tp"]
-        groups = [[d * spec.tp + t for d in range(spec.dp)] for t in range(spec.tp)]  # each tp coordinate's replicas
-        return ProcessGroupComm(rank=dp.get_local_rank(), num_replicas=spec.dp, backend=backend,
-                                timeout_s=timeout_s, group=dp.get_group(), groups=groups)
+    def _replica_comm(self, mesh: LayoutMesh, info: ProcessInfo, backend: str, timeout_s: float) -> ProcessGroupComm:
+        """The collectives over this process's data-parallel group (its replicas); under pp, its pipeline too."""
+        if self._pp_spec is not None:
+            self._pp_mesh = mesh.pp
+            self._pp_comm = pipeline_comm(mesh, info.rank, self._pp_schedule)
+        if not self.layout.model_parallel:  # every process a replica: the job's own group
+            return ProcessGroupComm(rank=info.rank, num_replicas=info.world_size, backend=backend, timeout_s=timeout_s)
+        return ProcessGroupComm(rank=mesh.replica_id, num_replicas=self.layout.dp, backend=backend, timeout_s=timeout_s,
+                                group=mesh.dp.get_group(), groups=self.layout.dp_groups())
 
     @property
     def mesh(self) -> Any:
-        """The ``DeviceMesh`` (None with one process): ``("pp", "dp", "tp")`` with a pipeline, ``("dp", "tp")`` under a
-        tensor-parallel mesh, else the data-parallel one, ``("shard",)`` or ``("replicate", "shard")``."""
-        return self._device_mesh if self._device_mesh is not None else self._mesh
+        """The job's one ``DeviceMesh`` (None with one process), built from ``layout``: its dimensions of
+        ``("pp", "dp_replicate", "dp_shard", "tp")`` above 1, and ``dp_shard`` always (``towers.parallel.layout``)."""
+        return None if self._layout_mesh is None else self._layout_mesh.world
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from towers._logging import get_logger
+from towers.parallel.activation_checkpointing import apply_activation_checkpointing
 from towers.process_group import DEFAULT_TIMEOUT_S
-from towers.strategies._activation_checkpointing import apply_activation_checkpointing
 from towers.strategies._comm_hooks import sum_hook
 from towers.strategies._ddp import TowersDDP, check_same_parameters
 from towers.strategies.base import check_max_norm

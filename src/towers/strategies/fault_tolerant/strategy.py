@@ -21,7 +21,7 @@ from towers.cluster.strategy_options import parse_flag
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
 from towers.launch.job_end import JobEndView
 from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S, check_timeout
-from towers.strategies._activation_checkpointing import apply_activation_checkpointing
+from towers.parallel.activation_checkpointing import apply_activation_checkpointing
 from towers.strategies.base import note_built
 from towers.strategies.fault_tolerant.agreement import GroupAgreement
 from towers.strategies.fault_tolerant.batches import FaultTolerantBatches
@@ -211,7 +211,7 @@ class FaultTolerantStrategy(LiveGroupCollectives):
             _comm_hook = staticmethod(sum_hook)
 
         if self.shard:  # FSDP2 inside the group; each unit's reduce-scattered gradient shard summed across groups
-            from towers.strategies._fsdp import build_mesh, fsdp_modules, shard_model
+            from towers.parallel.fsdp import build_mesh, fsdp_modules, shard_model
 
             if optimizer is not None and optimizer.state:
                 raise user_error("FaultTolerantStrategy(shard=True).prepare needs an optimizer that has not stepped yet",

@@ -36,13 +36,13 @@ from towers.cluster.strategy_options import parse_flag
 from towers.data import BatchInfo, Dispatch, DistributedDataset, DistributedStream, is_stream
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError, user_error
+from towers.parallel.activation_checkpointing import apply_activation_checkpointing
 from towers.process_group import (
     DEFAULT_TIMEOUT_S,
     destroy_process_group,
     init_process_group,
     startup_watch,
 )
-from towers.strategies._activation_checkpointing import apply_activation_checkpointing
 from towers.strategies.base import ReplicaContext, note_built
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient

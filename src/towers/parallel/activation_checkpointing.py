@@ -31,7 +31,7 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.errors import InvalidArgumentError
-from towers.strategies._blocks import describe_blocks, repeated_blocks
+from towers.parallel.blocks import describe_blocks, repeated_blocks
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "SAVED_OPS", "check_activation_checkpointing", "apply_activation_checkpointing",
            "checkpointed_blocks"]

@@ -6,7 +6,7 @@ at the names they have in the whole model: stage 1 of a 4-block GPT holds ``bloc
 ..., ``head.weight``, as in the whole model. Checkpoints and comparisons with the one-device model
 therefore need no renaming.
 
-Schedules with two stages per process (``towers.strategies._pipeline_schedules``) cut the model
+Schedules with two stages per process (``towers.parallel.pipeline_schedules``) cut the model
 into ``2 pp`` stages, and one process's module holds both of its stages' parts (stages 0 and 2 of a
 4-stage cut of a 4-block GPT: ``wte``, ``wpe``, ``blocks.0`` and ``blocks.2``), still under the
 original names: one module, which FSDP2 shards, the optimizer points at and checkpoints save as
@@ -16,9 +16,12 @@ parameters are that stage's and whose call runs that stage's modules through the
 
 Two kinds of models split:
 
-- towers' GPT (``towers.models_gpt.GPT``): the embeddings and the first blocks on stage 0, the last
-  blocks, ``ln_f`` and ``head`` on the last stage; the blocks balanced (earlier stages take the one
-  extra block where they do not divide), or cut where ``pp_split`` says (``["blocks.2"]``).
+- a model that declares its own cut, as towers' GPT does: ``towers_pipeline_units()`` (its
+  ``(name, module)`` units in order; stages begin at a ``blocks.N`` unit) and a static
+  ``towers_stage_forward(config, modules, x, first=, last=)`` (GPT: the embeddings and the first
+  blocks on stage 0, the last blocks, ``ln_f`` and ``head`` on the last stage); the blocks balanced
+  (earlier stages take the one extra block where they do not divide), or cut where ``pp_split`` says
+  (``["blocks.2"]``).
 - any ``nn.Sequential`` (its forward runs its entries in order): cut where ``pp_split`` names an
   entry (``"2"``, or ``"blocks.2"`` inside an entry that is itself an ``nn.Sequential`` /
   ``nn.ModuleList`` of blocks); without ``pp_split`` its top-level entries are balanced.
@@ -28,12 +31,13 @@ No torch.distributed here: the split is checked and built in one process (tests/
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from towers.errors import FailedPreconditionError, InvalidArgumentError, user_error
+from towers.errors import FailedPreconditionError, user_error
 
 __all__ = ["PipelineStageModule", "StageView", "split_model", "stage_bounds", "parse_split"]
 
@@ -56,14 +60,16 @@ class PipelineStageModule(nn.Module):
     gradients on raises the API to use instead.
     """
 
-    def __init__(self, parts: Sequence[tuple[int, str, nn.Module]], *, num_stages: int, gpt: Any = None,
-                 mesh: str = "pp"):
+    def __init__(self, parts: Sequence[tuple[int, str, nn.Module]], *, num_stages: int,
+                 stage_forward: Callable[..., torch.Tensor] | None = None, mesh: str = "pp"):
         super().__init__()
         self.stage_indices = sorted({stage for stage, _, _ in parts})  # the stages this process holds, in order
         self.stage_index, self.num_stages = self.stage_indices[0], num_stages
         self.module_names = [name for _, name, _ in parts]
         self._mesh_text = mesh
-        self._gpt_config = gpt  # towers' GPT: its config (the first stage adds the embeddings, the last the head)
+        #: ``(modules, x, first=, last=) -> output``: the model's own stage forward (its ``towers_stage_forward``), or
+        #: None: the stage's modules run in order, each on the previous one's output (an ``nn.Sequential``)
+        self._stage_forward = stage_forward
         self._parts: dict[int, list[tuple[str, nn.Module]]] = {s: [] for s in self.stage_indices}
         self.in_schedule = False  # set by the strategy around the schedule's step
         #: ``(stage, x) -> output``: the pipeline's forward without backward (set by the strategy), for model(x) under no_grad
@@ -115,27 +121,10 @@ class PipelineStageModule(nn.Module):
         """``stage``'s modules on ``x`` (None: the one stage held): the input of the stage (tokens on the first stage
         of a GPT)."""
         stage = self.stage_indices[0] if stage is None else stage
-        if self._gpt_config is not None:
-            return self._gpt_forward(x, stage)
+        if self._stage_forward is not None:
+            return self._stage_forward(dict(self._parts[stage]), x, first=stage == 0, last=stage == self.num_stages - 1)
         for _, module in self._parts[stage]:
             x = module(x)
-        return x
-
-    def _gpt_forward(self, x: torch.Tensor, stage: int) -> torch.Tensor:
-        # towers' GPT.forward, cut: embeddings on the first stage, ln_f and head on the last.
-        modules = dict(self._parts[stage])
-        if stage == 0:
-            t = x.size(1)
-            if t > self._gpt_config.block_size:
-                raise InvalidArgumentError(
-                    f"GPT input has {t} tokens per row; this model's context is block_size="
-                    f"{self._gpt_config.block_size}. Cut the sequences or build the model with a larger block_size.")
-            x = modules["wte"](x) + modules["wpe"](torch.arange(t, device=x.device))
-        for name, module in modules.items():
-            if name.startswith("blocks."):
-                x = module(x)
-        if stage == self.num_stages - 1:
-            x = modules["head"](modules["ln_f"](x))
         return x
 
 
@@ -202,17 +191,11 @@ def _sequence_units(model: nn.Sequential, split: list[str] | None) -> list[tuple
     return units
 
 
-def _gpt_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    blocks: Any = model.blocks
-    return [("wte", model.wte), ("wpe", model.wpe), *((f"blocks.{i}", b) for i, b in enumerate(blocks)),
-            ("ln_f", model.ln_f), ("head", model.head)]
-
-
 def _starts(units: list[tuple[str, nn.Module]], split: list[str] | None, stages: int, *,
             movable: list[int], model_name: str, per_rank: int) -> list[int]:
     """Index in ``units`` where each stage begins (``split``: the names given; else balanced over ``movable``)."""
     if split is None:
-        what = "blocks" if model_name == "GPT" else "top-level entries"
+        what = "blocks" if model_name != "Sequential" else "top-level entries"
         bounds = stage_bounds(len(movable), stages, what, per_rank)
         return [0] + [movable[b] for b in bounds[1:]]
     names = [n for n, _ in units]
@@ -242,13 +225,12 @@ def split_model(model: nn.Module, stage: "int | Sequence[int]", num_stages: int,
         ValueError: a model towers cannot split (neither towers' GPT nor an ``nn.Sequential``), fewer blocks
             than stages, or a ``split`` that names no block where a stage can begin.
     """
-    from towers.models_gpt import GPT
-
     held = [stage] if isinstance(stage, int) else sorted(stage)
     names = parse_split(split)
-    gpt = isinstance(model, GPT)
-    if gpt:
-        units = _gpt_units(model)
+    own = getattr(model, "towers_pipeline_units", None)  # a model that declares its own cut (towers' GPT)
+    stage_forward = getattr(type(model), "towers_stage_forward", None) if callable(own) else None
+    if callable(own) and stage_forward is not None:
+        units = list(own())
         movable = [i for i, (n, _) in enumerate(units) if n.startswith("blocks.")]  # stages begin at a block
     elif isinstance(model, nn.Sequential):
         units = _sequence_units(model, names)
@@ -262,4 +244,5 @@ def split_model(model: nn.Module, stage: "int | Sequence[int]", num_stages: int,
                      per_rank=len(held))
     ends = [*starts[1:], len(units)]
     parts = [(s, name, module) for s in held for name, module in units[starts[s]:ends[s]]]
-    return PipelineStageModule(parts, num_stages=num_stages, gpt=model.config if gpt else None, mesh=mesh)
+    forward = None if stage_forward is None else functools.partial(stage_forward, getattr(model, "config", None))
+    return PipelineStageModule(parts, num_stages=num_stages, stage_forward=forward, mesh=mesh)

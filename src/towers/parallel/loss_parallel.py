@@ -24,7 +24,7 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.data._batch import whole
-from towers.strategies._tensor_parallel import matched_modules
+from towers.parallel.tensor_parallel import matched_modules
 
 __all__ = ["LOSS_PARALLEL_STYLE", "loss_parallel_plan", "gather_heads_outside", "loss_parallel_scope"]
 

@@ -7,15 +7,16 @@ inputs, summing the partial outputs in one all-reduce, so each block costs two a
 activations in forward and two in backward. Everything else (embeddings, norms) is replicated: each
 process of a replica computes it whole on the same batch.
 
-Built-in plans: towers' GPT (``towers.models_gpt``), every Hugging Face model whose config
+Plans come first from the model itself: one that defines ``towers_tp_plan(tp) -> dict`` (towers' GPT,
+``towers.models_gpt``, declares its own there). Built in beside them: every Hugging Face model whose config
 carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2, ...; the head too, where the vocabulary
-divides by tp), Hugging Face's GPT-2 (its ``Conv1D`` layers, ``towers.strategies._conv1d_parallel``),
+divides by tp), Hugging Face's GPT-2 (its ``Conv1D`` layers, ``towers.parallel.conv1d_parallel``),
 models laid out as torchtitan's Llama 3 (``layers.N.attention.wq`` ...), and the MLPs of an
 ``nn.Sequential`` (two linear layers with only activations between them: the first colwise, the
 second rowwise, as the seed CNN's classifier). Any other model: pass ``tp_plan=`` a dict of name ->
 style (the strings ``"colwise"`` / ``"rowwise"``, or style objects), or a callable
 ``plan(model, tp_size) -> dict``. ``sequence_parallel=True`` turns a plan into its sequence-parallel
-variant (``towers.strategies._sequence_parallel``).
+variant (``towers.parallel.sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def _style(value: Any, name: str) -> Any:
         "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         "colwise_loss_parallel": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    from towers.strategies._conv1d_parallel import CONV1D_STYLES
-    from towers.strategies._sequence_parallel import SEQUENCE_STYLES
+    from towers.parallel.conv1d_parallel import CONV1D_STYLES
+    from towers.parallel.sequence_parallel import SEQUENCE_STYLES
 
     styles.update(SEQUENCE_STYLES)
     styles.update(CONV1D_STYLES)
@@ -58,23 +59,6 @@ def _style(value: Any, name: str) -> Any:
         raise user_error(f"Tensor-parallel plan entry {name!r} names a style towers does not know", repr(value),
                          f"Use one of {sorted(styles)}, or a torch.distributed.tensor.parallel style object.")
     return styles[value]()
-
-
-def _towers_gpt_plan(model: nn.Module, tp: int) -> dict[str, Any]:
-    config: Any = model.config  # a towers GPT: its GPTConfig
-    plan: dict[str, Any] = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
-                            "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
-    if config.vocab_size % tp == 0:
-        plan["head"] = "colwise_rep"  # each process computes a slice of the vocabulary; the logits are gathered
-    else:
-        log.info("tensor parallel: the head stays whole (vocab_size=%d does not divide by tp=%d)", config.vocab_size, tp)
-    return plan
-
-
-def _is_towers_gpt(model: nn.Module) -> bool:
-    from towers.models_gpt import GPT
-
-    return isinstance(model, GPT)
 
 
 def _hf_plan(model: nn.Module) -> dict[str, Any] | None:
@@ -157,7 +141,7 @@ def tp_plan_for(model: nn.Module, tp: int, plan: TPPlan = "auto", *, sequence_pa
     found = _tp_plan(model, tp, plan)
     if not sequence_parallel:
         return found
-    from towers.strategies._sequence_parallel import sequence_parallel_plan
+    from towers.parallel.sequence_parallel import sequence_parallel_plan
 
     return sequence_parallel_plan(model, found)
 
@@ -170,8 +154,9 @@ def _tp_plan(model: nn.Module, tp: int, plan: TPPlan) -> dict[str, Any]:
     if plan != "auto":
         raise user_error("tp_plan must be 'auto', a dict of module name -> style, or a callable", repr(plan),
                          "Use e.g. tp_plan={'layers.*.fc1': 'colwise', 'layers.*.fc2': 'rowwise'}.")
-    if _is_towers_gpt(model):
-        return _towers_gpt_plan(model, tp)
+    own = getattr(model, "towers_tp_plan", None)  # a model that declares its plan (towers' GPT)
+    if callable(own):
+        return dict(own(tp))
     found = _hf_plan(model) or _hf_gpt2_plan(model) or _torchtitan_plan(model) or _sequential_mlp_plan(model, tp)
     if found is not None:
         return {k: v for k, v in found.items() if not _head_too_narrow(model, k, v, tp)}

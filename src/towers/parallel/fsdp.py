@@ -22,10 +22,10 @@ from torch import nn
 
 from towers._logging import get_logger
 from towers.errors import InvalidArgumentError
-from towers.process_group import init_one_process_group
-from towers.strategies._blocks import describe_blocks, repeated_blocks
+from towers.parallel.blocks import describe_blocks, repeated_blocks
+from towers.parallel.layout import Layout
 
-__all__ = ["ShardUnits", "DEFAULT_MIN_NUM_PARAMS", "select_units", "build_mesh", "one_process_mesh",
+__all__ = ["ShardUnits", "DEFAULT_MIN_NUM_PARAMS", "select_units", "build_mesh",
            "mixed_precision_policy", "shard_model", "fsdp_modules"]
 
 log = get_logger(__name__)
@@ -112,32 +112,13 @@ def select_units(model: nn.Module, shard_units: ShardUnits = "auto") -> list[nn.
 
 
 def build_mesh(world_size: int, device_type: str, shard_group_size: int | None = None) -> Any:
-    """Return the data-parallel ``DeviceMesh``: 1-D over ``world_size`` ranks, or 2-D ``(replicate, shard)`` for HSDP.
+    """Return the data-parallel ``DeviceMesh`` FSDP2 shards over: 1-D over ``world_size`` ranks, or 2-D
+    ``(dp_replicate, dp_shard)`` for HSDP (``towers.parallel.layout``, the one place a mesh is built).
 
     Raises:
         ValueError: when ``shard_group_size`` does not divide ``world_size``.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    group = world_size if shard_group_size is None else int(shard_group_size)
-    if group < 1 or world_size % group:
-        raise InvalidArgumentError(
-            f"shard_group_size must divide the number of processes ({world_size}). Received: {shard_group_size!r}. "
-            "Use the processes per node (HSDP: shard within a node, replicate across nodes) or None for one group.")
-    if group == world_size:
-        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (world_size // group, group), mesh_dim_names=("replicate", "shard"))
-
-
-def one_process_mesh(device: torch.device, *, backend: str = "auto", timeout_s: float) -> tuple[Any, bool]:
-    """Return ``(mesh, made_group)``: the 1-rank mesh a one-process job shards over, and whether a group was made for it.
-
-    FSDP2 on one process is not about splitting: its ``CPUOffloadPolicy`` and ``MixedPrecisionPolicy``
-    are how parameters, gradients and optimizer state live in host memory and compute in bf16 on one
-    GPU. It needs a process group even then; a job started without one gets one of its own (no port).
-    """
-    made = init_one_process_group(device, backend=backend, timeout_s=timeout_s)
-    return build_mesh(1, device.type), made
+    return Layout.from_spec(None, world_size, shard_group_size=shard_group_size).build(device_type).fsdp
 
 
 def mixed_precision_policy(precision: str, *, root: bool = True) -> Any:

@@ -3,8 +3,8 @@
 With one stage per process the stage module itself is torch's stage's module: it is the FSDP2
 module, and torch's stage keeps the gradients' reduce-scatter for the step's last backward.
 
-With two stages per process (``towers.strategies._pipeline_schedules``) one module holds both
-stages' parts (``towers.strategies._pipeline_split``): FSDP2 shards it as one module, the optimizer
+With two stages per process (``towers.parallel.pipeline_schedules``) one module holds both
+stages' parts (``towers.parallel.pipeline_split``): FSDP2 shards it as one module, the optimizer
 and checkpoints see it as one. torch's stage for each of them gets a ``StageView``, whose forward
 runs that stage alone through the process's module (its FSDP2 hooks gather the parameters). The
 backward and the step's gradient reduction of such a stage run on the process's module, the FSDP2

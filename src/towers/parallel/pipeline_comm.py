@@ -2,7 +2,7 @@
 
 A pipeline is the ``pp`` dimension of the ``(pp, dp, tp)`` mesh at this process's ``(dp, tp)``
 coordinate. Its stages sit on its processes as the schedule says
-(``towers.strategies._pipeline_schedules``: stage r on process r, or two stages per process, looped
+(``towers.parallel.pipeline_schedules``: stage r on process r, or two stages per process, looped
 or in a V), so the process holding the last stage, where the losses and the model's outputs are, is
 the pipeline's last one or, under a V, its first. The collectives here are the ones a step makes
 besides the schedule's sends: the last stage's values to every stage, the norm over the stages, the
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from towers.strategies._pipeline_schedules import schedule_spec
+from towers.parallel.pipeline_schedules import schedule_spec
 
-__all__ = ["PipelineComm", "build_pipeline_mesh"]
+__all__ = ["PipelineComm", "pipeline_comm"]
 
 
 class PipelineComm:
@@ -75,15 +75,10 @@ class PipelineComm:
         return dict(sorted(merged.items(), key=lambda item: self.whole_order.get(item[0], last)))
 
 
-def build_pipeline_mesh(spec: Any, device_type: str, schedule: str = "1f1b") -> tuple[Any, list[list[int]], list[int]]:
-    """Return the ``(pp, dp, tp)`` DeviceMesh, each (pp, tp) coordinate's dp group (global ranks), and the global rank
-    holding each stage of this process's pipeline (``schedule``'s stages: one or two per pp coordinate)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device_type, (spec.pp, spec.dp, spec.tp), mesh_dim_names=("pp", "dp", "tp"))
-    width = spec.dp * spec.tp  # processes per stage
-    groups = [[p * width + d * spec.tp + t for d in range(spec.dp)] for p in range(spec.pp) for t in range(spec.tp)]
-    layout, here = schedule_spec(schedule), dist.get_rank() % width
-    stage_ranks = [layout.rank_of(s, spec.pp) * width + here for s in range(layout.num_stages(spec.pp))]
-    return mesh, groups, stage_ranks
+def pipeline_comm(mesh: Any, rank: int, schedule: str = "1f1b") -> PipelineComm:
+    """Return global ``rank``'s pipeline on a ``LayoutMesh`` with a ``pp`` dimension: its group, and the rank holding
+    each of its stages (``schedule``'s stages: one or two per pp coordinate)."""
+    layout, spec = mesh.layout, schedule_spec(schedule)
+    positions = [spec.rank_of(s, layout.pp) for s in range(spec.num_stages(layout.pp))]
+    return PipelineComm(mesh.pp.get_group(), stage_ranks=layout.stage_ranks(rank, positions), stages=layout.pp,
+                        width=layout.dp * layout.tp)

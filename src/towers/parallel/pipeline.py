@@ -1,12 +1,12 @@
 """Pipeline parallelism on the mesh's ``pp`` dimension: one step's micro-batches through the stages, and its maths.
 
 Each process of a pipeline holds one stage, or two for the schedules that interleave them
-(``towers.strategies._pipeline_split``), and is given the same batch (its replica's share, as tp
+(``towers.parallel.pipeline_split``), and is given the same batch (its replica's share, as tp
 processes are). A step cuts the batch into micro-batches and runs the ``torch.distributed.pipelining``
 schedule ``pp_schedule`` names over them: ``"1f1b"`` (``Schedule1F1B``: after a warm-up, each stage
 alternates one forward and one backward, so at most ``pp`` micro-batches' activations are alive),
 ``"gpipe"`` (every forward, then every backward), or one of the five with two stages per process
-(``towers.strategies._pipeline_schedules``: which stages each process holds, what a shape a
+(``towers.parallel.pipeline_schedules``: which stages each process holds, what a shape a
 schedule cannot run falls back to, and the bubble). torch's schedule gets one ``PipelineStage``
 per stage this process holds. Activations and their gradients go from stage to stage by send/recv
 (Gloo on the CPU, NCCL on GPUs), or stay in the process where the next stage is its own.
@@ -17,7 +17,7 @@ are the update's (the step's accumulated batches times its micro-batches), so
 ``compute_average_loss`` divides the micro-batch's per-example SUM by the GLOBAL batch size (a
 micro-batch's padding examples weigh zero). The schedule does not rescale (``scale_grads=False``):
 the gradients of the micro-batches add up to the gradient of the step's loss, and FSDP2 over ``dp``
-then sums the replicas' (``towers.strategies._fsdp``): one device's gradient of the global batch.
+then sums the replicas' (``towers.parallel.fsdp``): one device's gradient of the global batch.
 A loss normalised by weights (``compute_average_loss(per_token, weights=mask)``) backpropagates its
 weighted SUM; the strategy divides every stage's gradient by the update's global weight once the
 update's last schedule has run (``towers.strategies._pipeline_strategy``).
@@ -32,8 +32,8 @@ import torch
 from towers._logging import get_logger
 from towers.data._batch import whole
 from towers.errors import user_error
-from towers.strategies._pipeline_comm import PipelineComm, build_pipeline_mesh
-from towers.strategies._pipeline_schedules import (
+from towers.parallel.pipeline_comm import PipelineComm, pipeline_comm
+from towers.parallel.pipeline_schedules import (
     SCHEDULES,
     ScheduleSpec,
     bubble_fraction,
@@ -44,11 +44,11 @@ from towers.strategies._pipeline_schedules import (
     schedule_actions,
     schedule_spec,
 )
-from towers.strategies._pipeline_split import StageView
-from towers.strategies._pipeline_stages import HeldStages
+from towers.parallel.pipeline_split import StageView
+from towers.parallel.pipeline_stages import HeldStages
 
 __all__ = ["SCHEDULES", "check_schedule", "check_microbatches", "check_pipeline_options", "microbatches_for",
-           "build_pipeline_mesh", "Pipeline", "PipelineComm", "StepResult"]
+           "pipeline_comm", "Pipeline", "PipelineComm", "StepResult"]
 
 log = get_logger(__name__)
 
@@ -131,7 +131,7 @@ class Pipeline:
         """The whole model's output for ``x`` on every stage (``model(x)`` under ``torch.no_grad()``)."""
         import torch.distributed as dist
 
-        from towers.strategies._pipeline_inference import forward_through_stages
+        from towers.parallel.pipeline_inference import forward_through_stages
 
         return forward_through_stages(stage, x, stage.run_stage, group=self.comm.group, device=self.device,
                                       stage_ranks=self.comm.stage_ranks, rank=dist.get_rank())
@@ -249,7 +249,7 @@ class _Built(NamedTuple):
 
     schedule: Any
     loss: "_Deferred"
-    bubble: float  # its idle fraction (towers.strategies._pipeline_schedules.bubble_fraction)
+    bubble: float  # its idle fraction (towers.parallel.pipeline_schedules.bubble_fraction)
     held: HeldStages
 
 
@@ -263,17 +263,15 @@ class _Deferred:
 
 
 def _micro_context(context: Any, padding: int, global_batch: int | None, local: int, microbatches: int) -> Any:
-    from towers.strategies.context import ReplicaContext
-
     strategy = context.strategy
     if global_batch is None and strategy.num_replicas_in_sync == 1:
         global_batch = local  # one replica, a batch without accounting: the share is the global batch
     # The update's gradient is the sum of every micro-batch's (the step's accumulated batches, each cut in
     # `microbatches`): a weighted loss cannot divide by its own micro-batch's weight, a regularization term added
     # in each is counted once per update.
-    return ReplicaContext(strategy, global_batch_size=global_batch, num_padding_examples=padding,
-                          accumulation_steps=context.accumulation_steps * microbatches,
-                          is_update_step=context.is_update_step)
+    return type(context)(strategy, global_batch_size=global_batch, num_padding_examples=padding,
+                         accumulation_steps=context.accumulation_steps * microbatches,
+                         is_update_step=context.is_update_step)
 
 
 def _placeholder_loss(output: Any) -> torch.Tensor:
