@@ -32,8 +32,9 @@ step is given up, and (``start_lighthouse(peer_timeout_s=...)``) how long the li
 for a silent group before forming a quorum without it. torchft is an optional extra:
 ``pip install 'towers[ft]'``.
 
-The modules: ``strategy.py`` (``FaultTolerantStrategy``: construction, ``prepare``), ``steps.py``
-(each step's quorum and commit vote), ``collectives.py`` (collectives over the live groups),
+The modules: ``strategy.py`` (``FaultTolerantStrategy``: options, ``prepare``; it holds the next two),
+``steps.py`` (``QuorumSteps``: the group's torchft manager, each step's quorum and commit vote),
+``collectives.py`` (``LiveGroupCollectives``: collectives over the live groups),
 ``batches.py`` (``FaultTolerantBatches``, the input), ``optimizer.py`` (the optimizer that steps
 on a committed step), ``groups.py`` (a process's replica group, its own process group, torchft's
 quorum client), ``store.py`` (where a group listens), ``grads.py`` (the gradient all-reduce),

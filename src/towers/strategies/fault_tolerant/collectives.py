@@ -1,4 +1,5 @@
-"""The collectives of a FaultTolerantStrategy: over the live replica groups of the current step's quorum."""
+"""The collectives of a FaultTolerantStrategy: over the live replica groups of the current step's quorum
+(``LiveGroupCollectives``, which the strategy holds; its ``reduce``/``gather``/... call these)."""
 
 from __future__ import annotations
 
@@ -15,30 +16,33 @@ from towers.strategies.fault_tolerant.steps import QuorumSteps
 __all__ = ["LiveGroupCollectives"]
 
 
-class LiveGroupCollectives(QuorumSteps):
-    """``reduce``/``gather``/``barrier`` and the object exchange, over this group's processes, then the live groups."""
+class LiveGroupCollectives:
+    """``reduce``/``gather``/``barrier`` and the object exchange, over this group's processes, then the live groups of
+    ``quorum``'s step; results on ``device``."""
 
-    _device: torch.device
+    def __init__(self, quorum: QuorumSteps, device: torch.device) -> None:
+        self._quorum, self._device = quorum, device
 
     def _all_reduce(self, tensor: torch.Tensor, op: str, what: str) -> torch.Tensor:
         from torch.distributed import ReduceOp
 
         reduce_op = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}[op]
-        started = quorum_started(self._manager)
+        quorum, manager = self._quorum, self._quorum.manager
+        started = quorum_started(manager)
         if started and current_named_collective() is not None:  # every live group's processes in it, or one error
-            self._agreement.agree(step=self.current_step, expected=self.live_replicas)
-        if self._intra is not None:  # this group's processes first (a lost one fails this at once), then the groups
+            quorum.agreement.agree(step=quorum.current_step, expected=quorum.live_replicas)
+        if quorum.intra is not None:  # this group's processes first (a lost one fails this at once), then the groups
             import torch.distributed as dist
 
-            dist.all_reduce(tensor, op=reduce_op, group=self._intra)
+            dist.all_reduce(tensor, op=reduce_op, group=quorum.intra)
         if not started:  # before the first step: this group alone
             return tensor
-        work = self._manager.allreduce(tensor, reduce_op=reduce_op)
+        work = manager.allreduce(tensor, reduce_op=reduce_op)
         work.wait()
-        if self._manager.errored():  # the other groups may have gone on while one waits in a named call: that is told
-            self._agreement.check(step=self.current_step, where=f"waited in {what} over the live replica groups")
-            raise PeerLostError(f"replica group {self.replica_group_id}: {what} failed over the live replica groups: "
-                               f"{self._manager.errored()}. A group was lost since this step's quorum; the next step's "
+        if manager.errored():  # the other groups may have gone on while one waits in a named call: that is told
+            quorum.agreement.check(step=quorum.current_step, where=f"waited in {what} over the live replica groups")
+            raise PeerLostError(f"replica group {quorum.replica_group_id}: {what} failed over the live replica groups: "
+                               f"{manager.errored()}. A group was lost since this step's quorum; the next step's "
                                "quorum leaves it out. Call it again after the next step.")
         return tensor
 
@@ -50,7 +54,7 @@ class LiveGroupCollectives(QuorumSteps):
             tensor = tensor.double()
         if axis is None:
             out = self._all_reduce(tensor.clone(), "sum" if op == "mean" else op, f"strategy.reduce({op!r})")
-            return out / self.live_replicas if op == "mean" else out
+            return out / self._quorum.live_replicas if op == "mean" else out
         axis = axis + tensor.dim() if axis < 0 else axis
         local, count = local_reduce(op, tensor, axis)
         if count is None:
@@ -64,7 +68,7 @@ class LiveGroupCollectives(QuorumSteps):
         tensor = as_tensor(value, self._device)
         tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
         axis = axis + tensor.dim() if axis < 0 else axis
-        n, me = self.live_replicas, self.replica_id
+        n, me = self._quorum.live_replicas, self._quorum.replica_id
         if n == 1:
             return tensor
         sizes = torch.zeros(n, dtype=torch.long)
@@ -90,7 +94,7 @@ class LiveGroupCollectives(QuorumSteps):
         """
         from towers.strategies.parameter_server.wire import decode, encode
 
-        n = self.live_replicas
+        n = self._quorum.live_replicas
         if n == 1:
             return [obj]
         raw, tensors = encode(obj)
@@ -108,4 +112,4 @@ class LiveGroupCollectives(QuorumSteps):
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Return group ``src``'s ``obj`` (its rank in the current quorum) on every live group."""
-        return self.all_gather_object(obj if self.replica_id == src else None)[src]
+        return self.all_gather_object(obj if self._quorum.replica_id == src else None)[src]

@@ -1,15 +1,14 @@
-"""FaultTolerantStrategy: its construction (the group's store, torchft's manager), ``prepare`` and its input.
+"""FaultTolerantStrategy: its options, ``prepare`` and its input, over two parts it holds.
 
-The family's overview is the package's docstring (``towers.strategies.fault_tolerant``); the
-quorum of each step lives in ``steps.py``, the collectives over the live groups in
-``collectives.py``.
+The family's overview is the package's docstring (``towers.strategies.fault_tolerant``). The
+strategy holds a ``QuorumSteps`` (``steps.py``: the group's torchft manager, the quorum of each
+step and its commit vote) and a ``LiveGroupCollectives`` (``collectives.py``: the collectives over
+the live groups); its methods of the same names call them.
 """
 
 from __future__ import annotations
 
-import contextlib
-from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -18,26 +17,18 @@ from towers._logging import configure_logging, configured_logging, get_logger, s
 from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.cluster.strategy_options import parse_flag
+from towers.data import BatchInfo, find_batch_info
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
-from towers.launch.job_end import JobEndView
 from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S, check_timeout
-from towers.parallel.activation_checkpointing import apply_activation_checkpointing
-from towers.strategies.base import note_built
-from towers.strategies.fault_tolerant.agreement import GroupAgreement
+from towers.parallel.parallelize import ParallelOptions, parallelize
+from towers.strategies.base import ReplicaContext, Strategy, note_built
 from towers.strategies.fault_tolerant.batches import FaultTolerantBatches
 from towers.strategies.fault_tolerant.collectives import LiveGroupCollectives
 from towers.strategies.fault_tolerant.grads import GradientSync, sum_hook
-from towers.strategies.fault_tolerant.groups import (
-    GroupLayout,
-    import_torchft,
-    intra_group,
-    note_quorum_members,
-    own_address,
-)
+from towers.strategies.fault_tolerant.groups import GroupLayout
 from towers.strategies.fault_tolerant.optimizer import FaultTolerantOptimizer
 from towers.strategies.fault_tolerant.shards import load_local_model, load_local_optimizer, local_state
-from towers.strategies.fault_tolerant.steps import Steps
-from towers.strategies.fault_tolerant.store import group_store
+from towers.strategies.fault_tolerant.steps import QuorumSteps
 from towers.strategies.precision import Precision, resolve_precision
 
 __all__ = ["FaultTolerantStrategy"]
@@ -45,7 +36,7 @@ __all__ = ["FaultTolerantStrategy"]
 log = get_logger(__name__)
 
 
-class FaultTolerantStrategy(LiveGroupCollectives):
+class FaultTolerantStrategy(Strategy):
     """Synchronous data parallelism over replica groups that survives a lost group, on torchft.
 
     Options: ``lighthouse`` (the lighthouse's address, ``"http://host:port"``; None: torchft's
@@ -91,11 +82,6 @@ class FaultTolerantStrategy(LiveGroupCollectives):
         if self._precision.enabled:
             raise user_error("FaultTolerantStrategy computes in float32 only (for now)", f"precision={precision!r}",
                              "Use precision='32', or MirroredStrategy for mixed precision.")
-        torchft = import_torchft()
-        from torchft.manager import MANAGER_ADDR_KEY
-
-        from towers.strategies.fault_tolerant.transport import WireTransport
-
         layout = GroupLayout.resolve(info, replica_group_id, group_size, group_rank, group_port)
         self.replica_group_id, self.group_size, self.group_rank = layout.group, layout.size, layout.rank
         self.peer_timeout_s = peer_timeout_s
@@ -105,51 +91,15 @@ class FaultTolerantStrategy(LiveGroupCollectives):
                              "one", "group_size=1", "Run groups of several processes (towers launch --group-size N "
                              "--strategy fault_tolerant --strategy-option shard=true), or drop shard=True.")
         self.shard, self._shard_units = shard, shard_units
-        host = address or own_address(info)
-        timeout = timedelta(seconds=peer_timeout_s)
-        # The group's own store, served by member 0 on the group's address only: torchft's managers and per-quorum
-        # process groups meet there, and so do the members' own process group (groups of several processes).
-        self._store = group_store(host, layout.port, serves=layout.rank == 0, timeout_s=quorum_timeout_s)
-        self._intra = intra_group(self._store, layout, timeout)
         #: The gradient all-reduce ``prepare`` installs: ``"flat"`` (one flat buffer at the end of backward) or
         #: ``"ddp"`` (torchft's DDP wrapper, slower; kept to compare in benchmarks/ft_recovery.py).
         self.gradients = "flat"
-        self._pg = torchft.ProcessGroupGloo(timeout=timeout)
-        transport = WireTransport(self._pg, timeout)  # the live state as JSON and tensor bytes, never a pickle
-        try:
-            self._manager = torchft.Manager(
-                pg=self._pg, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
-                use_async_quorum=False,  # heal before the forward pass, so a healed group computes on the live weights
-                timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
-                connect_timeout=timedelta(seconds=quorum_timeout_s), rank=layout.rank, world_size=layout.size,
-                store_addr=host, store_port=self._store.port, lighthouse_addr=lighthouse,
-                replica_id=f"towers_ft_{self.replica_group_id}", hostname=host, checkpoint_transport=transport)
-        except KeyError as exc:  # torchft reads TORCHFT_LIGHTHOUSE when no address is given
-            raise user_error("FaultTolerantStrategy needs the address of a torchft lighthouse", f"lighthouse={lighthouse!r} "
-                             "and no TORCHFT_LIGHTHOUSE", "Start one (towers.strategies.fault_tolerant.start_lighthouse, "
-                             "or torchft_lighthouse --min_replicas 1 --bind 127.0.0.1:29510) and pass "
-                             "lighthouse='http://host:port' to the strategy.") from exc
-        # torchft's manager server (process 0 of the group) binds every interface itself: its address is said here.
-        self.manager_address: str = self._store.get(MANAGER_ADDR_KEY).decode()
-        self._quorum_client = note_quorum_members(self._manager)  # the same client, noting each quorum's members
-        self._members: list[int] | None = None
-        self._steps = Steps()
-        self._group_synced = False
-        self._gradient_syncs: list[GradientSync] = []
-        self._lighthouse = lighthouse or "(none given)"
-        self._quorum_timeout_s = quorum_timeout_s
-        self._job_end = JobEndView(info)  # under towers launch: the record that the job's training ended
-        # Collectives every replica must call (Metric.result()), agreed across the groups in the job's store.
-        self._agreement = GroupAgreement(info, group=self.replica_group_id, group_size=layout.size,
-                                         job_end=self._job_end, timeout_s=quorum_timeout_s,
-                                         peer_timeout_s=peer_timeout_s, leave=self.shutdown)
-        self._user_modules: list[nn.Module] = []
+        self._quorum = QuorumSteps(info, layout, lighthouse=lighthouse, address=address, peer_timeout_s=peer_timeout_s,
+                                   quorum_timeout_s=quorum_timeout_s, min_replicas=min_replicas, shard=shard)
+        self._collectives = LiveGroupCollectives(self._quorum, self._device)
+        #: Where torchft's manager server (process 0 of the group, on every interface) is reached: ``"http://host:port"``.
+        self.manager_address: str = self._quorum.manager_address
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._closed = False
-        log.info("FaultTolerantStrategy: replica group %d, process %d of %d (lighthouse %s, peer_timeout_s=%s, "
-                 "min_replicas=%d, store %s:%d, torchft manager %s on every interface)", self.replica_group_id,
-                 layout.rank, layout.size, lighthouse or "from TORCHFT_LIGHTHOUSE", peer_timeout_s, min_replicas,
-                 host, self._store.port, self.manager_address)
 
     # --- who am I -------------------------------------------------------------------------------------
     @property
@@ -171,8 +121,90 @@ class FaultTolerantStrategy(LiveGroupCollectives):
         What TensorFlow's ``GB = B * strategy.num_replicas_in_sync`` needs, the same before the first
         quorum as after a lost group: the global batch of a step stays whole (the live groups take the
         lost group's share). ``live_replicas`` is the count of the current step's quorum."""
-        return max(int(self._info.world_size), self.group_size)
+        return self._quorum.launched_replicas
 
+    # --- where the job is: the quorum of each step (QuorumSteps) ------------------------------------------
+    @property
+    def live_replicas(self) -> int:
+        """The processes of the groups in the current step's quorum (``group_size`` before the first step): who
+        splits the step's global batch and sums its gradients."""
+        return self._quorum.live_replicas
+
+    @property
+    def replica_id(self) -> int:
+        """This process's place among them: its group's rank in the quorum times ``group_size``, plus its rank in the
+        group (``group_rank`` before the first step)."""
+        return self._quorum.replica_id
+
+    @property
+    def current_step(self) -> int:
+        """Steps committed by the job so far (the same on every live group; a healed group gets the peers' count)."""
+        return self._quorum.current_step
+
+    @property
+    def steps_not_committed(self) -> int:
+        """Steps this group computed that did not commit (a group was lost or healing failed mid-step)."""
+        return self._quorum.not_committed
+
+    def begin_step(self) -> None:
+        """Join the quorum of the next step (once per step); a group that is behind heals here, from a live peer."""
+        self._quorum.begin_step()
+
+    def join_job(self) -> None:
+        """Join the job if this group has taken part in no step yet: a group started again heals here (``begin_step``)."""
+        self._quorum.join_job()
+
+    def step_in_progress(self) -> bool:
+        """True between a step's quorum and its commit vote."""
+        return self._quorum.step_in_progress()
+
+    def _commit(self) -> bool:
+        """The commit vote of the step in progress (what the prepared optimizer's ``step()`` asks)."""
+        return self._quorum.commit()
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Call ``fn(*args, **kwargs)`` as this group's step, in the quorum of the step (joined here if not yet)."""
+        kwargs = dict(kwargs or {})
+        self._own_random_stream()
+        self.begin_step()
+        with self._entered(self._replica_context(find_batch_info(args, kwargs))):
+            return fn(*args, **kwargs)
+
+    def _replica_context(self, batch: BatchInfo | None) -> ReplicaContext:
+        context = (ReplicaContext(self) if batch is None else
+                   ReplicaContext(self, global_batch_size=batch.examples_per_update,
+                                  num_padding_examples=batch.num_padding_examples))
+        context.num_replicas_in_sync = self.live_replicas  # who sums this step's gradients
+        return context
+
+    @property
+    def _sums_replica_gradients(self) -> bool:
+        return False  # its own optimizer steps on a committed step; losses are checked by its own rules
+
+    # --- collectives over the live groups (LiveGroupCollectives) ---------------------------------------
+    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
+        """Combine ``value`` over the live groups with ``op`` (see ``Strategy.reduce``)."""
+        return self._collectives.reduce(op, value, axis)
+
+    def gather(self, value: torch.Tensor, axis: int = 0) -> torch.Tensor:
+        """Concatenate every live group's ``value`` along ``axis`` (ragged sizes allowed), in quorum order."""
+        return self._collectives.gather(value, axis)
+
+    def barrier(self) -> None:
+        """Return when every live group reached this point (or raise when one was lost meanwhile)."""
+        self._collectives.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return every live group's ``obj``, in quorum order (JSON values and tensors: never a pickle).
+
+        Raises:
+            TypeError: ``obj`` holds something other than JSON values, tuples and dense tensors.
+        """
+        return self._collectives.all_gather_object(obj)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Return group ``src``'s ``obj`` (its rank in the current quorum) on every live group."""
+        return self._collectives.broadcast_object(obj, src)
 
     # --- preparation ----------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -192,20 +224,20 @@ class FaultTolerantStrategy(LiveGroupCollectives):
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidTypeError(
                 f"prepare expects a torch.optim.Optimizer (or None) as optimizer. Received: {type(optimizer).__name__}.")
-        if any(model is m for m in self._user_modules):
+        if any(model is m for m in self._quorum.user_modules):
             raise InvalidArgumentError(f"This {type(model).__name__} was already prepared by this strategy. "
                                        "Call prepare once per model and keep using the model it returned.")
-        if self._user_modules and self.current_step > 0:
+        if self._quorum.user_modules and self.current_step > 0:
             raise FailedPreconditionError(
                 f"FaultTolerantStrategy trains the models prepared before its first step: this job committed "
-                f"{self.current_step} step(s) with the {type(self._user_modules[0]).__name__} prepared first "
+                f"{self.current_step} step(s) with the {type(self._quorum.user_modules[0]).__name__} prepared first "
                 f"before another model ({type(model).__name__}) was prepared. A replica group started again "
                 "heals each model once, at its first step, so a model prepared later would keep its own values "
                 "on that group (replicas that are no longer replicas), and its input would start at the job's "
                 "step, not at its own first batch. Prepare every model before training, or train the second "
                 "model in a job of its own (another towers launch).")
-        model = apply_activation_checkpointing(model.to(self._device), activation_checkpointing)
-        manager = self._manager
+        model = parallelize(model.to(self._device), None, ParallelOptions(activation_checkpointing=activation_checkpointing))
+        manager = self._quorum.manager
 
         class _SummingDDP(DistributedDataParallel):  # torchft's DDP averages; towers' losses are already / global batch
             _comm_hook = staticmethod(sum_hook)
@@ -226,9 +258,10 @@ class FaultTolerantStrategy(LiveGroupCollectives):
         elif self.gradients == "ddp":  # torchft's DDP, for the benchmark's comparison
             wrapped = _SummingDDP(manager, model)
         else:
-            self._gradient_syncs.append(GradientSync(manager, model, group=self.replica_group_id, intra=self._intra))
+            self._quorum.gradient_syncs.append(GradientSync(manager, model, group=self.replica_group_id,
+                                                            intra=self._quorum.intra))
             wrapped = model
-        key = f"model_{len(self._user_modules)}"
+        key = f"model_{len(self._quorum.user_modules)}"
         user_optimizer = optimizer
 
         def state_dict() -> dict[str, Any]:  # a sharded model's DTensors travel as this process's local shards
@@ -249,7 +282,7 @@ class FaultTolerantStrategy(LiveGroupCollectives):
                      self.current_step)
 
         manager.register_state_dict_fn(key, load_state_dict, state_dict)
-        self._user_modules.append(model)
+        self._quorum.user_modules.append(model)
         compiled = self._compile(wrapped, compile)
         if optimizer is None:
             return compiled, None
@@ -260,7 +293,7 @@ class FaultTolerantStrategy(LiveGroupCollectives):
         """FSDP2's all-reduce hook: sum a unit's gradient shard with the same shard of the other live groups."""
         from torch.distributed import ReduceOp
 
-        self._manager.allreduce(gradient, reduce_op=ReduceOp.SUM).wait()  # an error: this step does not commit
+        self._quorum.manager.allreduce(gradient, reduce_op=ReduceOp.SUM).wait()  # an error: this step does not commit
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._optimizers)
@@ -332,15 +365,4 @@ class FaultTolerantStrategy(LiveGroupCollectives):
 
     def shutdown(self) -> None:
         """Leave the quorum and stop this group's torchft servers (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self._manager.shutdown(wait=False)
-        with contextlib.suppress(Exception):
-            self._pg.shutdown()
-        if self._intra is not None:
-            import torch.distributed as dist
-
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        self._quorum.close()
