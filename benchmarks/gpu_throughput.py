@@ -66,7 +66,7 @@ def make_recipe(model_name: str, mode: str, steps: int, batch: int | None = None
 def _trainer_waits_engine(recipe: Recipe, device: torch.device) -> Block:
     """``trainer`` as it was before it stopped waiting for the GPU inside a step (--waits-variant): metrics
     reduced at every step (``log_every_n_steps=1``, what one replica did) and labels counted on the device."""
-    import towers.training._trainer_steps as trainer_module  # where the training step counts labels
+    import towers.training._step_runner as trainer_module  # where the training step counts labels
 
     inner = trainer_engine(replace(recipe, trainer_options={"log_every_n_steps": 1}), device)
 

@@ -69,3 +69,12 @@ def test_no_module_imports_another_modules_private_names():
             if mod.startswith("towers") and mod != _dotted(path):
                 found += [f"{path}: from {mod} import {n}" for n in names if n.startswith("_") and not n.startswith("__")]
     assert found == []
+
+
+def test_trainer_is_composed_not_cut_into_mixins():
+    """The Trainer holds its parts (the epoch loop, the step runner, evaluate/predict) as objects: its chain of
+    base classes is not a class cut into mixins across files."""
+    import towers
+
+    towers_bases = [c for c in towers.Trainer.__mro__[1:] if c.__module__.split(".")[0] == "towers"]
+    assert len(towers_bases) <= 1, f"Trainer derives from towers classes {towers_bases}: hold them as collaborators"

@@ -8,24 +8,19 @@ from torch import nn
 
 import towers
 from towers.cluster.info import ProcessInfo
+from towers.training._epoch_loop import EpochLoop
 
 _READS = ("item", "tolist", "__float__", "__int__", "__bool__")  # each waits for the device on a GPU
 
 
-class _AsOnAGpu(towers.Trainer):
-    """One replica on the CPU reduces every step (it is free there); a GPU's Trainer reduces every log_every_n_steps."""
-
-    @property
-    def _syncing_is_free(self) -> bool:
-        return False
-
-
 def _reads_during_fit(monkeypatch, steps: int) -> int:
+    # One replica on the CPU reduces every step (it is free there); a GPU's Trainer reduces every log_every_n_steps.
+    monkeypatch.setattr(EpochLoop, "syncing_is_free", False)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-    trainer = _AsOnAGpu(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), F.cross_entropy,
-                        metrics=["accuracy"], strategy=towers.OneDeviceStrategy("cpu", info=ProcessInfo()),
-                        log_every_n_steps=1000)
+    trainer = towers.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), F.cross_entropy,
+                             metrics=["accuracy"], strategy=towers.OneDeviceStrategy("cpu", info=ProcessInfo()),
+                             log_every_n_steps=1000)
     x, y = torch.randn(8 * steps, 8), torch.randint(0, 3, (8 * steps,))
     trainer.fit((x, y), epochs=1, global_batch_size=8)  # warm-up: one-time work (FLOPs counted at the first step)
     calls = [0]

@@ -22,13 +22,14 @@ from towers.data import BatchInfo, is_stream
 from towers.diagnostics.throughput import ThroughputMeter
 from towers.errors import InvalidArgumentError, InvalidTypeError, user_error
 from towers.strategies.base import Strategy, check_max_norm
+from towers.training._epoch_loop import EpochLoop
+from towers.training._inference import Inference
+from towers.training._metric_sync import MetricSync
 from towers.training._state import TrainingProgress, capture_state, restore_state
+from towers.training._step_runner import ModelLabels, StepRunner
 from towers.training._steps import MetricSet, as_dataset, per_example_loss_fn
+from towers.training._stop_decision import StopDecision
 from towers.training._throughput import epoch_throughput
-from towers.training._trainer_epochs import Epochs
-from towers.training._trainer_inference import Inference
-from towers.training._trainer_steps import TrainingSteps
-from towers.training.batches import LabelsArgument, labels_argument, loss_shifts_labels
 from towers.training.callbacks.base import Callback, CallbackList
 from towers.training.callbacks.breakdown import with_step_breakdown
 from towers.training.history import History
@@ -38,7 +39,7 @@ __all__ = ["Trainer"]
 
 log = get_logger(__name__)
 
-class Trainer(Epochs, TrainingSteps, Inference):
+class Trainer:
     """Train, evaluate and predict with ``model`` under ``strategy``, Keras-style.
 
     ``loss`` is called as ``loss(y_pred, y_true, reduction="none")`` (an ``nn`` loss module is
@@ -112,17 +113,12 @@ class Trainer(Epochs, TrainingSteps, Inference):
             raise InvalidTypeError(f"strategy must be a towers Strategy (e.g. towers.MirroredStrategy()) or None for "
                                    f"towers.strategy_from_env(). Received: {type(strategy).__name__}.")
         self.strategy: Strategy = strategy
-        self.loss_fn = per_example_loss_fn(loss) if loss is not None else None
+        self.loss_fn: Any = per_example_loss_fn(loss) if loss is not None else None
         self.label_key, self.prediction_key, self.ignore_index = label_key, prediction_key, int(ignore_index)
         self.metrics: list[Metric | ExternalMetric] = build_metrics(metrics, strategy=strategy)
-        self._train_metrics = MetricSet(self.metrics)
-        self._val_metrics = MetricSet(copy.deepcopy(self.metrics))
+        train_metrics, val_metrics = MetricSet(self.metrics), MetricSet(copy.deepcopy(self.metrics))
         _check_precision(strategy, precision)
-        self._passes_count = loss is None and _takes(model, "num_items_in_batch")
-        # A causal LM's own loss predicts label i+1 from position i: it counts labels[..., 1:], and so does the Trainer.
-        self._shifted_labels = loss is None and loss_shifts_labels(model)
-        # Where the model's own loss takes an (x, y) batch's labels: model(x, y) or model(x, labels=y) (Hugging Face).
-        self._labels_argument = labels_argument(model, label_key) if loss is None else LabelsArgument()
+        labels = ModelLabels.of(model, loss, label_key)  # how the model's own loss takes and counts its labels
         # Passed only when asked for: a strategy of the user's own may take compile= alone.
         checkpointing = {} if activation_checkpointing == "off" else {"activation_checkpointing": activation_checkpointing}
         self.model, self.optimizer = strategy.prepare(model, optimizer, compile=compile, **checkpointing)
@@ -130,26 +126,26 @@ class Trainer(Epochs, TrainingSteps, Inference):
         self.stop_training = False
         self.history = History()
         self.progress = TrainingProgress()
-        self._callbacks = CallbackList()
-        self._resume: dict[str, Any] | None = None
-        self._last_global_batch_size: int | None = None
-        self._train_batches: Any = None
+        self._callbacks = CallbackList()  # the last fit's
+        self._resume: dict[str, Any] | None = None  # what the next fit restores (load_state_dict)
+        self._last_global_batch_size: int | None = None  # the last fit's (evaluate's default)
         self.joined_job = False
         self.log_every_n_steps = log_every_n_steps
-        self._unsynced: torch.Tensor | None = None  # metric sums of steps not yet reduced across replicas
-        self._stop_pending = False  # a stop whose reduction failed (a lost peer): decided at the next one
-        self._last_train_logs: dict[str, float] = {}
-        self._nonfinite_warning = "unseen"  # -> "due" when a reduced loss is not finite -> "said"
-        self._said_no_labels = False  # warned that the batches reduced at a step had no label token
         #: Examples/s, tokens/s and MFU of the training steps (``epoch_logs``; counts FLOPs at the first step).
         self.throughput = ThroughputMeter(strategy)
         #: The ``BatchInfo`` of the batch the last training step ran (None: a batch not from distribute_dataset).
         self.step_batch_info: BatchInfo | None = None
+        # The parts that do the work, each an object the Trainer holds (they read its public attributes):
+        self._metric_sync = MetricSync(strategy, train_metrics, ignore_index=self.ignore_index)  # training metrics
+        self._stop = StopDecision(strategy)  # stop_training, decided on every replica at once
+        self._steps = StepRunner(self, labels, train_metrics)  # one training step and its update
+        self._epochs = EpochLoop(self, self._steps, self._metric_sync, self._stop)  # the input, an epoch's steps
+        self._inference = Inference(self, labels, val_metrics)  # evaluate (fit's validation too) and predict
 
     @property
     def train_input(self) -> Any:
         """The distributed training input of the current (or last) ``fit``, as ``strategy.distribute_dataset`` made it."""
-        return self._train_batches
+        return self._epochs.train_input
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -183,10 +179,11 @@ class Trainer(Epochs, TrainingSteps, Inference):
         train_set = as_dataset(train_data, "train_data")
         val_set = None if validation_data is None else as_dataset(validation_data, "validation_data")
         self._last_global_batch_size = global_batch_size
-        self._train_batches = None
+        self._epochs.start(train_set, global_batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch)
         self.joined_job = False
         self.history = History()
-        self.stop_training = self._stop_pending = False
+        self.stop_training = False
+        self._stop.reset()
         cbs = self._callbacks = CallbackList([self.history, *_ledger_first(self, callbacks)], trainer=self)
         cbs = self._callbacks = with_step_breakdown(cbs, self.breakdown_every)  # per-rank step time, stragglers
         steps: int | None = None  # a stream's length is known only at its end
@@ -208,34 +205,55 @@ class Trainer(Epochs, TrainingSteps, Inference):
                     cb.load_state_dict(state)
         epoch_logs: dict[str, float] = {}
         while self.progress.epoch < epochs and not self.stop_training:
-            self._follow_job(train_set, global_batch_size, shuffle, steps_per_epoch)
+            self._epochs.follow_job(cbs)
             if self.progress.epoch >= epochs:
                 break  # the job trained these epochs already (a replica that joined it at its end)
             epoch = self.progress.epoch
             cbs.call("on_epoch_begin", epoch, {})
             self.throughput.reset()
-            self._train_epoch(train_set, global_batch_size, steps_per_epoch, shuffle,
-                              resume["rng"] if resume is not None else None)
+            self._epochs.run(cbs, resume["rng"] if resume is not None else None)
             resume = None
-            epoch_logs = self._train_metrics.results()
+            epoch_logs = self._metric_sync.metrics.results()
             epoch_logs.update(epoch_throughput(self.throughput, self.strategy))  # the chief's clock
-            epoch_logs["examples"] = float(self._epoch_examples(train_set, global_batch_size))
+            epoch_logs["examples"] = float(self._epochs.examples())
             if val_set is not None:
-                val_logs = self._evaluate(val_set, global_batch_size, cbs)
+                val_logs = self._inference.evaluate(val_set, global_batch_size, cbs)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
             groups = getattr(self.optimizer, "param_groups", None)
             epoch_logs["lr"] = float(groups[0]["lr"]) if groups else math.nan
             self.progress = self.progress.next_epoch()
             cbs.call("on_epoch_end", epoch, epoch_logs)
-            self.stop_training = self._any_replica(self.stop_training)
+            self.stop_training = self._stop.any_replica(self.stop_training, self.progress.global_step)
         cbs.call("on_train_end", dict(epoch_logs))
         return self.history
 
+    # --- evaluate and predict ----------------------------------------------------------------------
+    def evaluate(self, data: Any, global_batch_size: int | None = None, *,
+                 callbacks: Sequence[Callback] = ()) -> dict[str, float]:
+        """Return ``{"loss": ..., metric: ...}`` over ``data``, reduced across replicas (the same on every replica)."""
+        gbs = global_batch_size
+        if gbs is None:
+            gbs = self._last_global_batch_size or 32 * self.strategy.num_replicas_in_sync
+        if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs < 1:
+            raise InvalidArgumentError(f"global_batch_size must be a positive integer (or None for fit's). Received: {gbs!r}.")
+        return self._inference.evaluate(as_dataset(data, "data"), gbs, CallbackList(callbacks, trainer=self))
+
+    def predict(self, x: Any, *, batch_size: int = 256, callbacks: Sequence[Callback] = ()) -> torch.Tensor:
+        """Return the model's outputs for ``x`` (a tensor or a dataset of ``(x, ...)`` items), on the CPU.
+
+        Every replica computes all of ``x`` with its own copy of the model (no communication), so
+        every replica returns the same tensor.
+        """
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise InvalidArgumentError(f"batch_size must be a positive integer. Received: {batch_size!r}.")
+        return self._inference.predict(x, batch_size, callbacks)
+
+    # --- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Return the full training state in the checkpoint format (a collective: call it on every replica)."""
-        self._sync_train_metrics()  # running sums of steps not yet reduced belong in the checkpoint
-        return capture_state(self, train_input=self._train_batches, callbacks=self._callbacks,
-                             train_metrics=self._train_metrics)
+        self._metric_sync.sync(self.progress.global_step)  # running sums of steps not yet reduced belong in it
+        return capture_state(self, train_input=self._epochs.train_input, callbacks=self._callbacks,
+                             train_metrics=self._metric_sync.metrics)
 
     def load_state_dict(self, state: Mapping[str, Any], *, path: str = "<state>") -> None:
         """Restore a full training state; the next ``fit`` resumes at its exact step (on every replica).
@@ -243,7 +261,7 @@ class Trainer(Epochs, TrainingSteps, Inference):
         Raises:
             CheckpointError: when the state does not fit this model/optimizer; nothing is changed then.
         """
-        self._resume = restore_state(self, state, train_metrics=self._train_metrics, path=path)
+        self._resume = restore_state(self, state, train_metrics=self._metric_sync.metrics, path=path)
 
     def save_checkpoint(self, path: str, *, weights_only: bool = False) -> str:
         """Write a checkpoint of this Trainer at ``path`` (call on every replica); return its path.
@@ -273,21 +291,6 @@ class Trainer(Epochs, TrainingSteps, Inference):
         else:
             self.strategy.load_state_dict({"model": state["model"]}, self.model)
         return state
-
-
-def _takes(model: nn.Module, name: str) -> bool:
-    """True when ``model.forward`` takes ``name`` (Hugging Face's ``num_items_in_batch``: named, or through the
-    ``**kwargs`` a transformers model hands its ``loss_function``)."""
-    import inspect
-
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    if name in parameters:
-        return True
-    var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    return var_keyword and hasattr(type(model), "loss_function")
 
 
 def _check_precision(strategy: Strategy, precision: Any) -> None:
