@@ -1,4 +1,8 @@
-"""The collectives of a ParameterServerStrategy: met at ps task 0 (``comm.py``), over the live workers only."""
+"""The collectives of a ParameterServerStrategy: met at ps task 0 (``comm.py``), over the live workers only.
+
+``WorkerCollectives`` is what the strategy holds and its ``reduce``/``gather``/``barrier``/object exchange call; on a
+ps task (no client) each says that it runs on workers.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ import torch
 from towers.cluster.info import ProcessInfo
 from towers.errors import FailedPreconditionError, InvalidArgumentError
 from towers.strategies._collectives import as_tensor, check_op
-from towers.strategies.base import Strategy
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.comm import PsComm
 from towers.strategies.parameter_server.roles import Roles
@@ -17,23 +20,30 @@ from towers.strategies.parameter_server.roles import Roles
 __all__ = ["WorkerCollectives"]
 
 
-class WorkerCollectives(Strategy):
-    """``reduce``/``gather``/``barrier`` and the object exchange, which run on workers only (a round trip to ps task 0)."""
+class WorkerCollectives:
+    """``reduce``/``gather``/``barrier`` and the object exchange, which run on workers only (a round trip to ps task 0).
 
-    _info: ProcessInfo
-    roles: Roles
-    _client: ParameterClient | None
-    _comm: PsComm | None
+    ``client`` is this worker's link to the ps tasks (None on a ps task); results come back on ``device``.
+    """
 
-    def _require_worker(self, what: str) -> ParameterClient:
+    def __init__(self, roles: Roles, info: ProcessInfo, client: ParameterClient | None, device: torch.device) -> None:
+        self._roles, self._info, self._client = roles, info, client
+        self._comm = PsComm(client, device=device) if client is not None else None
+
+    def require_worker(self, what: str) -> ParameterClient:
+        """This worker's client; on a ps task, an error saying that ``what`` runs on workers."""
         if self._client is None:
-            raise FailedPreconditionError(f"{what} runs on workers; this process is ps task {self.roles.index} (rank "
-                                          f"{self._info.rank}). Guard ps-task code with `if strategy.is_ps`.")
+            raise self._not_on_a_worker(what)
         return self._client
 
+    def _not_on_a_worker(self, what: str) -> Exception:
+        return FailedPreconditionError(f"{what} runs on workers; this process is ps task {self._roles.index} (rank "
+                                       f"{self._info.rank}). Guard ps-task code with `if strategy.is_ps`.")
+
     def _comm_or_fail(self, what: str) -> PsComm:
-        self._require_worker(what)
-        return self._comm  # type: ignore[return-value]  # set together with the client
+        if self._comm is None:
+            raise self._not_on_a_worker(what)
+        return self._comm
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine ``value`` over the workers with ``op``; after a worker died: over the live ones.

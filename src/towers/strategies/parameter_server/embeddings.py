@@ -24,7 +24,7 @@ from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.tables import ROW_OPTIMIZERS, TableSpec, check_options, hash_ids, initial_rows
 from towers.strategies.parameter_server.transport import Op
 
-__all__ = ["ShardedEmbedding", "SparseTables", "MODES"]
+__all__ = ["ShardedEmbedding", "SparseTables", "bind_tables", "MODES"]
 
 #: What works instead of a copy of a model whose tables' rows live on the ps tasks.
 ROWS_ON_PS_FIX = ("Use strategy.full_state_dict(model) for its weights (the dense parameters, and under '<table>.rows' the "
@@ -287,6 +287,25 @@ class SparseTables:
         owner = ids % self.num_ps
         metas = [{"t": t, "state": {k: v[owner == p] for k, v in state.items()}} for p in range(self.num_ps)]
         self.client.request(Op.EMB_SET, metas=metas)
+
+
+def bind_tables(model: nn.Module, optimizer: torch.optim.Optimizer | None, client: ParameterClient, *, num_ps: int,
+                generation: int) -> SparseTables | None:
+    """Connect ``model``'s ``ShardedEmbedding`` tables to the ps tasks (registered there); None when it has none.
+
+    Raises:
+        ValueError: the model has tables and no ``optimizer`` (its ``step()`` sends the rows' gradients).
+    """
+    sparse = SparseTables(model, client, num_ps=num_ps, generation=generation)
+    if not len(sparse):
+        return None
+    if optimizer is None:
+        raise InvalidArgumentError(
+            f"The model has {len(sparse)} ShardedEmbedding table(s) and no optimizer was passed to prepare(). "
+            "Expected `strategy.prepare(model, optimizer)`: the prepared optimizer's step() sends the rows' "
+            "gradients to the ps tasks (their own row-wise optimizer is set on each ShardedEmbedding).")
+    sparse.register()
+    return sparse
 
 
 def row_optimizer_names() -> list[str]:

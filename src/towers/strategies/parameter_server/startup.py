@@ -2,20 +2,48 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from towers._logging import get_logger
 from towers.checkpoint.preemption import PREEMPTED_EXIT_CODE, ServingPreemptionHandler, preemption_signals
 from towers.cluster.deaths import StartupWatch
 from towers.cluster.info import ProcessInfo
-from towers.process_group import DistributedError
+from towers.cluster.launch_notes import note_started
+from towers.process_group import DistributedError, init_process_group, startup_watch
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.roles import Roles
 from towers.strategies.parameter_server.server import ParameterServer
 
-__all__ = ["connect_links", "serve_links"]
+__all__ = ["open_links", "connect_links", "serve_links"]
 
 log = get_logger("towers.strategies.parameter_server.strategy")  # the records keep the name they had in strategy.py
+
+
+def open_links(roles: Roles, info: ProcessInfo, *, timeout_s: float,
+               before_links: Callable[[], None]) -> list[transport.Link]:
+    """Join the job's process group, run ``before_links`` (collectives every rank joins before the ps tasks serve),
+    then open this process's links (``connect_links``).
+
+    Until every link is up, a process that dies is named by the others at once: the job cannot start without it (a
+    dead worker's batches are handed over only once the ps tasks serve). From then on the launcher's supervisor lets
+    the job go on without a worker.
+
+    Raises:
+        DistributedError: joining or connecting failed.
+    """
+    watch = startup_watch(info)
+    try:
+        init_process_group(info, backend="gloo", timeout_s=timeout_s, watch=watch)
+        watch.set_phase("running the collectives before the parameter-server links")
+        before_links()
+        links = connect_links(roles, info, timeout_s=timeout_s, watch=watch)
+    except BaseException:
+        watch.stop()
+        raise
+    watch.finish(transport.rendezvous_store())
+    if info.launch_dir:
+        note_started(info.launch_dir, rank=info.rank)
+    return links
 
 
 def connect_links(roles: Roles, info: ProcessInfo, *, timeout_s: float, watch: StartupWatch) -> list[transport.Link]:

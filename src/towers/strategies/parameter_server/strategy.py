@@ -29,31 +29,23 @@ from torch import nn
 from towers._logging import get_logger, set_rank
 from towers.checkpoint.layout import CheckpointIO
 from towers.checkpoint.preemption import Preempted
-from towers.cluster.deaths import StartupWatch
 from towers.cluster.info import ProcessInfo
-from towers.cluster.launch_notes import note_started
 from towers.cluster.strategy_options import parse_flag
 from towers.data import BatchInfo, Dispatch, DistributedDataset, DistributedStream, is_stream
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError, user_error
 from towers.parallel.activation_checkpointing import apply_activation_checkpointing
-from towers.process_group import (
-    DEFAULT_TIMEOUT_S,
-    destroy_process_group,
-    init_process_group,
-    startup_watch,
-)
-from towers.strategies.base import ReplicaContext, note_built
+from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group
+from towers.strategies.base import ReplicaContext, Strategy, note_built
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.collectives import WorkerCollectives
-from towers.strategies.parameter_server.comm import PsComm
-from towers.strategies.parameter_server.embeddings import SparseTables
+from towers.strategies.parameter_server.embeddings import SparseTables, bind_tables
 from towers.strategies.parameter_server.generations import ModelGenerations
 from towers.strategies.parameter_server.optimizer import ParameterServerOptimizer
 from towers.strategies.parameter_server.options import MODES, check_options
 from towers.strategies.parameter_server.roles import Roles, resolve_roles
-from towers.strategies.parameter_server.startup import connect_links, serve_links
+from towers.strategies.parameter_server.startup import open_links, serve_links
 from towers.strategies.parameter_server.worker import BoundModel
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
 
@@ -62,7 +54,7 @@ __all__ = ["ParameterServerStrategy", "MODES"]
 log = get_logger(__name__)
 
 
-class ParameterServerStrategy(WorkerCollectives):
+class ParameterServerStrategy(Strategy):
     """Parameters on ``num_ps`` ps tasks, gradients from every worker, ``async`` or ``sync`` updates.
 
     Args:
@@ -113,7 +105,6 @@ class ParameterServerStrategy(WorkerCollectives):
         self._generations = ModelGenerations()
         self._optimizer: torch.optim.Optimizer | None = None
         self._stats: dict[str, Any] | None = None
-        self._comm: PsComm | None = None
         self._datasets = 0  # distribute_dataset calls: names each dataset's passes the same on every worker
         self._empty_step = False  # the last step's batch had no example
         self._ran_units: list[list[Any]] = []  # dispatched batches run since the last push: [pass, g, r]
@@ -125,27 +116,13 @@ class ParameterServerStrategy(WorkerCollectives):
                 "loss scale must change in lockstep on every replica, which parameter-server updates do not do. "
                 "Use precision='bf16' (no loss scaling needed) or MirroredStrategy for fp16.")
         set_rank(info.rank, info.world_size)
-        # Until every link is up, a process that dies is named by the others at once: the job cannot start without
-        # it (a dead worker's batches are handed over only once the ps tasks serve).
-        watch = startup_watch(info)
-        try:
-            init_process_group(info, backend="gloo", timeout_s=timeout_s, watch=watch)
-            watch.set_phase("running the collectives before the parameter-server links")
-            self._before_links()
-            links = self._connect(watch)
-        except BaseException:
-            watch.stop()
-            raise
-        watch.finish(transport.rendezvous_store())
-        if info.launch_dir:  # from now on the launcher's supervisor lets the job go on without this worker
-            note_started(info.launch_dir, rank=info.rank)
+        links = open_links(self.roles, info, timeout_s=timeout_s, before_links=self._before_links)
         if self.roles.is_ps:
             self._serve(links, exit_on_ps)
         else:
             self._client = ParameterClient(links, worker=self.roles.index, rank=info.rank,
                                            world_size=info.world_size, ps_ranks=self.roles.ps_ranks,
                                            timeout_s=timeout_s)
-            self._comm = PsComm(self._client, device=self.device)
             # ps tasks are the last ranks, so on a single host the workers are the first local ranks
             local_workers = min(info.local_world_size, self.roles.num_workers)
             warn_if_gpus_idle(local_workers, [self.device], local_rank=info.local_rank)
@@ -153,12 +130,10 @@ class ParameterServerStrategy(WorkerCollectives):
             log.info("parameter servers: %d ps task(s) at ranks %s, %d worker(s), mode %s%s", self.num_ps,
                      self.roles.ps_ranks, self.roles.num_workers, mode,
                      f", staleness {staleness}" if staleness is not None else "")
+        self._collectives = WorkerCollectives(self.roles, info, self._client, self.device)  # met at ps task 0
 
     def _before_links(self) -> None:
         """Hook: collectives every rank (ps tasks too) must join before the ps tasks start serving."""
-
-    def _connect(self, watch: StartupWatch) -> list[transport.Link]:
-        return connect_links(self.roles, self._info, timeout_s=self.timeout_s, watch=watch)
 
     def _serve(self, links: list[transport.Link], exit_on_ps: bool) -> None:
         self._stats, preempted_at = serve_links(links, self.roles, self._info, mode=self.mode, staleness=self.staleness,
@@ -207,6 +182,35 @@ class ParameterServerStrategy(WorkerCollectives):
         """This worker's index (the chief is 0); -1 on a ps task."""
         return -1 if self.roles.is_ps else self.roles.index
 
+    # --- collectives: met at ps task 0, over the live workers (WorkerCollectives) ----------------------
+    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
+        """Combine ``value`` over the workers with ``op``; after a worker died: over the live ones.
+
+        Raises:
+            ValueError: on an unknown op or an axis the value does not have.
+        """
+        return self._collectives.reduce(op, value, axis)
+
+    def gather(self, value: torch.Tensor, axis: int = 0) -> torch.Tensor:
+        """Concatenate every live worker's ``value`` along ``axis``, in worker order."""
+        return self._collectives.gather(value, axis)
+
+    def barrier(self) -> None:
+        """Block until every live worker reaches this point (a round trip to ps task 0)."""
+        self._collectives.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Return worker ``src``'s ``obj`` on every worker."""
+        return self._collectives.broadcast_object(obj, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return every live worker's ``obj``, in worker order."""
+        return self._collectives.all_gather_object(obj)
+
+    def _require_worker(self, what: str) -> ParameterClient:
+        """This worker's client to the ps tasks; on a ps task, an error saying that ``what`` runs on workers."""
+        return self._collectives.require_worker(what)
+
     # --- preparation -------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                 compile: bool | Mapping[str, Any] = False, activation_checkpointing: str = "off") -> tuple[nn.Module, Any]:
@@ -247,16 +251,8 @@ class ParameterServerStrategy(WorkerCollectives):
     def _bind_tables(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                      client: ParameterClient, generation: int) -> SparseTables | None:
         """Connect the model's ``ShardedEmbedding`` tables to the ps tasks; None when it has none."""
-        sparse = SparseTables(model, client, num_ps=self.num_ps, generation=generation)
-        if not len(sparse):
-            return None
-        if optimizer is None:
-            raise InvalidArgumentError(
-                f"The model has {len(sparse)} ShardedEmbedding table(s) and no optimizer was passed to prepare(). "
-                "Expected `strategy.prepare(model, optimizer)`: the prepared optimizer's step() sends the rows' "
-                "gradients to the ps tasks (their own row-wise optimizer is set on each ShardedEmbedding).")
-        sparse.register()
-        self._sparse = sparse
+        sparse = bind_tables(model, optimizer, client, num_ps=self.num_ps, generation=generation)
+        self._sparse = sparse if sparse is not None else self._sparse
         return sparse
 
     def _take_step_batches(self) -> tuple[bool, list[list[Any]]]:
