@@ -26,7 +26,7 @@ from towers.parallel.blocks import describe_blocks, repeated_blocks
 from towers.parallel.layout import Layout
 
 __all__ = ["ShardUnits", "DEFAULT_MIN_NUM_PARAMS", "select_units", "build_mesh",
-           "mixed_precision_policy", "shard_model", "fsdp_modules"]
+           "mixed_precision_policy", "shard_model", "fsdp_modules", "broadcast_from_first"]
 
 log = get_logger(__name__)
 
@@ -162,6 +162,15 @@ def shard_model(model: nn.Module, mesh: Any, *, shard_units: ShardUnits = "auto"
     log.debug("fully_shard: %d unit(s) + root on mesh %s (reshard_after_forward=%s, precision=%s, cpu_offload=%s)",
               len(units), tuple(mesh.shape), reshard_after_forward, precision, cpu_offload)
     return model
+
+
+def broadcast_from_first(model: nn.Module) -> None:
+    """Give every process the job's first process's parameters and buffers (as DDP does, however the script seeded)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
 
 
 def fsdp_modules(model: nn.Module) -> list[Any]:

@@ -30,7 +30,7 @@ from torch import nn
 from towers._logging import get_logger
 from towers.errors import user_error
 
-__all__ = ["TPPlan", "tp_plan_for", "check_divisible", "apply_tensor_parallel", "stage_plan", "matched_modules"]
+__all__ = ["tp_option", "TPPlan", "tp_plan_for", "check_divisible", "apply_tensor_parallel", "stage_plan", "matched_modules"]
 
 log = get_logger(__name__)
 
@@ -126,6 +126,15 @@ def _sequential_mlp_plan(model: nn.Module, tp: int) -> dict[str, Any] | None:
             if j < len(entries) and isinstance(entries[j][1], nn.Linear) and entries[j][1].in_features == first.out_features:
                 plan[name], plan[entries[j][0]] = "colwise", "rowwise"
     return plan or None
+
+
+def tp_option(name: str, asked: bool, spec: Any) -> bool:
+    """Whether option ``name`` (``sequence_parallel``, ``loss_parallel``) applies on the mesh ``spec`` (a ``MeshSpec`` or
+    None); asked for without a tp above 1, it has nothing to split: a warning, and False."""
+    if asked and (spec is None or spec.tp == 1):
+        log.warning("%s=True is ignored: it splits over the mesh's tp processes, and this job has %s. Add a tp "
+                    "dimension (--mesh dp=D,tp=T) to use it.", name, "no mesh" if spec is None else f"mesh {spec.describe()}")
+    return bool(asked) and spec is not None and spec.tp > 1
 
 
 def tp_plan_for(model: nn.Module, tp: int, plan: TPPlan = "auto", *, sequence_parallel: bool = False) -> dict[str, Any]:

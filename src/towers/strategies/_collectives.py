@@ -21,7 +21,7 @@ from towers.strategies._named import NamedAgreement, PartialCollectiveError, cur
 from towers.strategies.base import REDUCE_OPS
 
 __all__ = ["LocalComm", "ProcessGroupComm", "StepCounts", "MismatchedStepsError", "PartialCollectiveError",
-           "named_collective", "check_op", "as_tensor", "local_reduce", "float_for_mean"]
+           "named_collective", "check_op", "as_tensor", "local_reduce", "float_for_mean", "replica_comm"]
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -322,3 +322,13 @@ class ProcessGroupComm:
             out: list[Any] = [None] * self.num_replicas
             dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def replica_comm(mesh: Any, rank: int, world_size: int, *, backend: str, timeout_s: float) -> ProcessGroupComm:
+    """The collectives over this process's data-parallel group on a ``LayoutMesh`` (``towers.parallel.layout``): the
+    job's own group when every process is a replica, else the ``dp`` sub-mesh's (one replica spans tp or pp)."""
+    layout = mesh.layout
+    if not layout.model_parallel:
+        return ProcessGroupComm(rank=rank, num_replicas=world_size, backend=backend, timeout_s=timeout_s)
+    return ProcessGroupComm(rank=mesh.replica_id, num_replicas=layout.dp, backend=backend, timeout_s=timeout_s,
+                            group=mesh.dp.get_group(), groups=layout.dp_groups())

@@ -1,7 +1,10 @@
-"""What a strategy with a ``pp`` mesh does differently: the step, the values every stage sees, the norm, checkpoints.
+"""``strategy.pipeline``: what a strategy with a ``pp`` mesh does differently: the step, the values every stage sees,
+the norm, checkpoints.
 
-A base class of ``FullyShardedStrategy`` (its state is the strategy's): without a pipeline
-(``_pp_comm`` None) every method here is the next class's. See ``towers.parallel.pipeline``.
+An object the sharded strategy holds when its mesh has a ``pp`` dimension (None without one); the
+strategy's ``forward_backward``, ``reduce``, ``clip_grad_norm_``, loss-normaliser hooks and
+checkpoints delegate to it. The mechanics of a stage (the split, the schedules, the sends) are
+``towers.parallel.pipeline``'s; this is where they meet the strategy's step and loss accounting.
 
 Losses normalised by weights (``compute_average_loss(per_token, weights=mask)``, and the Trainer's
 loss that returns its batch's mean): the last stage computes each micro-batch's loss and notes its
@@ -29,59 +32,63 @@ from torch import nn
 from towers.cluster.mesh import MeshSpec
 from towers.data._batch import whole
 from towers.errors import FailedPreconditionError, user_error
-from towers.parallel.compile import compile_options
 from towers.parallel.pipeline import Pipeline, PipelineComm, StepResult
 from towers.parallel.pipeline_schedules import schedule_spec
 from towers.parallel.pipeline_split import split_model
 from towers.parallel.stage_gradients import StageGradientGuard
 from towers.parallel.tensor_parallel import stage_plan
 from towers.strategies._loss_weights import note_normalised
-from towers.strategies._sync import SyncStrategy
 from towers.strategies.base import ReplicaContext, current_replica_context
 from towers.strategies.context import check_max_norm
 
-__all__ = ["PipelineSteps"]
+__all__ = ["StrategyPipeline"]
 
 
-class PipelineSteps(SyncStrategy):
-    """The pipeline-parallel half of a synchronous strategy on a ``(pp, dp, tp)`` mesh."""
+class StrategyPipeline:
+    """The pipeline-parallel part of a synchronous strategy on a ``(pp, dp, tp)`` mesh, held as ``strategy.pipeline``."""
 
-    _pp_spec: MeshSpec | None
-    _pp_comm: PipelineComm | None
-    _pipelines: list[Pipeline]
-    _device_mesh: Any
-    _mesh: Any
-    _pp_mesh: Any
-    _tp_mesh: Any
-    _pp_group_names: dict[int, list[list[str]]]  # id(torch optimizer) -> each group's whole-model parameter names
-    _pp_split: Any
-    _pp_schedule: str
-    _pp_microbatches: int
-    _tp_plan: Any
-    _sequence_parallel: bool
+    def __init__(self, strategy: Any, *, spec: MeshSpec, comm: PipelineComm, pp_mesh: Any, tp_mesh: Any, split: Any,
+                 schedule: str, microbatches: int, tp_plan: Any, sequence_parallel: bool,
+                 dp_reduce: Callable[[str, Any], torch.Tensor]):
+        self.strategy = strategy  # the strategy whose steps, loss weights and device this pipeline uses
+        self.spec, self.comm, self.schedule, self.microbatches = spec, comm, schedule, microbatches
+        self._pp_mesh, self._tp_mesh, self._split = pp_mesh, tp_mesh, split
+        self._tp_plan, self._sequence_parallel = tp_plan, sequence_parallel
+        self._dp_reduce = dp_reduce  # the strategy's reduce over the replicas of this stage (dp), not over the stages
+        self.pipelines: list[Pipeline] = []  # this process's stage of each model prepare() split
+        self._group_names: dict[int, list[list[str]]] = {}  # id(torch optimizer) -> each group's whole-model names
+        any_stage = lambda flag: bool(comm.grad_norm(torch.tensor(float(flag)), float("inf")) > 0)  # noqa: E731
+        #: Notices torch's own clip (any in-place change of p.grad) between forward_backward and the step.
+        self.stage_grads = StageGradientGuard(spec.describe(), any_stage)
 
-    def _keep_stage(self, model: nn.Module, spec: MeshSpec, comm: PipelineComm) -> tuple[nn.Module, Any, bool]:
+    @property
+    def stage(self) -> int:
+        """This process's pp coordinate (the stage it holds, or the first of the two it holds)."""
+        return int(self._pp_mesh.get_local_rank())
+
+    def keep_stage(self, model: nn.Module) -> tuple[nn.Module, Any, bool]:
         """Return this process's stage(s) of ``model`` (one module; its pipeline registered), the tensor-parallel plan
         for it and whether to derive that plan's sequence-parallel variant: the whole model's plan, for the modules it
         holds."""
-        layout = schedule_spec(self._pp_schedule)  # which stages this pp coordinate holds: one, or two
-        stage = split_model(model, layout.stages_of(self._pp_mesh.get_local_rank(), spec.pp), layout.num_stages(spec.pp),
-                            self._pp_split, mesh=spec.describe())
+        spec, comm = self.spec, self.comm
+        layout = schedule_spec(self.schedule)  # which stages this pp coordinate holds: one, or two
+        stage = split_model(model, layout.stages_of(self.stage, spec.pp), layout.num_stages(spec.pp),
+                            self._split, mesh=spec.describe())
         for name in model.state_dict():  # gathered parts come back in the whole model's order
             comm.whole_order.setdefault(name, len(comm.whole_order))
-        self._pipelines.append(Pipeline(stage, comm=comm, device=self.device, schedule=self._pp_schedule,
-                                        microbatches=self._pp_microbatches))
+        self.pipelines.append(Pipeline(stage, comm=comm, device=self.strategy.device, schedule=self.schedule,
+                                       microbatches=self.microbatches))
         if self._tp_mesh is None:
             return stage, self._tp_plan, self._sequence_parallel
         plan = stage_plan(model, stage, int(self._tp_mesh.size()), self._tp_plan, sequence_parallel=self._sequence_parallel)
         return stage, plan, False  # the plan is already its sequence-parallel variant where asked
 
     @property
-    def pipeline_bubble_fraction(self) -> float | None:
+    def bubble_fraction(self) -> float | None:
         """The idle fraction of a step of the last prepared pipeline's schedule, from its actions (idle slots over all
         slots, a forward 1 slot, a backward 2): the last step's, or before the first step the one ``pp_microbatches``
         runs; None without a pipeline. See ``towers.parallel.pipeline_schedules``."""
-        return self._pipelines[-1].bubble_fraction if self._pp_comm is not None and self._pipelines else None
+        return self.pipelines[-1].bubble_fraction if self.pipelines else None
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any,
                          loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, Any]:
@@ -91,28 +98,26 @@ class PipelineSteps(SyncStrategy):
         the last stage calls ``loss_fn`` once per micro-batch (``compute_average_loss`` there divides by
         the step's GLOBAL batch size, or with ``weights=`` by the update's global weight), ``loss`` reaches
         every stage (what ``loss_fn`` returns for the whole share without a pipeline: the micro-batches'
-        sum, or their weighted mean), ``outputs`` only the last stage (None on the others). Without one,
-        ``Strategy.forward_backward``.
+        sum, or their weighted mean), ``outputs`` only the last stage (None on the others).
 
         Raises:
             Exception: what ``loss_fn`` raised on the last stage (a refusal of towers' normalisers included),
                 on every stage, after the schedule.
         """
-        if self._pp_comm is None:
-            return super().forward_backward(model, inputs, targets, loss_fn)
+        strategy = self.strategy
         if getattr(model, "_orig_mod", None) is not None:  # torch.compile(model): an OptimizedModule around it
             raise self._compile_refused("torch.compile(model) of the pipelined model")
-        stage = self.unwrap(model)
-        pipeline = next((p for p in self._pipelines if p.module is stage), None)
+        stage = strategy.unwrap(model)
+        pipeline = next((p for p in self.pipelines if p.module is stage), None)
         if pipeline is None:
             raise user_error("strategy.forward_backward takes the model strategy.prepare returned",
                              f"a {type(model).__name__} this strategy did not prepare",
                              "Call model, optimizer = strategy.prepare(model, optimizer) first and pass that model.")
         context = current_replica_context()
         if context is None or context.until_next_step:  # a loop without strategy.run: its batch starts the step
-            self._step_outside_run(model, (inputs, targets), {})
-            context = current_replica_context() or ReplicaContext(self)
-        weights = self._loss_weights
+            strategy._step_outside_run(model, (inputs, targets), {})
+            context = current_replica_context() or ReplicaContext(strategy)
+        weights = strategy._loss_weights
         micro_weights: list[float] = []  # the weight each micro-batch's loss noted (0: none)
 
         def weighed(output: Any, target: Any) -> torch.Tensor:
@@ -121,9 +126,9 @@ class PipelineSteps(SyncStrategy):
             micro_weights.append(weights.weight - before)
             return loss
 
-        result = pipeline.step(inputs, targets, weighed, context=context, enter=self._entered)
+        result = pipeline.step(inputs, targets, weighed, context=context, enter=strategy._entered)
         loss = self._finish_step(pipeline, result, micro_weights, update=context.is_update_step)
-        self._stage_grads.note(stage.parameters())  # torch's own clip would change them before the step
+        self.stage_grads.note(stage.parameters())  # torch's own clip would change them before the step
         if not pipeline.is_last:
             note_normalised()  # the last stage normalised the loss whose gradient reached this stage
         return loss, result.outputs
@@ -136,10 +141,10 @@ class PipelineSteps(SyncStrategy):
         Raises:
             Exception: what ``loss_fn`` raised on the last stage, on every stage.
         """
-        comm, weights = pipeline.comm, self._loss_weights
+        comm, weights = pipeline.comm, self.strategy._loss_weights
         # One broadcast from the last stage: the step's loss, whether the update is weighted, its weight so far, and
         # whether loss_fn failed there.
-        shared = torch.zeros(4, dtype=torch.float64, device=self.device)
+        shared = torch.zeros(4, dtype=torch.float64, device=self.strategy.device)
         if result.losses:
             shared[0] = _step_loss(result.losses, micro_weights).to(torch.float64)
             shared[1], shared[2] = float(weights.weighted), weights.weight
@@ -151,101 +156,70 @@ class PipelineSteps(SyncStrategy):
         if update:
             if weighted and not pipeline.is_last:  # the earlier stages' gradient is the last stage's weighted sum's
                 weights.note_weighted(weight, last_micro_batch=True)
-            dp_sum = super().reduce  # the replicas of this stage: each brings its own pipeline's weight
+            dp_sum = self._dp_reduce  # the replicas of this stage: each brings its own pipeline's weight
             weights.finish(pipeline.module.parameters(), lambda total: dp_sum("sum", total), when="backward")
         return shared[0].to(torch.float32)
 
     # --- the loss normalisers' hooks: under pp the update ends with its last schedule, not a backward of its own ---
-    def note_weighted_loss(self, loss: torch.Tensor, weight: float, *, update_step: bool) -> None:
-        """Note a loss normalised by ``weight`` (``Strategy.note_weighted_loss``); with a pipeline its gradients are
-        divided after the update's last schedule, on every stage (``forward_backward``)."""
-        if self._pp_comm is None:
-            return super().note_weighted_loss(loss, weight, update_step=update_step)
-        self._check_weighted_loss()
-        self._loss_weights.note_weighted(weight, last_micro_batch=False)  # the update closes in forward_backward
-        return None
+    def note_weighted_loss(self, weight: float) -> None:
+        """Note a loss normalised by ``weight`` (``Strategy.note_weighted_loss``): its gradients are divided after the
+        update's last schedule, on every stage (``forward_backward``)."""
+        self.strategy._check_weighted_loss()
+        self.strategy._loss_weights.note_weighted(weight, last_micro_batch=False)  # the update closes in forward_backward
 
-    def note_example_normalised_loss(self, *, update_step: bool) -> None:
-        """Note a loss normalised by examples (``Strategy.note_example_normalised_loss``); with a pipeline the update
-        closes after its last schedule, so a weighted loss in another micro-batch of it is still refused."""
-        self._loss_weights.note_plain(update_step and self._pp_comm is None)
-
-    def _compile(self, module: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
-        if self._pp_comm is not None and compile_options(compile) is not None:
-            raise self._compile_refused(f"prepare(..., compile={compile!r})")
-        return super()._compile(module, compile)
+    def compile_refused(self, received: str) -> Exception:
+        """The error for ``torch.compile`` of a pipelined model (``received``: how it was asked)."""
+        return self._compile_refused(received)
 
     def _compile_refused(self, received: str) -> Exception:
         # Measured: a compiled stage trained 0.4 off the plain loop in silence (the schedule runs the stage itself).
-        mesh = self._pp_spec.describe() if self._pp_spec is not None else "pp"
+        mesh = self.spec.describe()
         return user_error(
             "torch.compile is not built for pipeline parallelism: torch's schedule runs each stage's modules "
             "micro-batch by micro-batch itself", f"{received} under mesh {mesh}",
             "Leave the model uncompiled under a pp mesh, or compile it on a mesh without pp (tensor parallelism, "
             "sharded or mirrored replicas), where prepare(..., compile=True) and torch.compile(model) both work.")
 
-    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
-        """Combine ``value`` across replicas (``SyncStrategy.reduce``); with a pipeline, every stage gets the LAST stage's
-        result (where the losses and the model's outputs are), so logs and decisions agree on every process."""
-        result = super().reduce(op, value, axis)
-        return result if self._pp_comm is None else self._pp_comm.from_last_stage(result)
-
-    def _clip_over_stages(self, comm: PipelineComm, parameters: Any, max_norm: float, norm_type: float) -> torch.Tensor:
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float) -> torch.Tensor:
         """torch's ``clip_grad_norm_`` with the norm over every stage's gradients (torch's own sees one stage)."""
         check_max_norm(max_norm)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         grads = [p.grad for p in params if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self.device)
-        total = comm.grad_norm(whole(local), norm_type)
-        if not self._updates_now():  # within an accumulation window: the norm so far; clip once, the whole gradient
+        strategy = self.strategy
+        local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=strategy.device)
+        total = self.comm.grad_norm(whole(local), norm_type)
+        if not strategy._updates_now():  # within an accumulation window: the norm so far; clip once, the whole gradient
             return total
-        self._finish_loss_weights("clip")  # nothing left: forward_backward divided the update's gradients already
+        strategy._finish_loss_weights("clip")  # nothing left: forward_backward divided the update's gradients already
         coefficient = min(1.0, float(max_norm) / (float(total) + 1e-6))
         for grad in grads:
             grad.mul_(coefficient)
-        self._stage_grads.note(params)  # towers' own change: the norm over every stage
+        self.stage_grads.note(params)  # towers' own change: the norm over every stage
         return total
 
-    @property
-    def _stage_grads(self) -> StageGradientGuard:
-        """Notices torch's own clip (any in-place change of p.grad) between ``forward_backward`` and the step."""
-        guard = self.__dict__.get("_stage_gradient_guard")
-        if guard is None:
-            comm = self._pp_comm
-            any_stage = (lambda flag: bool(flag)) if comm is None else (
-                lambda flag: bool(comm.grad_norm(torch.tensor(float(flag)), float("inf")) > 0))
-            guard = self.__dict__["_stage_gradient_guard"] = StageGradientGuard(
-                self._pp_spec.describe() if self._pp_spec is not None else "-", any_stage)
-        return guard
-
-    def _check_stage_gradients(self) -> None:
-        """Before an update under pp: refuse gradients changed in place since forward_backward (torch's own clip)."""
-        if self._pp_comm is not None:
-            self._stage_grads.check()
-
     # --- checkpoints: each stage saves and loads its part, under the original names ------------------------
-    def _point_optimizer_at_stage(self, stage: nn.Module, optimizer: Any, names: dict[int, str]) -> None:
+    def point_optimizer_at_stage(self, stage: nn.Module, optimizer: Any, names: dict[int, str]) -> None:
         """Keep this stage's parameters in each of ``optimizer``'s groups (``names``: the user's parameters' names);
         remember every group's WHOLE list of names, which checkpoints save (so they load into the whole model)."""
         raw = getattr(optimizer, "optimizer", optimizer)
         params = dict(stage.named_parameters())
-        self._pp_group_names[id(raw)] = [[names[id(p)] for p in g["params"] if id(p) in names] for g in raw.param_groups]
+        self._group_names[id(raw)] = [[names[id(p)] for p in g["params"] if id(p) in names] for g in raw.param_groups]
         for group in raw.param_groups:
             group["params"] = [params[names[id(p)]] for p in group["params"] if names.get(id(p)) in params]
 
-    def _whole_param_groups(self, optim_state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    def whole_param_groups(self, optim_state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
         """``optim_state`` (this stage's) with each parameter group naming every stage's parameters, as the user's
         optimizer over the whole model does: the manifest then loads into one process as it is."""
-        whole = self._pp_group_names.get(id(getattr(optimizer, "optimizer", optimizer)))
+        whole = self._group_names.get(id(getattr(optimizer, "optimizer", optimizer)))
         groups = optim_state["param_groups"]
-        if self._pp_comm is None or whole is None or len(whole) != len(groups):
+        if whole is None or len(whole) != len(groups):
             return optim_state
         return {**optim_state, "param_groups": [{**g, "params": list(n)} for g, n in zip(groups, whole)]}
 
-    def _stage_part(self, state: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
+    def stage_part(self, state: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
         """The part of a whole model's ``state`` (``{"model", "optimizer", ...}``) this stage holds: its own names'
         entries; the other stages' (None where the checkpoint did not read them) are left out."""
-        own = set(self.unwrap(model).state_dict())
+        own = set(self.strategy.unwrap(model).state_dict())
         part = {**state, "model": {k: v for k, v in state["model"].items() if k in own}}
         optim = state.get("optimizer")
         if optim is not None:
@@ -253,10 +227,6 @@ class PipelineSteps(SyncStrategy):
                                  "param_groups": [{**g, "params": [n for n in g["params"] if n in own]}
                                                   for g in optim["param_groups"]]}
         return part
-
-    def _checkpoint_parts(self) -> Callable[[Any], list[Any]] | None:
-        """How checkpoints gather the parts the stages hold (every stage's, in stage order); None without a pipeline."""
-        return None if self._pp_comm is None else self._pp_comm.all_gather_object
 
 
 def _step_loss(losses: list[torch.Tensor], micro_weights: list[float]) -> torch.Tensor:

@@ -18,7 +18,7 @@ from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset, DistributedStream, find_batch_info, is_stream
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
-from towers.parallel.activation_checkpointing import apply_activation_checkpointing
+from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
 from towers.strategies._copies import DetachedHook
 from towers.strategies._steps import StepTracker, StrategyOptimizer
@@ -108,8 +108,8 @@ class SyncStrategy(Strategy):
             raise user_error("precision='fp16' supports one optimizer per strategy (one loss scale)",
                              f"a second optimizer ({type(optimizer).__name__})",
                              "Use precision='bf16' for several optimizers, or put every parameter group in one optimizer.")
-        model = apply_activation_checkpointing(model.to(self._device), activation_checkpointing)
-        wrapped = self._wrap_model(model)
+        model = model.to(self._device)
+        wrapped = self._parallelize(model, activation_checkpointing)
         # A plain loop (no strategy.run) still trains one device's maths: the forward's batch starts the step.
         # Detached: a copy of the model (AveragedModel, deepcopy, pickle) is not prepared and copies no strategy.
         wrapped.register_forward_pre_hook(DetachedHook(self._step_outside_run), with_kwargs=True)
@@ -155,6 +155,12 @@ class SyncStrategy(Strategy):
 
     def _prepared_optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._optimizers)
+
+    def _parallelize(self, model: nn.Module, activation_checkpointing: str) -> nn.Module:
+        """Return ``model`` laid out for this strategy by ``towers.parallel.parallelize`` (one replica per process:
+        activation checkpointing, then ``_wrap_model``)."""
+        return parallelize(model, None, ParallelOptions(activation_checkpointing=activation_checkpointing),
+                           wrap=self._wrap_model)
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         """Return ``model`` ready for a step (one replica: only the precision wrapper, when enabled)."""

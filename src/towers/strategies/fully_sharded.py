@@ -17,23 +17,24 @@ job of another size or strategy reshards on load.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from towers._logging import get_logger
+from towers.checkpoint.layout import CheckpointIO
 from towers.cluster.info import ProcessInfo
 from towers.cluster.mesh import MeshSpec, parse_mesh
 from towers.cluster.strategy_options import parse_flag
 from towers.data._batch import whole
 from towers.errors import InvalidArgumentError
-from towers.parallel.fsdp import ShardUnits, select_units, shard_model
+from towers.parallel.compile import compile_options
+from towers.parallel.fsdp import ShardUnits, broadcast_from_first, select_units
 from towers.parallel.layout import Layout, LayoutMesh
-from towers.parallel.loss_parallel import gather_heads_outside, loss_parallel_plan, loss_parallel_scope
+from towers.parallel.loss_parallel import loss_parallel_scope
+from towers.parallel.parallelize import ParallelOptions, ShardOptions, parallelize
 from towers.parallel.pipeline import (
-    Pipeline,
-    PipelineComm,
     check_microbatches,
     check_pipeline_options,
     check_schedule,
@@ -41,7 +42,7 @@ from towers.parallel.pipeline import (
 )
 from towers.parallel.pipeline_schedules import schedule_spec
 from towers.parallel.pipeline_split import parse_split
-from towers.parallel.tensor_parallel import TPPlan, apply_tensor_parallel, tp_plan_for
+from towers.parallel.tensor_parallel import TPPlan, tp_option
 from towers.process_group import (
     DEFAULT_TIMEOUT_S,
     collective,
@@ -49,12 +50,14 @@ from towers.process_group import (
     init_one_process_group,
     init_process_group,
 )
-from towers.strategies._collectives import LocalComm, ProcessGroupComm
+from towers.strategies._collectives import LocalComm, ProcessGroupComm, replica_comm
 from towers.strategies._copies import refuse_copies
 from towers.strategies._ddp import check_same_parameters
+from towers.strategies._pipeline_strategy import StrategyPipeline
 from towers.strategies._sharded_state import ShardedState, raw_optimizer
 from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
+from towers.strategies._sync import SyncStrategy
 from towers.strategies.precision import Precision, resolve_precision
 
 __all__ = ["FullyShardedStrategy"]
@@ -68,7 +71,7 @@ def _replica_device(info: ProcessInfo) -> torch.device:
     return torch.device("cuda", info.local_rank) if gpu_count() >= info.local_world_size else torch.device("cpu")
 
 
-class FullyShardedStrategy(ShardedState):
+class FullyShardedStrategy(SyncStrategy):
     """Sharded data parallelism: parameters, gradients and optimizer state split over the replicas (FSDP2).
 
     Options: ``shard_units`` (which submodules are FSDP units: ``"auto"`` = each repeated block of
@@ -127,32 +130,25 @@ class FullyShardedStrategy(ShardedState):
         sequence_parallel = parse_flag("sequence_parallel", sequence_parallel)
         loss_parallel = parse_flag("loss_parallel", loss_parallel)
         self._tp_mesh: Any = None  # the tensor-parallel dimension of a (dp, tp) mesh
-        self._pp_mesh: Any = None  # the pp dimension: this process's pipeline
-        self._pipelines: list[Pipeline] = []  # this process's stage of each model prepare() split
-        self._pp_comm: PipelineComm | None = None  # this process's pipeline (with a pp mesh)
-        self._pp_group_names: dict[int, list[list[str]]] = {}  # the optimizers' groups, whole-model names (pp)
+        #: The pipeline this process's stage belongs to (with a pp mesh; None without one).
+        self.pipeline: StrategyPipeline | None = None
         spec = parse_mesh(mesh)
         if spec is not None:
             spec = spec.resolved(info.world_size)
-        self._pp_spec = spec if spec is not None and spec.pp > 1 else None
-        self._pp_split, self._pp_schedule = parse_split(pp_split), check_schedule(pp_schedule)
-        stages = schedule_spec(self._pp_schedule).num_stages(spec.pp) if spec is not None else 1
-        self._pp_microbatches = check_microbatches(pp_microbatches, stages)  # default: one per stage
-        for option, asked in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
-            if asked and (spec is None or spec.tp == 1):
-                # Not an error: a script that asks for it runs unchanged on a mesh without tp (nothing to split there).
-                log.warning("%s=True is ignored: it splits over the mesh's tp processes, and this job has %s. Add a tp "
-                            "dimension (--mesh dp=D,tp=T) to use it.", option,
-                            "no mesh" if spec is None else f"mesh {spec.describe()}")
-        self._sequence_parallel = sequence_parallel and spec is not None and spec.tp > 1
-        self._loss_parallel = loss_parallel and spec is not None and spec.tp > 1
+        pp_spec = spec if spec is not None and spec.pp > 1 else None
+        split, schedule = parse_split(pp_split), check_schedule(pp_schedule)
+        stages = schedule_spec(schedule).num_stages(spec.pp) if spec is not None else 1
+        microbatches = check_microbatches(pp_microbatches, stages)  # default: one per stage
+        # Not an error without tp: a script that asks for them runs unchanged on a mesh without tp (nothing to split).
+        self._sequence_parallel = tp_option("sequence_parallel", sequence_parallel, spec)
+        self._loss_parallel = tp_option("loss_parallel", loss_parallel, spec)
         self._sharded_logits = False  # inside forward_backward under loss_parallel: the head's logits stay split
         device = _replica_device(info)
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
         # Options are checked before the process group is joined: a typo fails at once, on every rank alike.
         precision = resolve_precision(precision, device)
-        if self._pp_spec is not None:
-            check_pipeline_options(self._pp_spec, shard_group_size, precision.name)
+        if pp_spec is not None:
+            check_pipeline_options(pp_spec, shard_group_size, precision.name)
         StepTracker(gradient_accumulation_steps)
         if shard_group_size is None and (spec is None or spec.pp * spec.tp == 1) and info.world_size > info.local_world_size:
             shard_group_size = info.local_world_size  # several nodes: HSDP, shards within a node
@@ -165,8 +161,13 @@ class FullyShardedStrategy(ShardedState):
 
             self._owns_group = not is_initialized()
             backend = init_process_group(info, backend=backend, timeout_s=timeout_s)
-            self._layout_mesh = self.layout.build(device.type)
-            comm = self._replica_comm(self._layout_mesh, info, backend, timeout_s)
+            self._layout_mesh = mesh_ = self.layout.build(device.type)
+            comm = replica_comm(mesh_, info.rank, info.world_size, backend=backend, timeout_s=timeout_s)
+            if pp_spec is not None:
+                self.pipeline = StrategyPipeline(
+                    self, spec=pp_spec, comm=pipeline_comm(mesh_, info.rank, schedule), pp_mesh=mesh_.pp,
+                    tp_mesh=mesh_.tp, split=split, schedule=schedule, microbatches=microbatches, tp_plan=tp_plan,
+                    sequence_parallel=self._sequence_parallel, dp_reduce=lambda op, v: SyncStrategy.reduce(self, op, v))
         if info.world_size == 1 and (self._cpu_offload or precision.name != "32"):  # FSDP2's offload and bf16, one GPU
             self._owns_group = init_one_process_group(device, backend=backend, timeout_s=timeout_s)
             self._layout_mesh = self.layout.build(device.type)
@@ -179,20 +180,12 @@ class FullyShardedStrategy(ShardedState):
         super().__init__(info=info, device=device, comm=comm, precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps)
         self._sharded: list[Any] = []  # the FSDP roots prepare() made
+        self._state = ShardedState(precision=self.precision, pipeline=self.pipeline, sharded=self._mesh is not None,
+                                   async_save=self._async_save)
         log.info("%s: %d replica(s), this one on %s (mesh %s, precision=%s, accumulation=%d, reshard_after_forward=%s, "
                  "cpu_offload=%s)", type(self).__name__, self.num_replicas_in_sync, device,
                  None if self._layout_mesh is None else self._layout_mesh.describe(),
                  self.precision.name, gradient_accumulation_steps, self._reshard_after_forward, self._cpu_offload)
-
-    def _replica_comm(self, mesh: LayoutMesh, info: ProcessInfo, backend: str, timeout_s: float) -> ProcessGroupComm:
-        """The collectives over this process's data-parallel group (its replicas); under pp, its pipeline too."""
-        if self._pp_spec is not None:
-            self._pp_mesh = mesh.pp
-            self._pp_comm = pipeline_comm(mesh, info.rank, self._pp_schedule)
-        if not self.layout.model_parallel:  # every process a replica: the job's own group
-            return ProcessGroupComm(rank=info.rank, num_replicas=info.world_size, backend=backend, timeout_s=timeout_s)
-        return ProcessGroupComm(rank=mesh.replica_id, num_replicas=self.layout.dp, backend=backend, timeout_s=timeout_s,
-                                group=mesh.dp.get_group(), groups=self.layout.dp_groups())
 
     @property
     def mesh(self) -> Any:
@@ -208,7 +201,13 @@ class FullyShardedStrategy(ShardedState):
     @property
     def pipeline_parallel_size(self) -> int:
         """Pipeline stages one model replica is cut into (1: no pipeline parallelism)."""
-        return 1 if self._pp_spec is None else self._pp_spec.pp
+        return self.layout.pp
+
+    @property
+    def pipeline_bubble_fraction(self) -> float | None:
+        """The idle fraction of a step of the last prepared pipeline's schedule (``StrategyPipeline.bubble_fraction``);
+        None without a pipeline."""
+        return None if self.pipeline is None else self.pipeline.bubble_fraction
 
     @property
     def is_chief(self) -> bool:
@@ -248,34 +247,33 @@ class FullyShardedStrategy(ShardedState):
                 "strategy.load_checkpoint / load_state_dict.")
         names = {id(p): n for n, p in model.named_parameters()} if isinstance(model, nn.Module) else {}
         wrapped, prepared = super().prepare(model, optimizer, **options)
-        if self._pp_comm is not None:
-            self._user_modules[-1] = self._pipelines[-1].module  # the stage (the other stages' are not held here)
-        if optimizer is not None and self._pp_comm is not None:  # this stage's parameters only, by original name
-            self._point_optimizer_at_stage(wrapped, optimizer, names)
+        if self.pipeline is not None:
+            self._user_modules[-1] = self.pipeline.pipelines[-1].module  # the stage (the other stages' are not held here)
+        if optimizer is not None and self.pipeline is not None:  # this stage's parameters only, by original name
+            self.pipeline.point_optimizer_at_stage(wrapped, optimizer, names)
         elif optimizer is not None and self._mesh is not None:
             sharded = dict(self._user_modules[-1].named_parameters())  # fully_shard swapped them in place
             for group in raw_optimizer(optimizer).param_groups:
                 group["params"] = [sharded[names[id(p)]] if id(p) in names else p for p in group["params"]]
         return wrapped, prepared
 
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
+    def _parallelize(self, model: nn.Module, activation_checkpointing: str) -> nn.Module:
         if self._mesh is None:  # one process: nothing to shard
-            return super()._wrap_model(model)
+            return super()._parallelize(model, activation_checkpointing)
         check_same_parameters(model, self._comm.all_gather_object)
-        self._broadcast_from_chief(model)
+        broadcast_from_first(model)  # as DDP does, before tensor parallelism splits what each process holds
         plan, sequence_parallel = self._tp_plan, self._sequence_parallel
-        if self._pp_spec is not None and self._pp_comm is not None:  # this process's stage; FSDP2 shards it over dp
-            model, plan, sequence_parallel = self._keep_stage(model, self._pp_spec, self._pp_comm)
-        if self._tp_mesh is not None and self._loss_parallel:  # the vocabulary head's logits stay split for the loss
-            plan = loss_parallel_plan(tp_plan_for(model, self.tensor_parallel_size, plan, sequence_parallel=sequence_parallel))
-            sequence_parallel = False  # the plan is already its sequence-parallel variant where asked
-        if self._tp_mesh is not None:  # split the layers first; FSDP2 then shards each split over dp (2-D)
-            applied = apply_tensor_parallel(model, self._tp_mesh, plan, sequence_parallel=sequence_parallel)
-            if self._loss_parallel and not gather_heads_outside(model, applied, lambda: self._sharded_logits):
-                log.warning("loss_parallel=True has nothing to split in this %s: its plan splits no vocabulary head "
-                            "(colwise_rep). The loss runs on whole logits.", type(model).__name__)
-        shard_model(model, self._mesh, shard_units=self._shard_units, reshard_after_forward=self._reshard_after_forward,
-                    precision=self.precision.name, cpu_offload=self._cpu_offload)
+        if self.pipeline is not None:  # this process's stage; the rest lays it out
+            # Checkpointing first, on the whole model: its repeated blocks are found there, whatever a stage holds.
+            model = parallelize(model, None, ParallelOptions(activation_checkpointing=activation_checkpointing))
+            activation_checkpointing = "off"
+            model, plan, sequence_parallel = self.pipeline.keep_stage(model)
+        options = ParallelOptions(
+            tp_plan=plan, sequence_parallel=sequence_parallel, loss_parallel=self._loss_parallel,
+            activation_checkpointing=activation_checkpointing,
+            shard=ShardOptions(units=self._shard_units, reshard_after_forward=self._reshard_after_forward,
+                               precision=self.precision.name, cpu_offload=self._cpu_offload))
+        parallelize(model, self._layout_mesh, options, sharded_logits=lambda: self._sharded_logits)
         self._sharded.append(model)
         # No process holds the whole model: copy.deepcopy and pickle (AveragedModel, torch.save) say what works instead.
         refuse_copies(model, self._where_the_model_is())
@@ -284,9 +282,9 @@ class FullyShardedStrategy(ShardedState):
     def _where_the_model_is(self) -> str:
         """Why no process holds the prepared model whole, for ``refuse_copies``' error."""
         mesh = ",".join(f"{name}={size}" for name, size in zip(self.mesh.mesh_dim_names, self.mesh.shape))
-        if self._pp_spec is not None:
-            return (f"FullyShardedStrategy split it into {self._pp_spec.pp} pipeline stages (mesh {mesh}) and this process "
-                    f"holds stage {self._pp_mesh.get_local_rank()}")
+        if self.pipeline is not None:
+            return (f"FullyShardedStrategy split it into {self.layout.pp} pipeline stages (mesh {mesh}) and this process "
+                    f"holds stage {self.pipeline.stage}")
         return (f"FullyShardedStrategy sharded it with FSDP2 (mesh {mesh}): its parameters are DTensors, of which this "
                 "process holds its shards")
 
@@ -305,21 +303,14 @@ class FullyShardedStrategy(ShardedState):
         check = StepCheck(self._tracker, rank=self.replica_id, num_replicas=self.num_replicas_in_sync)
 
         def compare_steps() -> None:
-            self._check_stage_gradients()  # under pp: torch's own clip measured one stage
+            if self.pipeline is not None:  # torch's own clip measured one stage
+                self.pipeline.stage_grads.check()
             identity, mark = check.mark(torch.float32, self.device)
             with collective("optimizer.step: the replicas' step identities"):
                 dist.all_reduce(mark, group=getattr(self._comm, "group", None))
             check.compare(identity, mark.tolist())
 
         return compare_steps
-
-    def _broadcast_from_chief(self, model: nn.Module) -> None:
-        # As DDP does: every replica starts from the chief's parameters, however the script seeded.
-        import torch.distributed as dist
-
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """Return the user's module: FSDP2 shards it in place (its parameters become DTensors), so nothing wraps it."""
@@ -333,12 +324,15 @@ class FullyShardedStrategy(ShardedState):
         """``Strategy.forward_backward`` (a pipeline's schedule under pp); under ``loss_parallel`` the loss and its
         backward run inside torch's ``loss_parallel()`` on logits split over the vocabulary, and the loss comes back
         whole (``outputs``: the split logits, a DTensor)."""
+        if self.pipeline is not None and not self._loss_parallel:
+            return self.pipeline.forward_backward(model, inputs, targets, loss_fn)
         if not self._loss_parallel:
             return super().forward_backward(model, inputs, targets, loss_fn)
         self._sharded_logits = True
         try:
             with loss_parallel_scope(True):
-                loss, outputs = super().forward_backward(model, inputs, targets, loss_fn)
+                loss, outputs = (super().forward_backward(model, inputs, targets, loss_fn) if self.pipeline is None
+                                 else self.pipeline.forward_backward(model, inputs, targets, loss_fn))
         finally:
             self._sharded_logits = False
         return whole(loss), outputs
@@ -349,10 +343,52 @@ class FullyShardedStrategy(ShardedState):
 
         The norm is over the whole model (every rank's shards), so every rank clips by the same factor.
         """
-        if self._pp_comm is None:
+        if self.pipeline is None:
             total = super().clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
             return whole(total)
-        return self._clip_over_stages(self._pp_comm, parameters, max_norm, norm_type)
+        return self.pipeline.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
+        """Combine ``value`` across replicas (``SyncStrategy.reduce``); with a pipeline, every stage gets the LAST stage's
+        result (where the losses and the model's outputs are), so logs and decisions agree on every process."""
+        result = super().reduce(op, value, axis)
+        return result if self.pipeline is None else self.pipeline.comm.from_last_stage(result)
+
+    # --- the loss normalisers' hooks: under pp the update ends with its last schedule, not a backward of its own ---
+    def note_weighted_loss(self, loss: torch.Tensor, weight: float, *, update_step: bool) -> None:
+        """``Strategy.note_weighted_loss``; with a pipeline the gradients are divided after the update's last schedule."""
+        if self.pipeline is None:
+            return super().note_weighted_loss(loss, weight, update_step=update_step)
+        return self.pipeline.note_weighted_loss(weight)
+
+    def note_example_normalised_loss(self, *, update_step: bool) -> None:
+        """``Strategy.note_example_normalised_loss``; with a pipeline the update closes after its last schedule, so a
+        weighted loss in another micro-batch of it is still refused."""
+        self._loss_weights.note_plain(update_step and self.pipeline is None)
+
+    def _compile(self, module: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
+        if self.pipeline is not None and compile_options(compile) is not None:
+            raise self.pipeline.compile_refused(f"prepare(..., compile={compile!r})")
+        return super()._compile(module, compile)
+
+    # --- state and checkpoints: over FSDP2's shards (``towers.strategies._sharded_state``) ----------------
+    def state_dict(self, model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
+        """``ShardedState.state_dict``: this rank's shards (DTensors); a collective. One process: a plain module's."""
+        return super().state_dict(model, optimizer) if self._mesh is None else self._state.state_dict(model, optimizer)
+
+    def load_state_dict(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any = None) -> None:
+        """``ShardedState.load_state_dict``: shards, or a full state from any strategy, cut into this rank's shards."""
+        if self._mesh is None:
+            return super().load_state_dict(state, model, optimizer)
+        return self._state.load_state_dict(state, model, optimizer)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """``ShardedState.full_state_dict``: the whole model's state gathered onto the CPU (a collective)."""
+        return super().full_state_dict(model) if self._mesh is None else self._state.full_state_dict(model)
+
+    def checkpoint_io(self) -> CheckpointIO:
+        """``ShardedState.checkpoint_io``: every process writes its own shards (``async_save``: in a background thread)."""
+        return self._state.checkpoint_io()
 
     def shutdown(self) -> None:
         """Finish an asynchronous checkpoint in flight, then leave the process group this strategy joined (idempotent)."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from towers._logging import get_logger
-from towers.parallel.activation_checkpointing import apply_activation_checkpointing
+from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import DEFAULT_TIMEOUT_S
 from towers.strategies._comm_hooks import sum_hook
 from towers.strategies._ddp import TowersDDP, check_same_parameters
@@ -110,7 +110,7 @@ class HybridStrategy(ParameterServerStrategy):
         """
         client = self._require_worker("prepare")
         generation = self._generations.of(model)  # a later model gets new tables on the ps tasks
-        model = apply_activation_checkpointing(model.to(self.device), activation_checkpointing)
+        model = parallelize(model.to(self.device), None, ParallelOptions(activation_checkpointing=activation_checkpointing))
         sparse = self._bind_tables(model, optimizer, client, generation)
         self._generations.prepared(model)
         dense = [p for p in model.parameters() if p.requires_grad]

@@ -34,7 +34,7 @@ from towers.cluster.strategy_options import parse_flag
 from towers.data import BatchInfo, Dispatch, DistributedDataset, DistributedStream, is_stream
 from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError, user_error
-from towers.parallel.activation_checkpointing import apply_activation_checkpointing
+from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group
 from towers.strategies.base import ReplicaContext, Strategy, note_built
 from towers.strategies.parameter_server import transport
@@ -226,7 +226,7 @@ class ParameterServerStrategy(Strategy):
         generation = self._generations.of(model)  # a later model replaces the earlier one on the ps tasks
         if generation > 0:
             client.finish()  # the reply of the earlier model's last push (overlap) lands before the ps moves on
-        model = apply_activation_checkpointing(model.to(self.device), activation_checkpointing)
+        model = parallelize(model.to(self.device), None, ParallelOptions(activation_checkpointing=activation_checkpointing))
         sparse = self._bind_tables(model, optimizer, client, generation)
         bound = None
         if sparse is None or any(True for _ in model.parameters()):
