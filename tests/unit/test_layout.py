@@ -4,11 +4,25 @@ strategy family in its own room, and no module reading another's private names."
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
+import pkgutil
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "towers"
 MAX_LINES = 400
 FAMILIES = ("towers.strategies.parameter_server", "towers.strategies.fault_tolerant", "towers.strategies.hybrid")
+#: A capability is an object a class holds, not a base class in another file: no class's chain of towers base
+#: classes spans more files than this.
+MAX_CHAIN_FILES = 3
+#: Classes the two composition tests below leave out while they are being reworked now: the lead's sharded and
+#: pipeline strategies, and the Trainer with the parts it was cut into (training/). Remove each name as its rework lands.
+PENDING = {"FullyShardedStrategy", "ShardedState", "PipelineSteps",
+           "Trainer", "TrainerAttributes", "Epochs", "TrainingSteps", "Inference",
+           # Not part of those reworks, and still failing the private-attribute rule: DistributedStream
+           # (data/streams.py) sets StreamDispatch's _dispatch and _transform (data/_stream_dispatch.py). For the
+           # owner of data/ to make it an object the stream holds; listed so that the rule guards everything else.
+           "StreamDispatch"}
 
 
 def _modules() -> list[tuple[str, ast.Module, int]]:
@@ -78,3 +92,89 @@ def test_trainer_is_composed_not_cut_into_mixins():
 
     towers_bases = [c for c in towers.Trainer.__mro__[1:] if c.__module__.split(".")[0] == "towers"]
     assert len(towers_bases) <= 1, f"Trainer derives from towers classes {towers_bases}: hold them as collaborators"
+
+
+def _towers_classes() -> list[type]:
+    """Every class defined in a towers module (each once), after importing every towers module."""
+    import towers
+
+    classes: dict[int, type] = {}
+    for info in pkgutil.walk_packages(towers.__path__, "towers."):
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if inspect.isclass(value) and value.__module__.split(".")[0] == "towers":
+                classes[id(value)] = value
+    return list(classes.values())
+
+
+def test_no_class_chain_spans_more_than_three_files():
+    """A class holds its capabilities as objects: the towers classes in its ``__mro__`` come from <= 3 source files."""
+    import sys
+
+    found = {}
+    for cls in _towers_classes():
+        if cls.__name__ in PENDING:
+            continue
+        files = list(dict.fromkeys(str(Path(sys.modules[c.__module__].__file__ or "").relative_to(SRC.parent))
+                                   for c in cls.__mro__ if c.__module__.split(".")[0] == "towers"))
+        if len(files) > MAX_CHAIN_FILES:
+            found[f"{cls.__module__}.{cls.__qualname__}"] = files
+    assert found == {}, f"these classes are cut into base classes across files; hold the parts as objects: {found}"
+
+
+def _class_statements(body: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements of a class body, those under ``if``/``try`` included (not those of its methods or nested classes)."""
+    out: list[ast.stmt] = []
+    for stmt in body:
+        out.append(stmt)
+        if isinstance(stmt, ast.If):
+            out += _class_statements(stmt.body) + _class_statements(stmt.orelse)
+        elif isinstance(stmt, ast.Try):
+            out += _class_statements(stmt.body + stmt.orelse + stmt.finalbody)
+    return out
+
+
+def _declares_fields(cls: ast.ClassDef) -> bool:
+    """A dataclass, NamedTuple, TypedDict or Protocol: its bare annotations are fields or an interface, set by its own
+    ``__init__`` (or nobody's), not state for another file to set."""
+    names = {ast.unparse(d.func if isinstance(d, ast.Call) else d).rsplit(".", 1)[-1] for d in cls.decorator_list}
+    bases = {ast.unparse(b).rsplit(".", 1)[-1].split("[")[0] for b in cls.bases}
+    return "dataclass" in names or bool(bases & {"NamedTuple", "TypedDict", "Protocol"})
+
+
+def _self_attributes_assigned(tree: ast.Module) -> set[str]:
+    """The names ``x`` of every ``self.x = ...`` (plain, annotated, augmented or unpacked) in ``tree``."""
+    targets: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets += node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets.append(node.target)
+    names = set()
+    while targets:
+        target = targets.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            targets += target.elts
+        elif isinstance(target, ast.Starred):
+            targets.append(target.value)
+        elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+            names.add(target.attr)
+    return names
+
+
+def test_no_base_class_declares_private_attributes_for_other_files():
+    """A private attribute is declared where it is set: a bare class-level annotation (``_x: T``, no value) is
+    flagged unless the same file assigns ``self._x``; a class whose state another file sets is a base class cut
+    out of that file (hold it as an object, handed what it needs)."""
+    found = []
+    for path, tree, _ in _modules():
+        assigned = _self_attributes_assigned(tree)
+        for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+            if cls.name in PENDING or _declares_fields(cls):
+                continue
+            for stmt in _class_statements(cls.body):
+                if (isinstance(stmt, ast.AnnAssign) and stmt.value is None and isinstance(stmt.target, ast.Name)
+                        and stmt.target.id.startswith("_") and not stmt.target.id.startswith("__")
+                        and stmt.target.id not in assigned):
+                    found.append(f"{path}:{stmt.lineno} {cls.name}.{stmt.target.id}")
+    assert found == [], f"private attributes declared bare for another file to set: {found}"
