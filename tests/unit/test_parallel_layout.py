@@ -104,3 +104,17 @@ def test_a_model_declares_its_own_tensor_parallel_plan_and_pipeline_cut():
         stages[0].in_schedule = stages[1].in_schedule = True
         out = stages[1](stages[0](idx))
         assert torch.equal(out, gpt(idx))
+
+
+def test_hsdp_in_the_mesh_is_the_same_layout_as_shard_group_size():
+    spec = parse_mesh("dp_replicate=2,dp_shard=2,tp=2")
+    assert (spec.dp, spec.dp_shard, spec.tp) == (4, 2, 2) and spec.given() == "dp_replicate=2,dp_shard=2,tp=2"
+    assert Layout.from_spec(spec, 8) == Layout.from_spec(parse_mesh("dp=4,tp=2"), 8, shard_group_size=2)
+    assert Layout.from_spec(parse_mesh("dp_shard=4"), 4) == Layout(dp_shard=4)
+    assert Layout.from_spec(spec, 8).spec() == spec  # and back: the launcher's MeshSpec of the layout
+    with pytest.raises(ValueError, match=r"dp, or its two factors dp_replicate and dp_shard"):
+        parse_mesh("dp=4,dp_shard=2")
+    with pytest.raises(ValueError, match=r"say two different things. Received: shard_group_size=4"):
+        Layout.from_spec(spec, 8, shard_group_size=4)
+    with pytest.raises(ValueError, match=r"must span the job's 4 process.*dp_replicate=2,dp_shard=2,tp=2"):
+        Layout.from_spec(spec, 4)

@@ -2,7 +2,8 @@
 
 ``pp`` is pipeline parallelism (each coordinate one stage of the model's blocks; activations pass
 between stages once per micro-batch), ``dp`` data parallelism (each coordinate a model replica on its
-own share of the batch, sharded by FSDP2 within it), ``tp`` tensor parallelism (the processes of one
+own share of the batch, sharded by FSDP2 within it; or given as ``dp_replicate`` x ``dp_shard``, HSDP:
+sharded within groups of ``dp_shard`` replicas, replicated across them), ``tp`` tensor parallelism (the processes of one
 replica split each layer's matrices). The order is ``(pp, dp, tp)``, tp last, so a replica's tp
 processes are neighbours on a node (their collectives run every layer; the data-parallel ones once
 per step; the pipeline's sends, the lightest, may cross nodes).
@@ -19,6 +20,8 @@ __all__ = ["MeshSpec", "parse_mesh", "MESH_DIMS"]
 
 #: The mesh dimensions towers knows, outermost first.
 MESH_DIMS = ("pp", "dp", "tp")
+#: ``dp`` given as its two factors (HSDP), instead of ``dp``.
+DP_FACTORS = ("dp_replicate", "dp_shard")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ class MeshSpec:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    #: HSDP: FSDP2 shards within groups of this many replicas, replicates across them (None: over all of dp).
+    dp_shard: int | None = None
 
     @property
     def size(self) -> int:
@@ -35,14 +40,19 @@ class MeshSpec:
         return self.pp * self.dp * self.tp
 
     def describe(self) -> str:
-        """``"dp=2,tp=2"`` (``"pp=2,dp=2,tp=1"`` with a pipeline)."""
-        return (f"pp={self.pp}," if self.pp > 1 else "") + f"dp={self.dp},tp={self.tp}"
+        """``"dp=2,tp=2"`` (``"pp=2,dp=2,tp=1"`` with a pipeline; ``"dp_replicate=2,dp_shard=2,tp=2"`` under HSDP)."""
+        return (f"pp={self.pp}," if self.pp > 1 else "") + f"{self._dp_text()},tp={self.tp}"
 
     def given(self) -> str:
         """The dimensions as a user gives them: a ``dp`` of 1 left out when another dimension is set (``"tp=3"``)."""
-        parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS
+        parts = [(self._dp_text() if name == "dp" else f"{name}={getattr(self, name)}") for name in MESH_DIMS
                  if getattr(self, name) > 1 or (name == "dp" and self.pp * self.tp == 1)]
         return ",".join(parts)
+
+    def _dp_text(self) -> str:
+        if self.dp_shard is None:
+            return f"dp={self.dp}"
+        return f"dp_replicate={self.dp // max(self.dp_shard, 1)},dp_shard={self.dp_shard}"
 
     def _fix(self, world_size: int) -> str:
         """What to do when the mesh does not span ``world_size`` processes: meshes that do, or the processes it needs."""
@@ -70,7 +80,7 @@ class MeshSpec:
             ValueError: when the mesh does not span exactly ``world_size`` processes.
         """
         spec, other = self, self.pp * self.tp
-        if spec.dp == 1 and other > 1 and world_size % other == 0:
+        if spec.dp == 1 and spec.dp_shard is None and other > 1 and world_size % other == 0:
             spec = MeshSpec(pp=self.pp, dp=world_size // other, tp=self.tp)
         if spec.size != world_size:
             dims = "pp x dp x tp" if self.pp > 1 else "dp x tp"
@@ -102,9 +112,10 @@ def parse_mesh(value: "str | Mapping[str, Any] | MeshSpec | None") -> MeshSpec |
         raise user_error("A mesh is a string like 'dp=2,tp=2' or a mapping", repr(value), "Use e.g. mesh='dp=2,tp=2'.")
     sizes: dict[str, int] = {}
     for name, size in pairs:
-        if name not in MESH_DIMS:
+        if name not in MESH_DIMS + DP_FACTORS:
             raise user_error("Unknown mesh dimension", repr(name),
-                             f"Use the dimensions {', '.join(MESH_DIMS)}, e.g. dp=2,tp=2 or pp=2,dp=2.")
+                             f"Use the dimensions {', '.join(MESH_DIMS)} (dp also as dp_replicate and dp_shard), e.g. "
+                             "dp=2,tp=2 or pp=2,dp=2.")
         if name in sizes:
             raise user_error("A mesh dimension is given twice", repr(value), "Give each dimension once.")
         try:
@@ -114,4 +125,10 @@ def parse_mesh(value: "str | Mapping[str, Any] | MeshSpec | None") -> MeshSpec |
         if n < 1 or str(size).strip() not in (str(n), f"{n}"):
             raise user_error(f"Mesh dimension {name} must be a positive integer", repr(size), f"Use e.g. {name}=2.")
         sizes[name] = n
+    if any(name in sizes for name in DP_FACTORS):
+        if "dp" in sizes:
+            raise user_error("A mesh gives dp, or its two factors dp_replicate and dp_shard (HSDP), not both",
+                             repr(value), "Drop dp, or give dp alone (shard over all of it).")
+        replicate, shard = sizes.pop("dp_replicate", 1), sizes.pop("dp_shard", 1)
+        return MeshSpec(dp=replicate * shard, dp_shard=shard, **sizes)
     return MeshSpec(**sizes)

@@ -70,6 +70,12 @@ class Layout:
             ValueError: the mesh does not span ``world_size`` processes, or ``shard_group_size`` does not divide dp.
         """
         spec = (spec or MeshSpec(dp=world_size)).resolved(world_size)
+        if spec.dp_shard is not None and shard_group_size is not None and shard_group_size != spec.dp_shard:
+            raise user_error("shard_group_size and the mesh's dp_shard say two different things",
+                             f"shard_group_size={shard_group_size!r}, mesh {spec.given()}",
+                             "Give the HSDP groups once: dp_replicate=R,dp_shard=S in the mesh, or shard_group_size=S.")
+        if spec.dp_shard is not None:
+            shard_group_size = spec.dp_shard
         shard = spec.dp if shard_group_size is None else shard_group_size
         if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or spec.dp % shard:
             if spec.pp * spec.tp == 1:
@@ -99,7 +105,7 @@ class Layout:
 
     def spec(self) -> MeshSpec:
         """The launcher's torch-free ``MeshSpec`` of this layout (``dp`` = both data-parallel degrees)."""
-        return MeshSpec(pp=self.pp, dp=self.dp, tp=self.tp)
+        return MeshSpec(pp=self.pp, dp=self.dp, tp=self.tp, dp_shard=self.dp_shard if self.dp_replicate > 1 else None)
 
     def describe(self) -> str:
         """``"dp_shard=4"``, ``"dp_replicate=2,dp_shard=2,tp=2"``: the dimensions of the mesh ``build`` makes."""
@@ -140,8 +146,12 @@ class LayoutMesh:
                                            mesh_dim_names=tuple(name for name, _ in dims))
         names = [name for name, _ in dims]
         self.fsdp: Any = self._sub(("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",), names)
-        # torch's one way to get a group over two dimensions of a mesh is to flatten them
-        self.dp: Any = self.fsdp._flatten("dp") if layout.dp_replicate > 1 else self.fsdp
+        if layout.dp_replicate == 1:
+            self.dp: Any = self.fsdp
+        elif layout.dp_shard == 1:  # replicas only (DDP, HSDP of one-process shards): the dimension itself
+            self.dp = self.world["dp_replicate"]
+        else:  # torch's one way to get a group over two dimensions of a mesh is to flatten them
+            self.dp = self.fsdp._flatten("dp")
         self.tp: Any = self._sub(("tp",), names) if layout.tp > 1 else None
         self.pp: Any = self._sub(("pp",), names) if layout.pp > 1 else None
 

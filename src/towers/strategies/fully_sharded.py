@@ -83,9 +83,9 @@ class FullyShardedStrategy(SyncStrategy):
     that dtype, gradients reduced in float32 into float32 master shards; fp16 also scales the
     loss in ``strategy.backward``), ``cpu_offload`` (parameter shards, gradients and optimizer
     state live in host memory; for GPUs), ``shard_group_size`` (HSDP: shard within groups of this
-    many processes, replicate across groups; default: the processes per node when the job spans
-    several nodes, else all), ``gradient_accumulation_steps``, ``async_save`` (checkpoints written
-    by a background thread), ``backend`` and ``timeout_s``.
+    many processes, replicate across groups, as ``mesh="dp_replicate=R,dp_shard=S"`` says too; default:
+    the processes per node when the job spans several nodes, else all), ``gradient_accumulation_steps``,
+    ``async_save`` (checkpoints written by a background thread), ``backend`` and ``timeout_s``.
 
     ``mesh`` (``"dp=2,tp=2"``, or ``towers launch --mesh``) adds tensor parallelism: the processes
     form a ``(dp, tp)`` mesh, the ``tp`` processes of one model replica split its layers by
@@ -147,10 +147,12 @@ class FullyShardedStrategy(SyncStrategy):
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
         # Options are checked before the process group is joined: a typo fails at once, on every rank alike.
         precision = resolve_precision(precision, device)
-        if pp_spec is not None:
-            check_pipeline_options(pp_spec, shard_group_size, precision.name)
+        if pp_spec is not None:  # HSDP given in the mesh (dp_replicate=R,dp_shard=S) counts as shard_group_size
+            hsdp = pp_spec.dp_shard if pp_spec.dp_shard not in (None, pp_spec.dp) else shard_group_size
+            check_pipeline_options(pp_spec, hsdp, precision.name)
         StepTracker(gradient_accumulation_steps)
-        if shard_group_size is None and (spec is None or spec.pp * spec.tp == 1) and info.world_size > info.local_world_size:
+        if (shard_group_size is None and (spec is None or (spec.pp * spec.tp == 1 and spec.dp_shard is None))
+                and info.world_size > info.local_world_size):
             shard_group_size = info.local_world_size  # several nodes: HSDP, shards within a node
         #: The job's degrees of parallelism (pp, dp_replicate x dp_shard, tp), checked before the group is joined.
         self.layout = Layout.from_spec(spec, info.world_size, shard_group_size=shard_group_size)
@@ -378,9 +380,7 @@ class FullyShardedStrategy(SyncStrategy):
 
     def load_state_dict(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any = None) -> None:
         """``ShardedState.load_state_dict``: shards, or a full state from any strategy, cut into this rank's shards."""
-        if self._mesh is None:
-            return super().load_state_dict(state, model, optimizer)
-        return self._state.load_state_dict(state, model, optimizer)
+        (super().load_state_dict if self._mesh is None else self._state.load_state_dict)(state, model, optimizer)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """``ShardedState.full_state_dict``: the whole model's state gathered onto the CPU (a collective)."""
