@@ -15,12 +15,8 @@ FAMILIES = ("towers.strategies.parameter_server", "towers.strategies.fault_toler
 #: A capability is an object a class holds, not a base class in another file: no class's chain of towers base
 #: classes spans more files than this.
 MAX_CHAIN_FILES = 3
-#: Classes the two composition tests below still leave out, each with the reason.
-PENDING = {
-           # Still failing the private-attribute rule: DistributedStream
-           # (data/streams.py) sets StreamDispatch's _dispatch and _transform (data/_stream_dispatch.py). For the
-           # owner of data/ to make it an object the stream holds; listed so that the rule guards everything else.
-           "StreamDispatch"}
+#: Classes the two composition tests below leave out (none: every class keeps both rules).
+PENDING: set[str] = set()
 
 
 def _modules() -> list[tuple[str, ast.Module, int]]:

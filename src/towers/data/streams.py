@@ -46,7 +46,7 @@ from towers.data._shard_files import (
     check_agreement,
     check_resumed,
 )
-from towers.data._stream_dispatch import StreamDispatch
+from towers.data._stream_dispatch import DispatchedPass, RunTimeDispatch
 from towers.data._stream_position import Position as _Position
 from towers.data._stream_position import position_from_state
 from towers.data._stream_reading import Transform as _Transform
@@ -59,7 +59,7 @@ __all__ = ["DistributedStream", "InputContext", "Shards", "ShardChangedError", "
 log = get_logger(__name__)
 
 
-class DistributedStream(StreamDispatch, DataLoaderNames):
+class DistributedStream(DataLoaderNames):
     """This replica's share of every global batch of a stream, on its device; iterate once per epoch.
 
     ``stream``: ``towers.data.Shards`` (V = its number of shards), a torch ``IterableDataset``
@@ -135,12 +135,8 @@ class DistributedStream(StreamDispatch, DataLoaderNames):
                              "one global batch at a time", f"accumulation_steps={accumulation_steps}, "
                              f"num_workers={num_workers}", "Use accumulation_steps=1 and num_workers=0 there.")
         #: Hands out this replica's units at run time (parameter servers: ``towers.data.Dispatch``), or None.
-        self._dispatch = dispatch
-        self._passes = 0
+        self._dispatch = None if dispatch is None else RunTimeDispatch(dispatch)
         self._agree = agree  # the replicas' element-wise max (None: one replica, or nobody to compare with)
-        self._num_examples: int | None = None  # counted once per content of the files, for the dispatcher
-        self._counted_files: str | None = None  # the files' digest when they were counted
-        self._examples_trained: int | None = None  # as ps task 0 counted the last complete dispatched pass
         #: Whether batches handed out at run time are recorded in the job's ledger by ps task 0 (the Trainer sets
         #: it on its training input; an evaluation pass trains nothing).
         self.in_ledger = False
@@ -161,14 +157,15 @@ class DistributedStream(StreamDispatch, DataLoaderNames):
     @property
     def batches_per_epoch(self) -> int | None:
         """None: a stream's length is known only at its end (handed out by ps task 0: once it was counted)."""
-        if self._dispatch is None or self._num_examples is None:
+        if self._dispatch is None or self._dispatch.num_examples is None:
             return None
-        return len(global_batch_sizes(self._num_examples, self.global_batch_size, drop_remainder=self.drop_remainder))
+        return len(global_batch_sizes(self._dispatch.num_examples, self.global_batch_size,
+                                      drop_remainder=self.drop_remainder))
 
     @property
     def examples_trained(self) -> int | None:
         """The examples the last complete dispatched pass trained, as ps task 0 counted them; None for a static split."""
-        return self._examples_trained
+        return None if self._dispatch is None else self._dispatch.examples_trained
 
     def position_from(self, epoch: int, step: int, *, steps_per_epoch: int | None = None) -> tuple[int, int]:
         """The Trainer positions this input: ``(epoch, step)`` itself."""
@@ -239,7 +236,12 @@ class DistributedStream(StreamDispatch, DataLoaderNames):
         files, start = self._open_files(start)
         self._position = start.copy()
         if self._dispatch is not None:
-            yield from self._dispatched(start.batch + skip, files)
+            here = DispatchedPass(self.global_batch_size, self.drop_remainder, self.pad_empty_batches, self.num_replicas,
+                                  self.device, self.in_ledger, self._epoch, self._position, lambda: self._records(files),
+                                  self._check_epoch, self._share, self._transform)
+            yield from self._dispatch.units(here, start.batch + skip, files)
+            self._epoch += 1
+            self._position = _Position.start(self.num_virtual_shards)
             return
         for cpu_batch, (info, after) in self._loader.batches(self._jobs(start, skip, files), salt=self._epoch):
             value = attach_batch_info(to_device(cpu_batch, self.device),
@@ -326,7 +328,7 @@ class DistributedStream(StreamDispatch, DataLoaderNames):
             pos.batch += 1
             yield work, (info, pos.copy())
 
-    # --- handed out at run time (parameter servers): StreamDispatch._dispatched (towers.data._stream_dispatch) -----
+    # --- the records, and a replica's share of them (also for units handed out at run time: RunTimeDispatch) ------
     def _records(self, files: list[ShardFiles] | None,
                  cursors: list[int] | None = None) -> Iterator[tuple[int, int, Any]]:
         """The epoch's records, in its sequence, from ``cursors`` (records consumed per virtual shard; default: none).
