@@ -3,6 +3,7 @@
 # Both create a virtual environment in .venv first and install into it only, so they work with
 # a system Python that refuses global installs (Debian/Ubuntu: "externally-managed-environment").
 # Nothing is installed outside .venv; delete the folder to start over.
+# `make docs` builds the documentation site (mkdocs.yml, docs/) into site/ with `mkdocs build --strict`.
 # `make gpu-check` runs the GPU tier on the machine it starts on and writes its report (docs/gpu.md).
 # `make gpu-bench` measures one GPU within 8 minutes (a ~1B GPT's MFU through raw torch, towers' loop and the
 # Trainer; the Trainer against a raw loop on the seed CNN; memory policies) and writes gpu-bench.json and
@@ -53,7 +54,7 @@ SETTINGS := $(TORCH) $(TORCH_INDEX) $(EXTRAS)
 NVIDIA := $(wildcard /proc/driver/nvidia/version /dev/nvidiactl)
 GPU_TORCH_INDEX := $(or $(strip $(TORCH_INDEX)),$(if $(NVIDIA),,https://download.pytorch.org/whl/cpu))
 
-.PHONY: install demo test bench gpu-check gpu-bench clean-venv
+.PHONY: install demo test docs bench gpu-check gpu-bench clean-venv
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -75,6 +76,11 @@ ifneq ($(strip $(LINT)),0)
 	$(VPY) -m mypy
 endif
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# The documentation site into site/ (open site/index.html); every broken link or reference fails the build.
+docs: install
+	$(VPY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PIP) install --quiet --disable-pip-version-check -e ".[docs]"
+	$(VPY) -m mkdocs build --strict --site-dir site
 
 bench: install
 	$(VENV)/bin/towers bench

@@ -1,4 +1,4 @@
-"""The README's checkpoint recipe, as written, under every strategy it claims, and resumed under another.
+"""The checkpoint recipe of docs/checkpoints.md, as written, under every strategy it claims, and resumed under another.
 
 The block runs on one device (``python recipe.py``, as the block's first comment says) and under
 ``towers launch`` on 2 Mirrored replicas, 2 sharded and 2 hybrid workers (+1 ps task): all four
@@ -24,7 +24,7 @@ from towers.launch import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
-RECIPE = next(b for b in python_blocks(ROOT / "README.md") if 'CheckpointManager("ckpt/loop"' in b.code)
+RECIPE = next(b for b in python_blocks(ROOT / "docs" / "checkpoints.md") if 'CheckpointManager("ckpt/loop"' in b.code)
 LAUNCH = {"one_device": None,  # no launcher: `python recipe.py`
           "mirrored": ["--nproc-per-node", "2", "--strategy", "mirrored"],
           "sharded": ["--nproc-per-node", "2", "--strategy", "sharded"],

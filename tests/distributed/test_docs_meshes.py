@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(420)
 
 _README = python_blocks(ROOT / "README.md")
 LOOP = next(b for b in _README if "strategy.forward_backward(model, x, y, loss_fn)" in b.code)
-FIT = next(b for b in _README if "trainer.fit(train_set" in b.code)
+FIT = next(b for b in python_blocks(ROOT / "docs" / "getting_started.md") if "trainer.fit(train_set" in b.code)
 
 
 def _run_both(work_dir: str) -> str:

@@ -48,8 +48,12 @@ def test_every_python_block_runs_as_written(path, tmp_path):
 
 def test_the_readme_has_runnable_blocks_and_skips_say_why():
     readme = python_blocks(ROOT / "README.md")
-    assert sum(b.mark != "not-run" for b in readme) >= 4
     assert any(b.mark == "same-on-2-replicas" for b in readme)
+    # The README's other blocks moved to the pages of their topics, where they run as before.
+    moved = [python_blocks(ROOT / "docs" / page) for page in ("getting_started.md", "checkpoints.md", "devices.md")]
+    assert sum(b.mark != "not-run" for b in readme) + sum(b.mark != "not-run" for page in moved for b in page) >= 4
+    assert any("trainer.fit(train_set" in b.code and b.mark != "not-run" for b in moved[0])
+    assert any('CheckpointManager("ckpt/loop"' in b.code and b.mark != "not-run" for b in moved[1])
     for path in markdown_files():
         for block in python_blocks(path):
             assert block.mark != "not-run" or block.reason, f"{block.name}: <!-- not-run: REASON --> needs a reason"
@@ -77,3 +81,17 @@ def test_docs_point_only_inside_the_repository(path):
             continue
         local = (path.parent / target.split("#")[0]).resolve()
         assert local.exists() and ROOT in local.parents, f"{path.relative_to(ROOT)} links to {target}, not in the repository"
+
+
+def site_home(readme: str) -> str:
+    """docs/index.md, the documentation site's home page, from README.md: the same text, its links made
+    relative to docs/, and its script skipped there (the README's own copy runs, on 1 and 2 replicas)."""
+    return readme.replace("](docs/", "](").replace(
+        "<!-- same-on-2-replicas -->",
+        "<!-- not-run: the same block as README.md's, which the tests run on 1 and on 2 replicas -->")
+
+
+def test_the_site_home_page_is_the_readme():
+    home = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    assert home == site_home((ROOT / "README.md").read_text(encoding="utf-8")), (
+        "docs/index.md must be README.md with its links relative to docs/ (regenerate it: tests/unit/test_docs.py site_home)")

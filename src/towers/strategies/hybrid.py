@@ -74,9 +74,14 @@ class HybridStrategy(ParameterServerStrategy):
     """Dense parameters all-reduced among workers, ``ShardedEmbedding`` rows on ``num_ps`` ps tasks.
 
     Args:
-        num_ps, staleness, info, timeout_s, exit_on_ps, precision: as ``ParameterServerStrategy``.
+        num_ps: as ``ParameterServerStrategy``.
         mode: the embedding updates: ``"sync"`` (default: the same maths as one device) or ``"async"``.
             The dense layers are always synchronous (all-reduced every step).
+        staleness: as ``ParameterServerStrategy``.
+        info: as ``ParameterServerStrategy``.
+        timeout_s: as ``ParameterServerStrategy``.
+        exit_on_ps: as ``ParameterServerStrategy``.
+        precision: as ``ParameterServerStrategy``.
 
     Raises:
         ValueError: as ``ParameterServerStrategy``.
