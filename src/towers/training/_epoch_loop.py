@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 from towers._logging import get_logger
 from towers.checkpoint.state import set_rng_state
 from towers.data import BatchInfo, DistributedBatches, find_batch_info, global_batch_sizes, is_stream
-from towers.errors import user_error
+from towers.errors import FailedPreconditionError, user_error
 from towers.training._metric_sync import MetricSync
 from towers.training._state import TrainingProgress
 from towers.training._step_runner import StepRunner
@@ -56,7 +56,7 @@ class EpochLoop:
     @property
     def _data(self) -> Dataset:
         if self._train_set is None:
-            raise RuntimeError("EpochLoop.start was not called: the epoch loop has no training data")
+            raise FailedPreconditionError("EpochLoop.start was not called: the epoch loop has no training data")
         return self._train_set
 
     def run(self, callbacks: CallbackList, rng: Any) -> None:
