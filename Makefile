@@ -17,7 +17,7 @@
 #   TORCH_INDEX  package index for torch alone. On a machine without a GPU use PyTorch's CPU
 #                wheels, which skip the multi-GB CUDA libraries that PyPI's Linux torch pulls in:
 #                    make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
-#   EXTRAS       extras installed with towers (default: test)
+#   EXTRAS       extras installed with towers (default: test,docs: the test suite builds the docs site too)
 #   DEMO_ARGS    flags for `towers demo`    (e.g. DEMO_ARGS="--epochs 2")
 #   PYTEST_ARGS  arguments for pytest       (e.g. PYTEST_ARGS="tests/unit -x")
 #   LINT         anything but 0 (default 1): `make test` first checks src/ with ruff and mypy (configured in
@@ -35,7 +35,7 @@ VENV ?= .venv
 VENV_FLAGS ?=
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test
+EXTRAS ?= test,docs
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 LINT ?= 1
