@@ -64,7 +64,7 @@ def test_towers_launch_checks_the_mesh_before_starting_a_process(tmp_path, capsy
     assert main(["launch", "--nproc-per-node", "4", "--strategy", "sharded", "--mesh", "dp=2,tp=2",
                  "--strategy-option", "mesh=tp=4", str(script)]) == 2
     assert "The mesh is given twice" in capsys.readouterr().err
-    assert main(["launch", "--nproc-per-node", "4", "--strategy", "mirrored", "--mesh", "dp=2,tp=2", str(script)]) == 2
+    assert main(["launch", "--nproc-per-node", "4", "--strategy", "ps", "--mesh", "dp=2,tp=2", str(script)]) == 2
     assert "does not take the option 'mesh'" in capsys.readouterr().err
 
 

@@ -166,8 +166,9 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
                             "while waiting, node 0 and the chief say every ~15 s who joined and who is missing; "
                             "sets TOWERS_JOIN_TIMEOUT_S for every worker")
     group.add_argument("--mesh", default=None, metavar="DIMS",
-                       help="--strategy sharded: the processes as a device mesh, e.g. dp=2,tp=2 (tensor parallelism "
-                            "within each model replica, FSDP2 across them); the same as --strategy-option mesh=DIMS")
+                       help="--strategy sharded or mirrored: the processes as a device mesh, e.g. dp=2,tp=2 (tensor "
+                            "parallelism within each model replica, FSDP2 or DDP across them; pp=N: pipeline stages, "
+                            "sharded only); the same as --strategy-option mesh=DIMS")
     group.add_argument("--ledger", default=None, metavar="DIR",
                        help="keep a ledger of which examples each committed update trained under DIR/ledger "
                             "(sets TOWERS_LEDGER_DIR for every process); `towers verify --ledger DIR` proves from it, "

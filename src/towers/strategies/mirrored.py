@@ -5,27 +5,41 @@ Each process is one replica with a full copy of the model. ``prepare`` wraps the
 gradients: every replica's loss is already divided by the global batch size
 (``compute_average_loss``), so the sum is exactly one device's gradient of the global batch.
 With a single process no process group is created and the strategy behaves like one device.
+
+``mesh="dp=D,tp=T"`` adds tensor parallelism inside each replica: the T processes of one replica split
+its layers (``towers.parallel.tensor_parallel``) and see the same batch, and DDP sums each slice's
+gradient over the D processes that hold that slice (``_tp_slices.py``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from towers._logging import get_logger
+from towers.checkpoint.state import is_by_name, optimizer_by_name
 from towers.cluster.info import ProcessInfo
+from towers.cluster.mesh import MeshSpec, parse_mesh
 from towers.cluster.strategy_options import parse_flag
-from towers.errors import FailedPreconditionError, InvalidArgumentError
-from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
+from towers.errors import FailedPreconditionError, InvalidArgumentError, user_error
+from towers.parallel.compile import compile_options
+from towers.parallel.fsdp import broadcast_from_first
+from towers.parallel.layout import Layout, LayoutMesh
+from towers.parallel.parallelize import ParallelOptions, parallelize
+from towers.parallel.tensor_parallel import TPPlan
+from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._comm_hooks import check_compression, register_sum_hook
+from towers.strategies._copies import refuse_copies
 from towers.strategies._ddp import TowersDDP, check_same_parameters, unused_parameters_error
 from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
 from towers.strategies._sync import SyncStrategy
 from towers.strategies._sync_bn import convert_sync_batchnorm
+from towers.strategies._tp_slices import TensorParallelSlices, grad_norm
+from towers.strategies.context import check_max_norm
 from towers.strategies.precision import Precision, resolve_precision
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy"]
@@ -51,6 +65,16 @@ class MirroredStrategy(SyncStrategy):
     layout, whose small first bucket lets the first all-reduce overlap the rest of backward),
     ``find_unused_parameters`` (DDP's, for models that leave parameters unused),
     ``backend`` (``"auto"``: NCCL on GPUs, Gloo on CPUs) and ``timeout_s`` for every collective.
+
+    ``mesh`` (``"dp=2,tp=2"``, or ``towers launch --mesh``) adds tensor parallelism: the ``tp`` processes
+    of one model replica split its layers by ``tp_plan`` (``"auto"``: towers' GPT, Hugging Face models
+    with a ``base_model_tp_plan``, ``nn.Sequential`` MLPs; or a dict / callable, see
+    ``towers.parallel.tensor_parallel``) and see the same batch; DDP sums each slice's gradient over
+    ``dp``. ``num_replicas_in_sync`` is then ``dp``. The prepared model's parameters are this process's
+    slices: clip with ``strategy.clip_grad_norm_`` (the whole model's norm; torch's own would measure
+    the slices), save with ``strategy.state_dict`` / ``save_checkpoint`` (whole tensors, gathered).
+    Not with a tp mesh: ``pp`` (use ``--strategy sharded``), ``gradient_compression="powersgd"``,
+    ``sync_batchnorm``, ``precision="fp16"`` and ``compile``; each is refused with its reason.
     """
 
     name = "mirrored"
@@ -59,7 +83,8 @@ class MirroredStrategy(SyncStrategy):
                  backend: str = "auto", precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1,
                  gradient_compression: str | None = None, sync_batchnorm: bool = False,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 powersgd_rank: int = 1, powersgd_start_iter: int = 10):
+                 powersgd_rank: int = 1, powersgd_start_iter: int = 10, mesh: "str | MeshSpec | None" = None,
+                 tp_plan: TPPlan = "auto"):
         from towers import cluster
         from towers.devices import warn_if_gpus_idle
 
@@ -76,39 +101,168 @@ class MirroredStrategy(SyncStrategy):
         self._powersgd = {"powersgd_rank": int(powersgd_rank), "powersgd_start_iter": int(powersgd_start_iter)}
         self._owns_group = False
         self._ddp_models: list[TowersDDP] = []
+        self._tp_plan = tp_plan
+        self._slices: dict[int, TensorParallelSlices] = {}  # id(user module) -> its tensor-parallel slices
         info = info or cluster.from_env()
         device = _replica_device(info)
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
         # Options are checked before the process group is joined: a typo fails at once, on every rank alike.
         precision = resolve_precision(precision, device)
         StepTracker(gradient_accumulation_steps)
+        spec = parse_mesh(mesh)
+        spec = None if spec is None else spec.resolved(info.world_size)
+        if spec is not None and (spec.dp_shard or 1) > 1:
+            raise user_error("MirroredStrategy does not shard: DDP keeps each replica's parameters whole",
+                             f"mesh {spec.given()}", f"Use mesh dp={spec.dp}{f',tp={spec.tp}' if spec.tp > 1 else ''} "
+                             "for replicas, or --strategy sharded for dp_shard (FSDP2, HSDP).")
+        if spec is not None and spec.pp * spec.tp > 1:
+            self._check_tensor_parallel(spec, precision)
+        #: The job's degrees: ``dp`` replicas of ``tp`` processes each (without a tp mesh, every process a replica).
+        self.layout = Layout(dp_replicate=info.world_size) if spec is None or spec.tp == 1 else \
+            Layout(dp_replicate=spec.dp, tp=spec.tp)
+        #: The (dp_replicate, dp_shard, tp) mesh under a tp mesh; None otherwise (no mesh built: the job's one group).
+        self._layout_mesh: LayoutMesh | None = None
         comm: LocalComm | ProcessGroupComm = LocalComm()
         if info.world_size > 1:
             from towers.process_group import is_initialized
 
             self._owns_group = not is_initialized()
             backend = init_process_group(info, backend=backend, timeout_s=timeout_s)
-            comm = ProcessGroupComm(rank=info.rank, num_replicas=info.world_size, backend=backend, timeout_s=timeout_s)
+            if self.layout.tp == 1:
+                comm = ProcessGroupComm(rank=info.rank, num_replicas=info.world_size, backend=backend,
+                                        timeout_s=timeout_s)
+            else:  # the replicas' group: each process with the others holding the same slices
+                self._layout_mesh = mesh_ = self.layout.build(device.type)
+                comm = ProcessGroupComm(rank=mesh_.replica_id, num_replicas=self.layout.dp, backend=backend,
+                                        timeout_s=timeout_s, group=mesh_.dp.get_group(), groups=self.layout.dp_groups())
         if device.type == "cuda":
             torch.cuda.set_device(device)
         super().__init__(info=info, device=device, comm=comm, precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps)
-        log.info("%s: %d replica(s), this one on %s (precision=%s, accumulation=%d, compression=%s%s)",
-                 type(self).__name__, self.num_replicas_in_sync, device, self.precision.name,
+        log.info("%s: %d replica(s), this one on %s (%sprecision=%s, accumulation=%d, compression=%s%s)",
+                 type(self).__name__, self.num_replicas_in_sync, device,
+                 "" if self._layout_mesh is None else f"mesh {self._layout_mesh.describe()}, ", self.precision.name,
                  gradient_accumulation_steps, self._compression, ", sync_batchnorm" if self._sync_batchnorm else "")
 
+    def _check_tensor_parallel(self, spec: MeshSpec, precision: Precision) -> None:
+        """Refuse, before the group is joined, what cannot run with a tp mesh: each with its reason and the fix."""
+        mesh = f"mesh {spec.given()}"
+        if spec.pp > 1:
+            raise user_error("MirroredStrategy does not cut a model into pipeline stages", mesh,
+                             "Use --strategy sharded for pipeline stages (FullyShardedStrategy(mesh=...)), or leave pp "
+                             "out of the mesh.")
+        if self._compression == "powersgd":
+            raise user_error("gradient_compression='powersgd' cannot run with a tp mesh: its low-rank approximation "
+                             "would be of each process's slice of a layer, not of the layer",
+                             f"gradient_compression='powersgd', {mesh}",
+                             "Use gradient_compression='bf16' or 'fp16' (or none), or drop tp from the mesh.")
+        if self._sync_batchnorm:
+            raise user_error("sync_batchnorm cannot run with a tp mesh: its statistics are summed over every process, "
+                             "and the tp processes of one replica hold the same examples", f"sync_batchnorm=True, {mesh}",
+                             "Drop sync_batchnorm, or drop tp from the mesh.")
+        if precision.needs_loss_scaling:
+            raise user_error("precision='fp16' cannot run with a tp mesh: its loss scaler's overflow check would see "
+                             "one slice of each layer's gradient, so the processes of a replica could skip different "
+                             "steps", f"precision={precision.name!r}, {mesh}",
+                             "Use precision='bf16' (no loss scaling) or '32', or --strategy sharded.")
+
+    @property
+    def mesh(self) -> Any:
+        """The job's ``DeviceMesh`` under a tp mesh (``(dp_replicate, dp_shard, tp)``, ``towers.parallel.layout``);
+        None without one (every process a replica of the whole model, on the job's one group)."""
+        return None if self._layout_mesh is None else self._layout_mesh.world
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Processes that split each layer of one model replica (1: no tensor parallelism)."""
+        return self.layout.tp
+
+    @property
+    def is_chief(self) -> bool:
+        """The job's chief process (under a tp mesh the first process of the first replica, not each of its tp)."""
+        if self._layout_mesh is not None:
+            return self._info.rank == self._info.chief_rank
+        return super().is_chief
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Return replica ``src``'s ``obj`` on every process (under a tp mesh: from that replica's first process to
+        all the job's processes, whose checkpoint writes take part together)."""
+        if self._layout_mesh is None:
+            return super().broadcast_object(obj, src)
+        import torch.distributed as dist
+
+        first = src * self.tensor_parallel_size
+        with collective("strategy.broadcast_object"):
+            box = [obj if self._info.rank == first else None]
+            dist.broadcast_object_list(box, src=first)
+        return box[0]
+
+    # --- preparation under a tp mesh ------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                **options: Any) -> tuple[nn.Module, Any]:
+        """``SyncStrategy.prepare``; under a tp mesh an optimizer built before it (on the whole parameters) is pointed
+        at the slices that replace them, by name.
+
+        Raises:
+            TypeError, ValueError: as ``SyncStrategy.prepare``; ValueError also, under a tp mesh, for an optimizer
+                that already has state (it would be the whole tensors').
+        """
+        if self._layout_mesh is None or not isinstance(model, nn.Module):
+            return super().prepare(model, optimizer, **options)
+        raw = getattr(optimizer, "optimizer", optimizer)
+        if isinstance(raw, torch.optim.Optimizer) and raw.state:
+            raise user_error("MirroredStrategy with a tp mesh needs an optimizer that has not stepped yet",
+                             f"{type(raw).__name__} with state for {len(raw.state)} parameter(s)",
+                             "Build the optimizer, call prepare, then train; restore state through "
+                             "strategy.load_state_dict or restore_checkpoint.")
+        names = {id(p): n for n, p in model.named_parameters()}
+        wrapped, prepared = super().prepare(model, optimizer, **options)
+        if isinstance(raw, torch.optim.Optimizer):
+            slices = dict(model.named_parameters())  # tensor parallelism swapped them in place
+            for group in raw.param_groups:
+                group["params"] = [slices.get(names.get(id(p), ""), p) for p in group["params"]]
+        return wrapped, prepared
+
+    def _parallelize(self, model: nn.Module, activation_checkpointing: str) -> nn.Module:
+        if self._layout_mesh is None:
+            return super()._parallelize(model, activation_checkpointing)
+        check_same_parameters(model, self._comm.all_gather_object)
+        broadcast_from_first(model)  # as DDP does over dp, before tensor parallelism splits what each process holds
+        options = ParallelOptions(tp_plan=self._tp_plan, activation_checkpointing=activation_checkpointing)
+        return parallelize(model, self._layout_mesh, options, wrap=self._wrap_model)
+
+    def _compile(self, module: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
+        if self._layout_mesh is not None and compile_options(compile) is not None:
+            raise user_error("prepare(compile=...) is not available with MirroredStrategy's tp mesh (the layers read "
+                             "DTensor views of their slices, made again before each forward)",
+                             f"compile={compile!r}, mesh {self._layout_mesh.describe()}",
+                             "Leave compile out, or drop tp from the mesh.")
+        return super()._compile(module, compile)
+
+    def _where_the_model_is(self) -> str:
+        return (f"MirroredStrategy split its layers over the tp processes of each replica (mesh "
+                f"{self._layout_mesh.describe() if self._layout_mesh is not None else ''}): its split parameters are "
+                "this process's slices")
+
     def _wrap_model(self, model: nn.Module) -> nn.Module:
+        if self._layout_mesh is not None:  # DDP sums each slice over the replicas: the slices become the parameters
+            self._slices[id(model)] = TensorParallelSlices(model)
+            refuse_copies(model, self._where_the_model_is())
         if self.num_replicas_in_sync == 1:  # nothing to synchronise; BatchNorm over one replica is already "synced"
             return super()._wrap_model(model)
         if self._sync_batchnorm:
             model = convert_sync_batchnorm(model, self.device)
         check_same_parameters(model, self._comm.all_gather_object)
+        group = self._comm.group if isinstance(self._comm, ProcessGroupComm) else None  # None: the job's one group
         ddp = TowersDDP(model, precision=self._precision,
                         device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                        find_unused_parameters=self._find_unused, **self._ddp_options)
+                        find_unused_parameters=self._find_unused, **self._ddp_options,
+                        **({} if group is None else {"process_group": group}))
         # Every synchronised step's first bucket carries the step's identity: replicas out of step stop there.
         check = StepCheck(self._tracker, rank=self.replica_id, num_replicas=self.num_replicas_in_sync)
-        register_sum_hook(ddp, self._compression, self.num_replicas_in_sync, check=check, **self._powersgd)
+        register_sum_hook(ddp, self._compression, self.num_replicas_in_sync, check=check, group=group, **self._powersgd)
+        if self._layout_mesh is not None:
+            refuse_copies(ddp, self._where_the_model_is())
         self._ddp_models.append(ddp)
         return ddp
 
@@ -150,6 +304,53 @@ class MirroredStrategy(SyncStrategy):
                     raise unused_parameters_error(missing)
 
         return check
+
+    # --- whole-model gradients and state under a tp mesh (``_tp_slices.py``) --------------------------------
+    def _slices_of(self, model: nn.Module) -> TensorParallelSlices | None:
+        return self._slices.get(id(self.unwrap(model)))
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``Strategy.clip_grad_norm_``; under a tp mesh the norm is the whole model's (the slices' terms summed over
+        tp), so every process clips by the same factor, as one device would."""
+        if not self._slices:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        check_max_norm(max_norm)
+        updates = self._updates_now()  # else: the norm of what this replica accumulated so far, nothing clipped
+        if updates:
+            self._finish_loss_weights("clip")
+        total = grad_norm(params, norm_type, list(self._slices.values()))
+        if updates:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def state_dict(self, model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
+        """``Strategy.state_dict``; under a tp mesh with the split tensors gathered whole (a collective: every process
+        calls it), so it loads under any strategy and into a plain model."""
+        state = super().state_dict(model, optimizer)
+        slices = self._slices_of(model)
+        if slices is None:
+            return state
+        return {**state, "model": slices.full_model_state(state["model"]),
+                "optimizer": slices.full_optimizer_state(state.get("optimizer"))}
+
+    def load_state_dict(self, state: Mapping[str, Any], model: nn.Module, optimizer: Any = None) -> None:
+        """``Strategy.load_state_dict``; under a tp mesh whole tensors (from any strategy) are cut to this process's
+        slices first."""
+        slices = self._slices_of(model)
+        if slices is not None:
+            saved = state.get("optimizer")
+            if optimizer is not None and saved is not None and not is_by_name(saved):
+                saved = optimizer_by_name(saved, optimizer, self.unwrap(model))
+            state = {**state, "model": slices.cut_model_state(state["model"]),
+                     "optimizer": slices.cut_optimizer_state(saved)}
+        super().load_state_dict(state, model, optimizer)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The user's module's whole ``state_dict()`` (under a tp mesh gathered over tp: every process calls it)."""
+        state = super().full_state_dict(model)
+        slices = self._slices_of(model)
+        return state if slices is None else slices.full_model_state(state)
 
     def shutdown(self) -> None:
         """Leave the process group this strategy joined (idempotent)."""
