@@ -82,7 +82,7 @@ def test_token_model_and_a_factory_path(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"strategy": "ps"}, "strategy must be one of mirrored, sharded.*Received: 'ps'"),
+    ({"strategy": "ps"}, "strategy must be one of one_device, mirrored, multi_worker_mirrored, sharded.*Received: 'ps'"),
     ({"replicas": 0}, "replicas must be an integer >= 1. Received: 0"),
     ({"optimizer": "lamb"}, "optimizer must be one of"),
     ({"precision": "fp8"}, "precision must be one of"),

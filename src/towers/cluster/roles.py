@@ -54,6 +54,11 @@ class StrategyEntry:
     #: a lighthouse on node 0 and restarts each lost process by itself).
     restarts_lost_replica: bool = False
     summary: str = ""
+    #: How ``towers plan`` counts a replica's memory: ``"mirrored"`` (every replica holds the whole model and its
+    #: gradients, DDP's buckets), ``"sharded"`` (FSDP2: split over the replicas); None: the plan does not model it.
+    plan_memory: str | None = None
+    #: True when the strategy takes a parallel layout (``--mesh dp=2,tp=2``, ``pp=2,dp=2``).
+    takes_mesh: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -70,11 +75,12 @@ class StrategyEntry:
 
 STRATEGIES: tuple[StrategyEntry, ...] = (
     StrategyEntry("one_device", "towers.strategies.one_device:OneDeviceStrategy", ("onedevice", "single"),
-                  multi_process=False, summary="one replica on one device: the reference the others match"),
-    StrategyEntry("mirrored", "towers.strategies.mirrored:MirroredStrategy",
+                  multi_process=False, plan_memory="mirrored",
+                  summary="one replica on one device: the reference the others match"),
+    StrategyEntry("mirrored", "towers.strategies.mirrored:MirroredStrategy", plan_memory="mirrored", takes_mesh=True,
                   summary="one replica per local device, gradients all-reduced (DDP)"),
     StrategyEntry("multi_worker_mirrored", "towers.strategies.mirrored:MultiWorkerMirroredStrategy",
-                  ("multiworkermirrored", "mwms"), summary="mirrored replicas across machines"),
+                  ("multiworkermirrored", "mwms"), plan_memory="mirrored", summary="mirrored replicas across machines"),
     StrategyEntry("ps", "towers.strategies.parameter_server:ParameterServerStrategy",
                   ("parameter_server", "parameterserver"), layout="workers+ps",
                   same_maths_options={"mode": "sync"}, survives_dead_worker=True,
@@ -83,6 +89,7 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
                   same_maths_options={"mode": "sync"},
                   summary="dense layers all-reduced among workers, sharded embedding rows on ps tasks"),
     StrategyEntry("sharded", "towers.strategies.fully_sharded:FullyShardedStrategy", ("fsdp", "fully_sharded"),
+                  plan_memory="sharded", takes_mesh=True,
                   summary="parameters, gradients and optimizer state sharded over the replicas (FSDP2)"),
     StrategyEntry("fault_tolerant", "towers.strategies.fault_tolerant:FaultTolerantStrategy", ("ft", "torchft"),
                   restarts_lost_replica=True,

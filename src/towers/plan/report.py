@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from towers.plan.estimate import MemoryEstimate
+from towers.plan.estimate import LayoutEstimate, MemoryEstimate
 
-__all__ = ["format_bytes", "format_table"]
+__all__ = ["format_bytes", "format_table", "format_layout_table"]
 
 _ROWS = (
     ("parameters", "parameters (+ buffers)"),
@@ -50,4 +50,42 @@ def format_table(estimates: Sequence[MemoryEstimate], *, model_name: str = "mode
                      "are the root's own and two units' at once, in the compute dtype.")
     notes.append("The peak counts tensors: add what your data set keeps in memory and the process itself (Python, "
                  "torch, a CUDA context).")
+    return "\n".join(lines + [""] + notes)
+
+
+def format_layout_table(estimate: LayoutEstimate, *, model_name: str = "model") -> str:
+    """Return the per-rank table of a ``LayoutEstimate``: one column per pipeline stage position (its ranks)."""
+    stages = estimate.stages
+    first, layout = stages[0], estimate.layout
+    head = (f"{model_name}: {first.num_parameters:,} parameters; {estimate.strategy} on mesh {layout.describe()} "
+            f"({layout.world_size} processes), batch {first.batch_size} per replica, precision {first.precision}, "
+            f"optimizer {first.optimizer}")
+
+    def label(e: MemoryEstimate) -> str:
+        ranks = f"rank {e.ranks[0]}" if len(e.ranks) == 1 else f"ranks {e.ranks[0]}-{e.ranks[-1]}"
+        return f"{ranks} (stage {e.stage})" if layout.pp > 1 else ranks
+
+    columns = [label(e) for e in stages]
+    width = max(len(text) for _, text in _ROWS)
+    cells = [[format_bytes(getattr(e, name)) for e in stages] for name, _ in _ROWS]
+    col = max(max(len(c) for c in columns), *(len(c) for row in cells for c in row))
+    lines = [head, "", "per rank".ljust(width) + "".join(f"  {c:>{col}}" for c in columns)]
+    for (_, text), row in zip(_ROWS, cells):
+        lines.append(text.ljust(width) + "".join(f"  {c:>{col}}" for c in row))
+    notes = []
+    if layout.tp > 1:
+        notes.append(f"tp={layout.tp}: the layers the model's tensor-parallel plan splits hold 1/{layout.tp} of their "
+                     "weights and activations on each rank; the rest is replicated.")
+    if layout.pp > 1:
+        flights = ", ".join(f"stage {e.stage}: {e.microbatches_in_flight}" for e in stages)
+        notes.append(f"pp={layout.pp}: each rank holds its stage's modules; 1F1B keeps micro-batches in flight "
+                     f"({flights}).")
+    if first.strategy == "sharded":
+        notes.append(f"Sharded: parameters, gradients and optimizer state split over dp_shard={layout.dp_shard}; "
+                     "gathered parameters are the root's own and two units' at once, in the compute dtype.")
+    else:
+        notes.append("Mirrored: every replica holds its whole share of the model (dp does not divide it); DDP's "
+                     "buckets are the gradients.")
+    notes.append(f"Job peak (the largest rank): {format_bytes(estimate.peak)}. The peak counts tensors: add what your "
+                 "data set keeps in memory and the process itself (Python, torch, a CUDA context).")
     return "\n".join(lines + [""] + notes)

@@ -20,7 +20,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["StepTrace", "trace_step", "make_optimizer", "OPTIMIZERS"]
+from towers.errors import user_error
+
+__all__ = ["StepTrace", "trace_step", "input_maker", "make_optimizer", "OPTIMIZERS"]
 
 #: Optimizers the plan knows, by name; each is built as torch builds it, over the model's parameters.
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -44,13 +46,15 @@ class StepTrace:
     activations, the batch, temporaries). ``with_gradients``: the most bytes live during forward and
     backward counting the gradients as they are made (a replica without gradient buckets).
     ``optimizer_temporaries``: the most bytes ``optimizer.step()`` adds while it runs. ``gradients``:
-    the gradients' bytes after backward.
+    the gradients' bytes after backward. ``saved``: the bytes still live when forward ends (what a
+    pipeline stage keeps per micro-batch in flight until its backward).
     """
 
     activations: int
     with_gradients: int
     optimizer_temporaries: int
     gradients: int
+    saved: int = 0
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -60,6 +64,7 @@ class _LiveBytes(TorchDispatchMode):
         super().__init__()
         self.events: list[tuple[int, int]] = []
         self._serials: dict[int, int] = {}  # id of a live storage -> its serial (ids are reused, serials are not)
+        self.paused = False  # while True, new storages are not logged (a later pipeline stage's input being made)
 
     def _died(self, key: int, serial: int, nbytes: int) -> None:
         self._serials.pop(key, None)
@@ -71,6 +76,8 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
@@ -107,27 +114,42 @@ def _loss(output: Any, loss: str) -> torch.Tensor:
 
 
 def trace_step(model: nn.Module, make_batch: Callable[[], Any], *, optimizer: str, loss: str,
-               autocast_dtype: torch.dtype | None) -> StepTrace:
+               autocast_dtype: torch.dtype | None, forward: Callable[[Any], Any] | None = None, last: bool = True,
+               materialize: nn.Module | None = None) -> StepTrace:
     """Run two training steps of ``model`` (on the meta device; it is moved to fake tensors) and return the second's bytes.
 
     ``make_batch()`` returns the model's input (a tensor, or a dict of keyword arguments); it is
-    called under fake tensors, so it allocates nothing.
+    called under fake tensors, so it allocates nothing, and its own work is not counted (only the
+    input it returns, copied). A pipeline stage: ``forward(batch)`` runs the stage (default:
+    ``model(batch)``), ``last=False`` runs backward from a gradient shaped like the output (what the
+    next stage sends back) instead of a loss, and ``materialize`` is the whole model (the earlier
+    stages ``make_batch`` runs).
     """
+    run = forward or (lambda batch: model(**batch) if isinstance(batch, dict) else model(batch))
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+        (materialize or model).to_empty(device="cpu")
         params = [p for p in model.parameters() if p.requires_grad]
+        opt = make_optimizer(optimizer, params)
         tracker = _LiveBytes()
         with tracker:
             for _ in range(2):  # the first step makes the optimizer's state; the second is the steady state
+                tracker.paused = True
+                made = make_batch()
+                tracker.paused = False
                 first = len(tracker.events)
-                batch = make_batch()
+                batch = _copy_input(made, needs_grad=not last or forward is not None)
+                del made
                 with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-                    output = model(**batch) if isinstance(batch, dict) else model(batch)
-                _loss(output, loss).backward()
+                    output = run(batch)
+                forwarded = len(tracker.events)
+                if last:
+                    _loss(output, loss).backward()
+                else:
+                    output.backward(torch.ones_like(output))
                 del output, batch
                 grads = {s for s in (tracker.serial(p.grad) for p in params if p.grad is not None) if s is not None}
                 backward = tracker.events[first:]
+                saved = _peak(tracker.events[first:forwarded])[1]
                 stepped = len(tracker.events)
                 opt.step()
                 step = tracker.events[stepped:]
@@ -136,4 +158,53 @@ def trace_step(model: nn.Module, make_batch: Callable[[], Any], *, optimizer: st
     activations, _ = _peak(backward, grads)
     gradients = sum(nbytes for nbytes, serial in backward if serial in grads and nbytes > 0)
     return StepTrace(activations=activations, with_gradients=with_gradients,
-                     optimizer_temporaries=_peak(step)[0], gradients=gradients)
+                     optimizer_temporaries=_peak(step)[0], gradients=gradients, saved=saved)
+
+
+def _copy_input(batch: Any, *, needs_grad: bool) -> Any:
+    """The input as the step holds it: a copy (counted), float tensors taking gradients when a stage sends them back."""
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        c = t.detach().clone()
+        return c.requires_grad_() if needs_grad and c.is_floating_point() else c
+
+    if isinstance(batch, dict):
+        return {k: copy(v) for k, v in batch.items()}
+    return copy(batch)
+
+
+def input_maker(model: nn.Module, batch: int, *, input_shape: tuple[int, ...] | None, seq_len: int | None,
+                vocab_size: int | None) -> Callable[[], Any]:
+    """Return ``make_batch()`` for ``trace_step``: ``batch`` examples of ``input_shape`` (floats), or of ``seq_len``
+    token ids below ``vocab_size`` (default: ``model``'s first ``nn.Embedding``'s size).
+
+    Raises:
+        ValueError: neither shape, a bad ``seq_len`` or ``vocab_size``, or token inputs without a vocabulary size.
+    """
+    if seq_len is not None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise user_error("seq_len (--seq-len) must be a positive number of tokens per example", f"seq_len={seq_len!r}",
+                             "Pass the sequence length the model trains on, e.g. --seq-len 256.")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+            raise user_error("vocab_size (--vocab-size) must be a positive number of token ids",
+                             f"vocab_size={vocab_size!r}", "Pass e.g. --vocab-size 50257, or leave it out to use the "
+                             "model's first nn.Embedding's size.")
+        if vocab_size is None:
+            vocab_size = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        if vocab_size is None:
+            raise user_error("Token inputs need a vocabulary size, and the model has no nn.Embedding to take it from",
+                             f"seq_len={seq_len!r}, vocab_size=None", "Pass --vocab-size.")
+        shape, vocab = (batch, seq_len), vocab_size
+
+        def tokens() -> Any:
+            return torch.randint(0, vocab, shape)
+        return tokens
+    if input_shape:
+        dims = (batch, *input_shape)
+
+        def floats() -> Any:
+            return torch.randn(dims)
+        return floats
+    raise user_error("The plan needs the shape of one input", "neither input_shape nor seq_len",
+                     "Pass --input-shape C,H,W for float inputs or --seq-len L for token ids.")
