@@ -46,6 +46,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from towers.bench.config import parse_replicas, parse_shape
     from towers.bench.user_model import load_factory
     from towers.plan import estimate_layout, estimate_memory_table, format_layout_table, format_table
+    from towers.errors import user_error
 
     try:
         factory = load_factory(args.model, "--model")
@@ -60,8 +61,8 @@ def run_plan(args: argparse.Namespace) -> int:
                                                                                                model_name=args.model))
             return 0
         if args.processes is not None or args.pp_microbatches is not None:
-            raise ValueError("--processes and --pp-microbatches describe a parallel layout. Received: them without "
-                             "--mesh. Add --mesh (e.g. --mesh dp=2,tp=2), or use --replicas for replica counts.")
+            raise user_error("--processes and --pp-microbatches describe a parallel layout", "them without --mesh",
+                             "Add --mesh (e.g. --mesh dp=2,tp=2), or use --replicas for replica counts.")
         estimates = estimate_memory_table(
             factory, replicas=parse_replicas(args.replicas), strategy=args.strategy, batch_size=args.batch_size,
             input_shape=None if args.input_shape is None else parse_shape(args.input_shape), seq_len=args.seq_len,
