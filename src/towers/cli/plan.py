@@ -45,8 +45,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from towers.bench.config import parse_replicas, parse_shape
     from towers.bench.user_model import load_factory
-    from towers.plan import estimate_layout, estimate_memory_table, format_layout_table, format_table
     from towers.errors import user_error
+    from towers.plan import estimate_layout, estimate_memory_table, format_layout_table, format_table
 
     try:
         factory = load_factory(args.model, "--model")
