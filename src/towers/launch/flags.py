@@ -25,6 +25,7 @@ __all__ = [
     "parse_nnodes",
     "launch_parser",
     "with_mesh",
+    "with_bitwise",
 ]
 
 #: Strategy names ``towers launch --strategy`` accepts, as the workers see them in ``TOWERS_STRATEGY``
@@ -43,7 +44,7 @@ SPEC_OPTIONS = frozenset({
     "training_script", "training_script_args", "module", "no_python", "run_path", "nproc_per_node", "nnodes",
     "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "standalone",
     "max_restarts", "monitor_interval", "strategy", "num_ps", "tolerate_worker_failures", "interface",
-    "join_timeout", "strategy_option", "group_restarts", "group_size", "ledger", "mesh",
+    "join_timeout", "strategy_option", "group_restarts", "group_size", "ledger", "mesh", "bitwise",
 })
 
 
@@ -169,11 +170,20 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
                        help="--strategy sharded or mirrored: the processes as a device mesh, e.g. dp=2,tp=2 (tensor "
                             "parallelism within each model replica, FSDP2 or DDP across them; pp=N: pipeline stages, "
                             "sharded only); the same as --strategy-option mesh=DIMS")
+    group.add_argument("--bitwise", action="store_true",
+                       help="one device's maths bit for bit at any process count (--strategy one_device, mirrored, "
+                            "multi_worker_mirrored; with --strategy-option micro_batch_size=M); the same as "
+                            "--strategy-option bitwise=true")
     group.add_argument("--ledger", default=None, metavar="DIR",
                        help="keep a ledger of which examples each committed update trained under DIR/ledger "
                             "(sets TOWERS_LEDGER_DIR for every process); `towers verify --ledger DIR` proves from it, "
                             "after the job, that each example of each completed epoch was trained exactly once")
     return parser
+
+
+def with_bitwise(options: dict[str, Any], bitwise: bool) -> dict[str, Any]:
+    """``options`` with ``--bitwise`` as the strategy option ``bitwise=true`` (a strategy-option given too is kept)."""
+    return {**options, "bitwise": "true"} if bitwise and "bitwise" not in options else options
 
 
 def with_mesh(options: dict[str, Any], mesh: str | None) -> dict[str, Any]:

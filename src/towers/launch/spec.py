@@ -29,6 +29,7 @@ from towers.launch.flags import (
     parse_nnodes,
     resolve_nproc_per_node,
     usable_cores,
+    with_bitwise,
     with_mesh,
 )
 from towers.launch.spawn import cpu_threads_per_process
@@ -313,8 +314,8 @@ def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
         monitor_interval_s=float(args.monitor_interval),
         strategy=args.strategy,
         num_ps=args.num_ps,
-        strategy_options=with_mesh(parse_strategy_options(getattr(args, "strategy_option", None) or []),
-                                   getattr(args, "mesh", None)),
+        strategy_options=with_bitwise(with_mesh(parse_strategy_options(getattr(args, "strategy_option", None) or []),
+                                                getattr(args, "mesh", None)), bool(getattr(args, "bitwise", False))),
         tolerate_worker_failures=getattr(args, "tolerate_worker_failures", None),
         group_restarts=getattr(args, "group_restarts", None),
         group_size=getattr(args, "group_size", 1),

@@ -19,6 +19,7 @@ from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset, DistributedStream, find_batch_info, is_stream
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
 from towers.parallel.parallelize import ParallelOptions, parallelize
+from towers.strategies._bitwise import BitwiseSteps
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
 from towers.strategies._copies import DetachedHook
 from towers.strategies._steps import StepTracker, StrategyOptimizer
@@ -35,8 +36,11 @@ class SyncStrategy(Strategy):
     """A synchronous data-parallel strategy: replicas step together on shares of one global batch."""
 
     def __init__(self, *, info: ProcessInfo, device: torch.device, comm: LocalComm | ProcessGroupComm,
-                 precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1):
+                 precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1,
+                 bitwise: BitwiseSteps | None = None):
         self._info = info
+        #: ``bitwise=True``: the micro-batches and the fixed tree their gradients are summed over (``_bitwise.py``)
+        self._bitwise = bitwise
         note_built(info, self.name)
         self._device = device
         self._comm = comm
@@ -110,6 +114,8 @@ class SyncStrategy(Strategy):
                              "Use precision='bf16' for several optimizers, or put every parameter group in one optimizer.")
         model = model.to(self._device)
         wrapped = self._parallelize(model, activation_checkpointing)
+        if self._bitwise is not None:  # each micro-batch's gradient set aside at the end of its backward
+            self._bitwise.watch(model)
         # A plain loop (no strategy.run) still trains one device's maths: the forward's batch starts the step.
         # Detached: a copy of the model (AveragedModel, deepcopy, pickle) is not prepared and copies no strategy.
         wrapped.register_forward_pre_hook(DetachedHook(self._step_outside_run), with_kwargs=True)
@@ -138,6 +144,10 @@ class SyncStrategy(Strategy):
         context = current_replica_context()
         if (context is not None and not context.until_next_step) or not torch.is_grad_enabled():
             return  # inside a strategy.run (the step is the run's), or an evaluation
+        if self._bitwise is not None:
+            raise user_error("bitwise=True runs each step through strategy.run, which cuts the batch into its "
+                             "micro-batches", "a forward of the prepared model outside strategy.run",
+                             "Write the step as a function and call strategy.run(train_step, args=(x, y)).")
         info = find_batch_info(args, kwargs)
         if info is None:
             return
@@ -233,6 +243,8 @@ class SyncStrategy(Strategy):
         kwargs = dict(kwargs or {})
         self._own_random_stream()
         run = self._tracker.begin_run(find_batch_info(args, kwargs))
+        if self._bitwise is not None:
+            return self._run_bitwise(self._bitwise, run, fn, tuple(args), kwargs)
         self._comm.note_run(run.batch)  # a user's own loader: steps counted, checked at the next collective
         context = ReplicaContext(self, global_batch_size=run.global_batch_size,
                                  num_padding_examples=run.num_padding_examples,
@@ -257,6 +269,28 @@ class SyncStrategy(Strategy):
                 self._set_gradient_sync(True)
 
     # --- communication --------------------------------------------------------------------------------
+    def _run_bitwise(self, bitwise: BitwiseSteps, run: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Any:
+        """``run`` under ``bitwise=True``: ``fn`` once per micro-batch of this replica's share, their gradients summed
+        over the tree at the end of the last one's backward; returns the share's loss (``BitwiseSteps.result``)."""
+        batch = run.batch
+        if batch is None or run.num_padding_examples or run.global_batch_size is None:
+            raise user_error("bitwise=True needs whole global batches from strategy.distribute_dataset", "a batch "
+                             + ("without accounting" if batch is None else f"with {run.num_padding_examples} padding "
+                                "example(s) (an uneven last batch)"),
+                             "Iterate strategy.distribute_dataset(..., drop_remainder=True) and pass its batches to run.")
+        count = bitwise.leaves_of(run.global_batch_size, batch.local_batch_size)
+        bitwise.begin(self.replica_id * count, count * self.num_replicas_in_sync)
+        for i, (margs, mkwargs) in enumerate(bitwise.split(args, kwargs, batch.local_batch_size)):
+            last = i == count - 1
+            bitwise.micro_batch(self.replica_id * count + i, last)
+            self._tracker.sync = run.sync and last  # the optimizer steps after the last micro-batch only
+            context = ReplicaContext(self, global_batch_size=run.global_batch_size, accumulation_steps=count,
+                                     is_update_step=run.sync and last)
+            with self._entered(context):
+                bitwise.note_result(fn(*margs, **mkwargs))
+        return bitwise.result()
+
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine ``value`` across replicas (see ``Strategy.reduce``); ``axis`` also reduces over that axis, ragged-aware.
 
@@ -265,6 +299,8 @@ class SyncStrategy(Strategy):
             TypeError: when ``value`` is not a tensor or a number.
         """
         op = check_op(op)
+        if self._bitwise is not None and value is not None and value is self._bitwise.last_result and op == "sum":
+            return self._bitwise.reduce_sum()  # the step's losses over the tree: the same bits at any replica count
         tensor = as_tensor(value, self._device)
         if axis is not None and not -tensor.dim() <= axis < max(tensor.dim(), 1):
             raise InvalidArgumentError(

@@ -30,6 +30,7 @@ from towers.parallel.layout import Layout, LayoutMesh
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.parallel.tensor_parallel import TPPlan
 from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
+from towers.strategies._bitwise import bitwise_steps
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._comm_hooks import check_compression, register_sum_hook
 from towers.strategies._copies import refuse_copies
@@ -84,7 +85,7 @@ class MirroredStrategy(SyncStrategy):
                  gradient_compression: str | None = None, sync_batchnorm: bool = False,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  powersgd_rank: int = 1, powersgd_start_iter: int = 10, mesh: "str | MeshSpec | None" = None,
-                 tp_plan: TPPlan = "auto"):
+                 tp_plan: TPPlan = "auto", bitwise: bool = False, micro_batch_size: int | None = None):
         from towers import cluster
         from towers.devices import warn_if_gpus_idle
 
@@ -117,6 +118,13 @@ class MirroredStrategy(SyncStrategy):
                              "for replicas, or --strategy sharded for dp_shard (FSDP2, HSDP).")
         if spec is not None and spec.pp * spec.tp > 1:
             self._check_tensor_parallel(spec, precision)
+        build = bitwise_steps(bitwise, micro_batch_size, strategy=type(self).__name__, precision=precision.name,
+                              accumulation=gradient_accumulation_steps,
+                              refused=None if spec is None or spec.tp == 1 else f"mesh {spec.given()}: tp's all-reduces")
+        if build is not None and (gradient_compression not in (None, "none") or self._sync_batchnorm):
+            raise user_error(f"{type(self).__name__}(bitwise=True) sums gradients over its own tree",
+                             f"gradient_compression={gradient_compression!r}, sync_batchnorm={self._sync_batchnorm}",
+                             "Leave gradient_compression and sync_batchnorm out with bitwise=True.")
         #: The job's degrees: ``dp`` replicas of ``tp`` processes each (without a tp mesh, every process a replica).
         self.layout = Layout(dp_replicate=info.world_size) if spec is None or spec.tp == 1 else \
             Layout(dp_replicate=spec.dp, tp=spec.tp)
@@ -138,7 +146,8 @@ class MirroredStrategy(SyncStrategy):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         super().__init__(info=info, device=device, comm=comm, precision=precision,
-                         gradient_accumulation_steps=gradient_accumulation_steps)
+                         gradient_accumulation_steps=gradient_accumulation_steps,
+                         bitwise=None if build is None else build(comm.rank, comm.num_replicas, self.gather))
         log.info("%s: %d replica(s), this one on %s (%sprecision=%s, accumulation=%d, compression=%s%s)",
                  type(self).__name__, self.num_replicas_in_sync, device,
                  "" if self._layout_mesh is None else f"mesh {self._layout_mesh.describe()}, ", self.precision.name,
@@ -245,6 +254,11 @@ class MirroredStrategy(SyncStrategy):
                 "this process's slices")
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
+        if self._bitwise is not None:  # no DDP: the tree sums the gradients; every replica starts from the chief's
+            if self.num_replicas_in_sync > 1:
+                check_same_parameters(model, self._comm.all_gather_object)
+                broadcast_from_first(model)
+            return super()._wrap_model(model)
         if self._layout_mesh is not None:  # DDP sums each slice over the replicas: the slices become the parameters
             self._slices[id(model)] = TensorParallelSlices(model)
             refuse_copies(model, self._where_the_model_is())

@@ -9,6 +9,7 @@ import torch
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.cluster.strategy_options import parse_flag
+from towers.strategies._bitwise import bitwise_steps
 from towers.strategies._collectives import LocalComm
 from towers.strategies._comm_hooks import check_compression
 from towers.strategies._sync import SyncStrategy
@@ -35,9 +36,11 @@ class OneDeviceStrategy(SyncStrategy):
     def __init__(self, device: Any = None, *, info: ProcessInfo | None = None, timeout_s: float | None = None,
                  precision: str | int | None = "32", gradient_accumulation_steps: int = 1,
                  sync_batchnorm: bool = False, gradient_compression: str | None = None,
-                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False):
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False, bitwise: bool = False,
+                 micro_batch_size: int | None = None):
         from towers import cluster
         from towers.devices import resolve_device, warn_if_gpus_idle
+        from towers.strategies.precision import resolve_precision
 
         check_compression(gradient_compression)
         parse_flag("sync_batchnorm", sync_batchnorm)  # checked as under Mirrored: a typo fails on one device too
@@ -45,7 +48,11 @@ class OneDeviceStrategy(SyncStrategy):
         info = info or cluster.from_env()
         resolved = resolve_device(_default_device() if device is None else device)
         warn_if_gpus_idle(info.local_world_size, [resolved], local_rank=info.local_rank)
+        build = bitwise_steps(bitwise, micro_batch_size, strategy=type(self).__name__,
+                              precision=resolve_precision(precision, resolved).name,
+                              accumulation=gradient_accumulation_steps)
         super().__init__(info=info, device=resolved, comm=LocalComm(), precision=precision,
-                         gradient_accumulation_steps=gradient_accumulation_steps)
+                         gradient_accumulation_steps=gradient_accumulation_steps,
+                         bitwise=None if build is None else build(0, 1, lambda t: t))
         log.debug("OneDeviceStrategy on %s (precision=%s, accumulation=%d)", resolved, self.precision.name,
                   gradient_accumulation_steps)

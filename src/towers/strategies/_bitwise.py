@@ -1,0 +1,253 @@
+"""``bitwise=True``: one device's maths bit for bit, at any replica count.
+
+Float addition is not associative, so a gradient summed in another order has other bits: N replicas
+that each sum their share and then all-reduce the shares train what one device trains only within
+rounding. Here the order is fixed by the global batch alone:
+
+- the global batch of ``B`` examples is cut into ``L = B / micro_batch_size`` micro-batches (the
+  leaves), numbered over the whole batch; replica ``r`` of ``N`` computes its contiguous ``L / N``
+  of them, one forward and backward each, so every kernel sees the same shapes at every ``N``;
+- the update's gradient is the sum over a fixed binary tree of the leaves (``node(l, i) =
+  node(l-1, 2i) + node(l-1, 2i+1)``, leaves at level 0, zeros past ``L`` up to a power of two);
+  each replica computes the largest subtrees that lie within its leaves, every replica receives
+  every replica's subtrees (one all-gather), and each computes the nodes above them by the same
+  formula: the same bits on every replica, and the same as one process, which walks the same tree;
+- the losses a step logs (``strategy.reduce("sum", strategy.run(...))``) are summed over the same tree.
+
+The tree's result is written into ``p.grad`` at the end of the last micro-batch's backward, so
+everything after it (towers' or torch's ``clip_grad_norm_``, the optimizer) sees one device's
+gradient. The parameters themselves start equal (the chief's) and every update is computed from the
+same bits, so they stay equal. Deterministic kernels on a GPU are the user's switch
+(``torch.use_deterministic_algorithms``); this module fixes only the order of the sums.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from towers.errors import FailedPreconditionError, user_error
+
+__all__ = ["BitwiseSteps", "dyadic_nodes", "tree_sum"]
+
+
+def _levels(num_leaves: int) -> int:
+    return max(0, (num_leaves - 1).bit_length())  # the tree over the next power of two
+
+
+def dyadic_nodes(start: int, end: int) -> list[tuple[int, int]]:
+    """The ``(level, index)`` tree nodes that exactly cover leaves ``[start, end)``, largest first, left to right."""
+    nodes, i = [], start
+    while i < end:
+        level = 0
+        while i % (2 ** (level + 1)) == 0 and i + 2 ** (level + 1) <= end:
+            level += 1
+        nodes.append((level, i >> level))
+        i += 2 ** level
+    return nodes
+
+
+def tree_sum(known: dict[tuple[int, int], torch.Tensor], level: int, index: int, num_leaves: int,
+             zeros: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Node ``(level, index)`` of the tree over ``num_leaves`` leaves: from ``known`` where it is there, else its two
+    children's sum (left + right); a node wholly past the last leaf is zeros."""
+    if (level, index) in known:
+        return known[(level, index)]
+    if index * 2 ** level >= num_leaves:
+        return zeros()
+    if level == 0:
+        raise FailedPreconditionError(f"bitwise: leaf {index} of {num_leaves} is missing from the tree")
+    return (tree_sum(known, level - 1, 2 * index, num_leaves, zeros)
+            + tree_sum(known, level - 1, 2 * index + 1, num_leaves, zeros))
+
+
+class BitwiseSteps:
+    """The micro-batches of this replica's share and the tree their gradients are summed over (held by a synchronous
+    strategy built with ``bitwise=True``)."""
+
+    def __init__(self, micro_batch_size: int, *, rank: int, num_replicas: int,
+                 gather: Callable[[torch.Tensor], torch.Tensor]):
+        self.micro_batch_size = micro_batch_size
+        #: ``gather(t)``: every replica's ``t`` concatenated on dim 0, in replica order (the strategy's ``gather``)
+        self._rank, self._num_replicas, self._gather = rank, num_replicas, gather
+        self._params: list[nn.Parameter] = []
+        self._leaves: dict[int, torch.Tensor] = {}  # this update's leaves computed here: global index -> flat gradient
+        self._leaf = 0  # global index of the micro-batch whose backward runs now
+        self._num_leaves = 0
+        self._last = False
+        self._queued = False
+        self._losses: list[tuple[int, torch.Tensor]] = []
+        self.last_result: torch.Tensor | None = None  # what run returned last: its leaves' losses reduce over the tree
+
+    # --- set up -----------------------------------------------------------------------------------------
+    def watch(self, model: nn.Module) -> None:
+        """Collect ``model``'s gradients per micro-batch (a hook at the end of every backward that reaches it)."""
+        from torch.autograd import Variable
+
+        def on_grad(_param: torch.Tensor) -> None:
+            if not self._queued:
+                self._queued = True
+                Variable._execution_engine.queue_callback(self._end_of_backward)
+
+        for param in model.parameters():
+            if param.requires_grad and all(param is not p for p in self._params):
+                self._params.append(param)
+                param.register_post_accumulate_grad_hook(on_grad)
+
+    def leaves_of(self, global_batch_size: int, local_batch_size: int) -> int:
+        """This replica's micro-batches of a share of ``local_batch_size`` examples.
+
+        Raises:
+            ValueError: a share the micro-batch size does not divide (the fix names sizes that work).
+        """
+        m = self.micro_batch_size
+        if global_batch_size % (m * self._num_replicas) or local_batch_size * self._num_replicas != global_batch_size:
+            fits = [d for d in range(1, m + 1) if global_batch_size % (d * self._num_replicas) == 0][-1:]
+            raise user_error(
+                f"bitwise=True cuts each global batch into micro-batches of micro_batch_size examples, the same at every "
+                f"replica count: the global batch must divide into {self._num_replicas} equal shares of whole "
+                "micro-batches", f"global batch {global_batch_size} (this replica's share {local_batch_size}), "
+                f"micro_batch_size={m}, {self._num_replicas} replica(s)",
+                f"Use a global batch that is a multiple of micro_batch_size x replicas ({m * self._num_replicas}), "
+                f"or micro_batch_size={fits[0] if fits else 1}; the last batch of an epoch: drop_remainder=True.")
+        return local_batch_size // m
+
+    # --- a step -----------------------------------------------------------------------------------------
+    def split(self, args: tuple[Any, ...], kwargs: dict[str, Any], local_batch_size: int) -> list[tuple[Any, Any]]:
+        """``(args, kwargs)`` of each micro-batch: every tensor whose first dimension is the share cut into chunks."""
+        flat, spec = tree_flatten((args, kwargs))
+        m, count = self.micro_batch_size, local_batch_size // self.micro_batch_size
+        cut = [list(v.split(m)) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == local_batch_size
+               else [v] * count for v in flat]
+        return [tree_unflatten([parts[i] for parts in cut], spec) for i in range(count)]
+
+    def begin(self, first_leaf: int, num_leaves: int) -> None:
+        """An update over ``num_leaves`` global leaves starts; this replica's begin at ``first_leaf``."""
+        self._leaves, self._losses = {}, []
+        self._leaf, self._num_leaves, self._last = first_leaf, num_leaves, False
+
+    def micro_batch(self, index: int, last: bool) -> None:
+        """The micro-batch of global leaf ``index`` runs next (``last``: the update's last one here)."""
+        self._leaf, self._last = index, last
+
+    def note_result(self, result: Any) -> None:
+        """Keep a micro-batch's loss (a scalar tensor) for the step's result and ``reduce``; None is fine."""
+        if result is None:
+            return
+        if not (isinstance(result, torch.Tensor) and result.dim() == 0):
+            raise user_error("Under bitwise=True the step function strategy.run calls runs once per micro-batch and "
+                             "returns its loss (a scalar tensor) or nothing", f"a {type(result).__name__}",
+                             "Return compute_average_loss(...) from the step (or None), and compute metrics outside.")
+        self._losses.append((self._leaf, result.detach()))
+
+    def result(self) -> torch.Tensor | None:
+        """The share's loss: its micro-batches' losses summed over the tree (None when the step returned nothing)."""
+        if not self._losses:
+            self.last_result = None
+            return None
+        known = {(0, i): v.reshape(()) for i, v in self._losses}
+        zeros = self._losses[0][1].new_zeros
+        nodes = [tree_sum(known, lv, ix, self._num_leaves, lambda: zeros(())) for lv, ix in self._own_nodes()]
+        total = nodes[0]
+        for node in nodes[1:]:  # the share's own value (what a plain loop returns); reduce uses the tree
+            total = total + node
+        self.last_result = total
+        return total
+
+    def reduce_sum(self) -> torch.Tensor:
+        """The global batch's loss: every replica's micro-batch losses summed over the tree, the same bits everywhere."""
+        per = self._num_leaves // self._num_replicas
+        if len(self._losses) != per:
+            raise user_error("Under bitwise=True the step returns a loss from every micro-batch or from none",
+                             f"{len(self._losses)} of {per}", "Return compute_average_loss(...) from the step function.")
+        mine = torch.stack([v for _, v in self._losses])
+        leaves = self._gather(mine) if self._num_replicas > 1 else mine  # replica order: leaf order
+        known = {(0, i): v for i, v in enumerate(leaves.unbind())}
+        return tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, lambda: mine.new_zeros(()))
+
+    def _own_nodes(self, rank: int | None = None) -> list[tuple[int, int]]:
+        per = self._num_leaves // self._num_replicas
+        rank = self._rank if rank is None else rank
+        return dyadic_nodes(rank * per, (rank + 1) * per)
+
+    # --- gradients --------------------------------------------------------------------------------------
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        if self._leaf in self._leaves:
+            raise user_error("Under bitwise=True each micro-batch's gradient is one backward's", "a second backward "
+                             f"in the micro-batch of leaf {self._leaf}", "Call loss.backward() once per step "
+                             "(sum the losses first), or leave bitwise off for a loop with several backwards.")
+        self._leaves[self._leaf] = self._flat()
+        for p in self._params:
+            p.grad = None
+        if self._last:
+            self._finish()
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params])
+
+    def _finish(self) -> None:
+        """Write the update's gradient, summed over the tree, into every parameter's ``.grad``."""
+        own = self._own_nodes()
+        zeros = self._leaves[next(iter(self._leaves))].new_zeros
+        local = {(0, i): g for i, g in self._leaves.items()}
+        values = [tree_sum(local, lv, ix, self._num_leaves, lambda: zeros(local[(0, self._leaf)].shape))
+                  for lv, ix in own]
+        known: dict[tuple[int, int], torch.Tensor] = dict(zip(own, values))
+        if self._num_replicas > 1:  # every replica's subtrees: each knows which nodes another holds, padded to a count
+            width = 2 * _levels(self._num_leaves) + 1
+            block = torch.stack(values + [zeros(values[0].shape)] * (width - len(values)))
+            rows = self._gather(block)
+            for r in range(self._num_replicas):
+                known.update({node: rows[r * width + k] for k, node in enumerate(self._own_nodes(r))})
+        total = tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, lambda: zeros(values[0].shape))
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            p.grad = total[offset:offset + n].view_as(p).clone()
+            offset += n
+        self._leaves = {}
+
+    def check_done(self, params: Iterable[torch.Tensor]) -> None:
+        """Before an update: the tree must have run (every micro-batch called backward once)."""
+        if self._leaves:
+            raise FailedPreconditionError(
+                f"bitwise=True: {len(self._leaves)} micro-batch gradient(s) of this update were never summed: the step "
+                "must call loss.backward() in every micro-batch strategy.run runs, and optimizer.step() in the last.")
+
+
+def bitwise_steps(bitwise: Any, micro_batch_size: Any, *, strategy: str, precision: str, accumulation: int,
+                  refused: str | None = None) -> Callable[..., BitwiseSteps] | None:
+    """Check ``bitwise=`` and ``micro_batch_size=`` before any process group; return how to build the ``BitwiseSteps``
+    once the replicas are known (``build(rank, num_replicas, gather)``), or None when bitwise is off.
+
+    Raises:
+        ValueError: a micro-batch size that is not a positive integer, or an option bitwise cannot keep exact
+            (``refused``: the strategy's own reason, e.g. a tensor-parallel mesh).
+    """
+    from towers.cluster.strategy_options import parse_flag
+
+    if not parse_flag("bitwise", bitwise):
+        return None
+    if isinstance(micro_batch_size, str) and micro_batch_size.strip().isdigit():
+        micro_batch_size = int(micro_batch_size)
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise user_error("bitwise=True needs micro_batch_size: the examples of one micro-batch, the unit whose "
+                         "gradient is the same at every replica count", f"micro_batch_size={micro_batch_size!r}",
+                         "Pass micro_batch_size=m (--strategy-option micro_batch_size=m) with m dividing the global "
+                         "batch into equal shares at every replica count you will run, e.g. B/12 for 1, 2, 3 and 4.")
+    for bad, why in ((refused, refused), (precision != "32", f"precision={precision!r}: autocast kernels"),
+                     (accumulation != 1, f"gradient_accumulation_steps={accumulation}: micro-batches are the unit")):
+        if bad:
+            raise user_error(f"{strategy}(bitwise=True) cannot keep this exact", str(why),
+                             "Leave it out with bitwise=True (precision='32', gradient_accumulation_steps=1: the "
+                             "micro-batches accumulate already), or turn bitwise off.")
+    size = micro_batch_size
+
+    def build(rank: int, num_replicas: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> BitwiseSteps:
+        return BitwiseSteps(size, rank=rank, num_replicas=num_replicas, gather=gather)
+
+    return build

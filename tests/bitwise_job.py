@@ -1,0 +1,72 @@
+"""The seed CNN on the bundled digits with Adam, under bitwise=True (or not): what tests/distributed/test_bitwise.py runs
+at 1, 2, 3 and 4 processes, through towers.spawn, and as a script under `towers launch --bitwise`.
+
+As a script: ``python bitwise_job.py OUT_DIR`` trains with ``towers.strategy_from_env()`` and writes the chief's
+parameters, optimizer state and logged losses to ``OUT_DIR/result.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import towers
+from towers.datasets import load_digits
+from towers.models import SeedCNN
+
+GLOBAL_BATCH = 48
+MICRO_BATCH = 4
+
+
+def _strategy(bitwise: bool) -> towers.Strategy:
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return towers.OneDeviceStrategy("cpu", bitwise=bitwise, micro_batch_size=MICRO_BATCH if bitwise else None)
+    return towers.MirroredStrategy(bitwise=bitwise, micro_batch_size=MICRO_BATCH if bitwise else None)
+
+
+def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy: towers.Strategy | None = None) -> dict:
+    """Train ``updates`` updates; return the parameters, the optimizer state and the losses the loop logged."""
+    strategy = strategy or _strategy(bitwise)
+    torch.manual_seed(1234 + strategy.replica_id)  # different seeds per replica: prepare gives every one the chief's
+    train_set, _ = load_digits()
+    with strategy.scope():
+        model = SeedCNN()
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model, optimizer = strategy.prepare(model, optimizer)
+    batches = strategy.distribute_dataset(train_set, GLOBAL_BATCH, shuffle=True, seed=7, drop_remainder=True)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        if clip == "towers":
+            strategy.clip_grad_norm_(model.parameters(), 1.0)
+        elif clip == "torch":  # a habit: torch's own clip on the prepared model's parameters
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss
+
+    losses: list[float] = []
+    while len(losses) < updates:
+        for x, y in batches:
+            losses.append(strategy.reduce("sum", strategy.run(step, args=(x, y))).item())
+            if len(losses) == updates:
+                break
+    raw = getattr(optimizer, "optimizer", optimizer)
+    result = {"params": {k: v.detach().clone() for k, v in strategy.unwrap(model).state_dict().items()},
+              "optimizer": {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+                            for i, s in enumerate(raw.state.values())},
+              "losses": losses, "replicas": strategy.num_replicas_in_sync}
+    if hasattr(strategy, "shutdown"):
+        strategy.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    out_dir = sys.argv[1]
+    outcome = train(int(sys.argv[2]) if len(sys.argv) > 2 else 10, strategy=towers.strategy_from_env())
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(outcome, os.path.join(out_dir, "result.pt"))

@@ -1,0 +1,131 @@
+"""bitwise=True in one process: the tree's order, the maths it keeps, and each misuse refused with the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import towers
+from towers.cluster.info import ProcessInfo
+from towers.strategies._bitwise import dyadic_nodes, tree_sum
+
+
+@pytest.mark.parametrize("num_leaves", [1, 2, 5, 6, 8, 12])
+def test_every_split_of_the_leaves_gives_the_trees_bits(num_leaves):
+    torch.manual_seed(num_leaves)
+    leaves = {(0, i): torch.randn(257) * 10 ** torch.randint(-4, 4, ()) for i in range(num_leaves)}
+    levels = max(0, (num_leaves - 1).bit_length())
+    zeros = lambda: torch.zeros(257)  # noqa: E731
+    root = tree_sum(leaves, levels, 0, num_leaves, zeros)
+    for replicas in [n for n in range(1, num_leaves + 1) if num_leaves % n == 0]:
+        per = num_leaves // replicas
+        known = {}
+        for r in range(replicas):  # each replica's own subtrees, then the top of the tree from all of them
+            nodes = dyadic_nodes(r * per, (r + 1) * per)
+            assert sum(2 ** level for level, _ in nodes) == per
+            known.update({node: tree_sum(leaves, *node, num_leaves, zeros) for node in nodes})
+        assert torch.equal(tree_sum(known, levels, 0, num_leaves, zeros), root), replicas
+    assert torch.allclose(root, torch.stack(list(leaves.values())).sum(0), rtol=1e-5, atol=1e-4)  # the same sum
+
+
+def _data(n: int = 40) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def _loop(strategy, *, global_batch: int = 8, steps: int = 3, drop_remainder: bool = True, step_fn=None, examples=40):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, optimizer = strategy.prepare(model, optimizer)
+
+    def step(x, y):
+        optimizer.zero_grad()
+        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    losses = []
+    for i, (x, y) in enumerate(strategy.distribute_dataset(_data(examples), global_batch, shuffle=False,
+                                                           drop_remainder=drop_remainder)):
+        if i == steps:
+            break
+        losses.append(strategy.reduce("sum", strategy.run(step_fn(model, optimizer) if step_fn else step, args=(x, y))))
+    return strategy.unwrap(model), losses
+
+
+def test_one_process_bitwise_is_the_plain_loops_maths():
+    bitwise, losses = _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2))
+    plain, plain_losses = _loop(towers.OneDeviceStrategy("cpu"))
+    for a, b in zip(bitwise.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(plain_losses), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({}, r"bitwise=True needs micro_batch_size.*Received: micro_batch_size=None"),
+    ({"micro_batch_size": 0}, r"Received: micro_batch_size=0"),
+    ({"micro_batch_size": 2, "precision": "bf16"}, r"cannot keep this exact. Received: precision='bf16'"),
+    ({"micro_batch_size": 2, "gradient_accumulation_steps": 2}, r"Received: gradient_accumulation_steps=2"),
+    ({"micro_batch_size": 2, "bitwise": "perhaps"}, r"bitwise"),
+])
+def test_what_cannot_be_bitwise_is_refused_at_construction(options, match):
+    with pytest.raises(ValueError, match=match):
+        towers.OneDeviceStrategy("cpu", **{"bitwise": True, **options})
+
+
+def test_a_tensor_parallel_mirrored_mesh_is_refused_before_any_process_group():
+    info = ProcessInfo(rank=0, world_size=4, local_rank=0, local_world_size=4)
+    with pytest.raises(ValueError, match=r"MirroredStrategy\(bitwise=True\) cannot keep this exact. Received: mesh "
+                                         r"dp=2,tp=2"):
+        towers.MirroredStrategy(info=info, mesh="dp=2,tp=2", bitwise=True, micro_batch_size=2)
+
+
+def test_a_global_batch_the_micro_batch_does_not_divide_is_refused_with_sizes_that_work():
+    with pytest.raises(ValueError, match=r"Received: global batch 10 .*micro_batch_size=4.*multiple of micro_batch_size "
+                                         r"x replicas \(4\), or micro_batch_size=2"):
+        _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=4), global_batch=10)
+
+
+def test_an_uneven_last_batch_trains_where_micro_batches_divide_it_and_is_refused_where_not():
+    _, losses = _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2), global_batch=12, steps=5,
+                      drop_remainder=False)  # 40 = 12 + 12 + 12 + 4: the last batch is two micro-batches
+    assert len(losses) == 4
+    with pytest.raises(ValueError, match=r"Received: global batch 5 .*the last batch of an epoch: drop_remainder=True"):
+        _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2), global_batch=12, steps=5,
+              drop_remainder=False, examples=41)
+
+
+def test_a_loop_without_strategy_run_is_refused():
+    strategy = towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2)
+    model, _ = strategy.prepare(nn.Linear(6, 3), None)
+    x, _ = next(iter(strategy.distribute_dataset(_data(), 8, shuffle=False)))
+    with pytest.raises(ValueError, match=r"bitwise=True runs each step through strategy.run"):
+        model(x)
+
+
+def test_two_backwards_in_a_micro_batch_and_a_tuple_result_are_refused():
+    def twice(model, optimizer):
+        def step(x, y):
+            for _ in range(2):
+                towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none")).backward()
+            optimizer.step()
+        return step
+
+    with pytest.raises(ValueError, match=r"one backward's. Received: a second backward"):
+        _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2), step_fn=twice)
+
+    def pair(model, optimizer):
+        def step(x, y):
+            logits = model(x)
+            towers.compute_average_loss(F.cross_entropy(logits, y, reduction="none")).backward()
+            optimizer.step()
+            return logits.sum(), logits
+        return step
+
+    with pytest.raises(ValueError, match=r"returns its loss \(a scalar tensor\) or nothing. Received: a tuple"):
+        _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2), step_fn=pair)
