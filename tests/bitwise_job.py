@@ -65,6 +65,47 @@ def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy:
     return result
 
 
+def train_gpt(updates: int) -> dict:
+    """towers' GPT with AdamW, right-padded rows and a token mask (``compute_average_loss(per_token, weights=mask)``)."""
+    from torch.utils.data import TensorDataset
+
+    from towers.models_gpt import GPT, GPTConfig, random_tokens
+
+    strategy = _strategy(True)
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    x, y = random_tokens(96, config, seed=1)
+    mask = (torch.arange(16)[None, :] < torch.randint(4, 17, (96, 1))).float()  # each row's real tokens
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    model, optimizer = strategy.prepare(model, optimizer)
+    batches = strategy.distribute_dataset(TensorDataset(x, y, mask), 24, shuffle=True, seed=3, drop_remainder=True)
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        per_token = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), reduction="none")
+        loss = towers.compute_average_loss(per_token.view_as(weights), weights=weights)
+        loss.backward()
+        strategy.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss
+
+    losses: list[float] = []
+    while len(losses) < updates:
+        for batch in batches:
+            losses.append(strategy.reduce("sum", strategy.run(step, args=tuple(batch))).item())
+            if len(losses) == updates:
+                break
+    raw = getattr(optimizer, "optimizer", optimizer)
+    result = {"params": {k: v.detach().clone() for k, v in strategy.unwrap(model).state_dict().items()},
+              "optimizer": {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+                            for i, s in enumerate(raw.state.values())},
+              "losses": losses, "replicas": strategy.num_replicas_in_sync}
+    if hasattr(strategy, "shutdown"):
+        strategy.shutdown()
+    return result
+
+
 if __name__ == "__main__":
     out_dir = sys.argv[1]
     outcome = train(int(sys.argv[2]) if len(sys.argv) > 2 else 10, strategy=towers.strategy_from_env())

@@ -20,7 +20,7 @@ import towers
 from cli_support import clean_env, run, towers_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bitwise_job import train  # noqa: E402
+from bitwise_job import train, train_gpt  # noqa: E402
 
 pytestmark = pytest.mark.timeout(420)
 JOB = Path(__file__).resolve().parents[1] / "bitwise_job.py"
@@ -47,6 +47,13 @@ def test_the_same_bits_as_one_process_at_any_replica_count(one_process, replicas
     assert len(one_process["losses"]) == UPDATES and one_process["losses"][-1] < one_process["losses"][0]  # it learns
     for rank, result in enumerate(results):
         assert _differences(result, one_process) == [], f"rank {rank} of {replicas}"
+
+
+def test_a_gpt_with_adamw_and_a_token_mask_has_the_same_bits_at_three_replicas():
+    reference = towers.spawn(train_gpt, 1, args=(8,), timeout_s=120, threads_per_process=1)[0]
+    results = towers.spawn(train_gpt, 3, args=(8,), timeout_s=180, threads_per_process=1)
+    assert reference["losses"][-1] < reference["losses"][0]
+    assert all(_differences(r, reference) == [] for r in results)
 
 
 def test_torchs_own_clip_keeps_the_same_bits_and_plain_mirrored_does_not():
