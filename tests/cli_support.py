@@ -145,6 +145,10 @@ class OutputReader:
                 found.append(line)
         return found
 
+    def so_far(self) -> tuple[str, str]:
+        """(stdout, stderr) read until now, while the command may still run (a post-mortem's)."""
+        return "".join(self._out), "".join(self._err)
+
     def collect(self, *, timeout_s: float) -> tuple[str, str]:
         """Wait for the command to exit and its pipes to close; return (stdout, stderr)."""
         self.proc.wait(timeout=timeout_s)
