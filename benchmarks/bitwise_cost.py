@@ -63,8 +63,10 @@ def job(bitwise: bool, micro_batch: int, steps: int, warmup: int) -> float:
 def wire_bytes(replicas: int, micro_batch: int) -> dict[str, float]:
     """Bytes one replica sends per step: DDP's ring all-reduce vs the tree's all-gather of padded subtrees."""
     n = sum(p.numel() for p in SeedCNN().parameters()) * 4
-    leaves = GLOBAL_BATCH // micro_batch
-    width = 2 * max(0, (leaves - 1).bit_length()) + 1
+    from towers.strategies._bitwise import dyadic_nodes
+
+    per = GLOBAL_BATCH // micro_batch // replicas
+    width = max(len(dyadic_nodes(r * per, (r + 1) * per)) for r in range(replicas))
     return {"ddp": 2 * (replicas - 1) / replicas * n, "bitwise": (replicas - 1) * width * n}
 
 

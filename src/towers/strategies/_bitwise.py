@@ -168,6 +168,10 @@ class BitwiseSteps:
         known = {(0, i): v for i, v in enumerate(leaves.unbind())}
         return tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, lambda: mine.new_zeros(()))
 
+    def width(self) -> int:
+        """The subtrees the replica with the most holds (each replica sends that many, padded: one all-gather)."""
+        return max(len(self._own_nodes(r)) for r in range(self._num_replicas))
+
     def _own_nodes(self, rank: int | None = None) -> list[tuple[int, int]]:
         per = self._num_leaves // self._num_replicas
         rank = self._rank if rank is None else rank
@@ -198,7 +202,7 @@ class BitwiseSteps:
                   for lv, ix in own]
         known: dict[tuple[int, int], torch.Tensor] = dict(zip(own, values))
         if self._num_replicas > 1:  # every replica's subtrees: each knows which nodes another holds, padded to a count
-            width = 2 * _levels(self._num_leaves) + 1
+            width = self.width()
             block = torch.stack(values + [zeros(values[0].shape)] * (width - len(values)))
             rows = self._gather(block)
             for r in range(self._num_replicas):
