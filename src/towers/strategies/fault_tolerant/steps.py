@@ -248,10 +248,10 @@ class QuorumSteps:
             log.info("replica group %d: replica group(s) %s joined the quorum at step %d (%d group(s))",
                      self.replica_group_id, ", ".join(map(str, joined)), self.current_step, len(members))
 
-    def join_job(self) -> None:
-        """Join the job if this group has taken part in no step yet: a group started again heals here (``begin_step``)."""
-        if not quorum_started(self.manager):
-            self.begin_step()
+    @property
+    def started(self) -> bool:
+        """Whether this group has asked for a quorum yet (taken part in a step, or begun one)."""
+        return bool(quorum_started(self.manager))
 
     def step_in_progress(self) -> bool:
         """True between a step's quorum and its commit vote."""

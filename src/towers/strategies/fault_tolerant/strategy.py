@@ -62,8 +62,12 @@ class FaultTolerantStrategy(Strategy):
                  replica_group_id: int | None = None, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
                  min_replicas: int = 1, quorum_timeout_s: float = 60.0, address: str | None = None,
                  group_size: int | None = None, group_rank: int | None = None, group_port: int | None = None,
-                 shard: bool = False, shard_units: Any = "auto", precision: "str | int | Precision | None" = "32"):
+                 shard: bool = False, shard_units: Any = "auto", precision: "str | int | Precision | None" = "32",
+                 bitwise: bool = False):
         from towers import cluster
+        from towers.strategies._bitwise import refuse_bitwise
+
+        refuse_bitwise(type(self).__name__, bitwise)
 
         peer_timeout_s = check_timeout("peer_timeout_s", peer_timeout_s)
         quorum_timeout_s = check_timeout("quorum_timeout_s", quorum_timeout_s)
@@ -151,8 +155,11 @@ class FaultTolerantStrategy(Strategy):
         self._quorum.begin_step()
 
     def join_job(self) -> None:
-        """Join the job if this group has taken part in no step yet: a group started again heals here (``begin_step``)."""
-        self._quorum.join_job()
+        """Join the job if this group has taken part in no step yet: a group started again heals here (``begin_step``).
+
+        Through this strategy's own ``begin_step``, as every step's quorum: what wraps it sees the first one too."""
+        if not self._quorum.started:
+            self.begin_step()
 
     def step_in_progress(self) -> bool:
         """True between a step's quorum and its commit vote."""
