@@ -18,7 +18,9 @@ from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.data import DistributedDataset, DistributedStream, find_batch_info, is_stream
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, user_error
+from towers.parallel.layout import Layout
 from towers.parallel.parallelize import ParallelOptions, parallelize
+from towers.process_group import collective
 from towers.strategies._bitwise import BitwiseSteps
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
 from towers.strategies._copies import DetachedHook
@@ -37,8 +39,10 @@ class SyncStrategy(Strategy):
 
     def __init__(self, *, info: ProcessInfo, device: torch.device, comm: LocalComm | ProcessGroupComm,
                  precision: "str | int | Precision | None" = "32", gradient_accumulation_steps: int = 1,
-                 bitwise: BitwiseSteps | None = None):
+                 bitwise: BitwiseSteps | None = None, layout: Layout | None = None):
         self._info = info
+        #: The layout when one replica spans several processes (tp or pp): a replica's first process speaks for it
+        self._spanning = layout if layout is not None and layout.model_parallel and info.world_size > 1 else None
         #: ``bitwise=True``: the micro-batches and the fixed tree their gradients are summed over (``_bitwise.py``)
         self._bitwise = bitwise
         note_built(info, self.name)
@@ -69,6 +73,8 @@ class SyncStrategy(Strategy):
 
     @property
     def is_chief(self) -> bool:
+        if self._spanning is not None:  # one replica spans processes: the job's chief alone, not each of its replica's
+            return self._info.rank == self._info.chief_rank
         return self.replica_id == self._info.chief_rank if self._comm.num_replicas > 1 else True
 
     @property
@@ -324,8 +330,17 @@ class SyncStrategy(Strategy):
         self._comm.barrier()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Return replica ``src``'s ``obj`` on every replica."""
-        return self._comm.broadcast_object(obj, src)
+        """Return replica ``src``'s ``obj`` on every replica (a replica of several processes: from its first process to
+        every process of the job, whose checkpoint writes take part together)."""
+        if self._spanning is None:
+            return self._comm.broadcast_object(obj, src)
+        import torch.distributed as dist
+
+        first = src * self._spanning.tp  # replica src's process at pp 0 and tp 0
+        with collective("strategy.broadcast_object"):
+            box = [obj if self._info.rank == first else None]
+            dist.broadcast_object_list(box, src=first)
+        return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Return every replica's ``obj``, in replica order."""

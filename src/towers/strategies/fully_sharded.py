@@ -50,6 +50,7 @@ from towers.process_group import (
     init_one_process_group,
     init_process_group,
 )
+from towers.strategies._bitwise import refuse_bitwise
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, replica_comm
 from towers.strategies._copies import refuse_copies
 from towers.strategies._ddp import check_same_parameters
@@ -114,9 +115,12 @@ class FullyShardedStrategy(SyncStrategy):
                  shard_units: ShardUnits = "auto", reshard_after_forward: bool = True, cpu_offload: bool = False,
                  shard_group_size: int | None = None, async_save: bool = False, mesh: "str | MeshSpec | None" = None,
                  tp_plan: TPPlan = "auto", sequence_parallel: bool = False, loss_parallel: bool = False,
-                 pp_split: "str | list[str] | None" = None, pp_schedule: str = "1f1b", pp_microbatches: int | None = None):
+                 pp_split: "str | list[str] | None" = None, pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
+                 bitwise: bool = False):
         from towers import cluster
         from towers.devices import warn_if_gpus_idle
+
+        refuse_bitwise(type(self).__name__, bitwise)
 
         info = info or cluster.from_env()
         if shard_units != "auto":
@@ -180,7 +184,7 @@ class FullyShardedStrategy(SyncStrategy):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         super().__init__(info=info, device=device, comm=comm, precision=precision,
-                         gradient_accumulation_steps=gradient_accumulation_steps)
+                         gradient_accumulation_steps=gradient_accumulation_steps, layout=self.layout)
         self._sharded: list[Any] = []  # the FSDP roots prepare() made
         self._state = ShardedState(precision=self.precision, pipeline=self.pipeline, sharded=self._mesh is not None,
                                    async_save=self._async_save)
@@ -210,25 +214,6 @@ class FullyShardedStrategy(SyncStrategy):
         """The idle fraction of a step of the last prepared pipeline's schedule (``StrategyPipeline.bubble_fraction``);
         None without a pipeline."""
         return None if self.pipeline is None else self.pipeline.bubble_fraction
-
-    @property
-    def is_chief(self) -> bool:
-        """The job's chief process (under a model-parallel mesh the first process of the first replica)."""
-        if self._device_mesh is not None:
-            return self._info.rank == self._info.chief_rank
-        return super().is_chief
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Return replica ``src``'s ``obj`` on every process (under a model-parallel mesh: from that replica's
-        first process to all the job's processes, whose checkpoint writes take part together)."""
-        if self._device_mesh is None:
-            return super().broadcast_object(obj, src)
-        import torch.distributed as dist
-
-        with collective("strategy.broadcast_object"):
-            box = [obj if self._info.rank == src * self.tensor_parallel_size else None]
-            dist.broadcast_object_list(box, src=src * self.tensor_parallel_size)
-        return box[0]
 
     # --- preparation ----------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

@@ -28,8 +28,9 @@ from towers.parallel.compile import compile_options
 from towers.parallel.fsdp import broadcast_from_first
 from towers.parallel.layout import Layout, LayoutMesh
 from towers.parallel.parallelize import ParallelOptions, parallelize
+from towers.parallel.stage_gradients import StageGradientGuard
 from towers.parallel.tensor_parallel import TPPlan
-from towers.process_group import DEFAULT_TIMEOUT_S, collective, destroy_process_group, init_process_group
+from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
 from towers.strategies._bitwise import bitwise_steps
 from towers.strategies._collectives import LocalComm, ProcessGroupComm
 from towers.strategies._comm_hooks import check_compression, register_sum_hook
@@ -39,7 +40,7 @@ from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
 from towers.strategies._sync import SyncStrategy
 from towers.strategies._sync_bn import convert_sync_batchnorm
-from towers.strategies._tp_slices import TensorParallelSlices, grad_norm
+from towers.strategies._tp_slices import TensorParallelSlices, grad_norm, slice_gradient_guard
 from towers.strategies.context import check_max_norm
 from towers.strategies.precision import Precision, resolve_precision
 
@@ -73,7 +74,7 @@ class MirroredStrategy(SyncStrategy):
     ``towers.parallel.tensor_parallel``) and see the same batch; DDP sums each slice's gradient over
     ``dp``. ``num_replicas_in_sync`` is then ``dp``. The prepared model's parameters are this process's
     slices: clip with ``strategy.clip_grad_norm_`` (the whole model's norm; torch's own would measure
-    the slices), save with ``strategy.state_dict`` / ``save_checkpoint`` (whole tensors, gathered).
+    the slices: the step after it is refused), save with ``strategy.state_dict`` / ``save_checkpoint`` (whole tensors, gathered).
     Not with a tp mesh: ``pp`` (use ``--strategy sharded``), ``gradient_compression="powersgd"``,
     ``sync_batchnorm``, ``precision="fp16"`` and ``compile``; each is refused with its reason.
     """
@@ -104,6 +105,7 @@ class MirroredStrategy(SyncStrategy):
         self._ddp_models: list[TowersDDP] = []
         self._tp_plan = tp_plan
         self._slices: dict[int, TensorParallelSlices] = {}  # id(user module) -> its tensor-parallel slices
+        self._guards: dict[int, StageGradientGuard] = {}  # id(DDP) -> torch's own clip on its slices, refused
         info = info or cluster.from_env()
         device = _replica_device(info)
         warn_if_gpus_idle(info.local_world_size, [device], local_rank=info.local_rank)
@@ -147,7 +149,8 @@ class MirroredStrategy(SyncStrategy):
             torch.cuda.set_device(device)
         super().__init__(info=info, device=device, comm=comm, precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps,
-                         bitwise=None if build is None else build(comm.rank, comm.num_replicas, self.gather))
+                         bitwise=None if build is None else build(comm.rank, comm.num_replicas, self.gather),
+                         layout=self.layout)
         log.info("%s: %d replica(s), this one on %s (%sprecision=%s, accumulation=%d, compression=%s%s)",
                  type(self).__name__, self.num_replicas_in_sync, device,
                  "" if self._layout_mesh is None else f"mesh {self._layout_mesh.describe()}, ", self.precision.name,
@@ -185,26 +188,6 @@ class MirroredStrategy(SyncStrategy):
     def tensor_parallel_size(self) -> int:
         """Processes that split each layer of one model replica (1: no tensor parallelism)."""
         return self.layout.tp
-
-    @property
-    def is_chief(self) -> bool:
-        """The job's chief process (under a tp mesh the first process of the first replica, not each of its tp)."""
-        if self._layout_mesh is not None:
-            return self._info.rank == self._info.chief_rank
-        return super().is_chief
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Return replica ``src``'s ``obj`` on every process (under a tp mesh: from that replica's first process to
-        all the job's processes, whose checkpoint writes take part together)."""
-        if self._layout_mesh is None:
-            return super().broadcast_object(obj, src)
-        import torch.distributed as dist
-
-        first = src * self.tensor_parallel_size
-        with collective("strategy.broadcast_object"):
-            box = [obj if self._info.rank == first else None]
-            dist.broadcast_object_list(box, src=first)
-        return box[0]
 
     # --- preparation under a tp mesh ------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -277,6 +260,7 @@ class MirroredStrategy(SyncStrategy):
         register_sum_hook(ddp, self._compression, self.num_replicas_in_sync, check=check, group=group, **self._powersgd)
         if self._layout_mesh is not None:
             refuse_copies(ddp, self._where_the_model_is())
+            self._guards[id(ddp)] = slice_gradient_guard(model, self.layout.describe())
         self._ddp_models.append(ddp)
         return ddp
 
@@ -302,8 +286,11 @@ class MirroredStrategy(SyncStrategy):
             return None
         seen = {"calls": wrapped.towers_forward_calls, "first": True}
         find_unused = self._find_unused
+        guard = self._guards.get(id(wrapped))  # under a tp mesh: torch's own clip on the slices
 
         def check() -> None:
+            if guard is not None:
+                guard.check()
             if wrapped.towers_forward_calls == seen["calls"]:
                 raise FailedPreconditionError(
                     "optimizer.step() ran, but the model returned by strategy.prepare was not called since the last "
@@ -336,6 +323,8 @@ class MirroredStrategy(SyncStrategy):
         total = grad_norm(params, norm_type, list(self._slices.values()))
         if updates:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            for guard in self._guards.values():  # towers' own change: the whole model's norm
+                guard.note(params)
         return total
 
     def state_dict(self, model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
