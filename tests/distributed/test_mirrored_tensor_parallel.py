@@ -6,7 +6,8 @@ GPT (attention heads and MLP units) and see the same batch; DDP sums each slice'
 replicas. The reference is the plain torch loop a user writes on one device (no towers): the custom
 loop (``compute_average_loss``, SGD with momentum, a global-norm clip through ``strategy.clip_grad_norm_``).
 The checkpoint the job writes holds whole tensors: it loads into a plain one-process model, and back
-into the job's slices.
+into the job's slices. torch's own ``clip_grad_norm_`` on the prepared parameters (the slices a process
+holds) is refused at the step, on every process, naming ``strategy.clip_grad_norm_``.
 """
 
 from __future__ import annotations
@@ -62,13 +63,25 @@ def _job(checkpoint_dir: str) -> dict:
                                          strategy=strategy)
     restored = strategy.state_dict(again, again_optimizer)
 
+    torch_clip = None  # torch's own clip on the slices this process holds: refused at the step, on every process
+    for xb, yb in strategy.distribute_dataset(_data(), global_batch_size=GBS, shuffle=False):
+        def clipped_by_torch(xb, yb):
+            towers.compute_average_loss(token_loss(again(xb), yb)).backward()
+            torch.nn.utils.clip_grad_norm_(again.parameters(), CLIP)
+            again_optimizer.step()
+        try:
+            strategy.run(clipped_by_torch, args=(xb, yb))
+        except ValueError as exc:
+            torch_clip = str(exc)
+        break
+
     qkv = strategy.unwrap(model).blocks[0].attn.qkv.weight
     facts = {"replicas": strategy.num_replicas_in_sync, "replica": strategy.replica_id, "chief": strategy.is_chief,
              "tp": strategy.tensor_parallel_size, "mesh": tuple(strategy.mesh.mesh_dim_names),
              "qkv": (type(qkv).__name__, tuple(type(p).__name__ for p in qkv.placements) if isinstance(qkv, DTensor) else None,
                      tuple(qkv.to_local().shape) if isinstance(qkv, DTensor) else None, tuple(qkv.shape)),
              "batches": batches}
-    return {"state": state, "norms": norms, "facts": facts, "restored": restored["model"],
+    return {"state": state, "norms": norms, "facts": facts, "restored": restored["model"], "torch_clip": torch_clip,
             "momentum": restored["optimizer"]["state"]}
 
 
@@ -128,6 +141,13 @@ def test_dp2_tp2_under_mirrored_trains_as_one_device(launch):
     for r in results:
         _close(r["restored"], r["state"])
         _close({n: s["momentum_buffer"] for n, s in r["momentum"].items()}, momentum)
+
+
+def test_torchs_own_clip_on_the_slices_is_refused_at_the_step_on_every_process(launch):
+    results, _ = launch  # (towers' own clip in the main loop passed the same check at every update)
+    for r in results:
+        assert r["torch_clip"] is not None and "each process holds its slices of the split layers" in r["torch_clip"]
+        assert "Clip with strategy.clip_grad_norm_(model.parameters(), max_norm) instead" in r["torch_clip"]
 
 
 def test_its_checkpoint_holds_whole_tensors_and_loads_on_one_process(launch):

@@ -22,6 +22,11 @@ from towers.errors import user_error
 
 __all__ = ["StageGradientGuard"]
 
+_PIPELINE = ("under pipeline parallelism each process holds one stage, so a norm taken there is that stage's, not the "
+             "model's, and every stage would scale its gradients by a factor of its own")
+_PIPELINE_ASIDE = ("Without pp (tensor parallelism, sharded or mirrored replicas) torch's own clip sees the whole gradient "
+                   "and works as written.")
+
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """The tensor whose version counter an in-place change bumps (a DTensor's local shard)."""
@@ -40,8 +45,10 @@ def _state(grads: list[torch.Tensor]) -> tuple[list[tuple[int, int]], torch.Tens
 class StageGradientGuard:
     """Refuses an optimizer step whose stage gradients user code changed in place after ``forward_backward``."""
 
-    def __init__(self, mesh: str, any_stage: Callable[[bool], bool]):
+    def __init__(self, mesh: str, any_stage: Callable[[bool], bool], *, situation: str = _PIPELINE,
+                 aside: str = _PIPELINE_ASIDE, after: str = "strategy.forward_backward"):
         self._mesh = mesh
+        self._situation, self._aside, self._after = situation, aside, after
         self._any_stage = any_stage  # True on every stage when it is True on one (a collective over the stages)
         self._seen: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._versions: list[tuple[int, int]] = []
@@ -68,11 +75,8 @@ class StageGradientGuard:
             changed = int((now_norms != norms).sum())
         if self._any_stage(changed > 0):
             raise user_error(
-                "The gradients were changed in place between strategy.forward_backward and optimizer.step() (torch.nn."
-                "utils.clip_grad_norm_, or a rescale measured on p.grad): under pipeline parallelism each process "
-                "holds one stage, so a norm taken there is that stage's, not the model's, and every stage would "
-                "scale its gradients by a factor of its own",
-                f"gradients changed in place on a stage of mesh {self._mesh} ({changed} on this process's stage)",
+                f"The gradients were changed in place between {self._after} and optimizer.step() (torch.nn."
+                f"utils.clip_grad_norm_, or a rescale measured on p.grad): {self._situation}",
+                f"gradients changed in place on a process of mesh {self._mesh} ({changed} on this process)",
                 "Clip with strategy.clip_grad_norm_(model.parameters(), max_norm) instead (the same arguments and "
-                "return value: the norm over every stage, one factor for all). Without pp (tensor parallelism, "
-                "sharded or mirrored replicas) torch's own clip sees the whole gradient and works as written.")
+                f"return value: the whole model's norm, one factor for all). {self._aside}")

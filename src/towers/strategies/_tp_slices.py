@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from towers.errors import user_error
+from towers.parallel.stage_gradients import StageGradientGuard
 from towers.process_group import collective
 
-__all__ = ["SliceSpec", "TensorParallelSlices", "grad_norm"]
+__all__ = ["SliceSpec", "TensorParallelSlices", "grad_norm", "slice_gradient_guard"]
 
 
 class SliceSpec(NamedTuple):
@@ -183,3 +184,36 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float, slices: list
     if infinite:
         return torch.maximum(mine, norms(whole).max())
     return (mine + norms(whole).pow(norm_type).sum()).pow(1.0 / norm_type)
+
+
+def slice_gradient_guard(model: nn.Module, mesh: str) -> StageGradientGuard:
+    """A guard that notes ``model``'s slice gradients once each backward is over, DDP's all-reduce included, and refuses
+    an optimizer step after torch's own ``clip_grad_norm_`` (or any in-place rescale) changed them: torch measures the
+    slices this process holds, not the whole model, and each process would scale by a factor of its own."""
+    from torch.autograd import Variable
+
+    guard = StageGradientGuard(
+        mesh, lambda changed: changed,  # every process runs the same step: each refuses it alike
+        situation="under MirroredStrategy with a tensor-parallel mesh each process holds its slices of the split "
+                  "layers as plain tensors, so a norm taken there is this process's, not the model's, and every "
+                  "process would scale its gradients by a factor of its own", after="the backward",
+        aside="torch's own clip sees the whole gradient under --strategy sharded with the same mesh (its "
+              "gradients are DTensors) and without a tp mesh.")
+    params = [p for p in model.parameters() if p.requires_grad]
+    queued = {"now": False}
+
+    def note_after_ddp() -> None:  # queued from the first callback: it runs after DDP's own, which finalises the sums
+        queued["now"] = False
+        guard.note(params)
+
+    def at_end_of_backward() -> None:
+        Variable._execution_engine.queue_callback(note_after_ddp)
+
+    def on_grad(_param: torch.Tensor) -> None:
+        if not queued["now"]:
+            queued["now"] = True
+            Variable._execution_engine.queue_callback(at_end_of_backward)
+
+    for param in params:
+        param.register_post_accumulate_grad_hook(on_grad)
+    return guard
