@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,18 @@ from towers.models import SeedCNN
 
 GLOBAL_BATCH = 48
 MICRO_BATCH = 4
+
+
+def _outcome(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any, losses: list[float]) -> dict:
+    """What a run ends with, to compare bit for bit: parameters, optimizer state, logged losses; the strategy shut."""
+    raw = getattr(optimizer, "optimizer", optimizer)
+    result = {"params": {k: v.detach().clone() for k, v in strategy.unwrap(model).state_dict().items()},
+              "optimizer": {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+                            for i, s in enumerate(raw.state.values())},
+              "losses": losses, "replicas": strategy.num_replicas_in_sync}
+    if hasattr(strategy, "shutdown"):
+        strategy.shutdown()
+    return result
 
 
 def _strategy(bitwise: bool) -> towers.Strategy:
@@ -55,14 +68,7 @@ def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy:
             losses.append(strategy.reduce("sum", strategy.run(step, args=(x, y))).item())
             if len(losses) == updates:
                 break
-    raw = getattr(optimizer, "optimizer", optimizer)
-    result = {"params": {k: v.detach().clone() for k, v in strategy.unwrap(model).state_dict().items()},
-              "optimizer": {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
-                            for i, s in enumerate(raw.state.values())},
-              "losses": losses, "replicas": strategy.num_replicas_in_sync}
-    if hasattr(strategy, "shutdown"):
-        strategy.shutdown()
-    return result
+    return _outcome(strategy, model, optimizer, losses)
 
 
 def train_gpt(updates: int) -> dict:
@@ -96,11 +102,23 @@ def train_gpt(updates: int) -> dict:
             losses.append(strategy.reduce("sum", strategy.run(step, args=tuple(batch))).item())
             if len(losses) == updates:
                 break
-    raw = getattr(optimizer, "optimizer", optimizer)
-    result = {"params": {k: v.detach().clone() for k, v in strategy.unwrap(model).state_dict().items()},
-              "optimizer": {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
-                            for i, s in enumerate(raw.state.values())},
-              "losses": losses, "replicas": strategy.num_replicas_in_sync}
+    return _outcome(strategy, model, optimizer, losses)
+
+
+def fit(epochs: int) -> dict:
+    """``Trainer.fit`` on the seed CNN (Adam, a global-norm clip, accuracy): its parameters and logged history."""
+    strategy = _strategy(True)
+    torch.manual_seed(1234 + strategy.replica_id)
+    train_set, _ = load_digits()
+    subset = torch.utils.data.Subset(train_set, range(480))
+    with strategy.scope():
+        model = SeedCNN()
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    trainer = towers.Trainer(model, optimizer, loss=F.cross_entropy, strategy=strategy, clip_grad_norm=1.0,
+                             metrics=["accuracy"])
+    history = trainer.fit(subset, epochs=epochs, global_batch_size=GLOBAL_BATCH)
+    result = {"params": {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()},
+              "loss": history["loss"], "accuracy": history["accuracy"], "replicas": strategy.num_replicas_in_sync}
     if hasattr(strategy, "shutdown"):
         strategy.shutdown()
     return result

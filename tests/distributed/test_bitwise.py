@@ -20,7 +20,7 @@ import towers
 from cli_support import clean_env, run, towers_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bitwise_job import train, train_gpt  # noqa: E402
+from bitwise_job import fit, train, train_gpt  # noqa: E402
 
 pytestmark = pytest.mark.timeout(420)
 JOB = Path(__file__).resolve().parents[1] / "bitwise_job.py"
@@ -56,6 +56,14 @@ def test_a_gpt_with_adamw_and_a_token_mask_has_the_same_bits_at_three_replicas()
     assert all(_differences(r, reference) == [] for r in results)
 
 
+def test_trainer_fit_has_the_same_bits_and_the_same_history_at_three_replicas():
+    reference = towers.spawn(fit, 1, args=(2,), timeout_s=120, threads_per_process=1)[0]
+    results = towers.spawn(fit, 3, args=(2,), timeout_s=180, threads_per_process=1)
+    for result in results:
+        assert [k for k, v in reference["params"].items() if not torch.equal(result["params"][k], v)] == []
+        assert (result["loss"], result["accuracy"]) == (reference["loss"], reference["accuracy"])
+
+
 def test_torchs_own_clip_keeps_the_same_bits_and_plain_mirrored_does_not():
     reference = towers.spawn(train, 1, args=(10,), kwargs={"clip": "torch"}, timeout_s=120, threads_per_process=1)[0]
     bitwise = towers.spawn(train, 3, args=(10,), kwargs={"clip": "torch"}, timeout_s=120, threads_per_process=1)
@@ -75,3 +83,17 @@ def test_towers_launch_bitwise_on_the_unchanged_script(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = torch.load(os.path.join(tmp_path, "result.pt"), weights_only=True)
     assert result["replicas"] == 2 and _differences(result, reference) == []
+
+
+def test_towers_verify_bitwise_finds_the_same_bits_where_the_default_comparison_finds_rounding(tmp_path):
+    argv = [*towers_command(), "verify", "--replicas", "2,3", "--steps", "4", "--bitwise", "4", str(JOB), "--",
+            str(tmp_path), "6"]
+    done = run(argv, cwd=tmp_path, deadline_s=240, marker=str(JOB), env=clean_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("mirrored")]
+    assert [(r[1], r[-1]) for r in rows] == [("2", "same"), ("3", "same")] and all(r[-2] == "0.0e+00" for r in rows)
+    assert "compared with torch.equal" in done.stdout
+    rounding = run([*towers_command(), "verify", "--replicas", "3", "--steps", "4", "--strategies", "mirrored", str(JOB),
+                    "--", str(tmp_path), "6"], cwd=tmp_path, deadline_s=240, marker=str(JOB), env=clean_env())
+    (row,) = [line.split() for line in rounding.stdout.splitlines() if line.startswith("mirrored")]
+    assert row[-1] == "same" and float(row[-2]) > 0  # without --bitwise: within the tolerance, not the same bits

@@ -127,5 +127,36 @@ def test_two_backwards_in_a_micro_batch_and_a_tuple_result_are_refused():
             return logits.sum(), logits
         return step
 
-    with pytest.raises(ValueError, match=r"returns its loss \(a scalar tensor\) or nothing. Received: a tuple"):
+    with pytest.raises(ValueError, match=r"a tuple of those, or nothing. Received: a tuple"):
         _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2), step_fn=pair)
+
+
+@pytest.mark.parametrize("name", ["FullyShardedStrategy", "ParameterServerStrategy", "HybridStrategy",
+                                  "FaultTolerantStrategy"])
+def test_a_strategy_that_does_not_build_it_yet_refuses_bitwise_by_name(name):
+    with pytest.raises(ValueError, match=rf"{name} does not train bit for bit yet. Received: bitwise=True. Use "
+                                         r"OneDeviceStrategy, MirroredStrategy"):
+        getattr(towers, name)(bitwise=True)
+
+
+def test_the_strategy_option_reaches_the_strategies_that_take_it():
+    from towers.strategies.registry import check_strategy_options
+
+    check_strategy_options("mirrored", {"bitwise": "true", "micro_batch_size": 4})
+    with pytest.raises(ValueError, match=r"takes micro_batch_size as an integer"):
+        check_strategy_options("mirrored", {"bitwise": "true", "micro_batch_size": "four"})
+
+
+def test_towers_verify_bitwise_refuses_what_it_cannot_compare(tmp_path):
+    from towers.verify import VerifySpec
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    with pytest.raises(ValueError, match=r"--bitwise compares the strategies that train bit for bit. Received: "
+                                         r"--strategies sharded"):
+        VerifySpec(script=str(script), strategies=("sharded",), bitwise=4)
+    with pytest.raises(ValueError, match=r"a plain script has no towers strategy"):
+        VerifySpec(script=str(script), plain=True, bitwise=4)
+    with pytest.raises(ValueError, match=r"--bitwise takes the micro-batch size .* Received: 0"):
+        VerifySpec(script=str(script), strategies=("mirrored",), bitwise=0)
+    assert VerifySpec(script=str(script), strategies=("mirrored",), bitwise=4).bitwise == 4

@@ -9,13 +9,17 @@ __all__ = ["add_verify_parser", "run_verify"]
 
 
 def _verify_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategies", default="mirrored,sharded", help="comma-separated strategies (default: mirrored,sharded)")
+    p.add_argument("--strategies", default=None,
+                   help="comma-separated strategies (default: mirrored,sharded; with --bitwise: mirrored)")
     p.add_argument("--replicas", default="2", help="comma-separated replica counts, each >= 2 (default: 2)")
     p.add_argument("--steps", type=int, default=5, help="updates to compare (default: 5)")
     p.add_argument("--plain", action="store_true",
                    help="a script without towers (torch DDP reading RANK/WORLD_SIZE): run with torchrun's variables; "
                         "{world_size} or {64 // world_size} in its arguments is filled per run")
     p.add_argument("--keep-dropout", action="store_true", help="leave dropout on (runs then differ by design)")
+    p.add_argument("--bitwise", type=int, default=None, metavar="MICRO_BATCH",
+                   help="run everything under bitwise=True with micro_batch_size=MICRO_BATCH and compare with "
+                        "torch.equal: any differing bit is a difference (docs/bitwise.md)")
     p.add_argument("--tolerance", type=float, default=None, help="largest difference relative to a tensor's scale "
                                                                   "counted as rounding (default: 1e-3)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds all runs may take together (default: 300)")
@@ -56,9 +60,10 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"towers verify: error: --replicas takes comma-separated whole numbers. Received: {args.replicas!r}. "
               "Use e.g. --replicas 2,3.", file=sys.stderr)
         return 2
+    strategies = args.strategies or ("mirrored" if args.bitwise is not None else "mirrored,sharded")
     try:
         spec = VerifySpec(script=args.script, args=tuple(rest), steps=args.steps, plain=args.plain,
-                          strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+                          strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()), bitwise=args.bitwise,
                           replicas=replicas,
                           keep_dropout=args.keep_dropout, timeout_s=args.timeout, workdir=args.keep,
                           tolerance=DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance)

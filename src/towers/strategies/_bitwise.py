@@ -79,7 +79,8 @@ class BitwiseSteps:
         self._num_leaves = 0
         self._last = False
         self._queued = False
-        self._losses: list[tuple[int, torch.Tensor]] = []
+        self._losses: list[tuple[int, torch.Tensor]] = []  # the micro-batches' scalar losses, by global leaf
+        self._results: list[Any] = []  # what the step returned for each micro-batch
         self.last_result: torch.Tensor | None = None  # what run returned last: its leaves' losses reduce over the tree
 
     # --- set up -----------------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ class BitwiseSteps:
 
     def begin(self, first_leaf: int, num_leaves: int) -> None:
         """An update over ``num_leaves`` global leaves starts; this replica's begin at ``first_leaf``."""
-        self._leaves, self._losses = {}, []
+        self._leaves, self._losses, self._results = {}, [], []
         self._leaf, self._num_leaves, self._last = first_leaf, num_leaves, False
 
     def micro_batch(self, index: int, last: bool) -> None:
@@ -134,28 +135,36 @@ class BitwiseSteps:
         self._leaf, self._last = index, last
 
     def note_result(self, result: Any) -> None:
-        """Keep a micro-batch's loss (a scalar tensor) for the step's result and ``reduce``; None is fine."""
-        if result is None:
-            return
-        if not (isinstance(result, torch.Tensor) and result.dim() == 0):
+        """Keep a micro-batch's result for the step's: its loss (a scalar tensor), per-example tensors (batch first,
+        e.g. ``Trainer.fit``'s losses and predictions), a tuple of those, or None."""
+        if not _combinable(result):
             raise user_error("Under bitwise=True the step function strategy.run calls runs once per micro-batch and "
-                             "returns its loss (a scalar tensor) or nothing", f"a {type(result).__name__}",
+                             "returns its loss (a scalar tensor), per-example tensors (batch first), a tuple of those, "
+                             "or nothing", f"a {type(result).__name__}",
                              "Return compute_average_loss(...) from the step (or None), and compute metrics outside.")
-        self._losses.append((self._leaf, result.detach()))
+        self._results.append(result)
+        if isinstance(result, torch.Tensor) and result.dim() == 0:
+            self._losses.append((self._leaf, result.detach()))
 
-    def result(self) -> torch.Tensor | None:
-        """The share's loss: its micro-batches' losses summed over the tree (None when the step returned nothing)."""
-        if not self._losses:
-            self.last_result = None
+    def result(self) -> Any:
+        """The step's result over this replica's micro-batches: a scalar loss summed over the tree (``reduce("sum",
+        ...)`` sums it over the whole tree), per-example tensors concatenated in order, element by element in a tuple."""
+        results, self._results = self._results, []
+        self.last_result = None
+        if not results or all(r is None for r in results):
             return None
-        known = {(0, i): v.reshape(()) for i, v in self._losses}
-        zeros = self._losses[0][1].new_zeros
-        nodes = [tree_sum(known, lv, ix, self._num_leaves, lambda: zeros(())) for lv, ix in self._own_nodes()]
-        total = nodes[0]
-        for node in nodes[1:]:  # the share's own value (what a plain loop returns); reduce uses the tree
-            total = total + node
-        self.last_result = total
-        return total
+        if isinstance(results[0], tuple):
+            return tuple(_joined([r[i] for r in results]) for i in range(len(results[0])))
+        if isinstance(results[0], torch.Tensor) and results[0].dim() == 0:
+            known = {(0, i): v.reshape(()) for i, v in self._losses}
+            zeros = self._losses[0][1].new_zeros
+            nodes = [tree_sum(known, lv, ix, self._num_leaves, lambda: zeros(())) for lv, ix in self._own_nodes()]
+            total = nodes[0]
+            for node in nodes[1:]:  # the share's own value (what a plain loop returns); reduce uses the tree
+                total = total + node
+            self.last_result = total
+            return total
+        return _joined(results)
 
     def reduce_sum(self) -> torch.Tensor:
         """The global batch's loss: every replica's micro-batch losses summed over the tree, the same bits everywhere."""
@@ -223,6 +232,20 @@ class BitwiseSteps:
                 "must call loss.backward() in every micro-batch strategy.run runs, and optimizer.step() in the last.")
 
 
+def _combinable(result: Any) -> bool:
+    if result is None or isinstance(result, torch.Tensor):
+        return True
+    return isinstance(result, tuple) and all(r is None or isinstance(r, torch.Tensor) and r.dim() > 0 for r in result)
+
+
+def _joined(parts: list[Any]) -> Any:
+    """The micro-batches' per-example tensors in order (None where the step returned none)."""
+    tensors = [p for p in parts if p is not None]
+    if not tensors:
+        return None
+    return torch.cat(tensors)
+
+
 def bitwise_steps(bitwise: Any, micro_batch_size: Any, *, strategy: str, precision: str, accumulation: int,
                   refused: str | None = None) -> Callable[..., BitwiseSteps] | None:
     """Check ``bitwise=`` and ``micro_batch_size=`` before any process group; return how to build the ``BitwiseSteps``
@@ -255,3 +278,17 @@ def bitwise_steps(bitwise: Any, micro_batch_size: Any, *, strategy: str, precisi
         return BitwiseSteps(size, rank=rank, num_replicas=num_replicas, gather=gather)
 
     return build
+
+
+def refuse_bitwise(strategy: str, bitwise: Any) -> None:
+    """Refuse ``bitwise=True`` on a strategy that does not build it yet, before any process group.
+
+    Raises:
+        ValueError: naming the strategy and the ones that take it.
+    """
+    from towers.cluster.strategy_options import parse_flag
+
+    if parse_flag("bitwise", bitwise):
+        raise user_error(f"{strategy} does not train bit for bit yet", "bitwise=True",
+                         "Use OneDeviceStrategy, MirroredStrategy or MultiWorkerMirroredStrategy with bitwise=True "
+                         "(--strategy mirrored --bitwise), or leave bitwise off here.")

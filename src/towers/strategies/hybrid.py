@@ -23,6 +23,7 @@ from torch import nn
 from towers._logging import get_logger
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import DEFAULT_TIMEOUT_S
+from towers.strategies._bitwise import refuse_bitwise
 from towers.strategies._comm_hooks import sum_hook
 from towers.strategies._ddp import TowersDDP, check_same_parameters
 from towers.strategies.base import check_max_norm
@@ -93,7 +94,8 @@ class HybridStrategy(ParameterServerStrategy):
 
     def __init__(self, num_ps: int | None = None, mode: str = "sync", staleness: int | None = None, *,
                  info: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
-                 precision: str | int | None = "32"):
+                 precision: str | int | None = "32", bitwise: bool = False):
+        refuse_bitwise(type(self).__name__, bitwise)
         self._workers_group: Any = None
         self._ddp: list[TowersDDP] = []
         super().__init__(num_ps, mode, staleness, info=info, timeout_s=timeout_s, exit_on_ps=exit_on_ps,

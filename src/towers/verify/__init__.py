@@ -42,6 +42,8 @@ class VerifySpec:
     timeout_s: float = 300.0
     #: Where the captures and each process's output are kept; None: a temporary directory, removed at the end.
     workdir: str | None = None
+    #: Every run under ``bitwise=True`` with this ``micro_batch_size``, compared with ``torch.equal`` (``--bitwise M``).
+    bitwise: int | None = None
 
     def __post_init__(self) -> None:
         if not os.path.isfile(self.script):
@@ -67,6 +69,25 @@ class VerifySpec:
                              "Use e.g. --timeout 300 (the default).")
         if not self.tolerance > 0:
             raise user_error("--tolerance must be > 0", repr(self.tolerance), "Use e.g. --tolerance 1e-3.")
+        if self.bitwise is not None:
+            _check_bitwise(self)
+
+
+def _check_bitwise(spec: VerifySpec) -> None:
+    """Refuse what ``--bitwise`` cannot compare: a plain script, a strategy that does not train bit for bit, no size."""
+    m = spec.bitwise
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise user_error("--bitwise takes the micro-batch size every run cuts its global batches into", repr(m),
+                         "Use e.g. --bitwise 4 (a size that divides each global batch into equal shares at every "
+                         "replica count compared).")
+    if spec.plain:
+        raise user_error("--bitwise runs the script under towers' bitwise=True; a plain script has no towers strategy",
+                         "--plain with --bitwise", "Drop --plain, or compare a plain script without --bitwise.")
+    takers = [e.name for e in roles.STRATEGIES if e.multi_process and e.name in ("mirrored", "multi_worker_mirrored")]
+    wrong = [s for s in spec.strategies if s not in takers]
+    if wrong:
+        raise user_error("--bitwise compares the strategies that train bit for bit", f"--strategies {','.join(wrong)}",
+                         f"Use --strategies {takers[0]} (bitwise=True is built for {', '.join(takers)}).")
 
 
 @dataclass(frozen=True)
@@ -183,17 +204,21 @@ def verify(spec: VerifySpec) -> VerifyReport:
             for n in spec.replicas:
                 runs.append(RunSpec(name, None if spec.plain else name, n, os.path.join(root, f"{name}_x{n}"),
                                     format_args(spec.args, n)))
+        options = None if spec.bitwise is None else {"bitwise": "true", "micro_batch_size": spec.bitwise}
         results = run_all([reference, *runs], script=spec.script, steps=spec.steps, plain=spec.plain,
-                          keep_dropout=spec.keep_dropout, timeout_s=spec.timeout_s)
+                          keep_dropout=spec.keep_dropout, timeout_s=spec.timeout_s, strategy_options=options)
         ref_capture = load_capture(os.path.join(reference.directory, "rank0"))
         if results[0].error is not None or ref_capture is None:
             return VerifyReport(spec.script, spec.steps, (), time.monotonic() - started,
                                 reference_error=results[0].error or (
                                     "the script made no update through an optimizer (under towers: the optimizer "
                                     "strategy.prepare returned; with --plain: any torch.optim optimizer)"))
-        rows = tuple(_row(r.spec.label, r, reference.directory, replicas=r.spec.replicas, tolerance=spec.tolerance)
+        tolerance = 0.0 if spec.bitwise is not None else spec.tolerance  # bit for bit: any difference is one
+        rows = tuple(_row(r.spec.label, r, reference.directory, replicas=r.spec.replicas, tolerance=tolerance)
                      for r in results[1:])
-        notes = []
+        notes = [] if spec.bitwise is None else [
+            f"bit for bit (bitwise=True, micro_batch_size={spec.bitwise}): every parameter after every update compared "
+            "with torch.equal; a difference is any bit"]
         if ref_capture.updates < spec.steps:
             notes.append(f"the script made {ref_capture.updates} update(s) as one process, fewer than --steps "
                          f"{spec.steps}: only those were compared")

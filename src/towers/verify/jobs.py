@@ -21,6 +21,8 @@ from typing import Any, Mapping, Sequence
 
 from towers.cluster.detect import VERIFY_DIR_VARIABLE, VERIFY_STEPS_VARIABLE
 from towers.cluster.environ import read_environ
+from towers.cluster.strategy_options import ENV as OPTIONS_ENV
+from towers.cluster.strategy_options import encode_strategy_options
 from towers.errors import InvalidArgumentError, user_error
 from towers.launch.spawn import cpu_threads_per_process, free_port
 
@@ -91,8 +93,10 @@ def format_args(args: Sequence[str], world_size: int) -> tuple[str, ...]:
 
 
 def _child_env(spec: RunSpec, rank: int, *, port: int, steps: int, threads: int, plain: bool,
-               base: Mapping[str, str]) -> dict[str, str]:
+               base: Mapping[str, str], options: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in base.items() if k not in _JOB_VARIABLES}
+    if options is not None:
+        env[OPTIONS_ENV] = options
     env.update({VERIFY_DIR_VARIABLE: spec.directory, VERIFY_STEPS_VARIABLE: str(steps),
                 "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
     if spec.strategy is not None:
@@ -125,9 +129,14 @@ def _kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 
 
 def run_all(specs: Sequence[RunSpec], *, script: str, steps: int, plain: bool, keep_dropout: bool,
-            timeout_s: float) -> list[RunResult]:
-    """Run every spec at once under the runner and return how each ended (in order); no process outlives the call."""
+            timeout_s: float, strategy_options: Mapping[str, Any] | None = None) -> list[RunResult]:
+    """Run every spec at once under the runner and return how each ended (in order); no process outlives the call.
+
+    ``strategy_options``: given to every run's strategy (``TOWERS_STRATEGY_OPTIONS``; the caller's own is never
+    passed on, as no job variable of the caller's is).
+    """
     base = read_environ()
+    options = encode_strategy_options(strategy_options) if strategy_options else None
     threads = cpu_threads_per_process(sum(s.replicas for s in specs))
     runner = [sys.executable, "-m", "towers.verify.runner", *(["--plain"] if plain else []),
               *(["--keep-dropout"] if keep_dropout else [])]
@@ -143,7 +152,8 @@ def run_all(specs: Sequence[RunSpec], *, script: str, steps: int, plain: bool, k
                 with open(log, "wb") as out:
                     procs.append(subprocess.Popen(
                         [*runner, script, *spec.args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                        env=_child_env(spec, rank, port=port, steps=steps, threads=threads, plain=plain, base=base),
+                        env=_child_env(spec, rank, port=port, steps=steps, threads=threads, plain=plain, base=base,
+                                       options=options),
                         start_new_session=True))
             running.append(procs)
         return [_wait(spec, procs, started + timeout_s, started) for spec, procs in zip(specs, running)]

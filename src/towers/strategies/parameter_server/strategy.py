@@ -36,6 +36,7 @@ from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError, user_error
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group
+from towers.strategies._bitwise import refuse_bitwise
 from towers.strategies.base import ReplicaContext, Strategy, note_built
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
@@ -86,7 +87,9 @@ class ParameterServerStrategy(Strategy):
 
     def __init__(self, num_ps: int | None = None, mode: str = "async", staleness: int | None = None, *,
                  info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
-                 precision: str | int | None = "32", overlap: bool = False, shared_memory: bool = True):
+                 precision: str | int | None = "32", overlap: bool = False, shared_memory: bool = True,
+                 bitwise: bool = False):
+        refuse_bitwise(type(self).__name__, bitwise)
         overlap, shared_memory = parse_flag("overlap", overlap), parse_flag("shared_memory", shared_memory)
         check_options(mode, staleness, timeout_s=timeout_s, overlap=overlap, shared_memory=shared_memory)
         self.overlap, self.shared_memory, exit_on_ps = overlap, shared_memory, parse_flag("exit_on_ps", exit_on_ps)
