@@ -36,12 +36,7 @@ def format_table(estimates: Sequence[MemoryEstimate], *, model_name: str = "mode
     head = (f"{model_name}: {first.num_parameters:,} parameters; {first.strategy}, batch {first.batch_size} per "
             f"replica, precision {first.precision}, optimizer {first.optimizer}")
     columns = [f"{e.replicas} replica" + ("s" if e.replicas != 1 else "") for e in estimates]
-    width = max(len(label) for _, label in _ROWS)
-    cells = [[format_bytes(getattr(e, field)) for e in estimates] for field, _ in _ROWS]
-    col = max(max(len(c) for c in columns), *(len(c) for row in cells for c in row))
-    lines = [head, "", "per replica".ljust(width) + "".join(f"  {c:>{col}}" for c in columns)]
-    for (_, label), row in zip(_ROWS, cells):
-        lines.append(label.ljust(width) + "".join(f"  {c:>{col}}" for c in row))
+    lines = [head, "", *_grid("per replica", columns, estimates)]
     notes = []
     if first.strategy == "mirrored":
         notes.append("From 2 replicas on, DDP's all-reduce buckets are the gradients themselves (no extra copy).")
@@ -51,6 +46,17 @@ def format_table(estimates: Sequence[MemoryEstimate], *, model_name: str = "mode
     notes.append("The peak counts tensors: add what your data set keeps in memory and the process itself (Python, "
                  "torch, a CUDA context).")
     return "\n".join(lines + [""] + notes)
+
+
+def _grid(corner: str, columns: list[str], estimates: Sequence[MemoryEstimate]) -> list[str]:
+    """The table's lines: a header of ``columns`` under ``corner``, then one row of bytes per field of ``_ROWS``."""
+    width = max(len(text) for _, text in _ROWS)
+    cells = [[format_bytes(getattr(e, name)) for e in estimates] for name, _ in _ROWS]
+    col = max(max(len(c) for c in columns), *(len(c) for row in cells for c in row))
+    lines = [corner.ljust(width) + "".join(f"  {c:>{col}}" for c in columns)]
+    for (_, text), row in zip(_ROWS, cells):
+        lines.append(text.ljust(width) + "".join(f"  {c:>{col}}" for c in row))
+    return lines
 
 
 def format_layout_table(estimate: LayoutEstimate, *, model_name: str = "model") -> str:
@@ -65,13 +71,7 @@ def format_layout_table(estimate: LayoutEstimate, *, model_name: str = "model") 
         ranks = f"rank {e.ranks[0]}" if len(e.ranks) == 1 else f"ranks {e.ranks[0]}-{e.ranks[-1]}"
         return f"{ranks} (stage {e.stage})" if layout.pp > 1 else ranks
 
-    columns = [label(e) for e in stages]
-    width = max(len(text) for _, text in _ROWS)
-    cells = [[format_bytes(getattr(e, name)) for e in stages] for name, _ in _ROWS]
-    col = max(max(len(c) for c in columns), *(len(c) for row in cells for c in row))
-    lines = [head, "", "per rank".ljust(width) + "".join(f"  {c:>{col}}" for c in columns)]
-    for (_, text), row in zip(_ROWS, cells):
-        lines.append(text.ljust(width) + "".join(f"  {c:>{col}}" for c in row))
+    lines = [head, "", *_grid("per rank", [label(e) for e in stages], stages)]
     notes = []
     if layout.tp > 1:
         notes.append(f"tp={layout.tp}: the layers the model's tensor-parallel plan splits hold 1/{layout.tp} of their "
