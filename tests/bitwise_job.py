@@ -105,6 +105,34 @@ def train_gpt(updates: int) -> dict:
     return _outcome(strategy, model, optimizer, losses)
 
 
+def train_dropout(updates: int) -> dict:
+    """An MLP with dropout on the digits, Adam: its masks are keyed by the micro-batch, not the replica."""
+    strategy = _strategy(True)
+    torch.manual_seed(7 + strategy.replica_id)  # each replica's own stream: the masks must not come from it
+    train_set, _ = load_digits(size=8)
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                    torch.nn.Linear(64, 10))
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model, optimizer = strategy.prepare(model, optimizer)
+    batches = strategy.distribute_dataset(train_set, GLOBAL_BATCH, shuffle=True, seed=5, drop_remainder=True)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    losses: list[float] = []
+    while len(losses) < updates:
+        for x, y in batches:
+            losses.append(strategy.reduce("sum", strategy.run(step, args=(x, y))).item())
+            if len(losses) == updates:
+                break
+    return _outcome(strategy, model, optimizer, losses)
+
+
 def fit(epochs: int) -> dict:
     """``Trainer.fit`` on the seed CNN (Adam, a global-norm clip, accuracy): its parameters and logged history."""
     strategy = _strategy(True)

@@ -20,7 +20,7 @@ import towers
 from cli_support import clean_env, run, towers_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bitwise_job import fit, train, train_gpt  # noqa: E402
+from bitwise_job import fit, train, train_dropout, train_gpt  # noqa: E402
 
 pytestmark = pytest.mark.timeout(420)
 JOB = Path(__file__).resolve().parents[1] / "bitwise_job.py"
@@ -53,6 +53,12 @@ def test_a_gpt_with_adamw_and_a_token_mask_has_the_same_bits_at_three_replicas()
     reference = towers.spawn(train_gpt, 1, args=(8,), timeout_s=120, threads_per_process=1)[0]
     results = towers.spawn(train_gpt, 3, args=(8,), timeout_s=180, threads_per_process=1)
     assert reference["losses"][-1] < reference["losses"][0]
+    assert all(_differences(r, reference) == [] for r in results)
+
+
+def test_dropout_masks_keyed_by_the_micro_batch_give_the_same_bits_at_three_replicas():
+    reference = towers.spawn(train_dropout, 1, args=(12,), timeout_s=120, threads_per_process=1)[0]
+    results = towers.spawn(train_dropout, 3, args=(12,), timeout_s=180, threads_per_process=1)
     assert all(_differences(r, reference) == [] for r in results)
 
 

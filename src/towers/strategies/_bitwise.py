@@ -12,7 +12,9 @@ rounding. Here the order is fixed by the global batch alone:
   each replica computes the largest subtrees that lie within its leaves, every replica receives
   every replica's subtrees (one all-gather), and each computes the nodes above them by the same
   formula: the same bits on every replica, and the same as one process, which walks the same tree;
-- the losses a step logs (``strategy.reduce("sum", strategy.run(...))``) are summed over the same tree.
+- the losses a step logs (``strategy.reduce("sum", strategy.run(...))``) are summed over the same tree;
+- random draws (dropout) are keyed by the micro-batch's place in the job (epoch, global batch, micro-batch),
+  not by the replica that computes it.
 
 The tree's result is written into ``p.grad`` at the end of the last micro-batch's backward, so
 everything after it (towers' or torch's ``clip_grad_norm_``, the optimizer) sees one device's
@@ -23,7 +25,8 @@ same bits, so they stay equal. Deterministic kernels on a GPU are the user's swi
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -31,7 +34,19 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from towers.errors import FailedPreconditionError, user_error
 
-__all__ = ["BitwiseSteps", "dyadic_nodes", "tree_sum"]
+__all__ = ["BitwiseSteps", "dyadic_nodes", "tree_sum", "keyed_random"]
+
+
+@contextlib.contextmanager
+def keyed_random(device: torch.device, key: tuple[int, int, int]) -> Iterator[None]:
+    """Within: torch's random generators seeded from ``key`` (epoch, global batch, global micro-batch), so a dropout
+    mask is the micro-batch's, whichever replica computes it; the caller's random state is restored after."""
+    epoch, batch, leaf = key
+    seed = ((epoch * 1_000_003 + batch) * 1_000_003 + leaf) % (2 ** 63)
+    devices = [device.index if device.index is not None else 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def _levels(num_leaves: int) -> int:

@@ -21,7 +21,7 @@ from towers.errors import FailedPreconditionError, InvalidArgumentError, Invalid
 from towers.parallel.layout import Layout
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import collective
-from towers.strategies._bitwise import BitwiseSteps
+from towers.strategies._bitwise import BitwiseSteps, keyed_random
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
 from towers.strategies._copies import DetachedHook
 from towers.strategies._steps import StepTracker, StrategyOptimizer
@@ -293,7 +293,8 @@ class SyncStrategy(Strategy):
             self._tracker.sync = run.sync and last  # the optimizer steps after the last micro-batch only
             context = ReplicaContext(self, global_batch_size=run.global_batch_size, accumulation_steps=count,
                                      is_update_step=run.sync and last)
-            with self._entered(context):
+            # Random draws (dropout) keyed by the micro-batch's place in the job, not by the replica computing it.
+            with self._entered(context), keyed_random(self._device, (batch.epoch, batch.index, self.replica_id * count + i)):
                 bitwise.note_result(fn(*margs, **mkwargs))
         return bitwise.result()
 
