@@ -13,19 +13,20 @@ The estimate must be within 20% of the measured peak on every rank.
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Iterator
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 import towers
 from towers.cluster.info import ProcessInfo
 from towers.plan import estimate_memory_table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from plan_accuracy import LiveTensorBytes  # noqa: E402  (the measurement the plan benchmark makes, shared)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -64,42 +65,9 @@ def build() -> nn.Module:
     return Net()
 
 
-class _LiveTensorBytes(TorchDispatchMode):
-    """The peak over ops of the summed current sizes of every storage an op returned that is still alive."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._alive: dict[int, weakref.ref[Any]] = {}
-        self.peak = 0
-
-    def _storages(self, t: torch.Tensor) -> Iterator[Any]:
-        if is_traceable_wrapper_subclass(t):  # a DTensor: its local shard holds the memory
-            for name in t.__tensor_flatten__()[0]:
-                inner = getattr(t, name)
-                if isinstance(inner, torch.Tensor):
-                    yield from self._storages(inner)
-        else:
-            yield t.untyped_storage()
-
-    def live(self) -> int:
-        return sum(s.nbytes() for s in (ref() for ref in list(self._alive.values())) if s is not None)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                for storage in self._storages(t):
-                    key = storage._cdata
-                    if key not in self._alive:
-                        self._alive[key] = weakref.ref(storage)
-                        weakref.finalize(storage, self._alive.pop, key, None)
-        self.peak = max(self.peak, self.live())
-        return out
-
-
 def _measure(strategy_name: str, info: ProcessInfo | None) -> int:
     """The user's loop, measured from before the model exists; returns the peak live tensor bytes of the steps."""
-    tracker = _LiveTensorBytes()
+    tracker = LiveTensorBytes()
     with tracker:
         strategy = (towers.MirroredStrategy(info=info) if strategy_name == "mirrored"
                     else towers.FullyShardedStrategy(info=info))
