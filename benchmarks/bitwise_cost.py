@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import towers  # noqa: E402
+from bitwise_job import classifier_step  # noqa: E402
 from towers.datasets import load_digits  # noqa: E402
 from towers.models import SeedCNN  # noqa: E402
 
@@ -40,13 +40,7 @@ def job(bitwise: bool, micro_batch: int, steps: int, warmup: int) -> float:
     net = SeedCNN()
     model, optimizer = strategy.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-3))
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-        loss.backward()
-        optimizer.step()
-        return loss
-
+    step = classifier_step(strategy, model, optimizer)  # the bit-for-bit tests' step
     times: list[float] = []
     batches = strategy.distribute_dataset(train_set, GLOBAL_BATCH, shuffle=True, drop_remainder=True)
     while len(times) < steps + warmup:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,37 @@ from towers.models import SeedCNN
 
 GLOBAL_BATCH = 48
 MICRO_BATCH = 4
+
+
+def classifier_step(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any,
+                    clip: str = "none") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The custom loop's step for a classifier: the global-batch cross entropy, backward, an optional clip
+    (``"towers"``: ``strategy.clip_grad_norm_``; ``"torch"``: torch's own, a habit), the update; returns the loss."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        if clip == "towers":
+            strategy.clip_grad_norm_(model.parameters(), 1.0)
+        elif clip == "torch":  # a habit: torch's own clip on the prepared model's parameters
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def run_updates(strategy: towers.Strategy, step: Callable[..., torch.Tensor], batches: Any, updates: int) -> list[float]:
+    """Run ``step`` through ``strategy.run`` on ``batches`` (epoch after epoch) for ``updates`` updates; return the
+    losses the loop logs (``strategy.reduce("sum", ...)``)."""
+    losses: list[float] = []
+    while len(losses) < updates:
+        for batch in batches:
+            losses.append(strategy.reduce("sum", strategy.run(step, args=tuple(batch))).item())
+            if len(losses) == updates:
+                break
+    return losses
 
 
 def _outcome(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any, losses: list[float]) -> dict:
@@ -51,24 +82,8 @@ def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy:
     model, optimizer = strategy.prepare(model, optimizer)
     batches = strategy.distribute_dataset(train_set, GLOBAL_BATCH, shuffle=True, seed=7, drop_remainder=True)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-        loss.backward()
-        if clip == "towers":
-            strategy.clip_grad_norm_(model.parameters(), 1.0)
-        elif clip == "torch":  # a habit: torch's own clip on the prepared model's parameters
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        return loss
-
-    losses: list[float] = []
-    while len(losses) < updates:
-        for x, y in batches:
-            losses.append(strategy.reduce("sum", strategy.run(step, args=(x, y))).item())
-            if len(losses) == updates:
-                break
-    return _outcome(strategy, model, optimizer, losses)
+    return _outcome(strategy, model, optimizer,
+                    run_updates(strategy, classifier_step(strategy, model, optimizer, clip=clip), batches, updates))
 
 
 def train_gpt(updates: int) -> dict:
@@ -96,13 +111,7 @@ def train_gpt(updates: int) -> dict:
         optimizer.step()
         return loss
 
-    losses: list[float] = []
-    while len(losses) < updates:
-        for batch in batches:
-            losses.append(strategy.reduce("sum", strategy.run(step, args=tuple(batch))).item())
-            if len(losses) == updates:
-                break
-    return _outcome(strategy, model, optimizer, losses)
+    return _outcome(strategy, model, optimizer, run_updates(strategy, step, batches, updates))
 
 
 def train_dropout(updates: int) -> dict:
@@ -117,20 +126,8 @@ def train_dropout(updates: int) -> dict:
     model, optimizer = strategy.prepare(model, optimizer)
     batches = strategy.distribute_dataset(train_set, GLOBAL_BATCH, shuffle=True, seed=5, drop_remainder=True)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    losses: list[float] = []
-    while len(losses) < updates:
-        for x, y in batches:
-            losses.append(strategy.reduce("sum", strategy.run(step, args=(x, y))).item())
-            if len(losses) == updates:
-                break
-    return _outcome(strategy, model, optimizer, losses)
+    return _outcome(strategy, model, optimizer,
+                    run_updates(strategy, classifier_step(strategy, model, optimizer), batches, updates))
 
 
 def fit(epochs: int) -> dict:
