@@ -26,7 +26,7 @@ same bits, so they stay equal. Deterministic kernels on a GPU are the user's swi
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -238,13 +238,6 @@ class BitwiseSteps:
             p.grad = total[offset:offset + n].view_as(p).clone()
             offset += n
         self._leaves = {}
-
-    def check_done(self, params: Iterable[torch.Tensor]) -> None:
-        """Before an update: the tree must have run (every micro-batch called backward once)."""
-        if self._leaves:
-            raise FailedPreconditionError(
-                f"bitwise=True: {len(self._leaves)} micro-batch gradient(s) of this update were never summed: the step "
-                "must call loss.backward() in every micro-batch strategy.run runs, and optimizer.step() in the last.")
 
 
 def _combinable(result: Any) -> bool:

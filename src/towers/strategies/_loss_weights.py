@@ -26,7 +26,8 @@ import torch
 
 from towers.errors import user_error
 
-__all__ = ["UpdateWeights", "note_normalised", "prepared_parameters", "no_optimizer_to_divide", "after_backward"]
+__all__ = ["UpdateWeights", "note_normalised", "prepared_parameters", "no_optimizer_to_divide", "after_backward",
+           "queue_after_backward"]
 
 # Losses towers normalised in this process (compute_average_loss, scale_regularization_loss), inside strategy.run
 # or not: an update with none since the last one backpropagated something else (a per-replica mean).
@@ -146,20 +147,27 @@ def no_optimizer_to_divide(strategy_name: str) -> Exception:
         "that optimizer's step().")
 
 
+def queue_after_backward(finish: Callable[[], None]) -> None:
+    """From inside a backward (a hook): run ``finish`` as it ends, after the callbacks DDP and FSDP queue during it.
+
+    The engine runs its final callbacks in the order they were queued, and runs those queued while it does: a
+    callback that queues ``finish`` once more puts it after every callback queued before it ran (DDP queues
+    its gradient all-reduce's completion when its last bucket is ready, after a hook early in the backward).
+    """
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    engine.queue_callback(lambda: engine.queue_callback(finish))
+
+
 def after_backward(loss: torch.Tensor, finish: Callable[[], None]) -> None:
     """Call ``finish`` as the backward through ``loss`` ends, after the strategy's own backward callbacks.
 
-    A hook on ``loss`` queues a callback at the start of its backward; the callback queues ``finish``
-    once more, so that it runs after the callbacks DDP and FSDP queue during the same backward (their
-    gradient all-reduce / reduce-scatter): ``p.grad`` is final when backward returns.
+    A hook on ``loss`` runs at the start of its backward and queues ``finish`` with ``queue_after_backward``:
+    it runs after the callbacks DDP and FSDP queue during the same backward (their gradient all-reduce /
+    reduce-scatter), so ``p.grad`` is final when backward returns.
     """
-    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
-
-    def after_the_strategys_callbacks() -> None:
-        engine.queue_callback(finish)
 
     def at_backward_start(grad: torch.Tensor) -> torch.Tensor:
-        engine.queue_callback(after_the_strategys_callbacks)
+        queue_after_backward(finish)
         return grad
 
     loss.register_hook(at_backward_start)

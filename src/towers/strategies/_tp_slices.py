@@ -27,6 +27,7 @@ from torch import nn
 from towers.errors import user_error
 from towers.parallel.stage_gradients import StageGradientGuard
 from towers.process_group import collective
+from towers.strategies._loss_weights import queue_after_backward
 
 __all__ = ["SliceSpec", "TensorParallelSlices", "grad_norm", "slice_gradient_guard"]
 
@@ -190,8 +191,6 @@ def slice_gradient_guard(model: nn.Module, mesh: str) -> StageGradientGuard:
     """A guard that notes ``model``'s slice gradients once each backward is over, DDP's all-reduce included, and refuses
     an optimizer step after torch's own ``clip_grad_norm_`` (or any in-place rescale) changed them: torch measures the
     slices this process holds, not the whole model, and each process would scale by a factor of its own."""
-    from torch.autograd import Variable
-
     guard = StageGradientGuard(
         mesh, lambda changed: changed,  # every process runs the same step: each refuses it alike
         situation="under MirroredStrategy with a tensor-parallel mesh each process holds its slices of the split "
@@ -202,17 +201,14 @@ def slice_gradient_guard(model: nn.Module, mesh: str) -> StageGradientGuard:
     params = [p for p in model.parameters() if p.requires_grad]
     queued = {"now": False}
 
-    def note_after_ddp() -> None:  # queued from the first callback: it runs after DDP's own, which finalises the sums
+    def note_after_ddp() -> None:  # after DDP's own callback, which finalises the sums
         queued["now"] = False
         guard.note(params)
-
-    def at_end_of_backward() -> None:
-        Variable._execution_engine.queue_callback(note_after_ddp)
 
     def on_grad(_param: torch.Tensor) -> None:
         if not queued["now"]:
             queued["now"] = True
-            Variable._execution_engine.queue_callback(at_end_of_backward)
+            queue_after_backward(note_after_ddp)
 
     for param in params:
         param.register_post_accumulate_grad_hook(on_grad)

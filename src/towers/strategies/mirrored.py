@@ -32,7 +32,7 @@ from towers.parallel.stage_gradients import StageGradientGuard
 from towers.parallel.tensor_parallel import TPPlan
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
 from towers.strategies._bitwise import bitwise_steps
-from towers.strategies._collectives import LocalComm, ProcessGroupComm
+from towers.strategies._collectives import LocalComm, ProcessGroupComm, replica_comm
 from towers.strategies._comm_hooks import check_compression, register_sum_hook
 from towers.strategies._copies import refuse_copies
 from towers.strategies._ddp import TowersDDP, check_same_parameters, unused_parameters_error
@@ -142,9 +142,8 @@ class MirroredStrategy(SyncStrategy):
                 comm = ProcessGroupComm(rank=info.rank, num_replicas=info.world_size, backend=backend,
                                         timeout_s=timeout_s)
             else:  # the replicas' group: each process with the others holding the same slices
-                self._layout_mesh = mesh_ = self.layout.build(device.type)
-                comm = ProcessGroupComm(rank=mesh_.replica_id, num_replicas=self.layout.dp, backend=backend,
-                                        timeout_s=timeout_s, group=mesh_.dp.get_group(), groups=self.layout.dp_groups())
+                self._layout_mesh = self.layout.build(device.type)
+                comm = replica_comm(self._layout_mesh, info.rank, info.world_size, backend=backend, timeout_s=timeout_s)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         super().__init__(info=info, device=device, comm=comm, precision=precision,
