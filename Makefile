@@ -4,6 +4,9 @@
 # a system Python that refuses global installs (Debian/Ubuntu: "externally-managed-environment").
 # Nothing is installed outside .venv; delete the folder to start over.
 # `make docs` builds the documentation site (mkdocs.yml, docs/) into site/ with `mkdocs build --strict`.
+# `make chromium` (run first by `make test`) installs Debian's chromium where it is missing, as root with apt-get: the
+# tests render the built site in headless Chromium (tests/unit/test_docs_site.py). Not root, or no apt-get: it says so
+# and installs nothing, and those tests skip with the reason.
 # `make gpu-check` runs the GPU tier on the machine it starts on and writes its report (docs/gpu.md).
 # `make gpu-bench` measures one GPU within 8 minutes (a ~1B GPT's MFU through raw torch, towers' loop and the
 # Trainer; the Trainer against a raw loop on the seed CNN; memory policies) and writes gpu-bench.json and
@@ -22,6 +25,9 @@
 #   PYTEST_ARGS  arguments for pytest       (e.g. PYTEST_ARGS="tests/unit -x")
 #   LINT         anything but 0 (default 1): `make test` first checks src/ with ruff and mypy (configured in
 #                pyproject.toml); LINT=0 skips them
+#   CHROMIUM     anything but 0 (default 1): `make test` first installs Debian's chromium where it is missing
+#                (`make chromium`: as root, with apt-get); CHROMIUM=0 installs nothing (the browser tests then use
+#                a chromium already there, or fail naming `make chromium` where root could have installed one)
 #   GPU_PY       interpreter for `make gpu-check` (the GPU tier and its report, docs/gpu.md). Default: .venv's, made
 #                as `make install` does where it is missing (CPU-only torch on a host without an NVIDIA driver);
 #                without .venv, a $(PYTHON) whose torch sees a GPU is used as it is (nothing installed)
@@ -39,6 +45,7 @@ EXTRAS ?= test,docs
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 LINT ?= 1
+CHROMIUM ?= 1
 GPU_PY ?=
 GPU_OUT ?= towers-out/gpu-check
 GPU_ARGS ?=
@@ -54,7 +61,7 @@ SETTINGS := $(TORCH) $(TORCH_INDEX) $(EXTRAS)
 NVIDIA := $(wildcard /proc/driver/nvidia/version /dev/nvidiactl)
 GPU_TORCH_INDEX := $(or $(strip $(TORCH_INDEX)),$(if $(NVIDIA),,https://download.pytorch.org/whl/cpu))
 
-.PHONY: install demo test docs bench gpu-check gpu-bench clean-venv
+.PHONY: install chromium demo test docs bench gpu-check gpu-bench clean-venv
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -67,10 +74,20 @@ $(STAMP): $(VPY) pyproject.toml
 install: $(STAMP)
 	@if [ "$$(cat $(STAMP))" != "$(strip $(SETTINGS))" ]; then rm -f $(STAMP) && $(MAKE) --no-print-directory $(STAMP); fi
 
+# Debian's chromium for the tests that look at the built docs site; `apt-get update` only if the first try fails.
+chromium:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's chromium (the docs site tests render pages in it)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq --no-install-recommends chromium >/dev/null \
+		|| { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; \
+	else echo "chromium is missing and cannot be installed here (needs root and apt-get): the docs site browser tests skip"; fi
+
 demo: install
 	$(VENV)/bin/towers demo $(DEMO_ARGS)
 
-test: install
+test: install $(if $(filter-out 0,$(strip $(CHROMIUM))),chromium,)
 ifneq ($(strip $(LINT)),0)
 	$(VPY) -m ruff check src
 	$(VPY) -m mypy
