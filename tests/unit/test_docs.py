@@ -95,3 +95,15 @@ def test_the_site_home_page_is_the_readme():
     home = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
     assert home == site_home((ROOT / "README.md").read_text(encoding="utf-8")), (
         "docs/index.md must be README.md with its links relative to docs/ (regenerate it: tests/unit/test_docs.py site_home)")
+
+
+def test_the_readme_prose_wraps_within_100_columns():
+    """The README is read in terminals and diff views as well as on the site: its prose (not its code blocks and
+    table rows, which Markdown cannot wrap) stays within 100 columns."""
+    long, in_code = [], False
+    for number, line in enumerate((ROOT / "README.md").read_text(encoding="utf-8").splitlines(), start=1):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and not line.startswith("|") and len(line) > 100:
+            long.append(f"README.md:{number} ({len(line)} columns)")
+    assert not long, f"wrap these README lines at 100 columns: {long}"
