@@ -77,14 +77,28 @@ _TOWERS_CLASS: dict[type[Exception], type[TowersError]] = {
 def user_error(what: str, received: Any, fix: str, *, cls: type[Exception] = ValueError) -> Exception:
     """Return ``cls("<what>. Received: <received>. <fix>")``; a long value is cut to 300 characters.
 
-    ``received`` is shown with ``repr`` unless it is already a string describing it (pass ``str``
-    values through ``repr`` yourself when the quotes matter).
+    Args:
+        what: what was expected, e.g. ``"global_batch_size must be positive"``.
+        received: the value received, shown with ``repr`` unless it is already a string describing it
+            (pass ``str`` values through ``repr`` yourself when the quotes matter).
+        fix: how to fix it, one sentence.
+        cls: the class. A builtin towers has its own class for (``ValueError``, ``TypeError``,
+            ``RuntimeError``, ``NotImplementedError``, ``FileNotFoundError``, ``TimeoutError``) gives that
+            ``TowersError`` subclass (``ValueError`` -> ``InvalidArgumentError``, still a ``ValueError``); a
+            ``TowersError`` subclass is used as it is; any other class (``OSError``, ``ImportError``, ...)
+            is used as it is too, and is then not a ``TowersError``.
 
-    ``cls`` picks the class: a builtin towers has its own class for (``ValueError``, ``TypeError``,
-    ``RuntimeError``, ``NotImplementedError``, ``FileNotFoundError``, ``TimeoutError``) gives that
-    ``TowersError`` subclass (``ValueError`` -> ``InvalidArgumentError``, still a ``ValueError``); a
-    ``TowersError`` subclass is used as it is; any other class (``OSError``, ``ImportError``, ...) is
-    used as it is too, and is then not a ``TowersError``.
+    Returns:
+        The exception, for the caller to raise.
+
+    Example:
+        ```python
+        from towers.errors import InvalidArgumentError, user_error
+
+        error = user_error("steps must be positive", -3, "Pass steps >= 1.")
+        assert isinstance(error, InvalidArgumentError) and isinstance(error, ValueError)
+        assert str(error) == "steps must be positive. Received: -3. Pass steps >= 1."
+        ```
     """
     shown = received if isinstance(received, str) else repr(received)
     if len(shown) > _MAX_SHOWN:

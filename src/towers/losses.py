@@ -24,21 +24,29 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
                          weights: torch.Tensor | None = None) -> torch.Tensor:
     """Return ``sum(per_example_loss * sample_weight) / global_batch_size`` for this replica.
 
-    ``global_batch_size`` defaults to what the batch given to ``strategy.run`` carries: the
-    number of examples (over all replicas) in this optimizer update, i.e. the global batch of
-    ``distribute_dataset`` (the sum of an update's micro-batches under gradient accumulation).
-    Padding examples (``pad_empty_batches``) weigh zero. With one replica and no accumulation the
-    local batch is the global batch, so any batch works there.
+    Summed over the replicas (as their gradients are), this is the mean loss of the global batch: one
+    device's maths at any replica count. Padding examples (``pad_empty_batches``) weigh zero. With one
+    replica and no accumulation the local batch is the global batch, so any batch works there.
 
-    ``weights`` (a tensor shaped like the loss, e.g. ``(labels != -100).float()`` for a token-level
-    loss ``[batch, tokens]``) normalises by the WEIGHTS instead: the gradient is exactly that of
-    ``sum(loss * weights) / W`` where ``W`` is the sum of the weights over every replica and every
-    accumulated micro-batch of the update (one device's token mean, whatever the padding and the
-    split). ``W`` is known only at the update step, so there the strategy divides the gradient by it
-    (one small all-reduce, before clipping and the optimizer step); the value returned is this
-    share's weighted mean divided by the shares of the update (replicas x micro-batches), so summed
-    over them it is the mean of the shares' means. Every loss term of such an update must then use
-    ``weights``.
+    Args:
+        per_example_loss: the loss of each example of this replica's batch (``reduction="none"``), at
+            least one dimension.
+        global_batch_size: the number of examples (over all replicas) in this optimizer update. Default:
+            what the batch given to ``strategy.run`` carries, i.e. the global batch of
+            ``distribute_dataset`` (the sum of an update's micro-batches under gradient accumulation).
+        sample_weight: a weight per example (or one for all), applied before the sum.
+        weights: a tensor shaped like the loss (e.g. ``(labels != -100).float()`` for a token-level loss
+            ``[batch, tokens]``) that normalises by the WEIGHTS instead: the gradient is exactly that of
+            ``sum(loss * weights) / W`` where ``W`` is the sum of the weights over every replica and every
+            accumulated micro-batch of the update (one device's token mean, whatever the padding and the
+            split). ``W`` is known only at the update step, so there the strategy divides the gradient by
+            it (one small all-reduce, before clipping and the optimizer step); the value returned is this
+            share's weighted mean divided by the shares of the update (replicas x micro-batches), so summed
+            over them it is the mean of the shares' means. Every loss term of such an update must then use
+            ``weights``.
+
+    Returns:
+        A scalar tensor: this replica's share of the global batch's mean loss.
 
     Raises:
         ValueError: when ``per_example_loss`` is a scalar or ``global_batch_size`` is not positive; when
@@ -46,6 +54,22 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
             outside ``strategy.run``, or inside it on a batch that did not come from ``distribute_dataset``;
             when ``weights`` does not fit the loss, is combined with ``global_batch_size`` or
             ``sample_weight``, or an update mixes weighted and example-normalised losses.
+
+    Example:
+        ```python
+        import torch, torch.nn.functional as F
+        import towers
+
+        strategy = towers.OneDeviceStrategy("cpu")
+        model, _ = strategy.prepare(torch.nn.Linear(4, 3))
+        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+        def step(x, y):
+            per_example = F.cross_entropy(model(x), y, reduction="none")
+            return towers.compute_average_loss(per_example, global_batch_size=8)
+
+        loss = strategy.run(step, args=(x, y))  # the mean over the 8 examples
+        ```
     """
     per_example_loss = _replicated_as_plain(per_example_loss)
     if weights is not None:
@@ -197,6 +221,13 @@ def scale_regularization_loss(regularization_loss: torch.Tensor | float) -> torc
     """Return ``regularization_loss`` divided by the replicas (and micro-batches) whose gradients are summed.
 
     Added on every replica, the sum over replicas is the regularization term counted once per update.
+
+    Args:
+        regularization_loss: the term as one device would add it (e.g. ``1e-4 * sum of squared weights``).
+
+    Returns:
+        The term divided by ``num_replicas_in_sync * accumulation_steps`` inside ``strategy.run``; the
+        term unchanged outside it.
     """
     if getattr(regularization_loss, "requires_grad", False):
         note_normalised()

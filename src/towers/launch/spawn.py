@@ -131,12 +131,41 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` local processes and return their results in rank order.
 
-    ``env`` adds variables to every child (e.g. ``{"TOWERS_STRATEGY": "mirrored"}``).
+    Each child gets torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...), so
+    ``towers.strategy_from_env()`` inside ``fn`` builds the strategy of an ``nprocs``-process job.
+
+    Args:
+        fn: the function each process runs; sent to the children by pickling, so defined at a module's top
+            level (or anything ``cloudpickle`` can send, when it is installed).
+        nprocs: how many processes (ranks) to start, at least 1.
+        args: positional arguments for ``fn``, the same on every rank.
+        kwargs: keyword arguments for ``fn``, the same on every rank.
+        timeout_s: the deadline for the whole run, in seconds; past it every child is killed.
+        master_addr: the address of the rendezvous (``MASTER_ADDR``).
+        master_port: its port (``MASTER_PORT``). Default: a free port.
+        env: variables added to every child's environment (e.g. ``{"TOWERS_STRATEGY": "mirrored"}``).
+        threads_per_process: torch's intra-op threads per child (``OMP_NUM_THREADS``). Default: this
+            machine's cores shared among the children.
+
+    Returns:
+        What ``fn`` returned on each rank, in rank order.
 
     Raises:
         ValueError: on a bad ``nprocs`` or ``timeout_s``.
         TypeError: when ``fn`` or its arguments cannot be sent to a child process.
         SpawnError: when a rank fails, dies, or the deadline passes; the message shows every rank.
+
+    Example:
+        <!-- not-run: the children import fn by reference, so it must live in a script or module file -->
+        ```python
+        import towers
+
+        def replica_id() -> int:
+            return towers.strategy_from_env().replica_id
+
+        if __name__ == "__main__":
+            print(towers.spawn(replica_id, 2, env={"TOWERS_STRATEGY": "mirrored"}))  # [0, 1]
+        ```
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise InvalidArgumentError(f"nprocs must be a positive integer. Received: {nprocs!r}.")

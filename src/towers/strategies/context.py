@@ -28,12 +28,30 @@ CURRENT_REPLICA: contextvars.ContextVar["ReplicaContext | None"] = contextvars.C
 
 
 def current_strategy() -> "Strategy | None":
-    """Return the strategy whose ``scope()`` or ``run()`` encloses this code, or None."""
+    """Return the strategy whose ``scope()`` or ``run()`` encloses this code, or None.
+
+    Returns:
+        The strategy, or None outside every ``scope()`` and ``run()``.
+
+    Example:
+        ```python
+        import towers
+
+        strategy = towers.OneDeviceStrategy("cpu")
+        with strategy.scope():
+            assert towers.current_strategy() is strategy
+        assert towers.current_strategy() is None
+        ```
+    """
     return CURRENT_STRATEGY.get()
 
 
 def current_replica_context() -> "ReplicaContext | None":
-    """Return the replica context of the enclosing ``strategy.run``, or None outside one."""
+    """Return the replica context of the enclosing ``strategy.run``, or None outside one.
+
+    Returns:
+        The ``ReplicaContext`` of the step being run, or None outside ``strategy.run``.
+    """
     return CURRENT_REPLICA.get()
 
 
@@ -97,15 +115,20 @@ def accumulated_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_typ
 class ReplicaContext:
     """What code inside ``strategy.run`` knows about its step: replica id, replica count, global batch size.
 
-    ``global_batch_size`` is the number of examples (over all replicas) whose mean gradient the
-    next optimizer update takes: the global batch, or under gradient accumulation the sum of the
-    update's micro-batches. It comes from the batch ``run`` was given (None when that batch did
-    not come from ``distribute_dataset``). ``num_padding_examples`` trailing examples of this
-    replica's batch are padding (weight zero). ``accumulation_steps`` is the number of
-    micro-batches in the current update (1 without accumulation); ``is_update_step`` is True on
-    the last of them. TF's names work too: ``replica_id_in_sync_group``, ``all_reduce``.
-    ``until_next_step`` marks the context a prepared model's forward outside ``run`` began: it lasts until the
-    next step, of this strategy or of another one made later in the process.
+    The strategy builds it for each step; code reads it with ``towers.current_replica_context()``. TF's
+    names work too: ``replica_id_in_sync_group``, ``all_reduce``.
+
+    Args:
+        strategy: the strategy running the step (``replica_id`` and ``num_replicas_in_sync`` come from it).
+        global_batch_size: the number of examples (over all replicas) whose mean gradient the next optimizer
+            update takes: the global batch, or under gradient accumulation the sum of the update's
+            micro-batches. It comes from the batch ``run`` was given (None when that batch did not come from
+            ``distribute_dataset``).
+        num_padding_examples: the trailing examples of this replica's batch that are padding (weight zero).
+        accumulation_steps: the number of micro-batches in the current update (1 without accumulation).
+        is_update_step: True on the last micro-batch of an update.
+        until_next_step: marks the context a prepared model's forward outside ``run`` began: it lasts until
+            the next step, of this strategy or of another one made later in the process.
     """
 
     def __init__(self, strategy: "Strategy", *, global_batch_size: int | None = None,

@@ -75,19 +75,6 @@ def _replica_device(info: ProcessInfo) -> torch.device:
 class FullyShardedStrategy(SyncStrategy):
     """Sharded data parallelism: parameters, gradients and optimizer state split over the replicas (FSDP2).
 
-    Options: ``shard_units`` (which submodules are FSDP units: ``"auto"`` = each repeated block of
-    the model's ``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential``, logged at INFO, else by size
-    with a warning; a module class or tuple of classes; or a parameter count),
-    ``reshard_after_forward`` (free gathered parameters after forward and gather again in backward:
-    less memory, one more all-gather), ``precision`` (``"32"``;
-    ``"bf16"`` / ``"fp16"``: FSDP2's ``MixedPrecisionPolicy``, parameters gathered and computed in
-    that dtype, gradients reduced in float32 into float32 master shards; fp16 also scales the
-    loss in ``strategy.backward``), ``cpu_offload`` (parameter shards, gradients and optimizer
-    state live in host memory; for GPUs), ``shard_group_size`` (HSDP: shard within groups of this
-    many processes, replicate across groups, as ``mesh="dp_replicate=R,dp_shard=S"`` says too; default:
-    the processes per node when the job spans several nodes, else all), ``gradient_accumulation_steps``,
-    ``async_save`` (checkpoints written by a background thread), ``backend`` and ``timeout_s``.
-
     ``mesh`` (``"dp=2,tp=2"``, or ``towers launch --mesh``) adds tensor parallelism: the processes
     form a ``(dp, tp)`` mesh, the ``tp`` processes of one model replica split its layers by
     ``tp_plan`` (``"auto"``: towers' GPT and Hugging Face models with a ``base_model_tp_plan``; or a
@@ -106,6 +93,47 @@ class FullyShardedStrategy(SyncStrategy):
     ``"gpipe"``, ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zero_bubble"``,
     ``"zbv_zero_bubble"``, ``"dualpipe_v"``) in ``strategy.forward_backward``. The processes of one
     pipeline see the same batch; ``num_replicas_in_sync`` is ``dp``. See ``towers.parallel.pipeline``.
+
+    Args:
+        info: this process's place in the job. Default: read from the environment.
+        timeout_s: the deadline of every collective, in seconds.
+        backend: ``"auto"`` (NCCL on GPUs, Gloo on CPUs), ``"nccl"`` or ``"gloo"``.
+        precision: ``"32"``; ``"bf16"`` / ``"fp16"``: FSDP2's ``MixedPrecisionPolicy``, parameters gathered
+            and computed in that dtype, gradients reduced in float32 into float32 master shards; fp16 also
+            scales the loss in ``strategy.backward``.
+        gradient_accumulation_steps: micro-batches per optimizer update.
+        shard_units: which submodules are FSDP units: ``"auto"`` = each repeated block of the model's
+            ``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential``, logged at INFO, else by size with a
+            warning; a module class or tuple of classes; or a parameter count.
+        reshard_after_forward: free gathered parameters after forward and gather again in backward (less
+            memory, one more all-gather).
+        cpu_offload: parameter shards, gradients and optimizer state live in host memory (for GPUs).
+        shard_group_size: HSDP: shard within groups of this many processes, replicate across groups, as
+            ``mesh="dp_replicate=R,dp_shard=S"`` says too. Default: the processes per node when the job
+            spans several nodes, else all.
+        async_save: checkpoints written by a background thread.
+        mesh: a device mesh such as ``"dp=2,tp=2"`` or ``"pp=2,dp=2"``. Default: every process a replica.
+        tp_plan: how a tp mesh splits the model: ``"auto"`` (towers' GPT and Hugging Face models with a
+            ``base_model_tp_plan``), or a dict / callable (see ``towers.parallel.tensor_parallel``).
+        sequence_parallel: also split what the plan leaves whole on the sequence over ``tp``.
+        loss_parallel: keep the vocabulary head's logits split over ``tp`` for the loss.
+        pp_split: module names where pipeline stages 1.. begin. Default: balanced.
+        pp_schedule: the pipeline schedule, one of torch's seven (``"1f1b"``, ``"gpipe"``, ...).
+        pp_microbatches: micro-batches per pipelined step. Default: one per stage.
+        bitwise: refused: this strategy does not train bit for bit yet (the message names the ones that do).
+
+    Raises:
+        ValueError: an option out of range or refused with another (the message names the fix), before the
+            process group is joined.
+
+    Example:
+        <!-- not-run: a job of several processes: towers launch --nproc-per-node 4 --strategy sharded train.py -->
+        ```python
+        import towers
+
+        strategy = towers.FullyShardedStrategy(mesh="dp_replicate=2,dp_shard=2", precision="bf16")
+        model, optimizer = strategy.prepare(build_model(), build_optimizer)  # each block its own FSDP unit
+        ```
     """
 
     name = "sharded"

@@ -60,23 +60,54 @@ def _replica_device(info: ProcessInfo) -> torch.device:
 class MirroredStrategy(SyncStrategy):
     """Synchronous data parallelism: one replica per process, gradients summed by DDP's all-reduce.
 
-    Options: ``precision`` (``"32"``, ``"bf16"``, ``"fp16"``), ``gradient_accumulation_steps``
-    (micro-batches per update; no all-reduce on the others), ``gradient_compression``
-    (``"fp16"``, ``"bf16"``, ``"powersgd"``), ``sync_batchnorm`` (BatchNorm statistics over
-    the global batch, CPU included), ``bucket_cap_mb`` (DDP bucket size; None keeps DDP's own
-    layout, whose small first bucket lets the first all-reduce overlap the rest of backward),
-    ``find_unused_parameters`` (DDP's, for models that leave parameters unused),
-    ``backend`` (``"auto"``: NCCL on GPUs, Gloo on CPUs) and ``timeout_s`` for every collective.
-
     ``mesh`` (``"dp=2,tp=2"``, or ``towers launch --mesh``) adds tensor parallelism: the ``tp`` processes
-    of one model replica split its layers by ``tp_plan`` (``"auto"``: towers' GPT, Hugging Face models
-    with a ``base_model_tp_plan``, ``nn.Sequential`` MLPs; or a dict / callable, see
-    ``towers.parallel.tensor_parallel``) and see the same batch; DDP sums each slice's gradient over
-    ``dp``. ``num_replicas_in_sync`` is then ``dp``. The prepared model's parameters are this process's
-    slices: clip with ``strategy.clip_grad_norm_`` (the whole model's norm; torch's own would measure
-    the slices: the step after it is refused), save with ``strategy.state_dict`` / ``save_checkpoint`` (whole tensors, gathered).
-    Not with a tp mesh: ``pp`` (use ``--strategy sharded``), ``gradient_compression="powersgd"``,
-    ``sync_batchnorm``, ``precision="fp16"`` and ``compile``; each is refused with its reason.
+    of one model replica split its layers by ``tp_plan`` and see the same batch; DDP sums each slice's
+    gradient over ``dp``. ``num_replicas_in_sync`` is then ``dp``. The prepared model's parameters are this
+    process's slices: clip with ``strategy.clip_grad_norm_`` (the whole model's norm; torch's own would
+    measure the slices: the step after it is refused), save with ``strategy.state_dict`` /
+    ``save_checkpoint`` (whole tensors, gathered). Not with a tp mesh: ``pp`` (use ``--strategy sharded``),
+    ``gradient_compression="powersgd"``, ``sync_batchnorm``, ``precision="fp16"`` and ``compile``; each is
+    refused with its reason.
+
+    Args:
+        info: this process's place in the job. Default: read from the environment (``towers launch``,
+            torchrun, SLURM, TF_CONFIG).
+        timeout_s: the deadline of every collective, in seconds.
+        backend: the process group's backend: ``"auto"`` (NCCL on GPUs, Gloo on CPUs), ``"nccl"`` or ``"gloo"``.
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (mixed precision with autocast; fp16 with a loss scaler).
+        gradient_accumulation_steps: micro-batches per optimizer update; no all-reduce on all but the last.
+        gradient_compression: ``"fp16"``, ``"bf16"`` or ``"powersgd"``: the gradients sent compressed.
+        sync_batchnorm: BatchNorm statistics over the global batch (CPU included).
+        bucket_cap_mb: DDP's bucket size in megabytes; None keeps DDP's own layout, whose small first bucket
+            lets the first all-reduce overlap the rest of backward.
+        find_unused_parameters: DDP's, for models that leave parameters unused in a step.
+        powersgd_rank: the rank of PowerSGD's low-rank approximation (``gradient_compression="powersgd"``).
+        powersgd_start_iter: the updates sent uncompressed before PowerSGD starts.
+        mesh: a device mesh such as ``"dp=2,tp=2"`` (tensor parallelism within each replica). Default: every
+            process a replica.
+        tp_plan: how a tp mesh splits the model: ``"auto"`` (towers' GPT, Hugging Face models with a
+            ``base_model_tp_plan``, ``nn.Sequential`` MLPs), or a dict / callable (see
+            ``towers.parallel.tensor_parallel``).
+        bitwise: the same bits at any replica count: gradients summed per micro-batch in a fixed tree
+            (``docs/bitwise.md``); needs ``micro_batch_size``.
+        micro_batch_size: the examples of one micro-batch under ``bitwise=True``.
+
+    Raises:
+        ValueError: an option out of range or refused with another (the message names the fix), before the
+            process group is joined.
+
+    Example:
+        <!-- not-run: a job of several processes: towers launch --nproc-per-node 2 --strategy mirrored train.py -->
+        ```python
+        import torch
+        import towers
+
+        strategy = towers.MirroredStrategy(precision="bf16")  # or towers.strategy_from_env()
+        with strategy.scope():
+            model = torch.nn.Linear(16, 4)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = strategy.prepare(model, optimizer)
+        ```
     """
 
     name = "mirrored"
@@ -121,7 +152,6 @@ class MirroredStrategy(SyncStrategy):
         if spec is not None and spec.pp * spec.tp > 1:
             self._check_tensor_parallel(spec, precision)
         build = bitwise_steps(bitwise, micro_batch_size, strategy=type(self).__name__, precision=precision.name,
-                              accumulation=gradient_accumulation_steps,
                               refused=None if spec is None or spec.tp == 1 else f"mesh {spec.given()}: tp's all-reduces")
         if build is not None and (gradient_compression not in (None, "none") or self._sync_batchnorm):
             raise user_error(f"{type(self).__name__}(bitwise=True) sums gradients over its own tree",
@@ -361,6 +391,26 @@ class MirroredStrategy(SyncStrategy):
             self._owns_group = False
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):
-    """MirroredStrategy across hosts: one replica per device on every worker; the chief is ``info.chief_rank``."""
+    """MirroredStrategy across hosts: one replica per device on every worker; the chief is ``info.chief_rank``.
+
+    Args:
+        info: this process's place in the job. Default: read from the environment.
+        timeout_s: the deadline of every collective, in seconds.
+        backend: ``"auto"`` (NCCL on GPUs, Gloo on CPUs), ``"nccl"`` or ``"gloo"``.
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"``.
+        gradient_accumulation_steps: micro-batches per optimizer update.
+        gradient_compression: ``"fp16"``, ``"bf16"`` or ``"powersgd"``.
+        sync_batchnorm: BatchNorm statistics over the global batch.
+        bucket_cap_mb: DDP's bucket size in megabytes (None: DDP's own).
+        find_unused_parameters: DDP's, for models that leave parameters unused.
+        powersgd_rank: the rank of PowerSGD's approximation.
+        powersgd_start_iter: the updates sent uncompressed before PowerSGD starts.
+        mesh: a device mesh such as ``"dp=4,tp=2"``.
+        tp_plan: how a tp mesh splits the model (``"auto"``, a dict or a callable).
+        bitwise: the same bits at any replica count (needs ``micro_batch_size``).
+        micro_batch_size: the examples of one micro-batch under ``bitwise=True``.
+
+    Each works as under ``MirroredStrategy``.
+    """
 
     name = "multi_worker_mirrored"

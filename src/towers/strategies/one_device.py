@@ -26,9 +26,47 @@ def _default_device() -> str:
 class OneDeviceStrategy(SyncStrategy):
     """Everything on one device: ``distribute_dataset`` yields whole global batches; collectives are identities.
 
-    ``precision`` and ``gradient_accumulation_steps`` work as under ``MirroredStrategy``;
-    ``sync_batchnorm``, ``gradient_compression``, ``bucket_cap_mb`` and ``find_unused_parameters``
-    are accepted and have nothing to do on one device (so one script can pass them to any strategy).
+    The reference every other strategy is measured against: N replicas of ``MirroredStrategy`` give the
+    same updates as this strategy on the global batch.
+
+    Args:
+        device: the device, e.g. ``"cpu"``, ``"cuda:1"`` or ``"/gpu:1"``. Default: the first GPU, else the CPU.
+        info: this process's place in the job. Default: read from the environment.
+        timeout_s: accepted for the signature every strategy shares; nothing here waits on a peer.
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"``, as under ``MirroredStrategy``.
+        gradient_accumulation_steps: micro-batches per optimizer update, as under ``MirroredStrategy``.
+        sync_batchnorm: accepted and has nothing to do on one device (so one script can pass it to any
+            strategy); the same for ``gradient_compression``, ``bucket_cap_mb`` and ``find_unused_parameters``.
+        gradient_compression: accepted; nothing to compress on one device.
+        bucket_cap_mb: accepted; no buckets on one device.
+        find_unused_parameters: accepted; no DDP on one device.
+        bitwise: the same bits as ``bitwise=True`` at any replica count (needs ``micro_batch_size``).
+        micro_batch_size: the examples of one micro-batch under ``bitwise=True``.
+
+    Example:
+        ```python
+        import torch
+        import towers
+
+        strategy = towers.OneDeviceStrategy("cpu")
+        with strategy.scope():
+            model = torch.nn.Linear(16, 4)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = strategy.prepare(model, optimizer)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,)))
+
+        def loss_fn(logits, y):
+            return towers.compute_average_loss(torch.nn.functional.cross_entropy(logits, y, reduction="none"))
+
+        def step(x, y):
+            loss, _ = strategy.forward_backward(model, x, y, loss_fn)
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        for x, y in strategy.distribute_dataset(data, global_batch_size=16):
+            loss = strategy.reduce("sum", strategy.run(step, args=(x, y)))
+        ```
     """
 
     name = "one_device"
@@ -49,8 +87,7 @@ class OneDeviceStrategy(SyncStrategy):
         resolved = resolve_device(_default_device() if device is None else device)
         warn_if_gpus_idle(info.local_world_size, [resolved], local_rank=info.local_rank)
         build = bitwise_steps(bitwise, micro_batch_size, strategy=type(self).__name__,
-                              precision=resolve_precision(precision, resolved).name,
-                              accumulation=gradient_accumulation_steps)
+                              precision=resolve_precision(precision, resolved).name)
         super().__init__(info=info, device=resolved, comm=LocalComm(), precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps,
                          bitwise=None if build is None else build(0, 1, lambda t: t))

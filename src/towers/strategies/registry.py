@@ -44,13 +44,34 @@ def _key(name: str) -> str:
 
 
 def register_strategy(name: str, factory: Callable[..., Strategy], *, aliases: Sequence[str] = ()) -> None:
-    """Make ``factory`` available as ``get_strategy(name)`` (and under each alias), beside the built-in names."""
+    """Make ``factory`` available as ``get_strategy(name)`` (and under each alias), beside the built-in names.
+
+    Args:
+        name: the name ``get_strategy``, ``strategy_from_env`` and ``towers launch --strategy`` accept (case and
+            ``-``/``_`` do not matter). Registering a name again replaces its factory.
+        factory: a callable that returns a new ``Strategy``; it is called with the ``info`` of the process
+            (``strategy_from_env``) and the options the script or the launcher pass.
+        aliases: more names for the same factory.
+
+    Example:
+        ```python
+        import towers
+        from towers.strategies import get_strategy, register_strategy
+
+        register_strategy("my_cpu", lambda **options: towers.OneDeviceStrategy("cpu", **options), aliases=["mine"])
+        assert isinstance(get_strategy("mine"), towers.OneDeviceStrategy)
+        ```
+    """
     for key in (name, *aliases):
         _REGISTRY[_key(key)] = factory
 
 
 def strategy_names() -> list[str]:
-    """Return every strategy name and alias (built-in and registered), sorted."""
+    """Return every strategy name and alias (built-in and registered), sorted.
+
+    Returns:
+        The names ``get_strategy`` accepts, e.g. ``["hybrid", "mirrored", ..., "one_device", ...]``.
+    """
     return sorted({*roles.strategy_names(aliases=True), *_REGISTRY})
 
 
@@ -65,8 +86,23 @@ def _factory(name: str) -> Callable[..., Strategy]:
 def get_strategy(name: str, **kwargs: Any) -> Strategy:
     """Return a new strategy named ``name`` (e.g. ``"mirrored"``), built with ``kwargs``.
 
+    Args:
+        name: a built-in name or alias (``strategy_names()``) or one added by ``register_strategy``.
+        **kwargs: the strategy's own arguments (``info=``, ``timeout_s=``, ...).
+
+    Returns:
+        The strategy, built in this process.
+
     Raises:
         ValueError: when no strategy has that name; the message lists the names.
+
+    Example:
+        ```python
+        from towers.strategies import get_strategy
+
+        strategy = get_strategy("one_device", device="cpu")
+        assert strategy.num_replicas_in_sync == 1 and strategy.is_chief
+        ```
     """
     strategy = _factory(name)(**kwargs)
     note_built(strategy.process_info, name)  # a strategy registered from outside towers, too
@@ -165,14 +201,31 @@ def strategy_from_env(info: ProcessInfo | None = None, **kwargs: Any) -> Strateg
     """Return the strategy ``towers launch --strategy`` (or TF_CONFIG, torchrun, SLURM) asked for.
 
     Without a request: ``one_device`` for a single process, ``mirrored`` on one host,
-    ``multi_worker_mirrored`` across hosts. ``kwargs`` are the script's options: each goes to the
-    strategy when it takes it, and is left out when only other strategies take it (so
-    ``strategy_from_env(mode="sync")`` runs under Mirrored too). Options from outside
-    (``towers launch --strategy-option``) win over them, and the strategy must take each one.
+    ``multi_worker_mirrored`` across hosts. So the same script runs as one process (``python train.py``)
+    and as N replicas (``towers launch --nproc-per-node N --strategy ... train.py``), unchanged.
+
+    Args:
+        info: this process's place in the job. Default: read from the environment
+            (``towers.cluster.from_env()``).
+        **kwargs: the script's options: each goes to the strategy when it takes it, and is left out when
+            only other strategies take it (so ``strategy_from_env(mode="sync")`` runs under Mirrored too).
+            Options from outside (``towers launch --strategy-option``) win over them, and the strategy must
+            take each one.
+
+    Returns:
+        The strategy, built in this process.
 
     Raises:
         ValueError: an option from outside that the strategy does not take (naming those that do).
         TypeError: an option of the script that no strategy takes.
+
+    Example:
+        ```python
+        import towers
+
+        strategy = towers.strategy_from_env()  # OneDeviceStrategy when run as one process
+        print(type(strategy).__name__, strategy.num_replicas_in_sync, strategy.device)
+        ```
     """
     from towers import cluster
 

@@ -39,21 +39,42 @@ log = get_logger(__name__)
 class FaultTolerantStrategy(Strategy):
     """Synchronous data parallelism over replica groups that survives a lost group, on torchft.
 
-    Options: ``lighthouse`` (the lighthouse's address, ``"http://host:port"``; None: torchft's
-    ``TORCHFT_LIGHTHOUSE``), ``peer_timeout_s`` (default 3: how long a collective waits for a peer
-    before the step is given up), ``min_replicas`` (groups needed to commit a step, default 1),
-    ``quorum_timeout_s`` (how long a step waits for a quorum, e.g. for the lighthouse), ``address``
-    (where this group's store and servers are reached; None: ``info.master_addr`` on one host, the
-    address of the interface that reaches the other hosts across hosts), ``shard``/``shard_units``
-    (FSDP2 inside groups of several processes). Which group this process belongs to:
-    ``replica_group_id``, ``group_size``, ``group_rank`` and ``group_port`` (where process 0 of
-    the group serves its store), by default from ``TOWERS_FT_GROUP*`` (``towers launch``), else
-    one process per group whose id is the rank. ``precision="32"``.
-
     The group's store listens on ``address`` only (loopback on one host, where the group's Gloo
     sockets bind loopback too). torchft's manager server, in process 0 of each group, listens on
     every interface (torchft binds ``[::]``); ``manager_address`` (``"http://host:port"``, on every
     process of the group) says where.
+
+    Args:
+        info: this process's place in the job. Default: read from the environment.
+        lighthouse: the lighthouse's address, ``"http://host:port"``. Default: torchft's
+            ``TORCHFT_LIGHTHOUSE`` (as ``towers launch`` sets it).
+        replica_group_id: the group this process belongs to. Default: from ``TOWERS_FT_GROUP*``
+            (``towers launch``), else one process per group whose id is the rank.
+        peer_timeout_s: how long a collective waits for a peer before the step is given up, in seconds.
+        min_replicas: the groups needed to commit a step.
+        quorum_timeout_s: how long a step waits for a quorum (e.g. for the lighthouse), in seconds.
+        address: where this group's store and servers are reached. Default: ``info.master_addr`` on one
+            host, the address of the interface that reaches the other hosts across hosts.
+        group_size: the processes of each replica group (default as for ``replica_group_id``).
+        group_rank: this process's rank within its group (default as for ``replica_group_id``).
+        group_port: where process 0 of the group serves its store (default as for ``replica_group_id``).
+        shard: FSDP2 inside groups of several processes; False: each group's processes replicate the model.
+        shard_units: the FSDP units under ``shard=True``, as ``FullyShardedStrategy``'s.
+        precision: ``"32"`` only (for now).
+        bitwise: refused: this strategy does not train bit for bit yet (the message names the ones that do).
+
+    Raises:
+        ValueError: a timeout or ``min_replicas`` out of range, a precision other than ``"32"``, or
+            ``shard=True`` on a group of one process.
+
+    Example:
+        <!-- not-run: needs a torchft lighthouse and replica groups: towers launch --strategy fault_tolerant -->
+        ```python
+        import towers
+
+        strategy = towers.FaultTolerantStrategy(min_replicas=1, peer_timeout_s=3)
+        model, optimizer = strategy.prepare(model, optimizer)  # a lost group drops out, a new one heals
+        ```
     """
 
     name = "fault_tolerant"
