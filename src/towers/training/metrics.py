@@ -34,7 +34,17 @@ __all__ = [
 
 
 class Metric(ABC):
-    """A metric whose state is a vector of sums; ``local_state`` of one batch, ``accumulate`` of reduced sums."""
+    """A metric whose state is a vector of sums; ``local_state`` of one batch, ``accumulate`` of reduced sums.
+
+    Subclasses set ``num_states`` and implement ``local_state`` (and ``result``): sums are what replicas
+    can add up, so one all-reduce gives the global metric.
+
+    Args:
+        name: the name the metric is logged as. Default: the class's name in snake case.
+
+    Raises:
+        ValueError: an empty name.
+    """
 
     #: length of the state vector
     num_states: int = 2
@@ -132,7 +142,11 @@ class Metric(ABC):
 
 
 class Mean(Metric):
-    """The mean of per-example values, weighted by examples: the Trainer's ``loss``."""
+    """The mean of per-example values, weighted by examples: the Trainer's ``loss``.
+
+    Args:
+        name: the name the mean is logged as. Default: ``"mean"``.
+    """
 
     def local_state(self, y_pred: torch.Tensor, y_true: torch.Tensor | None = None) -> torch.Tensor:
         """Return ``[sum, count]`` of the values in ``y_pred`` (one value per example)."""
@@ -143,7 +157,22 @@ class Mean(Metric):
 
 
 class MeanMetricWrapper(Mean):
-    """The example-weighted mean of ``fn(y_pred, y_true)``, a function returning one value per example."""
+    """The example-weighted mean of ``fn(y_pred, y_true)``, a function returning one value per example.
+
+    Args:
+        fn: ``fn(y_pred, y_true)`` returning one value per example.
+        name: the name it is logged as. Default: ``fn``'s name.
+
+    Example:
+        ```python
+        import torch
+        from towers.metrics import MeanMetricWrapper
+
+        abs_error = MeanMetricWrapper(lambda y_pred, y_true: (y_pred - y_true).abs().flatten(1).mean(1), name="mae")
+        abs_error.update(torch.tensor([[1.0], [2.0]]), torch.tensor([[0.0], [2.0]]))
+        assert abs_error.result() == 0.5
+        ```
+    """
 
     def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: str | None = None):
         super().__init__(name or str(getattr(fn, "__name__", type(fn).__name__)))
@@ -159,7 +188,15 @@ class MeanMetricWrapper(Mean):
 
 
 def accuracy(y_pred: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor:
-    """Return 1.0/0.0 per example: argmax of logits ``[B, C]`` equals the label; same-shape probabilities use 0.5."""
+    """Return 1.0/0.0 per example: argmax of logits ``[B, C]`` equals the label; same-shape probabilities use 0.5.
+
+    Args:
+        y_pred: logits or probabilities ``[B, C]``, or probabilities shaped like ``y_true`` (binary, at 0.5).
+        y_true: the labels: class indices ``[B]``, or 0/1 values shaped like ``y_pred``.
+
+    Returns:
+        A float tensor ``[B]``: 1.0 where the prediction is right.
+    """
     if y_pred.ndim == y_true.ndim + 1:
         return (y_pred.argmax(dim=-1) == y_true).to(torch.float32)
     if y_pred.shape == y_true.shape:
@@ -170,7 +207,16 @@ def accuracy(y_pred: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor:
 
 
 def top_k_accuracy(y_pred: torch.Tensor, y_true: torch.Tensor, k: int = 5) -> torch.Tensor:
-    """Return 1.0/0.0 per example: the label is among the ``k`` largest logits of ``[B, C]``."""
+    """Return 1.0/0.0 per example: the label is among the ``k`` largest logits of ``[B, C]``.
+
+    Args:
+        y_pred: logits ``[B, C]``.
+        y_true: class indices ``[B]``.
+        k: how many of the largest logits count.
+
+    Returns:
+        A float tensor ``[B]``: 1.0 where the label is among the top ``k``.
+    """
     if y_pred.ndim != 2 or y_true.ndim != 1:
         raise InvalidArgumentError(f"top-k accuracy expects logits [B, C] and labels [B]. "
                                    f"Received: y_pred {tuple(y_pred.shape)}, y_true {tuple(y_true.shape)}.")
@@ -179,21 +225,34 @@ def top_k_accuracy(y_pred: torch.Tensor, y_true: torch.Tensor, k: int = 5) -> to
 
 
 class Accuracy(MeanMetricWrapper):
-    """Fraction of examples whose predicted class (argmax) is the label; logged as ``accuracy``."""
+    """Fraction of examples whose predicted class (argmax) is the label; logged as ``accuracy``.
+
+    Args:
+        name: the name it is logged as.
+    """
 
     def __init__(self, name: str = "accuracy"):
         super().__init__(accuracy, name)
 
 
 class SparseCategoricalAccuracy(Accuracy):
-    """Keras' name for ``Accuracy`` on integer labels (the TensorFlow tutorials' ``train_accuracy``)."""
+    """Keras' name for ``Accuracy`` on integer labels (the TensorFlow tutorials' ``train_accuracy``).
+
+    Args:
+        name: the name it is logged as.
+    """
 
     def __init__(self, name: str = "sparse_categorical_accuracy"):
         super().__init__(name)
 
 
 class TopKAccuracy(MeanMetricWrapper):
-    """Fraction of examples whose label is among the top ``k`` logits; logged as ``top{k}_accuracy``."""
+    """Fraction of examples whose label is among the top ``k`` logits; logged as ``top{k}_accuracy``.
+
+    Args:
+        k: how many of the largest logits count.
+        name: the name it is logged as. Default: ``top{k}_accuracy``.
+    """
 
     def __init__(self, k: int = 5, name: str | None = None):
         if not isinstance(k, int) or k < 1:
@@ -205,8 +264,11 @@ class TopKAccuracy(MeanMetricWrapper):
 class ExternalMetric:
     """Adapter for a ``torchmetrics.Metric`` (or any object with ``update``/``compute``/``reset``).
 
-    ``strategy``: the job's strategy; a torchmetrics metric then syncs its states with
-    ``strategy.all_gather_object`` (set by ``build_metrics(..., strategy=)``, or ``bind``).
+    Args:
+        metric: the ``torchmetrics.Metric`` (or the object with ``update``/``compute``/``reset``).
+        name: the name it is logged as. Default: the metric's class name in snake case.
+        strategy: the job's strategy; a torchmetrics metric then syncs its states with
+            ``strategy.all_gather_object`` (set by ``build_metrics(..., strategy=)``, or ``bind``).
     """
 
     def __init__(self, metric: Any, name: str | None = None, *, strategy: Any = None):
@@ -277,9 +339,13 @@ _TOPK = re.compile(r"^top_?(\d+)_acc(uracy)?$")
 def get_metric(spec: Any, *, strategy: Any = None) -> Metric | ExternalMetric:
     """Return a metric for ``spec``: ``"accuracy"``, ``"top5_accuracy"``, a ``Metric``, a torchmetrics metric or a function.
 
-    A function is ``fn(y_pred, y_true)`` returning one value per example.
+    Args:
+        spec: ``"accuracy"``, ``"topK_accuracy"`` (e.g. ``"top5_accuracy"``), a ``Metric``, a torchmetrics metric,
+            or a function ``fn(y_pred, y_true)`` returning one value per example.
+        strategy: torchmetrics metrics sync through it (see ``ExternalMetric``).
 
-    ``strategy``: torchmetrics metrics sync through it (see ``ExternalMetric``).
+    Returns:
+        The metric: ``spec`` itself when it is a ``Metric``, else a new one.
 
     Raises:
         ValueError: on an unknown metric name, listing the accepted ones.
@@ -313,8 +379,16 @@ def get_metric(spec: Any, *, strategy: Any = None) -> Metric | ExternalMetric:
 def build_metrics(specs: Iterable[Any] | Mapping[str, Any] | None, *, strategy: Any = None) -> list[Metric | ExternalMetric]:
     """Return metrics for a list of specs (or a ``{name: spec}`` dict); names must be unique and not ``loss``.
 
-    ``strategy``: the job's strategy, through which torchmetrics metrics sync (pass it: under
-    parameter servers their own sync would hang).
+    Args:
+        specs: what ``get_metric`` takes, in a list, or a ``{name: spec}`` dict that names them; None: none.
+        strategy: the job's strategy, through which torchmetrics metrics sync (pass it: under parameter
+            servers their own sync would hang).
+
+    Returns:
+        The metrics, in order.
+
+    Raises:
+        ValueError: two metrics with one name, or a name that is ``loss`` or starts with ``val_``.
     """
     if specs is None:
         return []

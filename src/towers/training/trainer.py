@@ -42,22 +42,6 @@ log = get_logger(__name__)
 class Trainer:
     """Train, evaluate and predict with ``model`` under ``strategy``, Keras-style.
 
-    ``loss`` is called as ``loss(y_pred, y_true, reduction="none")`` (an ``nn`` loss module is
-    switched to ``reduction="none"``). ``metrics`` are names (``"accuracy"``, ``"top5_accuracy"``),
-    ``towers.metrics.Metric``/torchmetrics objects or per-example functions. ``strategy=None`` means
-    ``towers.strategy_from_env(precision=precision)``. Precision (``"32"``, ``"bf16"``, ``"fp16"``)
-    belongs to the strategy; with a strategy given, ``precision`` must match it (or stay None).
-    ``compile=True`` (or a dict of ``torch.compile`` options) has the strategy compile the model.
-    ``activation_checkpointing`` (``"off"``, ``"block"``, ``"selective"``) has it recompute the model's repeated
-    blocks' activations in backward (``strategy.prepare``): less memory for more compute.
-
-    ``log_every_n_steps``: training metrics are summed on each replica and reduced across replicas
-    at every that-many-th step of each epoch (its first included) and at its last step (one collective,
-    plus one for the stop decision). In between, ``on_train_batch_end`` logs hold the values of the last reduction,
-    and a ``stop_training`` set by a callback takes effect at the next reduction — on every replica
-    at the same step. Epoch logs and the History are exact whatever the value; 1 reduces every step,
-    as does a single replica (nothing to communicate).
-
     Batches as real data has them: ``(x, y)`` tuples, or dicts of tensors passed to the model as
     keyword arguments (``model(**batch)``; the labels are ``batch[label_key]``). Outputs as models
     return them: a tensor, a tuple (nanoGPT's ``(logits, loss)``), a dict or a Hugging Face
@@ -74,15 +58,55 @@ class Trainer:
     refused before the first step, and so is a dict batch without ``label_key`` for a model whose
     forward takes it.
 
-    ``clip_grad_norm``: clip the gradient's global norm to this value before every update
-    (``strategy.clip_grad_norm_``: once per update, on the complete gradient, under accumulation and
-    on every replica count; fp16 gradients unscaled first).
+    Args:
+        model: the model, built on the CPU or under ``strategy.scope()``; the Trainer prepares it.
+        optimizer: its optimizer (None: a Trainer that only evaluates and predicts).
+        loss: called as ``loss(y_pred, y_true, reduction="none")`` (an ``nn`` loss module is switched to
+            ``reduction="none"``); None: the loss the model returns.
+        metrics: names (``"accuracy"``, ``"top5_accuracy"``), ``towers.metrics.Metric`` / torchmetrics
+            objects or per-example functions; a mapping names them.
+        strategy: the strategy. Default: ``towers.strategy_from_env(precision=precision)``.
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"``. Precision belongs to the strategy; with a strategy
+            given, it must match the strategy's (or stay None).
+        seed: the seed of the training data's shuffled order (epoch ``e`` uses ``seed + e``).
+        compile: True (or a dict of ``torch.compile`` options) has the strategy compile the model.
+        activation_checkpointing: ``"off"``, ``"block"`` or ``"selective"``: the strategy recomputes the
+            model's repeated blocks' activations in backward (``strategy.prepare``): less memory for more
+            compute.
+        log_every_n_steps: training metrics are summed on each replica and reduced across replicas at every
+            that-many-th step of each epoch (its first included) and at its last step (one collective, plus
+            one for the stop decision). In between, ``on_train_batch_end`` logs hold the values of the last
+            reduction, and a ``stop_training`` set by a callback takes effect at the next reduction, on
+            every replica at the same step. Epoch logs and the History are exact whatever the value; 1
+            reduces every step, as does a single replica (nothing to communicate).
+        clip_grad_norm: clip the gradient's global norm to this value before every update
+            (``strategy.clip_grad_norm_``: once per update, on the complete gradient, under accumulation and
+            on every replica count; fp16 gradients unscaled first).
+        label_key: the key of the labels in a dict batch.
+        prediction_key: the key (or tuple index) of the predictions in the model's output.
+        ignore_index: the label that does not count (padding) when the model's own loss is normalised.
+        breakdown_every: every that many global steps, each rank's time per step in input, forward,
+            backward, comm_wait (a job that communicates), cpu_wait, optimizer and other is gathered (one
+            small collective), the chief logs it on a line of its own and names a rank whose compute is
+            consistently slower than the others', and the logs of that step and of its epoch get
+            ``time/<phase>`` keys (``towers.callbacks.StepBreakdown``; None: every 100 steps, 0: off).
 
-    ``breakdown_every``: every that many global steps, each rank's time per step in input, forward,
-    backward, comm_wait (a job that communicates), cpu_wait, optimizer and other is gathered (one small
-    collective), the chief logs it on a line of its own and names a rank whose compute is consistently
-    slower than the others', and the logs of that step and of its epoch get ``time/<phase>`` keys
-    (``towers.callbacks.StepBreakdown``; None: every 100 steps, 0: off).
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: an option out of range, or a ``precision`` other than the given strategy's.
+
+    Example:
+        ```python
+        import torch
+        import towers
+
+        data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randint(0, 2, (256,)))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        trainer = towers.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                                 loss=torch.nn.CrossEntropyLoss(), metrics=["accuracy"])
+        history = trainer.fit(data, epochs=2, global_batch_size=64)
+        print(history.history["loss"], trainer.evaluate(data))
+        ```
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss: Any = None, *,
@@ -158,6 +182,20 @@ class Trainer:
             initial_epoch: int = 0, shuffle: bool = True) -> History:
         """Train for ``epochs`` epochs and return the History (the same on every replica).
 
+        Args:
+            train_data: a map-style dataset of ``(x, y)`` items or dicts, a tuple ``(x, y)`` of tensors, a dict
+                of tensors, or a stream (``towers.data``).
+            epochs: the epoch to train up to (with ``initial_epoch``, ``epochs - initial_epoch`` epochs run).
+            global_batch_size: the examples of one update over all replicas.
+            validation_data: evaluated after each epoch; its results are logged as ``val_<name>``.
+            callbacks: ``towers.callbacks`` objects, called on every replica.
+            steps_per_epoch: stop each epoch after this many steps (default: one pass over the data).
+            initial_epoch: the epoch to start at (e.g. when resuming).
+            shuffle: a new order of the training data every epoch, the same on every replica.
+
+        Returns:
+            The ``History``: ``history.history[name]`` holds each epoch's value of every metric.
+
         Raises:
             ValueError: on bad ``epochs``/``global_batch_size``/``steps_per_epoch``/``initial_epoch``.
             RuntimeError: when the Trainer has no optimizer.
@@ -230,7 +268,20 @@ class Trainer:
     # --- evaluate and predict ----------------------------------------------------------------------
     def evaluate(self, data: Any, global_batch_size: int | None = None, *,
                  callbacks: Sequence[Callback] = ()) -> dict[str, float]:
-        """Return ``{"loss": ..., metric: ...}`` over ``data``, reduced across replicas (the same on every replica)."""
+        """Return ``{"loss": ..., metric: ...}`` over ``data``, reduced across replicas (the same on every replica).
+
+        Args:
+            data: a dataset as ``fit`` takes it.
+            global_batch_size: the examples of one step over all replicas. Default: the last ``fit``'s, else
+                32 per replica.
+            callbacks: called with ``on_test_*`` hooks.
+
+        Returns:
+            The loss and each metric over all of ``data``.
+
+        Raises:
+            ValueError: a ``global_batch_size`` that is not a positive integer.
+        """
         gbs = global_batch_size
         if gbs is None:
             gbs = self._last_global_batch_size or 32 * self.strategy.num_replicas_in_sync
@@ -243,6 +294,17 @@ class Trainer:
 
         Every replica computes all of ``x`` with its own copy of the model (no communication), so
         every replica returns the same tensor.
+
+        Args:
+            x: the inputs: a tensor, or a dataset whose items are ``(x, ...)``.
+            batch_size: the examples per forward.
+            callbacks: called with ``on_predict_*`` hooks.
+
+        Returns:
+            The predictions for every example of ``x``, in order, on the CPU.
+
+        Raises:
+            ValueError: a ``batch_size`` that is not a positive integer.
         """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be a positive integer. Received: {batch_size!r}.")

@@ -125,7 +125,15 @@ class Callback:
 
 
 class CallbackList:
-    """Call a hook on every callback, in order."""
+    """Call a hook on every callback, in order.
+
+    Args:
+        callbacks: ``towers.callbacks.Callback`` objects, called in this order.
+        trainer: the Trainer each callback is attached to (``callback.trainer``).
+
+    Raises:
+        TypeError: an item that is not a callback (it lacks the hooks).
+    """
 
     def __init__(self, callbacks: Iterable[Callback] = (), *, trainer: "Trainer | None" = None):
         self.callbacks: list[Callback] = []

@@ -33,9 +33,12 @@ DEFAULT_BREAKDOWN_EVERY = 100
 class StepBreakdown(Callback):
     """Report each rank's step time by phase every ``every`` global steps and name a straggler.
 
-    ``threshold``/``k``/``m``: a rank whose forward+backward compute is more than ``threshold``
-    above the other ranks' median in ``k`` of the last ``m`` reports is named. ``last_report`` holds
-    the latest ``towers.diagnostics.step_breakdown.BreakdownReport``.
+    Args:
+        every: report every that many global steps.
+        threshold: how much slower than the other ranks' median (as a fraction: 0.25 = 25 %) a rank's
+            forward+backward compute must be to count as slow in a report.
+        k: the reports, among the last ``m``, in which a rank must be slow to be named.
+        m: the reports looked back on.
     """
 
     def __init__(self, every: int = DEFAULT_BREAKDOWN_EVERY, *, threshold: float = 0.25, k: int = 3,

@@ -25,11 +25,15 @@ log = get_logger(__name__)
 class ModelCheckpoint(Callback):
     """Save a checkpoint at the end of each epoch to ``filepath.format(epoch=epoch + 1, **logs)``.
 
-    E.g. ``"ckpt/model-{epoch:02d}-{val_loss:.3f}.pt"``. With ``save_best_only`` a file is written
-    only when ``monitor`` improves (``mode``: ``"min"``, ``"max"`` or ``"auto"``); with a fixed
-    ``filepath`` that keeps the best model. ``save_weights_only`` writes the model alone
-    (``kind="weights"``), otherwise the full training state. The chief writes; every replica
-    takes the same decision because the logs are reduced.
+    The chief writes; every replica takes the same decision because the logs are reduced.
+
+    Args:
+        filepath: the file to write, formatted with ``epoch`` (1-based) and the epoch's logs, e.g.
+            ``"ckpt/model-{epoch:02d}-{val_loss:.3f}.pt"``.
+        monitor: the logged value ``save_best_only`` watches.
+        save_best_only: write only when ``monitor`` improves; with a fixed ``filepath`` that keeps the best model.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (``"max"`` for accuracies, else ``"min"``).
+        save_weights_only: write the model alone (``kind="weights"``), otherwise the full training state.
     """
 
     def __init__(self, filepath: str | os.PathLike[str], *, monitor: str = "val_loss", save_best_only: bool = False,
@@ -81,18 +85,37 @@ class ModelCheckpoint(Callback):
 class BackupAndRestore(Callback):
     """Back up the full training state to ``backup_dir``; a restarted ``fit`` resumes from it at the exact step.
 
-    ``save_freq="epoch"`` backs up at the end of each epoch; an integer ``n`` every ``n`` global
-    steps (and the resumed run is then the same as an uninterrupted one: same data order, same
-    RNG streams, same parameters). The backup is one checkpoint, ``backup_dir/backup``, replaced
-    atomically; any strategy and number of replicas resumes from it. ``preemption`` (default True):
-    a SIGTERM or SIGUSR1 to any process (or to ``towers launch``) makes every process back up at the
-    next step they agree on and exit with ``PREEMPTED_EXIT_CODE`` for a restart, so a preemption
-    costs at most one step (``towers.checkpoint.preemption``; ``TOWERS_PREEMPTION_SIGNALS`` names
-    other signals, e.g. ``TERM,USR2``). Like Keras, the backup is deleted when ``fit`` finishes normally (also after an
-    early stop) unless ``delete_checkpoint=False``; it is kept when ``fit`` raises or the process dies.
-    Put it before callbacks whose state should be restored (it restores theirs too).
-    ``backup_dir=None`` uses the job's checkpoint directory (``TOWERS_CHECKPOINT_DIR``, which the
-    manifests of ``towers k8s`` set to their checkpoint volume), so a restarted pod resumes.
+    The backup is one checkpoint, ``backup_dir/backup``, replaced atomically; any strategy and number of
+    replicas resumes from it. Put it before callbacks whose state should be restored (it restores theirs too).
+
+    Args:
+        backup_dir: the folder of the backup. None: the job's checkpoint directory (``TOWERS_CHECKPOINT_DIR``,
+            which the manifests of ``towers k8s`` set to their checkpoint volume), so a restarted pod resumes.
+        save_freq: ``"epoch"`` backs up at the end of each epoch; an integer ``n`` every ``n`` global steps (and
+            the resumed run is then the same as an uninterrupted one: same data order, same RNG streams, same
+            parameters).
+        delete_checkpoint: delete the backup when ``fit`` finishes normally (also after an early stop), as
+            Keras does; it is kept when ``fit`` raises or the process dies.
+        preemption: a SIGTERM or SIGUSR1 to any process (or to ``towers launch``) makes every process back up
+            at the next step they agree on and exit with ``PREEMPTED_EXIT_CODE`` for a restart, so a preemption
+            costs at most one step (``towers.checkpoint.preemption``; ``TOWERS_PREEMPTION_SIGNALS`` names other
+            signals, e.g. ``TERM,USR2``).
+
+    Raises:
+        ValueError: a ``save_freq`` that is neither ``"epoch"`` nor a positive integer, or an empty ``backup_dir``.
+
+    Example:
+        ```python
+        import torch
+        import towers
+        from towers.callbacks import BackupAndRestore
+
+        data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+        model = torch.nn.Linear(4, 1)
+        trainer = towers.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss=torch.nn.MSELoss())
+        # Run it again after a kill: fit resumes at the step the last backup holds.
+        trainer.fit(data, epochs=3, global_batch_size=16, callbacks=[BackupAndRestore("ckpt/backup", save_freq=2)])
+        ```
     """
 
     FILENAME = "backup"

@@ -30,6 +30,9 @@ class ExampleLedger(Callback):
     from a checkpoint rolls back the steps trained after that checkpoint. Under parameter servers ps
     task 0 records the shares whose gradients it applied, and the workers only the positions they go
     on from. A stream's batches are not recorded (their positions are not an order the ledger can map).
+
+    Args:
+        run_dir: the run's folder; the ledger goes to ``<run_dir>/ledger/``.
     """
 
     def __init__(self, run_dir: str | os.PathLike[str]):

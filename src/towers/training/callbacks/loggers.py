@@ -14,7 +14,13 @@ __all__ = ["CSVLogger", "TensorBoard"]
 
 
 class CSVLogger(Callback):
-    """Append one row per epoch (``epoch`` 0-based, then the logs' keys, sorted) to ``filename`` on the chief."""
+    """Append one row per epoch (``epoch`` 0-based, then the logs' keys, sorted) to ``filename`` on the chief.
+
+    Args:
+        filename: the CSV file.
+        separator: the field separator.
+        append: add to an existing file (a resumed run) instead of starting it anew.
+    """
 
     def __init__(self, filename: str | os.PathLike[str], *, separator: str = ",", append: bool = False):
         super().__init__()
@@ -72,6 +78,11 @@ class TensorBoard(Callback):
 
     Training values go under ``train/<name>``, validation under ``validation/<name>``.
     Needs ``pip install 'towers[tensorboard]'``.
+
+    Args:
+        log_dir: the folder TensorBoard reads (``tensorboard --logdir``).
+        update_freq: ``"epoch"`` writes the epoch logs only; an integer ``n`` also every ``n``-th step's batch
+            logs.
 
     Raises:
         ImportError: at construction, on every replica, when tensorboard is not installed.

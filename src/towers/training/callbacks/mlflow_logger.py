@@ -54,10 +54,18 @@ class MLflowLogger(TrackerLogger):
     ``steps``, ``global_batch_size``, ``num_replicas``, ``strategy``) are logged once as the run's params.
 
     The run: ``run_id`` if given, else the run started with ``mlflow.start_run()`` when ``tracking_uri`` is None
-    (both left open), else a new run named ``run_name`` in ``experiment_name`` (MLflow's ``Default`` when None)
-    that ends with ``fit``. ``tracking_uri`` None is MLflow's own (``MLFLOW_TRACKING_URI``). Talks to the store
+    (both left open), else a new run named ``run_name`` in ``experiment_name`` that ends with ``fit``. Talks to the store
     through an ``MlflowClient``, so no global MLflow state is changed. Other replicas do nothing and never import
     mlflow. Needs ``pip install 'towers[mlflow]'`` (the ``mlflow-skinny`` client).
+
+    Args:
+        experiment_name: the experiment of a new run (MLflow's ``Default`` when None).
+        tracking_uri: the tracking store. None: MLflow's own (``MLFLOW_TRACKING_URI``), and a run already
+            started with ``mlflow.start_run()`` is logged into.
+        run_name: the name of a new run.
+        run_id: log into this existing run (left open).
+        tags: tags of a new run.
+        log_every_n_steps: also log every that many steps' batch logs; None: the epochs only.
 
     Raises:
         ImportError: at construction, on every replica, when mlflow is not installed.

@@ -38,9 +38,14 @@ def _format_throughput(examples_per_second: float, logs: Mapping[str, Any], peak
 class ProgressBar(Callback):
     """Show training progress on the chief: the running loss/metrics, examples and tokens per second, and MFU.
 
-    ``mode="bar"`` draws a tqdm bar per epoch; ``"epoch"`` writes one line per epoch (what a log
-    file wants); ``"auto"`` (default) draws bars when ``stream`` is a terminal and lines otherwise;
-    ``"off"`` shows nothing. Writes to ``stream`` (default ``sys.stderr``).
+    Args:
+        mode: ``"bar"`` draws a tqdm bar per epoch; ``"epoch"`` writes one line per epoch (what a log file
+            wants); ``"auto"`` draws bars when ``stream`` is a terminal and lines otherwise; ``"off"`` shows
+            nothing.
+        stream: where to write. Default: ``sys.stderr``.
+
+    Raises:
+        ValueError: an unknown ``mode``.
     """
 
     _PER_BATCH_KEYS = ("size", "examples", "nonfinite_replicas", "global_step")

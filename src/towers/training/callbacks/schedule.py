@@ -35,6 +35,18 @@ class LearningRateScheduler(Callback):
     and ``lambda epoch, lr: lr * 0.9`` both work. The same on every replica, since ``schedule``
     sees the same epoch and learning rate everywhere. The epoch logs carry the rate used as ``lr``.
 
+    Args:
+        schedule: takes the epoch (0-based) and, if it accepts a second argument, the current learning rate,
+            and returns the new learning rate (a finite float >= 0).
+        verbose: log each epoch's learning rate at INFO.
+
+    Example:
+        ```python
+        from towers.callbacks import LearningRateScheduler
+
+        decay = LearningRateScheduler(lambda epoch: 1e-3 * 0.9 ** epoch)
+        ```
+
     Raises:
         TypeError: when ``schedule`` is not callable, or cannot take one or two positional arguments.
     """

@@ -32,6 +32,25 @@ class EarlyStopping(Callback):
     replica takes the same decision in the same epoch. With ``restore_best_weights`` the model
     gets the weights of the best epoch back when it stops (kept in CPU memory; not part of a
     backup, so after a restart it restores the best weights seen since the restart).
+
+    Args:
+        monitor: the epoch log to watch, e.g. ``"val_loss"`` or ``"val_accuracy"``.
+        min_delta: the smallest change that counts as an improvement.
+        patience: the epochs without improvement after which training stops.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (``"max"`` for accuracies, else ``"min"``).
+        baseline: a value the monitored one must beat; until it does, epochs count against ``patience``.
+        restore_best_weights: give the model the weights of the best epoch back when it stops.
+        start_from_epoch: the epochs to wait before watching (a warm-up).
+
+    Raises:
+        ValueError: a ``patience`` that is not an integer >= 0.
+
+    Example:
+        ```python
+        from towers.callbacks import EarlyStopping
+
+        stop = EarlyStopping("val_loss", patience=3, restore_best_weights=True)  # trainer.fit(..., callbacks=[stop])
+        ```
     """
 
     def __init__(self, monitor: str = "val_loss", *, min_delta: float = 0.0, patience: int = 0, mode: str = "auto",
@@ -105,6 +124,9 @@ class TerminateOnNaN(Callback):
     The Trainer reduces a not-finite flag with every step (``logs["nonfinite_replicas"]``), so a
     NaN on one replica stops all of them after the same step. ``raise_error=True`` makes ``fit``
     raise ``FloatingPointError`` on every replica instead of returning.
+
+    Args:
+        raise_error: ``fit`` raises ``FloatingPointError`` on every replica instead of returning.
     """
 
     def __init__(self, *, raise_error: bool = False):

@@ -21,6 +21,15 @@ class WandbLogger(TrackerLogger):
     **init_kwargs)``) and finishes it at its end. ``mode="offline"`` writes the run under ``dir`` for a later
     ``wandb sync``. Other replicas do nothing and never import wandb. Needs ``pip install 'towers[wandb]'``.
 
+    Args:
+        project: the W&B project of a new run.
+        name: the name of a new run.
+        dir: where a new run writes its files (its offline copy under ``mode="offline"``).
+        mode: ``"online"``, ``"offline"`` (for a later ``wandb sync``) or ``"disabled"``.
+        config: more values for the run's config.
+        log_every_n_steps: also log every that many steps' batch logs; None: the epochs only.
+        **init_kwargs: more arguments for ``wandb.init``.
+
     Raises:
         ImportError: at construction, on every replica, when wandb is not installed.
         ValueError: when ``log_every_n_steps`` is neither None (epochs only) nor a positive integer.
