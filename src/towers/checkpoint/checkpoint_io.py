@@ -60,14 +60,18 @@ class Pending:
 class CheckpointIO:
     """How a strategy's processes write a checkpoint's tensors; the strategy owns one (``Strategy.checkpoint_io``).
 
-    ``collective``: every process writes its part through DCP over ``process_group`` (None: the
-    default group), each replicated tensor once; otherwise the chief writes every tensor alone
-    (parameter servers, where the state lives on ps tasks that do not run the script).
-    ``async_save``: the tensors are copied to memory and written by a background thread; the save
-    returns at once, and ``wait`` (called by the next save and read) blocks until it is published.
-    ``gather_parts``: where processes hold different parts of the model (pipeline stages), every
-    part's ``obj`` from the processes holding the others, the chief's first (None: each holds every
-    key): the manifest then lists every part's tensors, and a restore reads only this process's.
+    Args:
+        collective: every process writes its part through DCP over ``process_group``, each replicated tensor
+            once; False: the chief writes every tensor alone (parameter servers, where the state lives on ps
+            tasks that do not run the script).
+        process_group: the group of a collective write. None: the default group.
+        async_save: the tensors are copied to memory and written by a background thread; the save returns at
+            once, and ``wait`` (called by the next save and read) blocks until it is published.
+        gather_parts: where processes hold different parts of the model (pipeline stages), every part's
+            ``obj`` from the processes holding the others, the chief's first (None: each holds every key):
+            the manifest then lists every part's tensors, and a restore reads only this process's.
+        pending: the asynchronous save in flight, set by a save with ``async_save`` (None: none); ``wait``
+            clears it.
     """
 
     collective: bool = True

@@ -57,6 +57,15 @@ def export_model(model: nn.Module, path: str | os.PathLike[str], *, strategy: _E
 
     Every process calls it (gathering shards is a collective); the chief writes the file.
 
+    Args:
+        model: the prepared (or plain) model; its user module's weights are written whole.
+        path: the file: a ``.safetensors`` path writes safetensors (needs the package), a ``.pt``-like one a
+            ``torch.save`` of a dict; another suffix safetensors when the package is installed.
+        strategy: the job's strategy, which gathers sharded weights. None: the model as it is.
+
+    Returns:
+        ``path``, as a ``Path``.
+
     Raises:
         CheckpointError: when ``.safetensors`` is asked for without the package.
         OSError: on every process, when the chief cannot write the file.
@@ -91,7 +100,26 @@ def export_model(model: nn.Module, path: str | os.PathLike[str], *, strategy: _E
 
 
 def load_exported(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Return the ``{name: tensor}`` that ``export_model`` wrote (safetensors or torch, by the file's content)."""
+    """Return the ``{name: tensor}`` that ``export_model`` wrote (safetensors or torch, by the file's content).
+
+    Args:
+        path: the file ``export_model`` wrote.
+
+    Returns:
+        The weights by parameter name, on the CPU; ``model.load_state_dict`` takes them.
+
+    Example:
+        ```python
+        import torch
+        from towers.checkpoint import export_model, load_exported
+
+        model = torch.nn.Linear(3, 1)
+        export_model(model, "model.pt")
+        fresh = torch.nn.Linear(3, 1)
+        fresh.load_state_dict(load_exported("model.pt"))
+        assert torch.equal(fresh.weight, model.weight)
+        ```
+    """
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(8)

@@ -99,16 +99,35 @@ class DirectoryClaim:
 class CheckpointManager:
     """Numbered checkpoints in ``directory``: ``save`` adds one and keeps the newest ``max_to_keep``.
 
-    ``max_to_keep=None`` keeps every checkpoint. ``strategy``: the job's strategy, so that each
-    process writes its part, the chief deletes, every process agrees on the number, and the
-    prepared model is saved and restored wherever it lives. ``preemption`` (default True): a
-    SIGTERM/SIGUSR1 notice makes ``save_if_preempted`` save at a step every process agrees on and
-    exit for a restart (``towers.checkpoint.preemption``; ``TOWERS_PREEMPTION_SIGNALS=TERM,USR2`` names
-    other signals).
+    Args:
+        directory: the folder of the numbered checkpoints (``<prefix>-<number>``).
+        max_to_keep: the newest checkpoints kept; None keeps every one.
+        prefix: the checkpoints' name before the number.
+        strategy: the job's strategy, so that each process writes its part, the chief deletes, every process
+            agrees on the number, and the prepared model is saved and restored wherever it lives.
+        preemption: a SIGTERM/SIGUSR1 notice makes ``save_if_preempted`` save at a step every process agrees
+            on and exit for a restart (``towers.checkpoint.preemption``; ``TOWERS_PREEMPTION_SIGNALS=TERM,USR2``
+            names other signals).
 
     Raises:
         ValueError: on a ``max_to_keep`` that is not a positive integer or None, or a ``prefix`` with
             characters other than letters, digits, ``_``, ``.`` and ``-``.
+
+    Example:
+        ```python
+        import torch
+        from towers.checkpoint import CheckpointManager
+
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        manager = CheckpointManager("ckpt/example", max_to_keep=2)
+        state = manager.restore({"model": model, "optimizer": optimizer})  # None on a fresh start
+        start = state["epoch"] + 1 if state else 0
+        for epoch in range(start, 3):
+            manager.save({"model": model, "optimizer": optimizer, "epoch": epoch})
+        assert [path.name for path in manager.checkpoints] == ["ckpt-1", "ckpt-2"]
+        manager.close()
+        ```
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int | None = 5, prefix: str = "ckpt",

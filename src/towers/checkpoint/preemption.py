@@ -66,7 +66,12 @@ def _default_world_size() -> int:
 
 
 class Preempted(SystemExit):
-    """Raised after the preemption checkpoint is written; exits the process with ``PREEMPTED_EXIT_CODE``."""
+    """Raised after the preemption checkpoint is written; exits the process with ``PREEMPTED_EXIT_CODE``.
+
+    Args:
+        step: the steps done when the checkpoint was written.
+        path: the checkpoint written (None when the caller does not say).
+    """
 
     def __init__(self, step: int, path: str | None = None):
         super().__init__(PREEMPTED_EXIT_CODE)
@@ -112,11 +117,21 @@ class PreemptionHandler:
     ``install()`` (main thread only) replaces the handlers of ``signals``; ``uninstall()`` restores
     them (and re-delivers a notice nobody acted on). ``should_save(step)`` is called by every process
     at every step boundary with the number of steps done; it returns True at exactly one boundary
-    per process once a notice was given anywhere in the job. ``store``: the job's key-value store
-    (default: the rendezvous store of the default process group; none in a single process).
-    ``every_steps``: the store is read at every n-th boundary only (default ``check_every_steps`` of
-    the default process group's size: 1 up to ``STEP_CHECK_BUDGET`` processes); every process of a job
-    must use the same value.
+    per process once a notice was given anywhere in the job.
+
+    Args:
+        signals: the signals that are a preemption notice. Default: SIGTERM and SIGUSR1.
+        store: the job's key-value store. Default: the rendezvous store of the default process group (none in
+            a single process).
+        boundary_timeout_s: how long after a notice a step boundary may take; past it (or at a second signal)
+            the previous handler is restored and the signal delivered again, so a notice is never swallowed.
+        rank: this process's rank, written with a notice so the others can name who received it.
+        every_steps: the store is read at every n-th boundary only. Default: ``check_every_steps`` of the
+            default process group's size (1 up to ``STEP_CHECK_BUDGET`` processes); every process of a job must
+            use the same value.
+
+    Raises:
+        ValueError: an ``every_steps`` below 1.
     """
 
     _notice_text = "%s received: saving a checkpoint at the next step boundary that every process agrees on"

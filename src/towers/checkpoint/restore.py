@@ -25,6 +25,12 @@ __all__ = ["checkpoint_info", "checkpoint_exists", "delete_checkpoint", "load_ch
 def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Return what a checkpoint says of itself: ``strategy`` and ``num_replicas`` that wrote it, its keys.
 
+    Args:
+        path: the checkpoint's folder.
+
+    Returns:
+        Its manifest's description: the ``strategy`` and ``num_replicas`` that wrote it, and its keys.
+
     Raises:
         FileNotFoundError: when there is no checkpoint at ``path``.
         CheckpointError: when it is not a towers checkpoint.
@@ -35,12 +41,23 @@ def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def checkpoint_exists(path: str | os.PathLike[str]) -> bool:
-    """Return True when a complete checkpoint is published at ``path``."""
+    """Return True when a complete checkpoint is published at ``path``.
+
+    Args:
+        path: the checkpoint's folder.
+
+    Returns:
+        False when nothing, or a checkpoint still being written, is there.
+    """
     return layout.is_checkpoint(path)
 
 
 def delete_checkpoint(path: str | os.PathLike[str]) -> None:
-    """Remove the checkpoint at ``path`` and everything it holds (nothing if absent); call it on the chief."""
+    """Remove the checkpoint at ``path`` and everything it holds (nothing if absent); call it on the chief.
+
+    Args:
+        path: the checkpoint's folder.
+    """
     layout.delete(path)
 
 
@@ -50,12 +67,19 @@ def load_checkpoint(path: str | os.PathLike[str], *, strategy: CheckpointStrateg
                     held: Callable[[tuple[Any, ...]], bool] | None = None) -> dict[str, Any]:
     """Return the dict saved at ``path``, its tensors on the CPU; every process of the job calls it.
 
-    ``templates`` (flat tensor names -> DTensors of this job) receive their tensors resharded in
-    place; every other tensor is read whole. ``manifest``: what ``layout.read_manifest(path)`` returned,
-    when the caller read it already. ``held``: whether this process holds the tensor at a path (False: not
-    read, None in the result: another pipeline stage's); None: every tensor is read.
-
     Every file read is checked against the checksums recorded when it was written.
+
+    Args:
+        path: the checkpoint's folder.
+        strategy: the job's strategy (its processes read together). None: this process alone.
+        templates: flat tensor names -> DTensors of this job; they receive their tensors resharded in place.
+            Every other tensor is read whole.
+        manifest: what ``layout.read_manifest(path)`` returned, when the caller read it already.
+        held: whether this process holds the tensor at a path (False: not read, None in the result: another
+            pipeline stage's); None: every tensor is read.
+
+    Returns:
+        The dict as saved, modules and optimizers as their state dicts.
 
     Raises:
         FileNotFoundError: when there is no checkpoint at ``path``.
@@ -147,10 +171,16 @@ def restore_checkpoint(path: str | os.PathLike[str], objects: Mapping[str, Any] 
                        strategy: CheckpointStrategy | None = None) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``objects`` and return everything it holds. Every process calls it.
 
-    ``objects`` maps keys of the saved dict to live objects: the prepared model and its optimizer
-    (restored through ``strategy``, resharded to this job), other modules, and anything with
-    ``load_state_dict`` (schedulers, the distributed dataset's position). Every key and shape is
-    checked before anything changes. Keys not in ``objects`` (``"epoch"``, ...) are only returned.
+    Args:
+        path: the checkpoint's folder.
+        objects: keys of the saved dict -> live objects: the prepared model and its optimizer (restored
+            through ``strategy``, resharded to this job), other modules, and anything with ``load_state_dict``
+            (schedulers, the distributed dataset's position). Every key and shape is checked before anything
+            changes. Keys not in ``objects`` (``"epoch"``, ...) are only returned.
+        strategy: the job's strategy. None: one process, the objects as they are.
+
+    Returns:
+        Everything the checkpoint holds, the restored objects' states included.
 
     Raises:
         FileNotFoundError: when there is no checkpoint at ``path``.
@@ -158,6 +188,18 @@ def restore_checkpoint(path: str | os.PathLike[str], objects: Mapping[str, Any] 
             (checked before anything is restored; naming the file).
         CheckpointError: when it is torn or foreign, lacks a key of ``objects``, or a state does not fit
             its object (naming the key, the shapes and the strategies involved).
+
+    Example:
+        ```python
+        import torch
+        from towers.checkpoint import restore_checkpoint, save_checkpoint
+
+        model = torch.nn.Linear(4, 2)
+        save_checkpoint("ckpt/one", {"model": model, "epoch": 7})
+        fresh = torch.nn.Linear(4, 2)
+        state = restore_checkpoint("ckpt/one", {"model": fresh})
+        assert state["epoch"] == 7 and torch.equal(fresh.weight, model.weight)
+        ```
     """
     strategy = or_one_process(strategy)
     objects = dict(objects or {})

@@ -61,10 +61,16 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                     strategy: CheckpointStrategy | None = None) -> Path:
     """Write ``state``, your dict, as a checkpoint at ``path``, atomically; return the path. Every process calls it.
 
-    Modules, optimizers and anything with ``state_dict()`` are saved as their states (the one
-    prepared model and its optimizer through ``strategy``: each process writes its part, sharded
-    or replicated); everything else must load with ``weights_only=True`` (tensors, numbers,
-    strings, bools, None, and lists, tuples and dicts of them).
+    Args:
+        path: the checkpoint's folder (replaced atomically when it holds an earlier towers checkpoint).
+        state: your dict with str keys. Modules, optimizers and anything with ``state_dict()`` are saved as
+            their states (the one prepared model and its optimizer through ``strategy``: each process writes its
+            part, sharded or replicated); everything else must load with ``weights_only=True`` (tensors,
+            numbers, strings, bools, None, and lists, tuples and dicts of them).
+        strategy: the job's strategy. None: one process writes everything.
+
+    Returns:
+        ``path``, as a ``Path``.
 
     Raises:
         CheckpointError: when ``state`` is not a dict of str keys, or holds a value that would not load

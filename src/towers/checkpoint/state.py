@@ -35,7 +35,12 @@ class CorruptCheckpointError(CheckpointError):
 
 # --- RNG streams ----------------------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
-    """Return this process's torch (CPU and CUDA), numpy and ``random`` RNG states as tensors and ints."""
+    """Return this process's torch (CPU and CUDA), numpy and ``random`` RNG states as tensors and ints.
+
+    Returns:
+        ``{"torch": ..., "cuda": ..., "numpy": ..., "python": ...}``, which ``set_rng_state`` takes and a
+        checkpoint saves with ``weights_only=True``.
+    """
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     return {
@@ -48,7 +53,11 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore RNG states captured by ``rng_state``."""
+    """Restore RNG states captured by ``rng_state``.
+
+    Args:
+        state: what ``rng_state`` returned.
+    """
     torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
     if state.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.to("cpu", torch.uint8) for s in state["cuda"]][: torch.cuda.device_count()])
