@@ -35,10 +35,14 @@ def check_idle_gpus(
 ) -> str | None:
     """Return a warning when this host's replicas leave visible GPUs idle, else None.
 
-    ``num_local_replicas`` is how many replicas (processes) the job runs on this host;
-    ``used_devices`` the devices they use: all of them, or just this process's (with one
-    replica per GPU, a GPU job uses ``max(num_local_replicas, distinct GPUs listed)`` GPUs).
-    ``visible_gpus`` defaults to ``torch.cuda.device_count()``.
+    Args:
+        num_local_replicas: how many replicas (processes) the job runs on this host.
+        used_devices: the devices they use: all of them, or just this process's (with one replica per GPU, a
+            GPU job uses ``max(num_local_replicas, distinct GPUs listed)`` GPUs).
+        visible_gpus: the GPUs this host shows. Default: ``torch.cuda.device_count()``.
+
+    Returns:
+        The warning's text, naming the idle GPUs and how to use them; None when none is idle.
 
     Raises:
         ValueError: ``num_local_replicas`` < 1, ``visible_gpus`` < 0, no used device, or a bad device name.
@@ -89,6 +93,15 @@ def warn_if_gpus_idle(
     """Log ``check_idle_gpus``'s warning once per process; return it when logged now, else None.
 
     Only ``local_rank`` 0 logs: the message is about the host, so one line per host is enough.
+
+    Args:
+        num_local_replicas: as ``check_idle_gpus`` takes it.
+        used_devices: as ``check_idle_gpus`` takes it.
+        visible_gpus: as ``check_idle_gpus`` takes it.
+        local_rank: this process's rank on its host; only 0 logs.
+
+    Returns:
+        The warning when this call logged it; None otherwise.
     """
     if local_rank != 0:
         return None

@@ -13,7 +13,11 @@ __all__ = ["gpu_count", "list_devices", "is_available", "describe_devices", "for
 
 
 def gpu_count() -> int:
-    """Return how many CUDA devices this process sees (0 without CUDA)."""
+    """Return how many CUDA devices this process sees (0 without CUDA).
+
+    Returns:
+        ``torch.cuda.device_count()`` where CUDA is available, else 0.
+    """
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -22,12 +26,22 @@ def list_devices() -> list[Device]:
 
     GPUs are the CUDA devices torch sees (after ``CUDA_VISIBLE_DEVICES``). The storage-less
     ``meta`` device is always usable but is not listed: it is not hardware.
+
+    Returns:
+        The CPU first, then each visible GPU.
     """
     return [Device("cpu")] + [Device(f"gpu:{i}") for i in range(gpu_count())]
 
 
 def is_available(spec: DeviceLike) -> bool:
-    """Return True when ``spec`` names a device this process can place on now."""
+    """Return True when ``spec`` names a device this process can place on now.
+
+    Args:
+        spec: a device name in any accepted spelling, or a ``torch.device``.
+
+    Returns:
+        False for a GPU this process does not see, or a name that is no device.
+    """
     dev = Device(spec)
     if dev.kind in ("cpu", "meta"):
         return True
@@ -55,7 +69,11 @@ def _backends() -> dict[str, bool]:
 
 
 def describe_devices() -> dict[str, Any]:
-    """Return a JSON-ready description of the torch build, the devices and the distributed backends."""
+    """Return a JSON-ready description of the torch build, the devices and the distributed backends.
+
+    Returns:
+        The report ``towers devices --json`` prints (``format_devices`` makes it a table).
+    """
     devices: list[dict[str, Any]] = [{
         "name": "/cpu:0",
         "torch_device": "cpu",
@@ -89,7 +107,14 @@ def _gib(num_bytes: int | None) -> str:
 
 
 def format_devices(report: dict[str, Any]) -> str:
-    """Return ``describe_devices()``'s report as the text table that ``towers devices`` prints."""
+    """Return ``describe_devices()``'s report as the text table that ``towers devices`` prints.
+
+    Args:
+        report: what ``describe_devices()`` returned.
+
+    Returns:
+        The table, lines joined by newlines.
+    """
     cuda = f"CUDA {report['cuda_version']}" if report["cuda_version"] else "CPU-only build"
     if report["cuda_version"] and not report["cuda_available"]:
         cuda += ", no GPU visible"

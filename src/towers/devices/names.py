@@ -60,6 +60,11 @@ class Device:
     Build one from any accepted spelling: ``Device("cuda:1") == Device("/device:GPU:1")``.
     ``str()`` is the canonical name (``/gpu:1``); ``.torch`` is the ``torch.device``.
 
+    Args:
+        spec: a device name in any accepted spelling (``"cpu"``, ``"cuda:1"``, ``"/gpu:1"``,
+            ``"/device:GPU:1"``, ``"/job:worker/replica:0/task:0/device:GPU:1"``, ``"meta"``), a
+            ``torch.device`` or another ``Device``.
+
     Raises:
         ValueError: the name is not one of the accepted forms (the message lists them).
     """

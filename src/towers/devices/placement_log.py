@@ -79,7 +79,12 @@ def _first_device(value: Any) -> torch.device | None:
 
 @dataclass(frozen=True)
 class PlacementRecord:
-    """One executed op and the device it ran on: ``str()`` gives ``aten::addmm -> /cpu:0``."""
+    """One executed op and the device it ran on: ``str()`` gives ``aten::addmm -> /cpu:0``.
+
+    Attributes:
+        op: the op's name, e.g. ``aten::addmm``.
+        device: the canonical name of the device it ran on, e.g. ``/cpu:0``.
+    """
 
     op: str
     device: str
@@ -137,7 +142,10 @@ def _remove(mode: _PlacementLogMode) -> None:
 class PlacementLog:
     """Handle returned by ``log_device_placement``; as a context manager it restores the previous state.
 
-    ``records`` is the list given to ``log_device_placement`` (``None`` when none was given).
+    Args:
+        enabled: whether the log is on.
+        records: the list given to ``log_device_placement`` (``None`` when none was given).
+        to_logger: whether each op is logged.
     """
 
     def __init__(self, enabled: bool, records: list[PlacementRecord] | None, to_logger: bool) -> None:
@@ -176,8 +184,26 @@ def log_device_placement(
     ``towers.log_device_placement(True)`` logs every op this thread runs from now on as
     ``aten::addmm -> /cpu:0`` (logger ``towers.devices.placement``, INFO);
     ``log_device_placement(False)`` stops it. ``with towers.log_device_placement():`` logs
-    inside the block only. ``records`` also collects each ``PlacementRecord`` in that list;
-    ``to_logger=False`` collects without logging.
+    inside the block only.
+
+    Args:
+        enabled: True logs every op this thread runs from now on; False stops it.
+        records: also collect each ``PlacementRecord`` in this list.
+        to_logger: False collects without logging.
+
+    Returns:
+        A handle; as a context manager (``with towers.log_device_placement():``) it logs inside the block only.
+
+    Example:
+        ```python
+        import torch
+        import towers
+
+        records = []
+        with towers.log_device_placement(records=records, to_logger=False):
+            torch.ones(2) + 1
+        assert records and records[0].device == "/cpu:0"
+        ```
     """
     if not isinstance(enabled, bool):
         raise InvalidTypeError(f"log_device_placement expects True or False. Received: {enabled!r}.")
@@ -187,5 +213,9 @@ def log_device_placement(
 
 
 def get_log_device_placement() -> bool:
-    """Return whether the placement log is on for this thread."""
+    """Return whether the placement log is on for this thread.
+
+    Returns:
+        True after ``log_device_placement(True)`` on this thread (or inside its ``with`` block).
+    """
     return _find_mode() is not None

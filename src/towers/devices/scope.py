@@ -62,7 +62,11 @@ class DeviceUnavailableError(TowersError, ValueError):
 
 
 def set_soft_device_placement(enabled: bool) -> None:
-    """Turn soft placement on (a missing device falls back to ``/cpu:0``) or off (it raises)."""
+    """Turn soft placement on (a missing device falls back to ``/cpu:0``) or off (it raises).
+
+    Args:
+        enabled: True (the default state) or False.
+    """
     global _soft_placement
     if not isinstance(enabled, bool):
         raise InvalidTypeError(f"set_soft_device_placement expects True or False. Received: {enabled!r}.")
@@ -71,16 +75,25 @@ def set_soft_device_placement(enabled: bool) -> None:
 
 
 def get_soft_device_placement() -> bool:
-    """Return whether soft placement is on (it is by default)."""
+    """Return whether soft placement is on (it is by default).
+
+    Returns:
+        True when a missing device falls back to ``/cpu:0``; False when it raises.
+    """
     return _soft_placement
 
 
 def place(spec: DeviceLike, *, soft: bool | None = None) -> Device:
     """Return the ``Device`` that work asked for on ``spec`` actually runs on.
 
-    ``spec`` itself when it exists here; otherwise ``/cpu:0`` with one ``SoftPlacementWarning``
-    when soft placement is on (``soft=None`` reads ``get_soft_device_placement()``). The warning
-    points at the first caller outside towers (the user's ``with`` line, or their strategy call).
+    Args:
+        spec: the device asked for.
+        soft: fall back to ``/cpu:0`` when the device is missing. None: ``get_soft_device_placement()``.
+
+    Returns:
+        ``spec`` itself when it exists here; otherwise ``/cpu:0`` with one ``SoftPlacementWarning`` when
+        soft placement is on. The warning points at the first caller outside towers (the user's ``with``
+        line, or their strategy call).
 
     Raises:
         ValueError: ``spec`` is not a device name.
@@ -109,6 +122,13 @@ def place(spec: DeviceLike, *, soft: bool | None = None) -> Device:
 def resolve_device(spec: DeviceLike, *, soft: bool | None = None) -> torch.device:
     """Return the ``torch.device`` to use for ``spec`` under the soft placement rules (see ``place``).
 
+    Args:
+        spec: the device asked for.
+        soft: fall back to ``/cpu:0`` when the device is missing. None: ``get_soft_device_placement()``.
+
+    Returns:
+        The ``torch.device`` of ``place(spec, soft=soft)``.
+
     Raises:
         ValueError: ``spec`` is not a device name.
         DeviceUnavailableError: the device does not exist here and soft placement is off.
@@ -128,6 +148,21 @@ class device:  # noqa: N801 - lower case, like torch.device and tf.device, becau
     The name is resolved when the scope is created, so a missing device warns (or, with
     ``soft=False`` / soft placement off, raises ``DeviceUnavailableError``) at the ``with`` line.
     A missing device falls back to ``/cpu:0``, not to an enclosing scope's device.
+
+    Args:
+        spec: the device, e.g. ``"/gpu:1"``, ``"cuda:1"`` or ``"cpu"``.
+        soft: fall back to ``/cpu:0`` when the device is missing (with a warning); False raises. None:
+            ``get_soft_device_placement()``.
+
+    Example:
+        ```python
+        import torch
+        import towers
+
+        with towers.device("/cpu:0") as where:
+            weights = torch.randn(3, 3)
+        assert weights.device.type == "cpu" and str(where) == "/cpu:0"
+        ```
 
     Raises:
         ValueError: ``spec`` is not a device name.

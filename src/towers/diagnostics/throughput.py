@@ -58,9 +58,11 @@ class StrategyLike(Protocol):
 class ThroughputMeter:
     """Measure the examples/s, tokens/s and MFU of the training steps wrapped in ``step(batch)``.
 
-    ``strategy``: the one the steps run under (its device, replica count and precision), or None for
-    one CPU in float32. ``peak_flops``: one device's peak FLOP/s, for a GPU that is not in
-    ``towers.diagnostics.peak.GPU_PEAK_TFLOPS`` (or to compare against your own figure).
+    Args:
+        strategy: the one the steps run under (its device, replica count and precision), or None for one CPU
+            in float32.
+        peak_flops: one device's peak FLOP/s, for a GPU that is not in
+            ``towers.diagnostics.peak.GPU_PEAK_TFLOPS`` (or to compare against your own figure).
 
     Raises:
         ValueError: when ``peak_flops`` is not a positive number.
