@@ -56,7 +56,19 @@ class _GoOn:
 
 @dataclass
 class EpochProof:
-    """One epoch's count: examples trained once, never (``missing``) and more than once (``doubled``)."""
+    """One epoch's count: examples trained once, never (``missing``) and more than once (``doubled``).
+
+    Attributes:
+        epoch: the epoch (0-based).
+        num_examples: the examples of the epoch's order.
+        complete: whether the epoch finished (a later epoch has updates, or its last global batch was trained).
+        once: the examples trained exactly once.
+        missing: one line per run of positions never trained (the first few).
+        doubled: one line per example trained more than once (the first few).
+        missing_count: the examples never trained.
+        doubled_count: the examples trained more than once.
+        counts: how many times each example was trained, indexed by dataset index (a stream's: by position).
+    """
 
     epoch: int
     num_examples: int
@@ -86,7 +98,17 @@ class EpochProof:
 
 @dataclass
 class LedgerProof:
-    """What ``prove_ledger`` found: each epoch's proof, and what it read and dropped."""
+    """What ``prove_ledger`` found: each epoch's proof, and what it read and dropped.
+
+    Attributes:
+        run_dir: the run's folder.
+        files: the ledger files read.
+        updates: the updates counted (each share of an update once).
+        rolled_back: the updates dropped because a start or restore went back to before them.
+        restores: one line per start or restore the job went on from.
+        epochs: each epoch's proof, in order.
+        witnessed: shares counted from a ``W`` line alone: their replica was lost before it recorded them.
+    """
 
     run_dir: str
     files: int
@@ -245,6 +267,12 @@ def prove_ledger(run_dir: str | os.PathLike[str]) -> LedgerProof:
     """Prove from ``run_dir``'s ledger that each example of each completed epoch was trained exactly once.
 
     An epoch is complete when a later epoch has updates, or its last global batch was trained.
+
+    Args:
+        run_dir: the run's folder, which holds ``ledger/`` (``towers launch --ledger DIR``).
+
+    Returns:
+        The proof; ``towers verify --ledger`` prints it.
 
     Raises:
         FileNotFoundError: no ledger under ``run_dir``.

@@ -44,7 +44,14 @@ LEDGER_SUBDIR = "ledger"
 
 @dataclass(frozen=True)
 class OrderSpec:
-    """What fixes an epoch's example order: ``randperm(num_examples, seed + epoch)`` when ``shuffle``, else ``arange``."""
+    """What fixes an epoch's example order: ``randperm(num_examples, seed + epoch)`` when ``shuffle``, else ``arange``.
+
+    Attributes:
+        num_examples: the examples of the dataset.
+        global_batch_size: the examples of one update over all replicas.
+        seed: the order's seed (epoch ``e`` uses ``seed + e``).
+        shuffle: whether the order is shuffled.
+    """
 
     num_examples: int
     global_batch_size: int
@@ -57,6 +64,12 @@ class LedgerWriter:
 
     Each process writes a file of its own (the pid keeps a restarted rank from writing into its
     predecessor's), so no two processes append to one file.
+
+    Args:
+        run_dir: the run's folder.
+        name: the file's name before the pid, e.g. ``rank0``.
+        rank: this process's rank, written in its lines.
+        world_size: the job's processes, written in its lines.
     """
 
     def __init__(self, run_dir: str | os.PathLike[str], name: str, *, rank: int = 0, world_size: int = 1):

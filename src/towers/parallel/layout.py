@@ -40,7 +40,27 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
 
 @dataclass(frozen=True)
 class Layout:
-    """The degrees of parallelism of one job; ``pp * dp_replicate * dp_shard * tp`` processes in all."""
+    """The degrees of parallelism of one job; ``pp * dp_replicate * dp_shard * tp`` processes in all.
+
+    Attributes:
+        pp: pipeline stages (outermost).
+        dp_replicate: data-parallel replicas that hold whole copies (DDP, or HSDP's replicate dimension).
+        dp_shard: data-parallel processes that shard the training state (FSDP2).
+        tp: tensor-parallel processes that split each layer (innermost).
+        cp: context parallelism: room for it, 1 until it is built.
+        ep: expert parallelism: the same.
+
+    Raises:
+        ValueError: a degree that is not a positive integer, or ``cp``/``ep`` above 1.
+
+    Example:
+        ```python
+        from towers.parallel import Layout
+
+        layout = Layout(dp_shard=2, tp=2)  # 4 processes: FSDP2 over 2, each layer split over 2
+        assert layout.dp_shard * layout.tp == 4
+        ```
+    """
 
     pp: int = 1
     dp_replicate: int = 1
@@ -135,7 +155,14 @@ class Layout:
 
 
 class LayoutMesh:
-    """The one ``DeviceMesh`` of a process (``world``) and its named sub-meshes (see the module docstring)."""
+    """The one ``DeviceMesh`` of a process (``world``) and its named sub-meshes (see the module docstring).
+
+    A collective to build: every process of the job builds it, once (``Layout.build``).
+
+    Args:
+        layout: the job's degrees.
+        device_type: ``"cuda"`` or ``"cpu"``, as ``init_device_mesh`` takes it.
+    """
 
     def __init__(self, layout: Layout, device_type: str):
         from torch.distributed.device_mesh import init_device_mesh

@@ -62,9 +62,26 @@ _SCHEDULE = "1f1b"
 class MemoryEstimate:
     """One replica's memory in bytes: persistent state, what a step adds, and the peak.
 
-    ``parameters`` includes buffers. ``gathered_parameters``: the sharded strategy's parameters
-    gathered during a step (0 otherwise). ``communication``: buffers beyond the gradients (0 when
-    DDP's buckets are the gradients). ``optimizer_temporaries``: what ``optimizer.step()`` adds while it runs.
+    Attributes:
+        strategy: the strategy estimated (``"mirrored"``, ``"sharded"``, ...).
+        replicas: the replica count.
+        batch_size: the examples per replica.
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"``.
+        optimizer: the optimizer's name (``"adam"``, ``"sgd"``, ...).
+        num_parameters: the model's parameter count (whole, not this replica's share).
+        parameters: the bytes of this replica's parameters, buffers included.
+        gradients: the bytes of its gradients.
+        optimizer_state: the bytes of its optimizer state.
+        activations: the bytes the step's forward keeps for backward.
+        gathered_parameters: the sharded strategy's parameters gathered during a step (0 otherwise).
+        communication: buffers beyond the gradients (0 when DDP's buckets are the gradients).
+        optimizer_temporaries: what ``optimizer.step()`` adds while it runs.
+        peak: the most bytes held at once during a step.
+        mesh: under a parallel layout, its mesh (``"dp_shard=2,tp=2"``); empty otherwise.
+        ranks: the global ranks this estimate is for (one pipeline stage position: every rank of it holds as
+            much).
+        stage: that pipeline stage.
+        microbatches_in_flight: the stage's micro-batches whose activations are held at once.
     """
 
     strategy: str
@@ -95,7 +112,13 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class LayoutEstimate:
-    """Each rank's memory under a parallel layout: one ``MemoryEstimate`` per pipeline stage position (its ``ranks``)."""
+    """Each rank's memory under a parallel layout: one ``MemoryEstimate`` per pipeline stage position (its ``ranks``).
+
+    Attributes:
+        strategy: the strategy estimated.
+        layout: the job's degrees of parallelism.
+        stages: one estimate per pipeline stage position, in stage order.
+    """
 
     strategy: str
     layout: Layout
@@ -218,14 +241,34 @@ def estimate_memory(model_factory: ModelFactory, *, strategy: str = "mirrored", 
                     loss: str = "cross_entropy", trace: StepTrace | None = None) -> MemoryEstimate:
     """Return one replica's memory for training ``model_factory()`` with ``strategy`` on ``replicas`` replicas.
 
-    ``model_factory``: a callable returning the ``nn.Module``, or its path (``"mypkg.models:build"``,
-    ``"path/to/file.py:build"``), called with no arguments under ``torch.device("meta")`` (no
-    memory). Inputs are ``batch_size`` examples (per replica) of ``input_shape`` (float), or, with
-    ``seq_len``, token ids below ``vocab_size`` (by default the model's first ``nn.Embedding``'s
-    size); targets are class ids for ``loss="cross_entropy"`` (zeros shaped like the output for
-    ``"mse"``). ``trace``: a ``StepTrace`` of the same model and batch to reuse
-    (``estimate_memory_table`` traces once for several replica counts). The layout of
-    ``replicas`` processes, one replica each (``estimate_layout`` with ``mesh="dp=N"``).
+    Args:
+        model_factory: a callable returning the ``nn.Module``, or its path (``"mypkg.models:build"``,
+            ``"path/to/file.py:build"``), called with no arguments under ``torch.device("meta")`` (no memory).
+        strategy: the strategy (``"one_device"``, ``"mirrored"``, ``"sharded"``, ...).
+        replicas: the replica count: the layout of ``replicas`` processes, one replica each
+            (``estimate_layout`` with ``mesh="dp=N"``).
+        batch_size: the examples per replica.
+        input_shape: the shape of one example (float inputs).
+        seq_len: instead of ``input_shape``: token ids of this length.
+        vocab_size: the token ids' bound. Default: the model's first ``nn.Embedding``'s size.
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"``.
+        optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, ...
+        loss: ``"cross_entropy"`` (targets are class ids) or ``"mse"`` (zeros shaped like the output).
+        trace: a ``StepTrace`` of the same model and batch to reuse (``estimate_memory_table`` traces once for
+            several replica counts).
+
+    Returns:
+        One replica's bytes by kind and its peak.
+
+    Example:
+        ```python
+        import torch
+        from towers.plan import estimate_memory, format_bytes
+
+        build = lambda: torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+        estimate = estimate_memory(build, strategy="sharded", replicas=4, batch_size=32, input_shape=(512,))
+        print(format_bytes(estimate.peak), format_bytes(estimate.optimizer_state))
+        ```
 
     Raises:
         ValueError: an unknown strategy, optimizer or precision, replicas or batch below 1, or no input shape.
@@ -246,12 +289,27 @@ def estimate_layout(model_factory: ModelFactory, *, mesh: "str | Mapping[str, An
                     pp_microbatches: int | None = None) -> LayoutEstimate:
     """Return each rank's memory for training ``model_factory()`` with ``strategy`` on the parallel layout ``mesh``.
 
-    ``mesh``: ``"dp=2,tp=2"``, ``"pp=2,dp=2"``, ... (``towers launch --mesh``; parsed and checked against
-    ``world_size`` processes, by default the mesh's own size, as the launcher checks it), made a
-    ``Layout`` (``shard_group_size``: HSDP's shard groups). ``batch_size`` is per replica (per ``dp``
-    coordinate); under ``pp`` a step runs ``pp_microbatches`` micro-batches of it (default: one per
-    stage, as the sharded strategy does). ``tp_plan``: as the strategy's (``"auto"``: the model's own
-    ``towers_tp_plan`` or a plan towers knows). The other arguments are ``estimate_memory``'s.
+    Args:
+        model_factory: as ``estimate_memory`` takes it.
+        mesh: ``"dp=2,tp=2"``, ``"pp=2,dp=2"``, ... (``towers launch --mesh``), parsed and checked against
+            ``world_size`` processes, as the launcher checks it.
+        world_size: the job's processes. Default: the mesh's own size.
+        strategy: the strategy (one that takes a mesh).
+        batch_size: the examples per replica (per ``dp`` coordinate); under ``pp`` a step runs
+            ``pp_microbatches`` micro-batches of it.
+        input_shape: as ``estimate_memory`` takes it.
+        seq_len: as ``estimate_memory`` takes it.
+        vocab_size: as ``estimate_memory`` takes it.
+        precision: as ``estimate_memory`` takes it.
+        optimizer: as ``estimate_memory`` takes it.
+        loss: as ``estimate_memory`` takes it.
+        shard_group_size: HSDP's shard groups.
+        tp_plan: as the strategy's (``"auto"``: the model's own ``towers_tp_plan`` or a plan towers knows).
+        pp_microbatches: the micro-batches of a pipelined step. Default: one per stage, as the sharded
+            strategy does.
+
+    Returns:
+        One estimate per pipeline stage position; ``format_layout_table`` prints it.
 
     Raises:
         ValueError: a strategy the plan does not model or that takes no mesh, a bad mesh (``MeshSpec``'s errors),
@@ -373,6 +431,14 @@ def trace_model(model_factory: ModelFactory, *, batch_size: int, input_shape: tu
 
 def estimate_memory_table(model_factory: ModelFactory, *, replicas: Sequence[int], **options: Any) -> list[MemoryEstimate]:
     """Return ``estimate_memory`` for each replica count in ``replicas``, tracing the step once.
+
+    Args:
+        model_factory: as ``estimate_memory`` takes it.
+        replicas: the replica counts.
+        **options: ``estimate_memory``'s other arguments.
+
+    Returns:
+        One estimate per replica count, in order; ``format_table`` prints them.
 
     Raises:
         ValueError, TypeError: as ``estimate_memory``.

@@ -21,7 +21,14 @@ _ROWS = (
 
 
 def format_bytes(n: int) -> str:
-    """Return ``n`` bytes in binary units: ``"512 B"``, ``"1.5 KiB"``, ``"42.7 MiB"``, ``"3.05 GiB"``."""
+    """Return ``n`` bytes in binary units: ``"512 B"``, ``"1.5 KiB"``, ``"42.7 MiB"``, ``"3.05 GiB"``.
+
+    Args:
+        n: a number of bytes.
+
+    Returns:
+        ``n`` in the largest binary unit it reaches, to about three significant digits.
+    """
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024 or unit == "GiB":
@@ -31,7 +38,15 @@ def format_bytes(n: int) -> str:
 
 
 def format_table(estimates: Sequence[MemoryEstimate], *, model_name: str = "model") -> str:
-    """Return the per-replica table of ``estimates`` (one strategy, batch, precision and optimizer; several replica counts)."""
+    """Return the per-replica table of ``estimates`` (one strategy, batch, precision and optimizer; several replica counts).
+
+    Args:
+        estimates: what ``estimate_memory_table`` returned.
+        model_name: the model's name in the title.
+
+    Returns:
+        The table ``towers plan`` prints.
+    """
     first = estimates[0]
     head = (f"{model_name}: {first.num_parameters:,} parameters; {first.strategy}, batch {first.batch_size} per "
             f"replica, precision {first.precision}, optimizer {first.optimizer}")
@@ -60,7 +75,15 @@ def _grid(corner: str, columns: list[str], estimates: Sequence[MemoryEstimate]) 
 
 
 def format_layout_table(estimate: LayoutEstimate, *, model_name: str = "model") -> str:
-    """Return the per-rank table of a ``LayoutEstimate``: one column per pipeline stage position (its ranks)."""
+    """Return the per-rank table of a ``LayoutEstimate``: one column per pipeline stage position (its ranks).
+
+    Args:
+        estimate: what ``estimate_layout`` returned.
+        model_name: the model's name in the title.
+
+    Returns:
+        The table ``towers plan --mesh`` prints.
+    """
     stages = estimate.stages
     first, layout = stages[0], estimate.layout
     head = (f"{model_name}: {first.num_parameters:,} parameters; {estimate.strategy} on mesh {layout.describe()} "

@@ -27,8 +27,24 @@ __all__ = ["VerifySpec", "VerifyRow", "VerifyReport", "verify", "CAUSES", "Cause
 class VerifySpec:
     """What to verify: ``script`` (and its ``args``) for ``steps`` updates under each strategy at each replica count.
 
-    ``plain``: a script without towers (torch DDP reading ``RANK``/``WORLD_SIZE``), run with torchrun's
-    variables; ``{world_size}`` or ``{64 // world_size}`` in ``args`` is filled for each run.
+    Args:
+        script: the training script's path.
+        args: its arguments; ``{world_size}`` or ``{64 // world_size}`` in them is filled for each run.
+        strategies: the strategies to run it under (``--strategies``).
+        replicas: the replica counts (``--replicas``).
+        steps: the optimizer updates compared.
+        plain: a script without towers (torch DDP reading ``RANK``/``WORLD_SIZE``), run with torchrun's
+            variables.
+        keep_dropout: leave dropout on (runs then differ by design).
+        tolerance: the largest difference relative to a tensor's scale counted as rounding.
+        timeout_s: the seconds all runs may take together.
+        workdir: where the captures and each process's output are kept; None: a temporary directory, removed
+            at the end.
+        bitwise: every run under ``bitwise=True`` with this ``micro_batch_size``, compared with ``torch.equal``
+            (``--bitwise M``).
+
+    Raises:
+        ValueError: no such script, or a value out of range (each with its fix).
     """
 
     script: str
@@ -92,7 +108,19 @@ def _check_bitwise(spec: VerifySpec) -> None:
 
 @dataclass(frozen=True)
 class VerifyRow:
-    """One line of the table: a strategy at a replica count against the one-process run."""
+    """One line of the table: a strategy at a replica count against the one-process run.
+
+    Attributes:
+        strategy: the strategy.
+        replicas: the replica count.
+        steps: the updates compared.
+        verdict: ``"same"``, ``"DIFFERS"`` or ``"FAILED"``.
+        first_step: the first update that differs (None: none).
+        tensor: the tensor that differs most there.
+        relative: its difference relative to its scale.
+        cause: the known cause that fits, with its fix (None: none fits).
+        detail: the evidence, in words.
+    """
 
     strategy: str
     replicas: int
@@ -107,7 +135,16 @@ class VerifyRow:
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """The whole verification: its rows, how long it took, and the one-process run's error if it failed."""
+    """The whole verification: its rows, how long it took, and the one-process run's error if it failed.
+
+    Attributes:
+        script: the script verified.
+        steps: the updates compared.
+        rows: one per strategy and replica count.
+        seconds: how long all runs took.
+        reference_error: the one-process run's error (None: it ran).
+        notes: lines printed after the table.
+    """
 
     script: str
     steps: int
@@ -193,7 +230,24 @@ def _describe(e: Evidence) -> str:
 
 
 def verify(spec: VerifySpec) -> VerifyReport:
-    """Run ``spec.script`` as one process and under every strategy and replica count; compare the parameters."""
+    """Run ``spec.script`` as one process and under every strategy and replica count; compare the parameters.
+
+    Args:
+        spec: what to run and compare.
+
+    Returns:
+        The report: ``report.ok`` when every run matched, ``report.format()`` the table ``towers verify``
+        prints.
+
+    Example:
+        <!-- not-run: starts the script once per strategy and replica count (about a minute on a laptop) -->
+        ```python
+        from towers.verify import VerifySpec, verify
+
+        report = verify(VerifySpec(script="train.py", strategies=("mirrored",), replicas=(2,), steps=3))
+        print(report.format())
+        ```
+    """
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="towers-verify-") as scratch:
         root = spec.workdir or scratch

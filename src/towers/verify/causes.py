@@ -17,7 +17,14 @@ __all__ = ["Cause", "CAUSES", "name_cause"]
 
 @dataclass(frozen=True)
 class Cause:
-    """One known reason: a short ``key``, what it means and the fix, and the test that recognises it."""
+    """One known reason: a short ``key``, what it means and the fix, and the test that recognises it.
+
+    Attributes:
+        key: a short name, e.g. ``"loss-not-global"``.
+        title: what it means, one line.
+        fix: how to fix it.
+        test: whether a run's ``Evidence`` shows this cause.
+    """
 
     key: str
     title: str
@@ -128,7 +135,14 @@ CAUSES: tuple[Cause, ...] = (
 
 
 def name_cause(evidence: Evidence) -> Cause | None:
-    """Return the first cause of the catalogue that fits ``evidence``, or None when none does."""
+    """Return the first cause of the catalogue that fits ``evidence``, or None when none does.
+
+    Args:
+        evidence: what a run showed against the one-process run.
+
+    Returns:
+        The cause, in the catalogue's order (``CAUSES``).
+    """
     for cause in CAUSES:
         if cause.test(evidence):
             return cause

@@ -51,7 +51,25 @@ class Difference:
 
 @dataclass(frozen=True)
 class Evidence:
-    """What a run showed against the one-process run: the facts the cause catalogue reads."""
+    """What a run showed against the one-process run: the facts the cause catalogue reads.
+
+    Attributes:
+        replicas: the run's replica count.
+        error: the run's error (None: it ran).
+        updates: the updates it recorded.
+        difference: the first recorded step at which it differs from the one-process run (None: none).
+        delta_ratio: |run's update| / |one process's update| at the first differing update.
+        cosine: the cosine of the two updates there.
+        replica_drift_step: the first step at which some replica's parameters differ from replica 0's.
+        reference_examples: the examples per update of the one-process run.
+        run_examples: the examples per update, summed over the replicas.
+        replica_examples: the examples per update of replica 0 alone.
+        unsynced_batchnorm: BatchNorm modules whose statistics are not synchronised across replicas.
+        grad_hooks: the gradient hooks the script registered.
+        same_examples_on_replicas: every replica trained on the same examples in the first differing update.
+        first_update_as_one_process: the replicas' examples of the first update, together, are one process's
+            (None: not fingerprinted).
+    """
 
     replicas: int
     error: str | None = None
