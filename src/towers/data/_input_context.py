@@ -22,7 +22,31 @@ def positive_int(name: str, value: Any, hint: str) -> int:
 
 @dataclass(frozen=True)
 class InputContext:
-    """What ``distribute_datasets_from_function`` tells the input function: its pipeline among all (tf.distribute's)."""
+    """What ``distribute_datasets_from_function`` tells the input function: its pipeline among all (tf.distribute's).
+
+    Attributes:
+        num_input_pipelines: the input pipelines of the job (one per process).
+        input_pipeline_id: this pipeline's index: the function reads its share of the data by it.
+        num_replicas_in_sync: the replicas that split each global batch.
+        device: the replica's device (where its batches should end up).
+
+    Example:
+        ```python
+        import torch
+        import towers
+
+        strategy = towers.OneDeviceStrategy("cpu")
+        data = torch.utils.data.TensorDataset(torch.arange(32.0))
+
+        def input_fn(context: towers.InputContext):
+            batch = context.get_per_replica_batch_size(8)
+            mine = torch.utils.data.Subset(data, range(context.input_pipeline_id, len(data), context.num_input_pipelines))
+            return torch.utils.data.DataLoader(mine, batch_size=batch)
+
+        batches = list(strategy.distribute_datasets_from_function(input_fn))
+        assert len(batches) == 4
+        ```
+    """
 
     num_input_pipelines: int = 1
     input_pipeline_id: int = 0

@@ -35,12 +35,26 @@ Record = tuple[int, Any]  # (offset of the record in its virtual shard, record)
 class Shards:
     """A list of files or shards: ``reader(item)`` yields the records of one shard, ``transform(record)`` makes an example.
 
-    ``transform`` runs only on the examples a replica keeps, so put the per-example cost
-    (decoding, tokenizing) there and keep ``reader`` cheap: every replica reads every record
-    (the epoch's order interleaves all shards) but transforms only its own share. A ``reader``
-    with a ``start`` parameter (``reader(item, start=n)`` yields from record ``n`` on) lets a
-    resumed epoch seek instead of reading the records before its position again.
-    Items should have a stable ``str`` (paths, URLs, numbers): a checkpoint's position is tied to them.
+    Args:
+        items: the shards: paths, URLs, numbers... with a stable ``str`` (a checkpoint's position is tied to
+            them).
+        reader: ``reader(item)`` yields the records of one shard. Keep it cheap: every replica reads every
+            record (the epoch's order interleaves all shards). One with a ``start`` parameter
+            (``reader(item, start=n)`` yields from record ``n`` on) lets a resumed epoch seek instead of
+            reading the records before its position again.
+        transform: makes an example of a record; it runs only on the examples a replica keeps, so put the
+            per-example cost (decoding, tokenizing) there.
+
+    Example:
+        ```python
+        import towers
+
+        shards = towers.Shards([0, 1, 2], reader=lambda shard: range(10 * shard, 10 * shard + 10),
+                               transform=lambda record: record * 2)
+        strategy = towers.OneDeviceStrategy("cpu")
+        batches = list(strategy.distribute_dataset(shards, global_batch_size=10))
+        assert sum(len(batch) for batch in batches) == 30
+        ```
     """
 
     def __init__(self, items: Iterable[Any], reader: Callable[..., Iterable[Any]], *,
@@ -80,7 +94,14 @@ def _is_huggingface(stream: Any) -> bool:
 
 
 def is_stream(data: Any) -> bool:
-    """Return True for input ``DistributedStream`` takes: ``Shards``, a torch ``IterableDataset``, a HF streaming dataset."""
+    """Return True for input ``DistributedStream`` takes: ``Shards``, a torch ``IterableDataset``, a HF streaming dataset.
+
+    Args:
+        data: any input.
+
+    Returns:
+        False for a map-style dataset and anything else.
+    """
     return isinstance(data, (Shards, IterableDataset)) or _is_huggingface(data)
 
 
