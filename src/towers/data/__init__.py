@@ -88,6 +88,26 @@ class DistributedDataset(DataLoaderNames):
     batches, their order and the resume position are the same as with ``num_workers=0``. Workers
     end with the iteration (its last batch, or when the iterator is closed or dropped); persistent
     ones live until ``close()``.
+
+    Args:
+        dataset: a map-style dataset, or a tuple or dict of tensors.
+        global_batch_size: the examples of one step over all replicas.
+        num_replicas: the replicas that split each global batch.
+        replica_id: this replica's index.
+        device: where this replica's batches are put.
+        shuffle: a new order every epoch (``seed + epoch``), the same on every replica.
+        seed: the order's seed.
+        drop_remainder: leave out a last global batch smaller than ``global_batch_size``.
+        pad_empty_batches: give a replica whose share of a small last batch is empty one padding example
+            (weight zero in ``compute_average_loss``), so every replica runs the step.
+        accumulation_steps: micro-batches per optimizer update: the batches' accounting then says which
+            update each belongs to.
+        collate_fn: makes a batch of a list of examples. Default: torch's ``default_collate``.
+        dispatch: hand batches out at run time (parameter servers) instead of the static split.
+        num_workers: ``DataLoader`` worker processes that fetch and collate.
+        prefetch_factor: batches each worker loads ahead.
+        persistent_workers: keep the workers between epochs (until ``close()``).
+        pin_memory: collate into page-locked memory, for a non-blocking copy. None: when the device is CUDA.
     """
 
     def __init__(self, dataset: Any, global_batch_size: int, *, num_replicas: int = 1, replica_id: int = 0,
@@ -323,8 +343,13 @@ class Dispatch:
 
     The answer is ``{"kind": "unit", "units": [[global batch, whose share], ...]}`` (the batches of
     the next steps), ``{"kind": "empty"}`` (a step without examples) or ``{"kind": "stop",
-    "examples": ..., "expected": ...}``. ``name`` makes the pass keys of one dataset (the same on
-    every replica that distributes the same datasets in order).
+    "examples": ..., "expected": ...}``.
+
+    Args:
+        name: makes the pass keys of one dataset (the same on every replica that distributes the same
+            datasets in order).
+        ask: ``ask(key, step, spec)`` returns the answer for step ``step`` of pass ``key`` (e.g. a request to
+            parameter-server task 0).
     """
 
     def __init__(self, name: str, ask: Callable[[str, int, dict[str, Any]], dict[str, Any]]):
@@ -339,6 +364,24 @@ def distribute_dataset(dataset: Any, global_batch_size: int, **kwargs: Any) -> D
 
     Strategies call this with their replica layout. ``num_workers``, ``prefetch_factor``,
     ``persistent_workers`` and ``pin_memory`` (both classes) make batches on DataLoader workers.
+
+    Args:
+        dataset: a map-style dataset, a tuple or dict of tensors, or a stream.
+        global_batch_size: the examples of one step over all replicas.
+        **kwargs: the other arguments of ``DistributedDataset`` or ``DistributedStream``.
+
+    Returns:
+        This replica's input, iterated once per epoch.
+
+    Example:
+        ```python
+        import torch
+        from towers.data import distribute_dataset
+
+        data = torch.utils.data.TensorDataset(torch.arange(12.0))
+        replica_1 = distribute_dataset(data, 6, num_replicas=2, replica_id=1, shuffle=False)
+        assert [x.tolist() for (x,) in replica_1] == [[3.0, 4.0, 5.0], [9.0, 10.0, 11.0]]
+        ```
     """
     if is_stream(dataset):
         return DistributedStream(dataset, global_batch_size, **kwargs)

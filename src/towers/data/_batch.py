@@ -22,14 +22,47 @@ log = get_logger(__name__)
 
 
 def shard_bounds(batch_size: int, num_replicas: int, replica_id: int) -> tuple[int, int]:
-    """Return ``[start, stop)`` of ``replica_id``'s contiguous share of a batch of ``batch_size`` examples."""
+    """Return ``[start, stop)`` of ``replica_id``'s contiguous share of a batch of ``batch_size`` examples.
+
+    Args:
+        batch_size: the examples of the global batch.
+        num_replicas: the replicas that share it.
+        replica_id: the replica whose share is asked for.
+
+    Returns:
+        ``(start, stop)``: the first ``batch_size % num_replicas`` replicas get one example more.
+
+    Example:
+        ```python
+        from towers.data import shard_bounds
+
+        assert [shard_bounds(10, 3, r) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+        ```
+    """
     base, extra = divmod(batch_size, num_replicas)
     start = replica_id * base + min(replica_id, extra)
     return start, start + base + (1 if replica_id < extra else 0)
 
 
 def global_batch_sizes(num_examples: int, global_batch_size: int, *, drop_remainder: bool = False) -> list[int]:
-    """Return the size of every global batch of one epoch."""
+    """Return the size of every global batch of one epoch.
+
+    Args:
+        num_examples: the examples of the epoch.
+        global_batch_size: the examples of one global batch.
+        drop_remainder: leave out a last batch smaller than ``global_batch_size``.
+
+    Returns:
+        The sizes in order: full batches, then the remainder (unless dropped).
+
+    Example:
+        ```python
+        from towers.data import global_batch_sizes
+
+        assert global_batch_sizes(10, 4) == [4, 4, 2]
+        assert global_batch_sizes(10, 4, drop_remainder=True) == [4, 4]
+        ```
+    """
     full, rest = divmod(num_examples, global_batch_size)
     return [global_batch_size] * full + ([rest] if rest and not drop_remainder else [])
 
@@ -42,12 +75,16 @@ def _always() -> bool:
 class JobPosition:
     """Where a batch stands in the job: what the Trainer reads its progress from.
 
-    ``epoch`` and ``step`` (the batch's place among this replica's steps of the epoch: the global
-    batch for a static split, the replica's own count where batches are handed out at run time);
-    ``committed()``, asked after the step that trained the batch, says whether its update was applied
-    (always, except where a step can be dropped: fault tolerance retries it with the same batch, so
-    the next batch has the same position). A position that is not where the Trainer's own count is
-    (a replica group that joined a running job) moves the Trainer there.
+    A position that is not where the Trainer's own count is (a replica group that joined a running job)
+    moves the Trainer there.
+
+    Attributes:
+        epoch: the epoch of the batch.
+        step: the batch's place among this replica's steps of the epoch: the global batch for a static split,
+            the replica's own count where batches are handed out at run time.
+        committed: asked after the step that trained the batch, says whether its update was applied (always,
+            except where a step can be dropped: fault tolerance retries it with the same batch, so the next
+            batch has the same position).
     """
 
     epoch: int
@@ -57,7 +94,23 @@ class JobPosition:
 
 @dataclass(frozen=True)
 class BatchInfo:
-    """The accounting a yielded batch carries: its epoch and index, global batch size, padding and place in an update window."""
+    """The accounting a yielded batch carries: its epoch and index, global batch size, padding and place in an update window.
+
+    Attributes:
+        index: the global batch's index in its epoch.
+        num_batches: the global batches of the epoch.
+        global_batch_size: the examples of the global batch, over all replicas.
+        local_batch_size: this replica's share of them.
+        num_padding_examples: trailing examples of the share that are padding (weight zero).
+        examples_per_update: examples (global) in the optimizer update this batch belongs to.
+        batches_per_update: micro-batches in that update.
+        last_in_update: True on the last micro-batch of an update.
+        unit: ``(pass, global batch, replica)`` of a batch handed out one at a time, else None.
+        epoch: the epoch the batch belongs to.
+        rows: positions ``[lo, hi)`` of the epoch's example order that this share trains, or None.
+        position: the job's position at this batch.
+        peer_rows: positions of the other replicas' shares of the same update that this one records as seen.
+    """
 
     index: int
     num_batches: int
@@ -90,7 +143,26 @@ _INFO_ATTR = "_towers_batch"
 
 
 def batch_info(value: Any) -> BatchInfo | None:
-    """Return the ``BatchInfo`` a tensor yielded by ``distribute_dataset`` carries, or None for any other value."""
+    """Return the ``BatchInfo`` a tensor yielded by ``distribute_dataset`` carries, or None for any other value.
+
+    Args:
+        value: a tensor of a batch, or anything else.
+
+    Returns:
+        The batch's accounting, or None.
+
+    Example:
+        ```python
+        import torch
+        import towers
+        from towers.data import batch_info
+
+        strategy = towers.OneDeviceStrategy("cpu")
+        for (x,) in strategy.distribute_dataset(torch.utils.data.TensorDataset(torch.randn(10, 2)), global_batch_size=4):
+            info = batch_info(x)
+            print(info.index, info.global_batch_size, info.local_batch_size)  # 0 4 4, 1 4 4, 2 2 2
+        ```
+    """
     return getattr(value, _INFO_ATTR, None) if isinstance(value, torch.Tensor) else None
 
 
@@ -111,6 +183,13 @@ def _leaves(value: Any) -> Iterator[Any]:
 
 def find_batch_info(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> BatchInfo | None:
     """Return the ``BatchInfo`` carried by the tensors among ``args``/``kwargs`` (nested), or None when none carries one.
+
+    Args:
+        args: a call's positional arguments (nested lists, tuples and dicts are searched).
+        kwargs: its keyword arguments.
+
+    Returns:
+        The accounting of the batch the tensors come from, or None.
 
     Raises:
         ValueError: when tensors of batches with different accounting are mixed in one call.
@@ -146,7 +225,15 @@ def attach_batch_info(batch: Any, info: BatchInfo) -> Any:
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Return ``value`` with ``fn`` applied to every tensor in it (tuples, namedtuples, lists and dicts keep their type)."""
+    """Return ``value`` with ``fn`` applied to every tensor in it (tuples, namedtuples, lists and dicts keep their type).
+
+    Args:
+        value: a tensor, or tuples, namedtuples, lists and dicts of them (and of other values, kept as they are).
+        fn: applied to each tensor.
+
+    Returns:
+        A new structure of the same shape (``value`` itself where it holds no tensor).
+    """
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):

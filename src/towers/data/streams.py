@@ -91,6 +91,28 @@ class DistributedStream(DataLoaderNames):
     ``num_workers`` and ``dataset`` (the stream; where it has no number of examples, ``Shards``
     and Hugging Face streams among them, a view of it whose ``len()`` raises a ``TypeError`` that
     says what to use). ``len()`` of this object raises the same way until its length is known.
+
+    Args:
+        stream: ``towers.data.Shards``, a torch ``IterableDataset`` or a Hugging Face
+            ``datasets.IterableDataset`` (see above).
+        global_batch_size: the examples of one step over all replicas.
+        num_replicas: the replicas that split each global batch.
+        replica_id: this replica's index.
+        device: where this replica's batches are put.
+        shuffle: shuffle within blocks of ``shuffle_block`` records and the shards' order, anew every epoch.
+        seed: the order's seed.
+        drop_remainder: leave out a last global batch smaller than ``global_batch_size``.
+        pad_empty_batches: as ``DistributedDataset``'s.
+        accumulation_steps: as ``DistributedDataset``'s.
+        collate_fn: makes a batch of a list of examples. Default: torch's ``default_collate``.
+        num_virtual_shards: the virtual shards a torch ``IterableDataset`` is dealt into (default 64).
+        shuffle_block: the records of a shard shuffled together.
+        num_workers: ``DataLoader`` worker processes that transform and collate.
+        prefetch_factor: as for map-style data.
+        persistent_workers: as for map-style data.
+        pin_memory: as for map-style data.
+        dispatch: hand batches out at run time (parameter servers) instead of the static split.
+        agree: the element-wise max of a tensor over the replicas (see above).
     """
 
     def __init__(self, stream: Any, global_batch_size: int, *, num_replicas: int = 1, replica_id: int = 0,
