@@ -65,7 +65,7 @@ def test_evaluator_is_refused():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"mode": "hogwild"}, r"mode must be one of \('async', 'sync'\). Received: mode='hogwild'"),
+    ({"mode": "hogwild"}, r"mode must be one of \('async', 'sync', 'diloco'\). Received: mode='hogwild'"),
     ({"mode": "sync", "staleness": 2}, "sync mode is never stale"),
     ({"staleness": -1}, "staleness must be None or an integer >= 0"),
     ({"timeout_s": 0}, "timeout_s must be > 0"),

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from towers.errors import FailedPreconditionError, InvalidArgumentError
+from towers.errors import FailedPreconditionError, InvalidArgumentError, user_error
 from towers.strategies._copies import refuse_copies
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.tables import ROW_OPTIMIZERS, TableSpec, check_options, hash_ids, initial_rows
@@ -200,6 +200,14 @@ class SparseTables:
 
     def __len__(self) -> int:
         return len(self.modules)
+
+    def refuse_weighted_loss(self) -> None:
+        """Raise: ``compute_average_loss(..., weights=...)`` cannot normalise the rows' gradients (pushed apart)."""
+        raise user_error(
+            "compute_average_loss(..., weights=...) cannot normalise the gradients of ShardedEmbedding rows (they "
+            "go to the ps tasks apart from the dense gradients)", f"a model with {len(self)} table(s)",
+            "Normalise by examples instead: compute_average_loss(per_example_loss) with one loss per example "
+            "(e.g. each example's mean over its tokens).")
 
     def register(self) -> None:
         """Tell every ps task about the tables (the first worker's specs create them) and bind the modules.

@@ -7,8 +7,9 @@ from towers.errors import InvalidArgumentError, user_error
 
 __all__ = ["MODES", "check_options"]
 
-#: Update modes: ``async`` applies each gradient on arrival; ``sync`` one summed update per round.
-MODES = ("async", "sync")
+#: Update modes: ``async`` applies each gradient on arrival; ``sync`` one summed update per round; ``diloco``: workers
+#: train on their own for ``sync_every`` steps, then the ps tasks apply an outer step to their parameter change.
+MODES = ("async", "sync", "diloco")
 
 
 def check_options(mode: str, staleness: int | None, *, timeout_s: float, overlap: bool, shared_memory: bool) -> None:
@@ -16,7 +17,8 @@ def check_options(mode: str, staleness: int | None, *, timeout_s: float, overlap
     parses ``overlap`` and ``shared_memory`` with ``parse_flag`` first)."""
     if mode not in MODES:
         raise InvalidArgumentError(f"mode must be one of {MODES}. Received: mode={mode!r}. Use 'async' to apply each "
-                                   "gradient on arrival or 'sync' for one summed update per round.")
+                                   "gradient on arrival, 'sync' for one summed update per round, or 'diloco' for an "
+                                   "outer step every sync_every local steps (slow links).")
     if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
         raise InvalidArgumentError(f"staleness must be None or an integer >= 0. Received: staleness={staleness!r}.")
     if staleness is not None and mode == "sync":

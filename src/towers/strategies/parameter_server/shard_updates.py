@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from towers._logging import get_logger
+from towers.strategies.parameter_server.diloco_codec import unpack_delta
 from towers.strategies.parameter_server.dispatch import Dispatcher, unpack_unit
 from towers.strategies.parameter_server.generations import ModelTurnover
 from towers.strategies.parameter_server.requests import KERNEL_KEYS, RequestError, build_optimizer
@@ -48,6 +49,8 @@ class ShardUpdates:
     present: list[bool]
     sum_buf: torch.Tensor
     round_buf: torch.Tensor
+    #: A sync round of weighted pushes (DiLoCo's parameter changes): the sum of the weights; None: plain sums.
+    round_weight: float | None = None
     dispatcher: Dispatcher | None
     generation: int  # which of the job's models the shard holds (a later strategy.prepare replaces it)
     turnover: ModelTurnover  # the latest model each worker registered (shared with the embedding tables)
@@ -144,6 +147,9 @@ class ShardUpdates:
         units = (msg.meta or {}).get("units") or unpack_unit(msg.ints)
         if msg.flat is None and w in self.shared:
             msg.flat = self.shared[w][0].tensor  # the worker wrote its gradients there before sending the push
+        weight, packed = (msg.meta or {}).get("weight"), (msg.meta or {}).get("packed")
+        if msg.flat is None and packed is not None:  # a compressed DiLoCo change
+            msg.flat = unpack_delta(packed, self._shard(), mask, self.grad_bufs.get(w), self.ps_index)
         grads = self._shard().views(flat_values(msg))
         with self.cond:
             if self.mode == "async":
@@ -155,6 +161,8 @@ class ShardUpdates:
                 self._set_hyper(hyper)
                 for i, p in enumerate(self.params):
                     p.grad = grads[i] if mask is None or mask[i] else None
+                    if p.grad is not None and weight is not None:
+                        p.grad.mul_(float(weight))  # a DiLoCo change applied alone: scaled by 1/workers
                 self._step([w])
                 if units and self.dispatcher is not None:
                     self.dispatcher.applied(w, units)
@@ -165,8 +173,13 @@ class ShardUpdates:
             my_round = self.round
             self._set_hyper(hyper)
             regions, sums = self._shard().region_views(flat_values(msg)), self._shard().region_views(self.sum_buf)
+            if weight is not None:  # DiLoCo: the round applies the live workers' changes averaged by their weights
+                self.round_weight = float(weight) + (self.round_weight or 0.0) if self.arrivals else float(weight)
             for s, g in zip(sums, regions):
-                s.copy_(g) if not self.arrivals else s.add_(g)
+                if weight is not None:
+                    s.copy_(g).mul_(float(weight)) if not self.arrivals else s.add_(g, alpha=float(weight))
+                else:
+                    s.copy_(g) if not self.arrivals else s.add_(g)
             self.present = [a or mask is None or bool(mask[i]) for i, a in enumerate(self.present)]
             self.arrivals.add(w)
             if units and self.dispatcher is not None:  # the round applies an arrival whatever happens to w
@@ -184,6 +197,12 @@ class ShardUpdates:
 
     def _apply_round(self) -> None:
         grads = self._shard().views(self.sum_buf)
+        if self.round_weight is not None:  # weighted changes: their average (no weight at all: no step)
+            for s in self._shard().region_views(self.sum_buf):
+                s.div_(self.round_weight) if self.round_weight > 0 else s.zero_()
+            if self.round_weight <= 0:
+                self.present = [False] * len(self.params)
+            self.round_weight = None
         for i, p in enumerate(self.params):
             p.grad = grads[i] if self.present[i] else None
         self._step(sorted(self.arrivals))

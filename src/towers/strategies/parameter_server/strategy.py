@@ -31,9 +31,9 @@ from towers.checkpoint.layout import CheckpointIO
 from towers.checkpoint.preemption import Preempted
 from towers.cluster.info import ProcessInfo
 from towers.cluster.strategy_options import parse_flag
-from towers.data import BatchInfo, Dispatch, DistributedDataset, DistributedStream, is_stream
+from towers.data import BatchInfo, Dispatch, DistributedDataset, DistributedStream
 from towers.devices import gpu_count, warn_if_gpus_idle
-from towers.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError, user_error
+from towers.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group
 from towers.strategies._bitwise import refuse_bitwise
@@ -41,12 +41,16 @@ from towers.strategies.base import ReplicaContext, Strategy, note_built
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.collectives import WorkerCollectives
+from towers.strategies.parameter_server.diloco import DiLoCo
+from towers.strategies.parameter_server.diloco_options import diloco_options
 from towers.strategies.parameter_server.embeddings import SparseTables, bind_tables
 from towers.strategies.parameter_server.generations import ModelGenerations
+from towers.strategies.parameter_server.inputs import worker_input
 from towers.strategies.parameter_server.optimizer import ParameterServerOptimizer
 from towers.strategies.parameter_server.options import MODES, check_options
 from towers.strategies.parameter_server.roles import Roles, resolve_roles
 from towers.strategies.parameter_server.startup import open_links, serve_links
+from towers.strategies.parameter_server.traffic import wire_stats
 from towers.strategies.parameter_server.worker import BoundModel
 from towers.strategies.precision import MixedPrecisionModule, Precision, resolve_precision
 
@@ -60,7 +64,9 @@ class ParameterServerStrategy(Strategy):
 
     Args:
         num_ps: ps tasks; default: what the launcher asked for (``--num-ps``, TF_CONFIG), else 1.
-        mode: ``"async"`` (apply each gradient on arrival) or ``"sync"`` (one summed update per round).
+        mode: ``"async"`` (apply each gradient on arrival), ``"sync"`` (one summed update per round) or ``"diloco"``
+            (each worker takes ``sync_every`` steps with its own optimizer, then the ps tasks step an outer optimizer
+            on the workers' parameter change: for slow links; ``diloco.py``).
         staleness: ``async`` only: a push waits while its worker has more than ``staleness`` applied
             updates beyond the slowest live worker. ``None``: no bound.
         info: this process's place in the job (default ``towers.cluster.from_env()``).
@@ -74,10 +80,12 @@ class ParameterServerStrategy(Strategy):
         shared_memory: a worker and a ps task on the same host exchange the dense gradients and parameters
             through shared memory (``/dev/shm``), and their link carries only the message headers. Hosts
             apart, or a ps task that refuses, keep the wire. Not used with ``overlap=True``. Default True.
+        sync_every, outer_optimizer, outer_lr, outer_momentum, outer_mode, compression, fragments: ``mode="diloco"``'s
+            options (None: DiLoCo's default; see ``diloco_options.py``), refused under another mode.
 
     Raises:
-        ValueError: unknown mode, bad staleness, ``num_ps`` that leaves no worker or contradicts the launcher,
-            precision ``"fp16"``.
+        ValueError: unknown mode, bad staleness or DiLoCo option, ``num_ps`` that leaves no worker or contradicts the
+            launcher, precision ``"fp16"``.
         DistributedError: connecting failed, or (on a ps task) the job failed while serving.
     """
 
@@ -88,10 +96,15 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, num_ps: int | None = None, mode: str = "async", staleness: int | None = None, *,
                  info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
                  precision: str | int | None = "32", overlap: bool = False, shared_memory: bool = True,
-                 bitwise: bool = False):
+                 bitwise: bool = False, sync_every: int | None = None, outer_optimizer: Any = None,
+                 outer_lr: float | None = None, outer_momentum: float | None = None, outer_mode: str | None = None,
+                 compression: str | None = None, fragments: int | None = None):
         refuse_bitwise(type(self).__name__, bitwise)
         overlap, shared_memory = parse_flag("overlap", overlap), parse_flag("shared_memory", shared_memory)
         check_options(mode, staleness, timeout_s=timeout_s, overlap=overlap, shared_memory=shared_memory)
+        outer = diloco_options(mode, staleness, overlap=overlap, strategy=self.name, options=dict(
+            sync_every=sync_every, outer_optimizer=outer_optimizer, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            outer_mode=outer_mode, compression=compression, fragments=fragments))
         self.overlap, self.shared_memory, exit_on_ps = overlap, shared_memory, parse_flag("exit_on_ps", exit_on_ps)
         if info is None:
             from towers import cluster
@@ -101,6 +114,7 @@ class ParameterServerStrategy(Strategy):
         note_built(info, self.name)
         self.roles: Roles = resolve_roles(info, num_ps)
         self.num_ps = self.roles.num_ps
+        self._diloco = DiLoCo(outer, num_workers=self.roles.num_workers) if outer is not None else None
         self._client: ParameterClient | None = None
         self._bound: BoundModel | None = None
         self._sparse: SparseTables | None = None
@@ -139,7 +153,8 @@ class ParameterServerStrategy(Strategy):
         """Hook: collectives every rank (ps tasks too) must join before the ps tasks start serving."""
 
     def _serve(self, links: list[transport.Link], exit_on_ps: bool) -> None:
-        self._stats, preempted_at = serve_links(links, self.roles, self._info, mode=self.mode, staleness=self.staleness,
+        mode = self._diloco.options.outer_mode if self._diloco is not None else self.mode  # DiLoCo: rounds of changes
+        self._stats, preempted_at = serve_links(links, self.roles, self._info, mode=mode, staleness=self.staleness,
                                                 timeout_s=self.timeout_s, shared_memory=self.shared_memory,
                                                 exit_on_ps=exit_on_ps)
         if exit_on_ps:
@@ -231,10 +246,12 @@ class ParameterServerStrategy(Strategy):
             client.finish()  # the reply of the earlier model's last push (overlap) lands before the ps moves on
         model = parallelize(model.to(self.device), None, ParallelOptions(activation_checkpointing=activation_checkpointing))
         sparse = self._bind_tables(model, optimizer, client, generation)
+        diloco = self._diloco.check_model(sparse, optimizer) if self._diloco is not None else None
         bound = None
         if sparse is None or any(True for _ in model.parameters()):
-            bound = BoundModel(model, client, num_ps=self.num_ps, is_chief=self.is_chief, optimizer=optimizer,
-                               overlap=self.overlap, shared_memory=self.shared_memory,
+            bound = BoundModel(model, client, num_ps=self.num_ps, is_chief=self.is_chief, overlap=self.overlap,
+                               optimizer=optimizer if diloco is None else diloco.outer_optimizer(model),
+                               shared_memory=self.shared_memory and diloco is None,  # DiLoCo's replies land apart
                                on_dead=self._log_dead, generation=generation)
             bound.register()
             bound.install_hooks(refresh_on_state_dict=self.mode == "async")
@@ -244,6 +261,9 @@ class ParameterServerStrategy(Strategy):
         prepared = self._compile(prepared, compile)
         self._optimizer = optimizer
         self._prepared_any = True
+        if diloco is not None and bound is not None and optimizer is not None:
+            return prepared, diloco.wrap(optimizer, bound, step_batches=self._take_step_batches,
+                                         replaced=lambda: self._generations.replaced(generation))
         optimizer_out = (ParameterServerOptimizer(optimizer, bound, sparse, step_batches=self._take_step_batches,
                                                   finish_gradients=self._finish_loss_weights,
                                                   expected_gradient_changes=lambda: int(self._loss_weights.divided),
@@ -259,8 +279,7 @@ class ParameterServerStrategy(Strategy):
         return sparse
 
     def _take_step_batches(self) -> tuple[bool, list[list[Any]]]:
-        """Whether the last step's batch was empty, and the dispatched batches run since the last push (their
-        gradients are in this one); forgets both."""
+        """Whether the last step's batch was empty, and the dispatched batches run since the last push; forgets both."""
         empty, units = self._empty_step, self._ran_units
         self._empty_step, self._ran_units = False, []
         return empty, units
@@ -270,12 +289,9 @@ class ParameterServerStrategy(Strategy):
 
     def _check_weighted_loss(self) -> None:
         super()._check_weighted_loss()
-        if self._sparse is not None:
-            raise user_error(
-                "compute_average_loss(..., weights=...) cannot normalise the gradients of ShardedEmbedding rows (they "
-                "go to the ps tasks apart from the dense gradients)", f"a model with {len(self._sparse)} table(s)",
-                "Normalise by examples instead: compute_average_loss(per_example_loss) with one loss per example "
-                "(e.g. each example's mean over its tokens).")
+        for refuser in (self._diloco, self._sparse):  # DiLoCo's inner steps, the rows' gradients: normalised apart
+            if refuser is not None:
+                refuser.refuse_weighted_loss()
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Call ``fn(*args, **kwargs)`` as this worker's step (see ``Strategy.run``).
@@ -297,6 +313,8 @@ class ParameterServerStrategy(Strategy):
         self._empty_step = batch is not None and batch.local_batch_size == 0
         if batch is not None and batch.unit is not None:
             self._ran_units.append(list(batch.unit))
+        if self._diloco is not None:
+            self._diloco.note_batch(batch)
         return super()._replica_context(batch)
 
     @property
@@ -317,8 +335,7 @@ class ParameterServerStrategy(Strategy):
         if self.is_chief and self._client is not None:
             stats = self._client.stats()[0]
             for w, reason in sorted(stats["dead"].items()):
-                log.warning("worker %d (rank %d) is gone (%s); %s", w, w, reason,
-                            "the other workers go on and take over its batches")
+                log.warning("worker %d (rank %d) is gone (%s); the other workers go on and take over its batches", w, w, reason)
 
     def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                            drop_remainder: bool = False, pad_empty_batches: bool = False,
@@ -341,22 +358,13 @@ class ParameterServerStrategy(Strategy):
         """
         client = self._require_worker("distribute_dataset")
         self._datasets += 1
-        dispatch = Dispatch(f"d{self._datasets}", client.next_batches) if self._dispatch_batches else None
-        if is_stream(dataset):
-            return DistributedStream(
-                dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
-                device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
-                pad_empty_batches=pad_empty_batches, collate_fn=collate_fn, num_workers=num_workers,
-                prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory=pin_memory,
-                dispatch=dispatch, **stream_options)
-        if stream_options:
-            raise user_error("num_virtual_shards and shuffle_block apply to streams only", sorted(stream_options),
-                             "Leave them out for a map-style dataset.", cls=TypeError)
-        return DistributedDataset(
-            dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
-            device=self.device, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
-            pad_empty_batches=pad_empty_batches, collate_fn=collate_fn, dispatch=dispatch, num_workers=num_workers,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory=pin_memory)
+        fetch = client.next_batches if self._diloco is None else self._diloco.dispatch(client.next_batches)
+        dispatch = Dispatch(f"d{self._datasets}", fetch) if self._dispatch_batches else None
+        return worker_input(dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
+                            device=self.device, dispatch=dispatch, stream_options=stream_options, shuffle=shuffle, seed=seed,
+                            drop_remainder=drop_remainder, pad_empty_batches=pad_empty_batches, collate_fn=collate_fn,
+                            num_workers=num_workers, prefetch_factor=prefetch_factor,
+                            persistent_workers=persistent_workers, pin_memory=pin_memory)
 
     def checkpoint_io(self) -> CheckpointIO:
         """The chief writes every checkpoint tensor: the state lives on ps tasks, which do not run the script."""
@@ -372,25 +380,16 @@ class ParameterServerStrategy(Strategy):
             return [dict(self._stats or {})]
         return self._require_worker("ps_stats").stats()
 
-    def wire_stats(self) -> dict[str, int]:
-        """Return this worker's traffic with the ps tasks so far.
-
-        ``bytes_sent``/``bytes_received``: everything on its ps links, headers included;
-        ``rows_pulled``/``rows_pushed``: embedding rows moved, and ``row_bytes``: their values' bytes
-        (the touched-rows ideal a step cannot go below); ``shared_memory_bytes``: dense gradients and
-        parameters a ps task on this host read and wrote in place instead. Zeros on a ps task.
-        """
+    def wire_stats(self) -> dict[str, float]:
+        """Return this worker's traffic with the ps tasks so far (``traffic.wire_stats``; zeros on a ps task)."""
         links = self._client.links if self._client is not None else []
-        sparse = self._sparse
-        return {"bytes_sent": sum(link.bytes_sent for link in links),
-                "bytes_received": sum(link.bytes_received for link in links),
-                "rows_pulled": sparse.rows_pulled if sparse else 0, "rows_pushed": sparse.rows_pushed if sparse else 0,
-                "row_bytes": sparse.row_bytes if sparse else 0,
-                "shared_memory_bytes": self._bound.shared_bytes if self._bound is not None else 0}
+        return wire_stats(links, self._sparse, self._bound, self._diloco)
 
     def shutdown(self) -> None:
         """Tell the ps tasks this worker is done (idempotent; also runs at exit)."""
         if self._client is not None and not self._client.closed:
+            if self._diloco is not None:
+                self._diloco.report(self.wire_stats())
             self._client.bye()
 
     def __repr__(self) -> str:

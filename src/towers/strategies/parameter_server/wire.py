@@ -117,8 +117,9 @@ def decode(raw: bytes, blob: torch.Tensor | None) -> Any:
         if offset + nbytes > data.numel():
             raise ProtocolError(f"the header describes more tensor bytes than the message carries "
                                 f"({offset + nbytes} > {data.numel()})")
-        # A copy per tensor: each owns its memory (torch.save refuses views of one buffer as several dtypes).
-        tensors.append(data[offset:offset + nbytes].view(dtype).view(shape).clone() if nbytes
+        # A copy per tensor: each owns its memory (torch.save refuses views of one buffer as several dtypes), copied
+        # before it is viewed as its dtype: after a tensor of an odd byte count the offset fits no wider dtype.
+        tensors.append(data[offset:offset + nbytes].clone().view(dtype).view(shape) if nbytes
                        else torch.empty(shape, dtype=dtype))
         offset += nbytes
     if offset != data.numel():

@@ -219,10 +219,10 @@ class BoundModel:
         self.pushes += 1
         if told:
             self.client.batches_applied(told)
-        self._replied(replies)
+        self.note_replies(replies)
         self._to_params()
 
-    def _replied(self, replies: list[Any]) -> None:
+    def note_replies(self, replies: list[Any]) -> None:
         """Note the ps versions and dead workers a push's replies report."""
         for p, reply in zip(self.active, replies):
             self.versions[p] = reply.ints[0]
@@ -234,7 +234,7 @@ class BoundModel:
         """An overlapped push's replies are in the stage buffers: they become the parameters (a swap, no copy)."""
         if told:
             self.client.batches_applied(told)
-        self._replied(replies)
+        self.note_replies(replies)
         assert self._stage_bufs is not None
         for p in self.active:
             self.param_bufs[p], self._stage_bufs[p] = self._stage_bufs[p], self.param_bufs[p]
