@@ -23,7 +23,15 @@ DEFAULT_JOIN_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Addresses (``host:port``) of every task, by task type."""
+    """Addresses (``host:port``) of every task, by task type.
+
+    Attributes:
+        jobs: task type (``chief``, ``worker``, ``ps``, ``evaluator``) -> the addresses of its tasks, in index
+            order (TF_CONFIG's ``cluster``).
+
+    Raises:
+        ValueError: an unknown task type, or a job given as one string instead of a list.
+    """
 
     jobs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
@@ -60,7 +68,15 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class TaskInfo:
-    """This process's task: its type (``chief``/``worker``/``ps``/``evaluator``) and index."""
+    """This process's task: its type (``chief``/``worker``/``ps``/``evaluator``) and index.
+
+    Attributes:
+        type: ``"chief"``, ``"worker"``, ``"ps"`` or ``"evaluator"``.
+        index: the task's index among its type's.
+
+    Raises:
+        ValueError: an unknown type or a negative index.
+    """
 
     type: str = "worker"
     index: int = 0
@@ -76,18 +92,55 @@ class TaskInfo:
 class ProcessInfo:
     """Who this process is in the job: ranks, sizes, role and where the rendezvous is.
 
-    ``rank``/``world_size`` count every process of the job (ps tasks included);
-    ``local_rank``/``local_world_size`` count the processes on this host.
-    ``strategy``/``num_ps`` carry what ``towers launch --strategy/--num-ps`` asked for;
-    ``checkpoint_dir`` is where the job keeps checkpoints (``TOWERS_CHECKPOINT_DIR``, set by the
-    manifests ``towers k8s`` renders), or None. ``restart_count`` counts the launcher's restarts
-    of this job; ``agent_store`` is True when the launcher's agent hosts the rendezvous store
-    (torchrun), so no rank starts its own. ``interface`` names the network interface every link of
-    the job binds (``TOWERS_INTERFACE``, set by ``towers launch --interface``, else
-    ``GLOO_SOCKET_IFNAME``), or None: ``towers.network`` then picks one when the job spans hosts.
-    ``join_timeout_s`` bounds the wait for the other processes at start-up (``TOWERS_JOIN_TIMEOUT_S``).
-    ``stuck_timeout_s`` is the least time a rank may wait in one collective before the stuck-job
-    watchdog ends the job (``TOWERS_STUCK_TIMEOUT_S``; None: its default, 0: no watchdog).
+    Attributes:
+        rank: this process among every process of the job (ps tasks included).
+        world_size: every process of the job.
+        local_rank: this process among the processes on this host.
+        local_world_size: the processes on this host.
+        node_rank: this host among the job's hosts.
+        master_addr: where the rendezvous is.
+        master_port: its port (None: not known yet).
+        task: this process's task type and index (TF_CONFIG's terms).
+        cluster: every task's address, by type.
+        source: where the values came from (``"tf_config"``, ``"torchrun"``, ``"slurm"``, ..., ``"single"``).
+        strategy: what ``towers launch --strategy`` asked for (``TOWERS_STRATEGY``), or None.
+        num_ps: what ``towers launch --num-ps`` asked for.
+        chief_rank: the rank of the chief, the process that writes files and logs for the job.
+        checkpoint_dir: where the job keeps checkpoints (``TOWERS_CHECKPOINT_DIR``, set by the manifests
+            ``towers k8s`` renders), or None.
+        restart_count: the launcher's restarts of this job.
+        agent_store: True when the launcher's agent hosts the rendezvous store (torchrun), so no rank starts
+            its own.
+        interface: the network interface every link of the job binds (``TOWERS_INTERFACE``, set by ``towers
+            launch --interface``, else ``GLOO_SOCKET_IFNAME``), or None: ``towers.network`` then picks one when
+            the job spans hosts.
+        log_level: the level of the rank-prefixed output ``towers launch`` sets up in its workers.
+        join_timeout_s: the wait for the other processes at start-up (``TOWERS_JOIN_TIMEOUT_S``).
+        stuck_timeout_s: the least time a rank may wait in one collective before the stuck-job watchdog ends
+            the job (``TOWERS_STUCK_TIMEOUT_S``; None: its default, 0: no watchdog).
+        strategy_options: options for the strategy from outside the script (``--strategy-option``).
+        launch_dir: the directory ``towers launch`` made for this job, or None.
+        verify_dir: where ``towers verify`` collects the parameters after each update, or None.
+        verify_steps: how many updates ``towers verify`` compares.
+        ledger_dir: where the ledger of trained examples is appended (``towers launch --ledger``), or None.
+        replica_group: ``(group id, rank in the group, group size, the group store's port)`` under
+            ``--strategy fault_tolerant``, or None.
+        lighthouse: the torchft lighthouse's address, or None.
+        preemption_signals: the signals that are preemption notices (e.g. ``"TERM,USR1"``), or None: the
+            default.
+
+    Raises:
+        ValueError: a rank, size or port out of range.
+
+    Example:
+        ```python
+        from towers.cluster import TorchrunEnvironment
+
+        environ = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+        info = TorchrunEnvironment().process_info(environ)
+        assert info.rank == 1 and not info.is_chief
+        ```
     """
 
     rank: int = 0
