@@ -35,12 +35,26 @@ SLURM_PORT_SPAN = 20000
 
 
 def port_from_job_id(job_id: int) -> int:
-    """Return the rendezvous port every task of SLURM job ``job_id`` derives (15000..34999)."""
+    """Return the rendezvous port every task of SLURM job ``job_id`` derives (15000..34999).
+
+    Args:
+        job_id: ``SLURM_JOB_ID``.
+
+    Returns:
+        ``15000 + job_id % 20000``: the same on every task, without a message between them.
+    """
     return SLURM_PORT_BASE + int(job_id) % SLURM_PORT_SPAN
 
 
 def is_srun_task(environ: Mapping[str, str]) -> bool:
-    """Return True when ``environ`` is an ``srun`` task's (a job step), not a batch or ``salloc`` shell's."""
+    """Return True when ``environ`` is an ``srun`` task's (a job step), not a batch or ``salloc`` shell's.
+
+    Args:
+        environ: the environment variables to look at.
+
+    Returns:
+        True when ``SLURM_STEP_ID`` (or ``SLURM_STEPID``) is set.
+    """
     return any(environ.get(name, "").strip() for name in ("SLURM_STEP_ID", "SLURM_STEPID"))
 
 
@@ -77,6 +91,12 @@ def _expand_one(pattern: str) -> list[str]:
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """Return the host names of a SLURM host list such as ``"gpu[01-03,07],login1"``.
+
+    Args:
+        hostlist: ``SLURM_JOB_NODELIST``'s compressed form.
+
+    Returns:
+        The host names in order, e.g. ``["gpu01", "gpu02", "gpu03", "gpu07", "login1"]``.
 
     Raises:
         ClusterConfigError: when the list is malformed.
