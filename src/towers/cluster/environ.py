@@ -14,13 +14,24 @@ __all__ = ["read_environ", "environ_overrides", "export_interface"]
 
 
 def read_environ() -> dict[str, str]:
-    """Return a copy of this process's environment variables."""
+    """Return a copy of this process's environment variables.
+
+    Returns:
+        ``dict(os.environ)``: what ``from_env`` and the cluster environments read, as a plain dict.
+    """
     return dict(os.environ)
 
 
 @contextlib.contextmanager
 def environ_overrides(updates: Mapping[str, str]) -> Iterator[None]:
-    """Set ``updates`` in ``os.environ`` (inherited by child processes) and restore the old values on exit."""
+    """Set ``updates`` in ``os.environ`` (inherited by child processes) and restore the old values on exit.
+
+    Args:
+        updates: variable -> value (values are made strings).
+
+    Yields:
+        Nothing; the variables are set inside the ``with`` block.
+    """
     saved = {key: os.environ.get(key) for key in updates}
     os.environ.update({key: str(value) for key, value in updates.items()})
     try:
