@@ -75,6 +75,13 @@ def env_int(environ: Mapping[str, str], name: str, default: int | None = None, *
 def read_join_timeout(environ: Mapping[str, str], default: float = DEFAULT_JOIN_TIMEOUT_S) -> float:
     """Return ``TOWERS_JOIN_TIMEOUT_S`` in seconds (``default`` when unset).
 
+    Args:
+        environ: the environment variables to read.
+        default: the timeout when the variable is unset, in seconds.
+
+    Returns:
+        The timeout in seconds.
+
     Raises:
         ClusterConfigError: when the value is not a number > 0.
     """
