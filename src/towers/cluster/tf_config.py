@@ -60,6 +60,21 @@ def split_host_port(address: str) -> tuple[str, int]:
 def parse_tf_config(raw: str) -> tuple[ClusterSpec, TaskInfo]:
     """Return the ``(ClusterSpec, TaskInfo)`` that the ``TF_CONFIG`` JSON text ``raw`` describes.
 
+    Args:
+        raw: the ``TF_CONFIG`` JSON text.
+
+    Returns:
+        The cluster's addresses by task type, and this process's task.
+
+    Example:
+        ```python
+        from towers.cluster import parse_tf_config
+
+        spec, task = parse_tf_config('{"cluster": {"worker": ["host1:2222", "host2:2222"]}, '
+                                     '"task": {"type": "worker", "index": 1}}')
+        assert spec.num_workers == 2 and task.index == 1
+        ```
+
     Raises:
         ClusterConfigError: naming TF_CONFIG, what is wrong, the value received and the fix.
     """
