@@ -52,7 +52,15 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(ProcessInfo))
 
 def detect_environment(environ: Mapping[str, str],
                        environments: Sequence[ClusterEnvironment] = ENVIRONMENTS) -> ClusterEnvironment:
-    """Return the first environment of ``environments`` that detects itself in ``environ``."""
+    """Return the first environment of ``environments`` that detects itself in ``environ``.
+
+    Args:
+        environ: the environment variables to look at.
+        environments: the candidates, in order. Default: ``ENVIRONMENTS``.
+
+    Returns:
+        The first that detects itself; ``LocalEnvironment()`` when none does.
+    """
     for environment in environments:
         if environment.detect(environ):
             return environment
@@ -92,6 +100,13 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     fills ``preemption_signals``; ``TOWERS_FT_GROUP*`` (set by ``towers launch --strategy fault_tolerant``) fill
     ``replica_group`` and ``TORCHFT_LIGHTHOUSE`` ``lighthouse``.
     ``environ=None`` reads ``os.environ``; pass a dict in tests.
+
+    Args:
+        environ: the environment variables to read. None: ``os.environ``; pass a dict in tests.
+        **explicit: ``ProcessInfo`` fields that replace the detected values (e.g. ``rank=1, world_size=2``).
+
+    Returns:
+        This process's place in the job, frozen.
 
     Raises:
         TypeError: on an unknown keyword.
@@ -152,7 +167,14 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
 
 
 def describe(info: ProcessInfo) -> str:
-    """Return a one-line summary of ``info``, e.g. for a start-up log line."""
+    """Return a one-line summary of ``info``, e.g. for a start-up log line.
+
+    Args:
+        info: a process's place in the job.
+
+    Returns:
+        E.g. ``"rank 1/2, local 1/2, node 0, task worker:1, not chief, master 127.0.0.1:29500, ..."``.
+    """
     where = f"{info.master_addr}:{info.master_port}" if info.master_port is not None else f"{info.master_addr}:?"
     parts = [
         f"rank {info.rank}/{info.world_size}",
