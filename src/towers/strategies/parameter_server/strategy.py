@@ -80,8 +80,19 @@ class ParameterServerStrategy(Strategy):
         shared_memory: a worker and a ps task on the same host exchange the dense gradients and parameters
             through shared memory (``/dev/shm``), and their link carries only the message headers. Hosts
             apart, or a ps task that refuses, keep the wire. Not used with ``overlap=True``. Default True.
-        sync_every, outer_optimizer, outer_lr, outer_momentum, outer_mode, compression, fragments: ``mode="diloco"``'s
-            options (None: DiLoCo's default; see ``diloco_options.py``), refused under another mode.
+        sync_every: ``mode="diloco"``: the inner steps a worker takes on its own between two outer steps. This
+            and the six options below are DiLoCo's (None: its default; see ``diloco_options.py``), refused under
+            another mode.
+        outer_optimizer: ``mode="diloco"``: the optimizer the ps tasks apply to the averaged parameter change:
+            ``"nesterov"`` (DiLoCo's), ``"sgd"`` (parameter averaging), or a callable
+            ``params -> torch.optim.Optimizer``.
+        outer_lr: ``mode="diloco"``: the outer optimizer's learning rate.
+        outer_momentum: ``mode="diloco"``: the outer optimizer's momentum.
+        outer_mode: ``mode="diloco"``: ``"sync"`` (one outer step per round from every live worker's change) or
+            ``"async"`` (each worker's change applied on arrival, within ``staleness``).
+        compression: ``mode="diloco"``: how a change travels (``float32``, ``bf16``, ``int8``, with error feedback).
+        fragments: ``mode="diloco"``: the parameters are synchronised in this many fragments in turn, one per
+            outer step.
 
     Raises:
         ValueError: unknown mode, bad staleness or DiLoCo option, ``num_ps`` that leaves no worker or contradicts the
