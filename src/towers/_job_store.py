@@ -74,7 +74,9 @@ def join_store(info: ProcessInfo, timeout_s: float, since: float, watch: Startup
     watch.set_store_factory(lambda: store_client(info, client_host))
     # A process that leaves the group and joins again may find its old store alive (a module still holds the
     # old group): each join of this process gets its own keys; every rank joins as often as the others.
-    joins = dist.PrefixStore(f"join_{next(_JOIN_COUNT)}", prefixed)
+    global _JOINED
+    _JOINED = next(_JOIN_COUNT)
+    joins = dist.PrefixStore(f"join_{_JOINED}", prefixed)
 
     def dead(joined: Mapping[int, Member]) -> str | None:
         watch.watch(joined)
@@ -90,6 +92,13 @@ def join_store(info: ProcessInfo, timeout_s: float, since: float, watch: Startup
 
 
 _JOIN_COUNT = itertools.count()
+_JOINED = 0  # the index of this process's last join (0: its first)
+
+
+def group_store(store: dist.Store) -> dist.Store:
+    """The store a process group is made on: a later join's group gets keys of its own, since torch numbers a new
+    group as it numbered the destroyed one and would read the old group's addresses from the same store."""
+    return store if _JOINED == 0 else dist.PrefixStore(f"group_{_JOINED}", store)
 
 
 def rendezvous_store(info: ProcessInfo, timeout_s: float) -> dist.Store:

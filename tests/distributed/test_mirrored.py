@@ -114,8 +114,9 @@ def _replica(name: str, case_names: list[str]) -> dict | None:
         results[case_name] = train(strategy, n=case["n"], gbs=case["gbs"], model=case["model"],
                                    pad=case.get("pad", False))
         results[case_name]["replicas"] = strategy.num_replicas_in_sync
-        if entry.has_ps or entry.restarts_lost_replica:  # release the ps tasks (or leave the quorum) for the next case
-            strategy.shutdown()
+        # Each case leaves the job and the next joins it again, as a notebook building strategy after strategy does
+        # (a later group must not read the earlier one's addresses); ps tasks are released, a quorum left.
+        strategy.shutdown()
     return results or None
 
 
