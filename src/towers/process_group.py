@@ -27,6 +27,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from towers._job_store import group_store as _group_store
 from towers._job_store import join_store as _join
 from towers._job_store import rank_tag as _rank_tag
 from towers._job_store import rendezvous_store as _rendezvous_store  # noqa: F401 - towers.process_group._rendezvous_store
@@ -172,7 +173,7 @@ def init_process_group(
         excepthook = sys.excepthook
         watch.set_phase(f"creating the process group ({backend}) of {info.world_size} processes")
         try:
-            dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
+            dist.init_process_group(backend, store=_group_store(store), rank=info.rank, world_size=info.world_size,
                                     timeout=timedelta(seconds=timeout_s))
         except Exception as exc:  # torch raises several types (DistNetworkError, DistStoreError, RuntimeError)
             if watch.failure is not None:
