@@ -1,4 +1,4 @@
-"""DiLoCo on the parameter servers (``mode="diloco"``): 2 workers + 1 ps task, one spawn, five runs in it.
+"""DiLoCo on the parameter servers (``mode="diloco"``): 2 workers + 1 ps task, one spawn, six runs in it.
 
 * ``sync_every=1`` with outer SGD of rate 1 and no momentum, inner SGD: the same parameters as ``mode="sync"``.
   Why: each worker takes one SGD step on its own mean gradient, ``local_i = p - lr * g_i``; the ps averages the
@@ -8,7 +8,8 @@
 * ``sync_every=4`` with DiLoCo's Nesterov outer step and inner Adam: the parameters of a plain-torch DiLoCo written
   in this file (two local models, their changes averaged, ``torch.optim.SGD(nesterov=True)`` on the global copy);
   6 steps per epoch, so each epoch has a window of 4 and one of 2 (the end of a pass ends a window). Loss falls.
-* ``Trainer.fit`` under DiLoCo trains; int8 changes with 2 fragments train too and send fewer bytes per outer step.
+* ``Trainer.fit`` under DiLoCo trains; int8 changes with 2 fragments train too and send fewer bytes per outer step;
+  async outer rounds (each change applied on arrival, staleness 1) train.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def _worker() -> dict:
     out: dict = {}
     runs = {"sync": dict(mode="sync", shared_memory=False), "h1": dict(mode="diloco", sync_every=1, outer_optimizer="sgd"),
             "h4": dict(mode="diloco", sync_every=H),
-            "int8": dict(mode="diloco", sync_every=H, compression="int8", fragments=2)}
+            "int8": dict(mode="diloco", sync_every=H, compression="int8", fragments=2),
+            "async": dict(mode="diloco", sync_every=H, outer_mode="async", staleness=1)}
     for name, options in runs.items():
         strategy = towers.strategy_from_env(timeout_s=60, exit_on_ps=False, **options)
         if strategy.is_ps:
@@ -153,6 +155,9 @@ def test_diloco_equals_sync_at_h1_and_a_plain_torch_diloco_at_h4():
     int8 = chief["int8"]
     assert int8["loss"] < 0.8 * start and ps["int8"]["version"] == 4
     assert int8["wire"]["outer_bytes_sent"] < 0.5 * wire["outer_bytes_sent"]
+    # async outer rounds: each worker's change applied on arrival (4 per worker), within the staleness bound
+    assert ps["async"]["version"] == 2 * 4 and ps["async"]["max_lead"] <= 1 and ps["async"]["mode"] == "async"
+    assert chief["async"]["loss"] < 0.8 * start
     # Trainer.fit under DiLoCo: the loss falls; both workers end on the same (global) parameters
     assert chief["fit"]["loss"][-1] < 0.8 * chief["fit"]["loss"][0]
     assert all(torch.equal(a, b) for a, b in zip(chief["fit"]["params"], other["fit"]["params"]))

@@ -69,6 +69,7 @@ class DiLoCo:
         self.optimizer: DiLoCoOptimizer | None = None  # the latest prepared model's
         self._local = 0  # this worker's real examples in the update being computed
         self._global: int | None = 0  # the update's global examples; None: a batch without accounting
+        self._batches = 0  # micro-batches counted since the last step
         #: totals over the job: examples this worker trained, inner and outer steps, bytes its outer pushes sent
         self.examples = self.inner_steps = self.outer_steps = self.outer_bytes_sent = 0
 
@@ -77,13 +78,16 @@ class DiLoCo:
         if batch is None or self._global is None:
             self._global = None
             return
+        if self._batches >= batch.batches_per_update:  # a new update: the last batches had no step (evaluation)
+            self._local, self._batches = 0, 0
+        self._batches += 1
         self._local += batch.local_batch_size - batch.num_padding_examples
         self._global = batch.examples_per_update
 
     def take_examples(self) -> tuple[int | None, float]:
         """This update's local examples (None: unknown) and the factor from a global-batch mean to this worker's."""
         local, total = self._local, self._global
-        self._local, self._global = 0, 0
+        self._local, self._global, self._batches = 0, 0, 0
         if total is None:
             return None, 1.0
         return local, (total / local if local else 1.0)
