@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from cli_support import run, towers_command
 from doc_blocks import ROOT, python_blocks
 
