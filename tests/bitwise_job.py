@@ -65,10 +65,11 @@ def _outcome(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any, 
     return result
 
 
-def _strategy(bitwise: bool) -> towers.Strategy:
+def _strategy(bitwise: bool, **options: Any) -> towers.Strategy:
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return towers.OneDeviceStrategy("cpu", bitwise=bitwise, micro_batch_size=MICRO_BATCH if bitwise else None)
-    return towers.MirroredStrategy(bitwise=bitwise, micro_batch_size=MICRO_BATCH if bitwise else None)
+        return towers.OneDeviceStrategy("cpu", bitwise=bitwise, micro_batch_size=MICRO_BATCH if bitwise else None,
+                                        **options)
+    return towers.MirroredStrategy(bitwise=bitwise, micro_batch_size=MICRO_BATCH if bitwise else None, **options)
 
 
 def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy: towers.Strategy | None = None) -> dict:
@@ -128,6 +129,43 @@ def train_dropout(updates: int) -> dict:
 
     return _outcome(strategy, model, optimizer,
                     run_updates(strategy, classifier_step(strategy, model, optimizer), batches, updates))
+
+
+def train_habits(epochs: int) -> dict:
+    """The seed CNN with Adam on 149 digits, global batch 48 (an epoch ends on a batch of 5: two micro-batches, so at 3
+    replicas one share is empty): once with ``gradient_accumulation_steps=2`` (an update window cut short by the epoch's
+    end), once with accumulation by hand (the loop steps and zeroes every second batch); a weight decay term through
+    ``scale_regularization_loss`` in both. Both outcomes, by name."""
+    outcomes = {}
+    for name, accumulation in (("accumulate", 2), ("by_hand", 1)):
+        strategy = _strategy(True, gradient_accumulation_steps=accumulation)
+        torch.manual_seed(1234 + strategy.replica_id)
+        train_set, _ = load_digits()
+        with strategy.scope():
+            model = SeedCNN()
+            optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        model, optimizer = strategy.prepare(model, optimizer)
+        batches = strategy.distribute_dataset(torch.utils.data.Subset(train_set, range(149)), GLOBAL_BATCH, seed=3)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if accumulation > 1:
+                optimizer.zero_grad()
+            loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+            decay = towers.scale_regularization_loss(1e-3 * sum(p.square().sum() for p in model.parameters()))
+            (loss + decay if accumulation > 1 else (loss + decay) / 2).backward()
+            if accumulation > 1:
+                optimizer.step()
+            return loss
+
+        losses: list[float] = []
+        for _ in range(epochs):
+            for i, batch in enumerate(batches):
+                losses.append(strategy.reduce("sum", strategy.run(step, args=tuple(batch))).item())
+                if accumulation == 1 and (i % 2 or i == len(batches) - 1):  # by hand: every second batch, and the last
+                    optimizer.step()
+                    optimizer.zero_grad()
+        outcomes[name] = _outcome(strategy, model, optimizer, losses)
+    return outcomes
 
 
 def fit(epochs: int) -> dict:

@@ -140,7 +140,7 @@ def _weighted_loss(loss: torch.Tensor, weights: torch.Tensor, global_batch_size:
     weights = weights.to(loss.device, non_blocking=True)
     weights = weights.to(loss.dtype) if loss.is_floating_point() else weights.float()
     total = (loss * weights).sum()
-    shares = 1 if ctx is None else ctx.num_replicas_in_sync * ctx.accumulation_steps
+    shares = 1 if ctx is None else ctx.gradient_shares
     if shares == 1 and (ctx is not None or _replicas_outside_run() == 1):
         return total / weight if weight > 0 else total * 0.0  # one device, one micro-batch: divide now
     if ctx is None:
@@ -226,14 +226,14 @@ def scale_regularization_loss(regularization_loss: torch.Tensor | float) -> torc
         regularization_loss: the term as one device would add it (e.g. ``1e-4 * sum of squared weights``).
 
     Returns:
-        The term divided by ``num_replicas_in_sync * accumulation_steps`` inside ``strategy.run``; the
-        term unchanged outside it.
+        The term divided by the update's gradient shares inside ``strategy.run`` (``num_replicas_in_sync *
+        accumulation_steps``; under ``bitwise=True`` its micro-batches); the term unchanged outside it.
     """
     if getattr(regularization_loss, "requires_grad", False):
         note_normalised()
     ctx = current_replica_context()
     if ctx is None:
         return regularization_loss
-    if ctx.num_replicas_in_sync * ctx.accumulation_steps > 1 and getattr(regularization_loss, "requires_grad", False):
+    if ctx.gradient_shares > 1 and getattr(regularization_loss, "requires_grad", False):
         ctx.strategy.note_example_normalised_loss(update_step=ctx.is_update_step)
-    return regularization_loss / (ctx.num_replicas_in_sync * ctx.accumulation_steps)
+    return regularization_loss / ctx.gradient_shares

@@ -20,7 +20,7 @@ import towers
 from cli_support import clean_env, run, towers_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bitwise_job import fit, train, train_dropout, train_gpt  # noqa: E402
+from bitwise_job import fit, train, train_dropout, train_gpt, train_habits  # noqa: E402
 
 pytestmark = pytest.mark.timeout(420)
 JOB = Path(__file__).resolve().parents[1] / "bitwise_job.py"
@@ -60,6 +60,16 @@ def test_dropout_masks_keyed_by_the_micro_batch_give_the_same_bits_at_three_repl
     reference = towers.spawn(train_dropout, 1, args=(12,), timeout_s=120, threads_per_process=1)[0]
     results = towers.spawn(train_dropout, 3, args=(12,), timeout_s=180, threads_per_process=1)
     assert all(_differences(r, reference) == [] for r in results)
+
+
+def test_accumulation_and_an_epoch_ending_on_an_empty_share_keep_the_same_bits_at_three_replicas():
+    """149 digits in batches of 48 end each epoch on 5 examples: micro-batches of 4 and 1, none for the third replica.
+    Accumulated by towers (gradient_accumulation_steps=2) and by hand (the loop steps every second batch)."""
+    reference = towers.spawn(train_habits, 1, args=(2,), timeout_s=120, threads_per_process=1)[0]
+    results = towers.spawn(train_habits, 3, args=(2,), timeout_s=180, threads_per_process=1)
+    for name in ("accumulate", "by_hand"):
+        assert len(reference[name]["losses"]) == 8
+        assert [_differences(r[name], reference[name]) for r in results] == [[], [], []], name
 
 
 def test_trainer_fit_has_the_same_bits_and_the_same_history_at_three_replicas():

@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 
 import towers
 from towers.cluster.info import ProcessInfo
+from towers.data import shard_bounds
 from towers.strategies._bitwise import dyadic_nodes, tree_sum
 
 
@@ -20,12 +21,12 @@ def test_every_split_of_the_leaves_gives_the_trees_bits(num_leaves):
     levels = max(0, (num_leaves - 1).bit_length())
     zeros = lambda: torch.zeros(257)  # noqa: E731
     root = tree_sum(leaves, levels, 0, num_leaves, zeros)
-    for replicas in [n for n in range(1, num_leaves + 1) if num_leaves % n == 0]:
-        per = num_leaves // replicas
+    for replicas in range(1, num_leaves + 2):  # even shares, uneven ones, and a replica with none
         known = {}
         for r in range(replicas):  # each replica's own subtrees, then the top of the tree from all of them
-            nodes = dyadic_nodes(r * per, (r + 1) * per)
-            assert sum(2 ** level for level, _ in nodes) == per
+            first, end = shard_bounds(num_leaves, replicas, r)
+            nodes = dyadic_nodes(first, end)
+            assert sum(2 ** level for level, _ in nodes) == end - first
             known.update({node: tree_sum(leaves, *node, num_leaves, zeros) for node in nodes})
         assert torch.equal(tree_sum(known, levels, 0, num_leaves, zeros), root), replicas
     assert torch.allclose(root, torch.stack(list(leaves.values())).sum(0), rtol=1e-5, atol=1e-4)  # the same sum
@@ -36,17 +37,20 @@ def _data(n: int = 40) -> TensorDataset:
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
 
 
-def _loop(strategy, *, global_batch: int = 8, steps: int = 3, drop_remainder: bool = True, step_fn=None, examples=40):
+def _loop(strategy, *, global_batch: int = 8, steps: int = 3, drop_remainder: bool = True, step_fn=None, examples=40,
+          manual_accumulation: bool = False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     model, optimizer = strategy.prepare(model, optimizer)
 
     def step(x, y):
-        optimizer.zero_grad()
+        if not manual_accumulation:
+            optimizer.zero_grad()
         loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-        loss.backward()
-        optimizer.step()
+        (loss / 2 if manual_accumulation else loss).backward()
+        if not manual_accumulation:
+            optimizer.step()
         return loss
 
     losses = []
@@ -55,6 +59,9 @@ def _loop(strategy, *, global_batch: int = 8, steps: int = 3, drop_remainder: bo
         if i == steps:
             break
         losses.append(strategy.reduce("sum", strategy.run(step_fn(model, optimizer) if step_fn else step, args=(x, y))))
+        if manual_accumulation and i % 2:  # the habit: step and zero_grad every second batch, outside the step
+            optimizer.step()
+            optimizer.zero_grad()
     return strategy.unwrap(model), losses
 
 
@@ -70,7 +77,6 @@ def test_one_process_bitwise_is_the_plain_loops_maths():
     ({}, r"bitwise=True needs micro_batch_size.*Received: micro_batch_size=None"),
     ({"micro_batch_size": 0}, r"Received: micro_batch_size=0"),
     ({"micro_batch_size": 2, "precision": "bf16"}, r"cannot keep this exact. Received: precision='bf16'"),
-    ({"micro_batch_size": 2, "gradient_accumulation_steps": 2}, r"Received: gradient_accumulation_steps=2"),
     ({"micro_batch_size": 2, "bitwise": "perhaps"}, r"bitwise"),
 ])
 def test_what_cannot_be_bitwise_is_refused_at_construction(options, match):
@@ -85,19 +91,31 @@ def test_a_tensor_parallel_mirrored_mesh_is_refused_before_any_process_group():
         towers.MirroredStrategy(info=info, mesh="dp=2,tp=2", bitwise=True, micro_batch_size=2)
 
 
-def test_a_global_batch_the_micro_batch_does_not_divide_is_refused_with_sizes_that_work():
-    with pytest.raises(ValueError, match=r"Received: global batch 10 .*micro_batch_size=4.*multiple of micro_batch_size "
-                                         r"x replicas \(4\), or micro_batch_size=2"):
-        _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=4), global_batch=10)
+def test_a_global_batch_the_micro_batch_does_not_divide_is_refused_before_the_first_step():
+    strategy = towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=4)
+    with pytest.raises(ValueError, match=r"Received: global_batch_size=10, micro_batch_size=4. Use a global batch that "
+                                         r"is a multiple of 4, or micro_batch_size=2"):
+        strategy.distribute_dataset(_data(), 10)
 
 
-def test_an_uneven_last_batch_trains_where_micro_batches_divide_it_and_is_refused_where_not():
-    _, losses = _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2), global_batch=12, steps=5,
-                      drop_remainder=False)  # 40 = 12 + 12 + 12 + 4: the last batch is two micro-batches
-    assert len(losses) == 4
-    with pytest.raises(ValueError, match=r"Received: global batch 5 .*the last batch of an epoch: drop_remainder=True"):
-        _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2), global_batch=12, steps=5,
-              drop_remainder=False, examples=41)
+def test_shares_are_whole_micro_batches_and_equal_ones_where_they_divide():
+    assert [shard_bounds(48, 3, r, 4) for r in range(3)] == [shard_bounds(48, 3, r) for r in range(3)]
+    assert [shard_bounds(37, 3, r, 4) for r in range(3)] == [(0, 16), (16, 28), (28, 37)]  # 10 micro-batches: 4, 3, 3
+    assert [shard_bounds(5, 3, r, 4) for r in range(3)] == [(0, 4), (4, 5), (5, 5)]  # the last replica has none
+
+
+def test_an_uneven_last_batch_and_gradient_accumulation_keep_the_plain_loops_maths():
+    for options in ({"drop_remainder": False, "examples": 41, "steps": 6},  # 41 = 4 x 8 + 9: the last batch 2+2+2+2+1
+                    {"drop_remainder": False, "examples": 41, "steps": 6, "accumulation": 2},
+                    {"steps": 4, "manual_accumulation": True}):  # two runs, then step and zero_grad outside: a habit
+        accumulation = options.pop("accumulation", 1)
+        bitwise, losses = _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2,
+                                                         gradient_accumulation_steps=accumulation), **options)
+        plain, plain_losses = _loop(towers.OneDeviceStrategy("cpu", gradient_accumulation_steps=accumulation), **options)
+        assert len(losses) == options["steps"]
+        for a, b in zip(bitwise.parameters(), plain.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.stack(losses), torch.stack(plain_losses), rtol=1e-5, atol=1e-6)
 
 
 def test_a_loop_without_strategy_run_is_refused():

@@ -82,6 +82,8 @@ class DistributedDataset(DataLoaderNames):
     ``batch_size`` (``global_batch_size // num_replicas``; when B does not divide by N, the first
     ``B % N`` replicas get one example more of each full batch), ``global_batch_size``,
     ``sampler.set_epoch(e)`` (this object's ``set_epoch``), ``drop_last`` and ``num_workers``.
+    ``split_unit=m`` cuts every share on a multiple of ``m`` examples (``bitwise=True``'s micro-batches:
+    the strategy sets it); where ``m x num_replicas`` divides a batch, its shares are the same as without.
 
     ``num_workers > 0`` fetches and collates on that many ``DataLoader`` worker processes
     (``prefetch_factor``, ``persistent_workers``, ``pin_memory``: docs/streams.md, "Loader workers"); the
@@ -115,7 +117,7 @@ class DistributedDataset(DataLoaderNames):
                  drop_remainder: bool = False, pad_empty_batches: bool = False, accumulation_steps: int = 1,
                  collate_fn: Callable[[list[Any]], Any] | None = None, dispatch: Dispatch | None = None,
                  num_workers: int = 0, prefetch_factor: int | None = None, persistent_workers: bool = False,
-                 pin_memory: bool | None = None):
+                 pin_memory: bool | None = None, split_unit: int = 1):
         options = LoaderOptions(num_workers=num_workers, prefetch_factor=prefetch_factor,
                                 persistent_workers=persistent_workers, pin_memory=pin_memory)
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
@@ -147,6 +149,8 @@ class DistributedDataset(DataLoaderNames):
         self.device = torch.device(device)
         self.shuffle, self.seed, self.drop_remainder = bool(shuffle), int(seed), bool(drop_remainder)
         self.pad_empty_batches = bool(pad_empty_batches)
+        #: Shares are whole runs of this many examples (``bitwise=True``'s micro-batches; 1: any cut)
+        self.split_unit = max(1, int(split_unit))
         self._sizes, self._k = sizes, max(1, int(accumulation_steps))
         self._infos = self._batch_infos(sizes, self._k)
         if dispatch is not None and self._k != 1:
@@ -174,7 +178,7 @@ class DistributedDataset(DataLoaderNames):
         infos = []
         replica_id = self.replica_id if replica_id is None else replica_id
         for i, size in enumerate(sizes):
-            start, stop = shard_bounds(size, self.num_replicas, replica_id)
+            start, stop = shard_bounds(size, self.num_replicas, replica_id, self.split_unit)
             w0, w1 = (i // k) * k, min((i // k) * k + k, len(sizes))
             padding = 1 if stop == start and self.pad_empty_batches else 0
             infos.append(BatchInfo(i, len(sizes), size, stop - start, padding, sum(sizes[w0:w1]), w1 - w0, i == w1 - 1))
@@ -312,7 +316,7 @@ class DistributedDataset(DataLoaderNames):
         if info.local_batch_size == 0:
             return first, first
         start, stop = shard_bounds(info.global_batch_size, self.num_replicas,
-                                   self.replica_id if replica_id is None else replica_id)
+                                   self.replica_id if replica_id is None else replica_id, self.split_unit)
         return first + start, first + stop
 
     def ledger_order(self) -> OrderSpec:

@@ -21,8 +21,12 @@ __all__ = ["whole", "BatchInfo", "shard_bounds", "global_batch_sizes", "batch_in
 log = get_logger(__name__)
 
 
-def shard_bounds(batch_size: int, num_replicas: int, replica_id: int) -> tuple[int, int]:
+def shard_bounds(batch_size: int, num_replicas: int, replica_id: int, unit: int = 1) -> tuple[int, int]:
     """Return ``[start, stop)`` of ``replica_id``'s contiguous share of a batch of ``batch_size`` examples.
+
+    ``unit > 1`` cuts the batch into runs of ``unit`` examples (the last one may be shorter) and shares
+    those out instead, so every share is whole runs (``bitwise=True``'s micro-batches); where ``unit x
+    num_replicas`` divides the batch, the shares are the same as with ``unit=1``.
 
     Args:
         batch_size: the examples of the global batch.
@@ -39,6 +43,9 @@ def shard_bounds(batch_size: int, num_replicas: int, replica_id: int) -> tuple[i
         assert [shard_bounds(10, 3, r) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
         ```
     """
+    if unit > 1:
+        lo, hi = shard_bounds(-(-batch_size // unit), num_replicas, replica_id)
+        return min(lo * unit, batch_size), min(hi * unit, batch_size)
     base, extra = divmod(batch_size, num_replicas)
     start = replica_id * base + min(replica_id, extra)
     return start, start + base + (1 if replica_id < extra else 0)

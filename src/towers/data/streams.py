@@ -121,7 +121,7 @@ class DistributedStream(DataLoaderNames):
                  collate_fn: Callable[[list[Any]], Any] | None = None, num_virtual_shards: int | None = None,
                  shuffle_block: int = 1024, num_workers: int = 0, prefetch_factor: int | None = None,
                  persistent_workers: bool = False, pin_memory: bool | None = None, dispatch: Any = None,
-                 agree: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
+                 agree: Callable[[str, torch.Tensor], torch.Tensor] | None = None, split_unit: int = 1):
         options = LoaderOptions(num_workers=num_workers, prefetch_factor=prefetch_factor,
                                 persistent_workers=persistent_workers, pin_memory=pin_memory)
         _positive_int("global_batch_size", global_batch_size,
@@ -147,6 +147,7 @@ class DistributedStream(DataLoaderNames):
         self.device = torch.device(device)
         self.shuffle, self.seed, self.drop_remainder = bool(shuffle), int(seed), bool(drop_remainder)
         self.pad_empty_batches = bool(pad_empty_batches)
+        self.split_unit = max(1, int(split_unit))  # shares are whole runs of this many examples (bitwise micro-batches)
         self.shuffle_block = _positive_int("shuffle_block", shuffle_block, "Use 1 for no shuffling within shards.")
         self._k = max(1, int(accumulation_steps))
         self._collate = collate_fn or default_collate
@@ -383,7 +384,8 @@ class DistributedStream(DataLoaderNames):
                replica_id: int | None = None) -> tuple[_Work, BatchInfo]:
         """Return a replica's (default: this one's) share of a global batch's records (what to transform) and the
         share's ``BatchInfo``."""
-        lo, hi = shard_bounds(len(records), self.num_replicas, self.replica_id if replica_id is None else replica_id)
+        lo, hi = shard_bounds(len(records), self.num_replicas, self.replica_id if replica_id is None else replica_id,
+                              self.split_unit)
         padding = 1 if hi == lo and self.pad_empty_batches else 0
         info = replace(info, local_batch_size=hi - lo, num_padding_examples=padding)
         if hi > lo:

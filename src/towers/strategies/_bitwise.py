@@ -90,8 +90,12 @@ class BitwiseSteps:
         self._rank, self._num_replicas, self._gather = rank, num_replicas, gather
         self._params: list[nn.Parameter] = []
         self._leaves: dict[int, torch.Tensor] = {}  # this update's leaves computed here: global index -> flat gradient
-        self._leaf = 0  # global index of the micro-batch whose backward runs now
+        self._leaf: int | None = 0  # global index of the micro-batch whose backward runs now (None: an empty share's)
         self._num_leaves = 0
+        self._ranges: list[tuple[int, int]] = []  # every replica's leaves [first, end) of the batch in progress
+        #: what ``.grad`` held before the run's first backward (accumulation: earlier runs' trees), added back at the end
+        self._carry: dict[int, torch.Tensor] = {}
+        self._reached: set[int] = set()  # the parameters this backward reached
         self._last = False
         self._queued = False
         self._losses: list[tuple[int, torch.Tensor]] = []  # the micro-batches' scalar losses, by global leaf
@@ -108,45 +112,64 @@ class BitwiseSteps:
                 self._queued = True
                 Variable._execution_engine.queue_callback(self._end_of_backward)
 
+        def set_aside(param: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+            def before_accumulating(grad: torch.Tensor) -> torch.Tensor:
+                self._reached.add(id(param))
+                if param.grad is not None:  # a gradient from before this run (accumulation): kept whole, added back
+                    self._carry[id(param)] = param.grad
+                    param.grad = None
+                return grad
+            return before_accumulating
+
         for param in model.parameters():
             if param.requires_grad and all(param is not p for p in self._params):
                 self._params.append(param)
+                param.register_hook(set_aside(param))
                 param.register_post_accumulate_grad_hook(on_grad)
 
-    def leaves_of(self, global_batch_size: int, local_batch_size: int) -> int:
-        """This replica's micro-batches of a share of ``local_batch_size`` examples.
+    def check_batch_size(self, global_batch_size: int) -> None:
+        """Refuse a global batch the micro-batch size does not divide, before the first step.
 
         Raises:
-            ValueError: a share the micro-batch size does not divide (the fix names sizes that work).
+            ValueError: naming the sizes and micro-batch sizes that fit.
         """
         m = self.micro_batch_size
-        if global_batch_size % (m * self._num_replicas) or local_batch_size * self._num_replicas != global_batch_size:
-            fits = [d for d in range(1, m + 1) if global_batch_size % (d * self._num_replicas) == 0][-1:]
+        if global_batch_size % m:
+            fits = [d for d in range(1, m + 1) if global_batch_size % d == 0][-1]
             raise user_error(
-                f"bitwise=True cuts each global batch into micro-batches of micro_batch_size examples, the same at every "
-                f"replica count: the global batch must divide into {self._num_replicas} equal shares of whole "
-                "micro-batches", f"global batch {global_batch_size} (this replica's share {local_batch_size}), "
-                f"micro_batch_size={m}, {self._num_replicas} replica(s)",
-                f"Use a global batch that is a multiple of micro_batch_size x replicas ({m * self._num_replicas}), "
-                f"or micro_batch_size={fits[0] if fits else 1}; the last batch of an epoch: drop_remainder=True.")
-        return local_batch_size // m
+                "bitwise=True cuts each global batch into micro-batches of micro_batch_size examples, the same at every "
+                "replica count: the micro-batch size must divide the global batch",
+                f"global_batch_size={global_batch_size}, micro_batch_size={m}",
+                f"Use a global batch that is a multiple of {m}, or micro_batch_size={fits}; with "
+                f"{self._num_replicas} replica(s) a multiple of {m * self._num_replicas} gives equal shares.")
+
+    def leaf_ranges(self, batch_size: int) -> list[tuple[int, int]]:
+        """Every replica's micro-batches ``[first, end)`` of a global batch of ``batch_size`` examples: the batch cut
+        into micro-batches (the last may be short), shared out as ``towers.data.shard_bounds`` shares whole runs."""
+        from towers.data import shard_bounds
+
+        leaves = -(-batch_size // self.micro_batch_size)
+        return [shard_bounds(leaves, self._num_replicas, r) for r in range(self._num_replicas)]
 
     # --- a step -----------------------------------------------------------------------------------------
     def split(self, args: tuple[Any, ...], kwargs: dict[str, Any], local_batch_size: int) -> list[tuple[Any, Any]]:
-        """``(args, kwargs)`` of each micro-batch: every tensor whose first dimension is the share cut into chunks."""
+        """``(args, kwargs)`` of each micro-batch: every tensor whose first dimension is the share cut into chunks (the
+        last one short where the share ends the batch)."""
         flat, spec = tree_flatten((args, kwargs))
-        m, count = self.micro_batch_size, local_batch_size // self.micro_batch_size
+        m, count = self.micro_batch_size, -(-local_batch_size // self.micro_batch_size)
         cut = [list(v.split(m)) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == local_batch_size
                else [v] * count for v in flat]
         return [tree_unflatten([parts[i] for parts in cut], spec) for i in range(count)]
 
-    def begin(self, first_leaf: int, num_leaves: int) -> None:
-        """An update over ``num_leaves`` global leaves starts; this replica's begin at ``first_leaf``."""
+    def begin(self, ranges: list[tuple[int, int]]) -> None:
+        """A global batch starts, cut into micro-batches: replica ``r`` computes leaves ``ranges[r]``."""
         self._leaves, self._losses, self._results = {}, [], []
-        self._leaf, self._num_leaves, self._last = first_leaf, num_leaves, False
+        self._ranges, self._num_leaves = ranges, ranges[-1][1]
+        self._leaf, self._last = ranges[self._rank][0], False
 
-    def micro_batch(self, index: int, last: bool) -> None:
-        """The micro-batch of global leaf ``index`` runs next (``last``: the update's last one here)."""
+    def micro_batch(self, index: int | None, last: bool) -> None:
+        """The micro-batch of global leaf ``index`` runs next (``last``: the batch's last one here); None: this
+        replica's share is empty (or one padding example), its step runs once and its gradient is no leaf."""
         self._leaf, self._last = index, last
 
     def note_result(self, result: Any) -> None:
@@ -158,7 +181,7 @@ class BitwiseSteps:
                              "or nothing", f"a {type(result).__name__}",
                              "Return compute_average_loss(...) from the step (or None), and compute metrics outside.")
         self._results.append(result)
-        if isinstance(result, torch.Tensor) and result.dim() == 0:
+        if isinstance(result, torch.Tensor) and result.dim() == 0 and self._leaf is not None:
             self._losses.append((self._leaf, result.detach()))
 
     def result(self) -> Any:
@@ -172,9 +195,9 @@ class BitwiseSteps:
             return tuple(_joined([r[i] for r in results]) for i in range(len(results[0])))
         if isinstance(results[0], torch.Tensor) and results[0].dim() == 0:
             known = {(0, i): v.reshape(()) for i, v in self._losses}
-            zeros = self._losses[0][1].new_zeros
+            zeros = results[0].detach().new_zeros
             nodes = [tree_sum(known, lv, ix, self._num_leaves, lambda: zeros(())) for lv, ix in self._own_nodes()]
-            total = nodes[0]
+            total = nodes[0] if nodes else zeros(())  # an empty share adds nothing
             for node in nodes[1:]:  # the share's own value (what a plain loop returns); reduce uses the tree
                 total = total + node
             self.last_result = total
@@ -183,11 +206,11 @@ class BitwiseSteps:
 
     def reduce_sum(self) -> torch.Tensor:
         """The global batch's loss: every replica's micro-batch losses summed over the tree, the same bits everywhere."""
-        per = self._num_leaves // self._num_replicas
-        if len(self._losses) != per:
+        first, end = self._ranges[self._rank]
+        if len(self._losses) != end - first:
             raise user_error("Under bitwise=True the step returns a loss from every micro-batch or from none",
-                             f"{len(self._losses)} of {per}", "Return compute_average_loss(...) from the step function.")
-        mine = torch.stack([v for _, v in self._losses])
+                             f"{len(self._losses)} of {end - first}", "Return compute_average_loss(...) from the step.")
+        mine = torch.stack([v for _, v in self._losses]) if self._losses else self._params[0].new_zeros(0)
         leaves = self._gather(mine) if self._num_replicas > 1 else mine  # replica order: leaf order
         known = {(0, i): v for i, v in enumerate(leaves.unbind())}
         return tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, lambda: mine.new_zeros(()))
@@ -197,45 +220,59 @@ class BitwiseSteps:
         return max(len(self._own_nodes(r)) for r in range(self._num_replicas))
 
     def _own_nodes(self, rank: int | None = None) -> list[tuple[int, int]]:
-        per = self._num_leaves // self._num_replicas
-        rank = self._rank if rank is None else rank
-        return dyadic_nodes(rank * per, (rank + 1) * per)
+        return dyadic_nodes(*self._ranges[self._rank if rank is None else rank])
 
     # --- gradients --------------------------------------------------------------------------------------
     def _end_of_backward(self) -> None:
         self._queued = False
+        if self._leaf is None:  # an empty share's step: its gradient is no leaf; it still joins the tree's exchange
+            self._clear()
+            if self._last:
+                self._finish()
+            return
         if self._leaf in self._leaves:
             raise user_error("Under bitwise=True each micro-batch's gradient is one backward's", "a second backward "
                              f"in the micro-batch of leaf {self._leaf}", "Call loss.backward() once per step "
                              "(sum the losses first), or leave bitwise off for a loop with several backwards.")
         self._leaves[self._leaf] = self._flat()
-        for p in self._params:
-            p.grad = None
+        self._clear()
         if self._last:
             self._finish()
 
     def _flat(self) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params])
+        """This backward's gradient, flat: zeros for a parameter it did not reach."""
+        return torch.cat([(p.grad if p.grad is not None and id(p) in self._reached else torch.zeros_like(p)).reshape(-1)
+                          for p in self._params])
+
+    def _clear(self) -> None:
+        """Empty every ``.grad`` for the next micro-batch; one this backward did not reach is from before the run."""
+        for p in self._params:
+            if p.grad is not None and id(p) not in self._reached:
+                self._carry.setdefault(id(p), p.grad)
+            p.grad = None
+        self._reached.clear()
 
     def _finish(self) -> None:
         """Write the update's gradient, summed over the tree, into every parameter's ``.grad``."""
         own = self._own_nodes()
-        zeros = self._leaves[next(iter(self._leaves))].new_zeros
+        size = sum(p.numel() for p in self._params)
+        zeros = self._params[0].new_zeros
         local = {(0, i): g for i, g in self._leaves.items()}
-        values = [tree_sum(local, lv, ix, self._num_leaves, lambda: zeros(local[(0, self._leaf)].shape))
-                  for lv, ix in own]
+        values = [tree_sum(local, lv, ix, self._num_leaves, lambda: zeros(size)) for lv, ix in own]
         known: dict[tuple[int, int], torch.Tensor] = dict(zip(own, values))
         if self._num_replicas > 1:  # every replica's subtrees: each knows which nodes another holds, padded to a count
             width = self.width()
-            block = torch.stack(values + [zeros(values[0].shape)] * (width - len(values)))
+            block = torch.stack(values + [zeros(size)] * (width - len(values)))
             rows = self._gather(block)
             for r in range(self._num_replicas):
                 known.update({node: rows[r * width + k] for k, node in enumerate(self._own_nodes(r))})
-        total = tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, lambda: zeros(values[0].shape))
+        total = tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, lambda: zeros(size))
         offset = 0
         for p in self._params:
             n = p.numel()
-            p.grad = total[offset:offset + n].view_as(p).clone()
+            grad = total[offset:offset + n].view_as(p)
+            carry = self._carry.pop(id(p), None)  # earlier runs of an accumulated update: their trees, in run order
+            p.grad = grad.clone() if carry is None else carry + grad
             offset += n
         self._leaves = {}
 
@@ -254,7 +291,7 @@ def _joined(parts: list[Any]) -> Any:
     return torch.cat(tensors)
 
 
-def bitwise_steps(bitwise: Any, micro_batch_size: Any, *, strategy: str, precision: str, accumulation: int,
+def bitwise_steps(bitwise: Any, micro_batch_size: Any, *, strategy: str, precision: str,
                   refused: str | None = None) -> Callable[..., BitwiseSteps] | None:
     """Check ``bitwise=`` and ``micro_batch_size=`` before any process group; return how to build the ``BitwiseSteps``
     once the replicas are known (``build(rank, num_replicas, gather)``), or None when bitwise is off.
@@ -274,12 +311,10 @@ def bitwise_steps(bitwise: Any, micro_batch_size: Any, *, strategy: str, precisi
                          "gradient is the same at every replica count", f"micro_batch_size={micro_batch_size!r}",
                          "Pass micro_batch_size=m (--strategy-option micro_batch_size=m) with m dividing the global "
                          "batch into equal shares at every replica count you will run, e.g. B/12 for 1, 2, 3 and 4.")
-    for bad, why in ((refused, refused), (precision != "32", f"precision={precision!r}: autocast kernels"),
-                     (accumulation != 1, f"gradient_accumulation_steps={accumulation}: micro-batches are the unit")):
+    for bad, why in ((refused, refused), (precision != "32", f"precision={precision!r}: autocast kernels")):
         if bad:
             raise user_error(f"{strategy}(bitwise=True) cannot keep this exact", str(why),
-                             "Leave it out with bitwise=True (precision='32', gradient_accumulation_steps=1: the "
-                             "micro-batches accumulate already), or turn bitwise off.")
+                             "Leave it out with bitwise=True (precision='32'), or turn bitwise off.")
     size = micro_batch_size
 
     def build(rank: int, num_replicas: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> BitwiseSteps:

@@ -216,6 +216,9 @@ class SyncStrategy(Strategy):
             seed=seed, drop_remainder=drop_remainder, pad_empty_batches=pad_empty_batches,
             accumulation_steps=self._tracker.accumulation_steps, collate_fn=collate_fn, num_workers=num_workers,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, pin_memory=pin_memory)
+        if self._bitwise is not None:  # shares of whole micro-batches; the micro-batch must divide the global batch
+            self._bitwise.check_batch_size(global_batch_size)
+            layout["split_unit"] = self._bitwise.micro_batch_size
         if is_stream(dataset):
             agree = self._max_over_replicas if self.num_replicas_in_sync > 1 else None
             return DistributedStream(dataset, global_batch_size, **layout, agree=agree, **stream_options)
@@ -278,23 +281,33 @@ class SyncStrategy(Strategy):
     def _run_bitwise(self, bitwise: BitwiseSteps, run: Any, fn: Callable[..., Any], args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
         """``run`` under ``bitwise=True``: ``fn`` once per micro-batch of this replica's share, their gradients summed
-        over the tree at the end of the last one's backward; returns the share's loss (``BitwiseSteps.result``)."""
+        over the tree at the end of the last one's backward; returns the share's loss (``BitwiseSteps.result``).
+
+        An empty share (the last batch of an epoch, fewer micro-batches than replicas) runs ``fn`` once on what it
+        was given (0 examples, or one padding example), so that its backward joins the tree's exchange."""
         batch = run.batch
-        if batch is None or run.num_padding_examples or run.global_batch_size is None:
-            raise user_error("bitwise=True needs whole global batches from strategy.distribute_dataset", "a batch "
-                             + ("without accounting" if batch is None else f"with {run.num_padding_examples} padding "
-                                "example(s) (an uneven last batch)"),
-                             "Iterate strategy.distribute_dataset(..., drop_remainder=True) and pass its batches to run.")
-        count = bitwise.leaves_of(run.global_batch_size, batch.local_batch_size)
-        bitwise.begin(self.replica_id * count, count * self.num_replicas_in_sync)
-        for i, (margs, mkwargs) in enumerate(bitwise.split(args, kwargs, batch.local_batch_size)):
-            last = i == count - 1
-            bitwise.micro_batch(self.replica_id * count + i, last)
+        ranges = bitwise.leaf_ranges(0 if batch is None else batch.global_batch_size)
+        first, end = ranges[self.replica_id]
+        m = bitwise.micro_batch_size
+        if batch is None or batch.local_batch_size != max(0, min(end * m, batch.global_batch_size) - first * m):
+            raise user_error("bitwise=True needs the batches of strategy.distribute_dataset, whose shares are whole "
+                             "micro-batches", "a batch " + ("without accounting" if batch is None else
+                             f"share of {batch.local_batch_size} example(s) of {batch.global_batch_size}"),
+                             "Iterate strategy.distribute_dataset(...) of this strategy and pass its batches to run.")
+        bitwise.begin(ranges)
+        parts = bitwise.split(args, kwargs, batch.local_batch_size) if end > first else [(args, kwargs)]
+        for i, (margs, mkwargs) in enumerate(parts):
+            last = i == len(parts) - 1
+            leaf = first + i if end > first else None
+            bitwise.micro_batch(leaf, last)
             self._tracker.sync = run.sync and last  # the optimizer steps after the last micro-batch only
-            context = ReplicaContext(self, global_batch_size=run.global_batch_size, accumulation_steps=count,
+            context = ReplicaContext(self, global_batch_size=run.global_batch_size,
+                                     accumulation_steps=run.accumulation_steps * len(parts),
+                                     gradient_shares=-(-run.global_batch_size // m),  # the update's micro-batches
+                                     num_padding_examples=run.num_padding_examples if leaf is None else 0,
                                      is_update_step=run.sync and last)
             # Random draws (dropout) keyed by the micro-batch's place in the job, not by the replica computing it.
-            with self._entered(context), keyed_random(self._device, (batch.epoch, batch.index, self.replica_id * count + i)):
+            with self._entered(context), keyed_random(self._device, (batch.epoch, batch.index, -1 if leaf is None else leaf)):
                 bitwise.note_result(fn(*margs, **mkwargs))
         return bitwise.result()
 

@@ -127,14 +127,17 @@ class ReplicaContext:
         num_padding_examples: the trailing examples of this replica's batch that are padding (weight zero).
         accumulation_steps: the number of micro-batches in the current update (1 without accumulation).
         is_update_step: True on the last micro-batch of an update.
+        gradient_shares: the backward passes, over every replica, whose gradients the update sums (default
+            ``num_replicas_in_sync * accumulation_steps``; ``bitwise=True``: the update's micro-batches).
         until_next_step: marks the context a prepared model's forward outside ``run`` began: it lasts until
             the next step, of this strategy or of another one made later in the process.
     """
 
     def __init__(self, strategy: "Strategy", *, global_batch_size: int | None = None,
                  num_padding_examples: int = 0, accumulation_steps: int = 1, is_update_step: bool = True,
-                 until_next_step: bool = False):
+                 until_next_step: bool = False, gradient_shares: int | None = None):
         self.strategy = strategy
+        self._gradient_shares = gradient_shares
         self.until_next_step = until_next_step
         self.replica_id = strategy.replica_id
         self.num_replicas_in_sync = strategy.num_replicas_in_sync
@@ -151,6 +154,14 @@ class ReplicaContext:
     def all_reduce(self, op: str, value: Any) -> torch.Tensor:
         """Return ``value`` combined across replicas with ``op`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``)."""
         return self.strategy.reduce(op, value)
+
+    @property
+    def gradient_shares(self) -> int:
+        """The backward passes, over every replica, whose gradients the update sums: what
+        ``scale_regularization_loss`` divides by so that the term counts once per update."""
+        if self._gradient_shares is not None:
+            return self._gradient_shares
+        return self.num_replicas_in_sync * self.accumulation_steps
 
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id={self.replica_id}, num_replicas_in_sync={self.num_replicas_in_sync}, "

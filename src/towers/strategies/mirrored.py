@@ -152,7 +152,6 @@ class MirroredStrategy(SyncStrategy):
         if spec is not None and spec.pp * spec.tp > 1:
             self._check_tensor_parallel(spec, precision)
         build = bitwise_steps(bitwise, micro_batch_size, strategy=type(self).__name__, precision=precision.name,
-                              accumulation=gradient_accumulation_steps,
                               refused=None if spec is None or spec.tp == 1 else f"mesh {spec.given()}: tp's all-reduces")
         if build is not None and (gradient_compression not in (None, "none") or self._sync_batchnorm):
             raise user_error(f"{type(self).__name__}(bitwise=True) sums gradients over its own tree",

@@ -87,8 +87,7 @@ class OneDeviceStrategy(SyncStrategy):
         resolved = resolve_device(_default_device() if device is None else device)
         warn_if_gpus_idle(info.local_world_size, [resolved], local_rank=info.local_rank)
         build = bitwise_steps(bitwise, micro_batch_size, strategy=type(self).__name__,
-                              precision=resolve_precision(precision, resolved).name,
-                              accumulation=gradient_accumulation_steps)
+                              precision=resolve_precision(precision, resolved).name)
         super().__init__(info=info, device=resolved, comm=LocalComm(), precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps,
                          bitwise=None if build is None else build(0, 1, lambda t: t))
