@@ -162,7 +162,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         options = diloco.options
         self._fragments = split_fragments(bound.signature, options.fragments)
-        self._encoder = DeltaEncoder(options.compression) if options.compression != "float32" else None
+        self._encoder = DeltaEncoder(options.compression)
         # the global values as of the last outer step (what a change is measured from); replies land in scratch
         self._anchor = [buf.clone() for buf in bound.param_bufs]
         self._anchor_views = [layout.views(b) for layout, b in zip(bound.layouts, self._anchor)]
@@ -217,6 +217,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         for p in bound.active:
             meta: dict[str, Any] = {"weight": weight}
             mask = [i in fragment for i in bound.shards[p]]
+            # the whole shard as float32: the push's flat buffer; a part of it, or compressed: packed values
+            packed = options.compression != "float32" or not all(mask)
             deltas = []
             with torch.no_grad():
                 for pos, i in enumerate(bound.shards[p]):
@@ -225,13 +227,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                         view.zero_()
                         continue
                     delta = self._anchor_views[p][pos] - bound.params[i].detach().to("cpu", view.dtype)
-                    if self._encoder is None:
-                        view.copy_(delta)
-                    else:
+                    if packed:
                         deltas.append((i, delta))
-            if self._encoder is not None:
+                    else:
+                        view.copy_(delta)
+            if packed:
                 meta["packed"] = self._encoder.pack(deltas)
-            flats.append(bound.grad_bufs[p] if self._encoder is None else None)
+            flats.append(None if packed else bound.grad_bufs[p])
             if not all(mask):
                 meta["mask"] = mask
             if p == 0 and units:
@@ -260,8 +262,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             for p, shard in enumerate(self._bound.shards):
                 for pos, i in enumerate(shard):
                     self._anchor_views[p][pos].copy_(self._bound.params[i].detach())
-        if self._encoder is not None:
-            self._encoder.reset()
+        self._encoder.reset()
         self._steps, self._weight = 0, 0.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -19,8 +19,9 @@ from towers.strategies.parameter_server.transport import Status
 
 __all__ = ["DeltaEncoder", "unpack_delta", "WIRE_DTYPES"]
 
-#: The dtype each compression puts on the wire (float32: the shard's own flat buffer, no packing).
-WIRE_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
+#: The dtype each compression puts on the wire. A float32 change travels packed only when it is part of a shard
+#: (a fragment); a whole shard's goes as the push's flat buffer.
+WIRE_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 _INT8_MAX = 127.0
 
 
@@ -36,6 +37,9 @@ class DeltaEncoder:
         values, scales = [], []
         for i, delta in deltas:
             x = delta.detach().float().reshape(-1)
+            if self.compression == "float32":  # nothing rounded away: no residual
+                values.append(x)
+                continue
             if i in self._residual:
                 x = x + self._residual[i]
             if self.compression == "int8":
