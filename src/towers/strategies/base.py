@@ -104,7 +104,11 @@ class Strategy(ABC):
     # --- placement and preparation ----------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self) -> Iterator["Strategy"]:
-        """Make this the current strategy; modules and tensors created inside land on ``self.device``."""
+        """Make this the current strategy; modules and tensors created inside land on ``self.device``.
+
+        Yields:
+            The strategy itself (``with strategy.scope() as s:``).
+        """
         with strategy_scope(self), torch.device(self.device):
             yield self
 
@@ -113,15 +117,30 @@ class Strategy(ABC):
                 compile: bool | Mapping[str, Any] = False, activation_checkpointing: str = "off") -> tuple[nn.Module, Any]:
         """Return ``(model, optimizer)`` ready for this strategy (moved, wrapped, synchronised).
 
-        ``compile=True`` (or a dict of ``torch.compile`` options) compiles the model after the
-        strategy's own wrapping. ``activation_checkpointing``: ``"off"``; ``"block"`` (each repeated block of
-        the model, as ``shard_units="auto"`` finds them, keeps only its input and is recomputed in backward);
-        ``"selective"`` (inside each block the matmul and attention outputs are kept, the cheap ops recomputed).
-        Applied before the strategy's wrapping and ``compile``; parameter names and ``state_dict`` keys do not change.
+        Args:
+            model: the user's module, built on the CPU or under ``scope()``.
+            optimizer: its optimizer (None: a model for inference or evaluation).
+            compile: True (or a dict of ``torch.compile`` options) compiles the model after the strategy's own
+                wrapping.
+            activation_checkpointing: ``"off"``; ``"block"`` (each repeated block of the model, as
+                ``shard_units="auto"`` finds them, keeps only its input and is recomputed in backward);
+                ``"selective"`` (inside each block the matmul and attention outputs are kept, the cheap ops
+                recomputed). Applied before the strategy's wrapping and ``compile``; parameter names and
+                ``state_dict`` keys do not change.
+
+        Returns:
+            ``(model, optimizer)``: call the returned model in the step and step the returned optimizer.
         """
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """Return the user's module inside whatever ``prepare`` wrapped (and compiled) it in."""
+        """Return the user's module inside whatever ``prepare`` wrapped (and compiled) it in.
+
+        Args:
+            model: a model ``prepare`` returned (or any module: returned as it is).
+
+        Returns:
+            The user's own module, e.g. to save or inspect it.
+        """
         model = self._compiled_modules.original(model)
         return getattr(model, "module", model)
 
@@ -137,7 +156,19 @@ class Strategy(ABC):
     @abstractmethod
     def distribute_dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                            drop_remainder: bool = False) -> Any:
-        """Return an iterable (once per epoch) of this replica's share of each global batch, on its device."""
+        """Return an iterable (once per epoch) of this replica's share of each global batch, on its device.
+
+        Args:
+            dataset: a map-style dataset, a tuple or dict of tensors, or a stream (``towers.data``).
+            global_batch_size: the examples of one step over all replicas.
+            shuffle: a new order every epoch, the same on every replica.
+            seed: the order's seed.
+            drop_remainder: leave out a last global batch smaller than ``global_batch_size``.
+
+        Returns:
+            A ``towers.data.DistributedDataset`` (or ``DistributedStream``): its batches carry their accounting,
+            which ``run`` and ``compute_average_loss`` read.
+        """
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any]) -> Any:
         """Return ``dataset_fn(input_context)``: this replica's own input pipeline (tf.distribute's per-worker function).
@@ -150,6 +181,12 @@ class Strategy(ABC):
         batches. For exact global batches, return ``towers.data.distribute_dataset(data, B,
         num_replicas=ctx.num_input_pipelines, replica_id=ctx.input_pipeline_id, device=ctx.device)``
         from the function instead: its batches carry their accounting.
+
+        Args:
+            dataset_fn: a function of a ``towers.InputContext`` that returns this replica's batches.
+
+        Returns:
+            What ``dataset_fn`` returned.
 
         Raises:
             TypeError: when ``dataset_fn`` is not callable.
@@ -168,6 +205,14 @@ class Strategy(ABC):
 
         The step's accounting (global batch size, padding, accumulation window) is read from the
         batch in ``args``/``kwargs`` as ``distribute_dataset`` yielded it.
+
+        Args:
+            fn: the step: forward, loss, backward, optimizer step.
+            args: its positional arguments (the batch, as ``distribute_dataset`` yielded it).
+            kwargs: its keyword arguments.
+
+        Returns:
+            What ``fn`` returned on this replica; ``reduce`` combines it across replicas.
         """
         kwargs = dict(kwargs or {})
         self._own_random_stream()
@@ -196,6 +241,9 @@ class Strategy(ABC):
         """Backpropagate ``loss`` under this strategy's precision (fp16 scales the whole loss first).
 
         ``loss.backward()`` does the same in ``"32"`` and ``"bf16"``; under fp16 use this.
+
+        Args:
+            loss: the scalar loss of this replica's step.
         """
         self.precision.scale_loss(loss).backward()
 
@@ -203,13 +251,21 @@ class Strategy(ABC):
                          loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, Any]:
         """Return ``(loss, outputs)`` after one forward and backward of ``model`` on ``inputs``.
 
-        ``inputs`` is what the model takes: a tensor (``model(x)``), a tuple (``model(*inputs)``) or a dict
-        (``model(**inputs)``). ``loss_fn(outputs, targets)`` returns the loss to backpropagate, normalised as
-        in any step (``towers.compute_average_loss(per_example_loss)``); it is backpropagated with
-        ``backward`` and returned detached. Here that is one forward, one loss and one backward; a strategy
-        that runs a model in pieces (pipeline stages) runs its own schedule instead, calls ``loss_fn`` where
-        the outputs are, and returns ``outputs`` None on the processes that do not hold them. The optimizer
-        step stays the caller's.
+        Here that is one forward, one loss and one backward (``backward``); a strategy that runs a model in
+        pieces (pipeline stages) runs its own schedule instead and calls ``loss_fn`` where the outputs are.
+        The optimizer step stays the caller's.
+
+        Args:
+            model: the prepared model.
+            inputs: what the model takes: a tensor (``model(x)``), a tuple (``model(*inputs)``) or a dict
+                (``model(**inputs)``).
+            targets: what ``loss_fn`` compares the outputs with.
+            loss_fn: ``loss_fn(outputs, targets)`` returns the loss to backpropagate, normalised as in any step
+                (``towers.compute_average_loss(per_example_loss)``).
+
+        Returns:
+            The loss, detached, and the model's outputs (None on the processes of a pipeline that do not hold
+            them).
         """
         if isinstance(inputs, Mapping):
             outputs = model(**inputs)
@@ -229,6 +285,14 @@ class Strategy(ABC):
         the replicas): on the other micro-batches it changes nothing and returns the norm of the
         gradient accumulated so far on this replica (unscaled). One device's result, at any
         accumulation and replica count.
+
+        Args:
+            parameters: the prepared model's parameters (or one tensor).
+            max_norm: the largest total norm allowed.
+            norm_type: the norm's order (2: Euclidean; ``inf``: the largest element).
+
+        Returns:
+            The total norm before clipping.
 
         Raises:
             ValueError: ``max_norm`` is not a positive finite number.
@@ -256,22 +320,53 @@ class Strategy(ABC):
 
         With ``axis`` set, also reduce over that axis of each replica's value; ``"mean"`` then
         weights every element equally across ragged per-replica batches.
+
+        Args:
+            op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+            value: a tensor or number (a step's result from ``run``).
+            axis: also reduce over this axis of each replica's value.
+
+        Returns:
+            The combined value, the same on every replica.
         """
 
     @abstractmethod
     def gather(self, value: torch.Tensor, axis: int = 0) -> torch.Tensor:
-        """Concatenate every replica's ``value`` along ``axis`` (ragged sizes allowed), in replica order."""
+        """Concatenate every replica's ``value`` along ``axis`` (ragged sizes allowed), in replica order.
+
+        Args:
+            value: this replica's tensor.
+            axis: the axis to concatenate along.
+
+        Returns:
+            Every replica's tensors, concatenated, on every replica.
+        """
 
     @abstractmethod
     def barrier(self) -> None:
         """Block until every replica reaches this point."""
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Return replica ``src``'s ``obj`` on every replica (picklable objects)."""
+        """Return replica ``src``'s ``obj`` on every replica (picklable objects).
+
+        Args:
+            obj: the object (only ``src``'s is used).
+            src: the replica that sends it.
+
+        Returns:
+            ``src``'s object.
+        """
         return obj
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Return every replica's ``obj``, in replica order."""
+        """Return every replica's ``obj``, in replica order.
+
+        Args:
+            obj: this replica's picklable object.
+
+        Returns:
+            One object per replica.
+        """
         return [obj]
 
     def shutdown(self) -> None:  # noqa: B027 (a no-op by default, not abstract: most strategies start nothing)
@@ -287,6 +382,9 @@ class Strategy(ABC):
         """Note a loss normalised by examples (``compute_average_loss`` without ``weights``, ``scale_regularization_loss``)
         in the update in progress (``update_step``: its last micro-batch).
 
+        Args:
+            update_step: True on the update's last micro-batch.
+
         Raises:
             ValueError: the update already holds a loss normalised by weights.
         """
@@ -296,6 +394,11 @@ class Strategy(ABC):
         """Note a loss normalised by ``weight`` (``compute_average_loss(..., weights=...)``) in the update in progress:
         ``loss``'s gradient is the weighted SUM, divided by the update's global weight as the backward through it ends
         at the update step (``update_step``).
+
+        Args:
+            loss: the loss whose backward ends the update (at the update step).
+            weight: this share's sum of weights.
+            update_step: True on the update's last micro-batch.
 
         Raises:
             NotImplementedError: this strategy cannot normalise by weights.
@@ -337,6 +440,13 @@ class Strategy(ABC):
         as DTensors under a sharded strategy); the optimizer's is keyed by parameter NAME, not by
         torch's position, so it loads under any strategy. Plain tensors, numbers, strings, lists and
         dicts only. A collective where the state lives elsewhere (shards): every replica calls it.
+
+        Args:
+            model: the prepared model.
+            optimizer: its prepared optimizer (None: the model's state alone).
+
+        Returns:
+            ``{"model": ..., "optimizer": ..., "precision": ...}``.
         """
         return {**plain_state_dict(self.unwrap(model), optimizer), "precision": self.precision.state_dict()}
 
@@ -345,43 +455,101 @@ class Strategy(ABC):
         """Restore what ``state_dict`` returned (under this or another strategy) into a prepared model and optimizer.
 
         Every replica calls it. The optimizer loads first: torch checks its state before changing anything.
+
+        Args:
+            state: what ``state_dict`` returned.
+            model: the prepared model.
+            optimizer: its prepared optimizer (None: the model alone).
         """
         load_plain_state_dict(state, self.unwrap(model), optimizer)
         self.precision.load_state_dict(state.get("precision") or {})
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """Return the user's module's full (unsharded) ``state_dict()``; a collective where it is sharded."""
+        """Return the user's module's full (unsharded) ``state_dict()``; a collective where it is sharded.
+
+        Args:
+            model: the prepared model.
+
+        Returns:
+            Whole tensors by parameter and buffer name.
+        """
         return self.unwrap(model).state_dict()
 
     def checkpoint_io(self) -> CheckpointIO:
-        """How this strategy's processes write checkpoint tensors (every process its part, by default)."""
+        """How this strategy's processes write checkpoint tensors (every process its part, by default).
+
+        Returns:
+            The ``CheckpointIO`` this strategy's checkpoints are written with.
+        """
         return self.__dict__.setdefault("_checkpoint_io", CheckpointIO(collective=True))
 
     def export_model(self, model: nn.Module, path: str | os.PathLike[str]) -> Any:
         """Write the user's module's full weights to ``path`` for inference (safetensors or a torch file); every replica
-        calls it. ``towers.checkpoint.export_model(model, path, strategy=self)``; returns the path."""
+        calls it. ``towers.checkpoint.export_model(model, path, strategy=self)``; returns the path.
+
+        Args:
+            model: the prepared model.
+            path: the file (``.safetensors``, or ``.pt``).
+
+        Returns:
+            The path.
+        """
         return checkpoint.export_model(model, path, strategy=self)
 
     def save_checkpoint(self, path: str | os.PathLike[str], state: Mapping[str, Any]) -> str:
         """Write ``state`` (your dict: model, optimizer, data, values) as a checkpoint at ``path``; every replica calls
-        it. ``towers.checkpoint.save_checkpoint(path, state, strategy=self)``; any strategy restores it."""
+        it. ``towers.checkpoint.save_checkpoint(path, state, strategy=self)``; any strategy restores it.
+
+        Args:
+            path: the checkpoint's folder.
+            state: your dict: model, optimizer, data, values.
+
+        Returns:
+            The path.
+        """
         return str(checkpoint.save_checkpoint(path, state, strategy=self))
 
     def restore_checkpoint(self, path: str | os.PathLike[str], objects: Mapping[str, Any]) -> dict[str, Any]:
         """Load the checkpoint at ``path`` into ``objects`` (``{"model": model, ...}``) and return all it holds.
-        ``towers.checkpoint.restore_checkpoint(path, objects, strategy=self)``."""
+        ``towers.checkpoint.restore_checkpoint(path, objects, strategy=self)``.
+
+        Args:
+            path: the checkpoint's folder.
+            objects: keys of the saved dict -> live objects to load into (``{"model": model, ...}``).
+
+        Returns:
+            Everything the checkpoint holds.
+        """
         return checkpoint.restore_checkpoint(path, objects, strategy=self)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Return the dict saved at ``path`` (tensors whole, on the CPU); every replica reads it."""
+        """Return the dict saved at ``path`` (tensors whole, on the CPU); every replica reads it.
+
+        Args:
+            path: the checkpoint's folder.
+
+        Returns:
+            The dict as saved.
+        """
         return checkpoint.load_checkpoint(path, strategy=self)
 
     def checkpoint_exists(self, path: str | os.PathLike[str]) -> bool:
-        """Return True when a complete checkpoint is published at ``path``."""
+        """Return True when a complete checkpoint is published at ``path``.
+
+        Args:
+            path: the checkpoint's folder.
+
+        Returns:
+            False when nothing, or a checkpoint still being written, is there.
+        """
         return checkpoint.checkpoint_exists(path)
 
     def delete_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the checkpoint at ``path`` and everything it holds; call it on the chief (nothing if absent)."""
+        """Remove the checkpoint at ``path`` and everything it holds; call it on the chief (nothing if absent).
+
+        Args:
+            path: the checkpoint's folder.
+        """
         checkpoint.delete_checkpoint(path)
 
     def wait_for_checkpoint(self) -> None:
