@@ -64,6 +64,7 @@ _SUBMODULES = {
     "metrics": "towers.metrics",
     "checkpoint": "towers.checkpoint",
     "data": "towers.data",
+    "ray": "towers.ray",
 }
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])

@@ -35,6 +35,7 @@ from towers._job_store import store_client as _store_client
 from towers._logging import configure_logging, configured_logging, get_logger, set_rank
 from towers.cluster.deaths import StartupWatch, publish_death
 from towers.cluster.info import ProcessInfo
+from towers.cluster.ray import RAY_SOURCE
 from towers.cluster.rendezvous import (
     RendezvousError,
     visible_warning,
@@ -148,6 +149,13 @@ def init_process_group(
         configure_logging(info.log_level)
     if dist.is_initialized():
         return str(dist.get_backend())
+    if info.source == RAY_SOURCE:
+        # Ray's rank 0 hosts the store at MASTER_PORT: a group of towers' own there would be a second one.
+        raise DistributedError(
+            f"{_rank_tag(info)} this Ray worker has no torch process group. towers builds on the one Ray Train's "
+            "torch backend makes before the training function runs. Received: a Ray worker with RANK/WORLD_SIZE set "
+            "but no group. Run the function in ray.train.torch.TorchTrainer (not a plain Ray task or another "
+            "trainer), with its default TorchConfig.")
     if backend == "auto":
         backend = choose_backend(info.local_world_size)
     if backend == "nccl":

@@ -1,6 +1,6 @@
 """Who am I in the job: ``from_env()`` reads this process's place from the environment.
 
-Sources are detected in a fixed order: explicit arguments, ``TF_CONFIG``, torchrun/Kubeflow
+Sources are detected in a fixed order: explicit arguments, ``TF_CONFIG``, a Ray Train worker, torchrun/Kubeflow
 (``RANK``, ``WORLD_SIZE``, ...; Kubeflow Trainer v2's ``PET_*``), SLURM (``SLURM_PROCID``, ... under
 ``srun``), MPI (``OMPI_COMM_WORLD_*``, ``PMI_*``), else a single local process.
 Only this package reads ``os.environ``; everything else receives the frozen ``ProcessInfo``.
@@ -13,6 +13,7 @@ from towers.cluster.info import DEFAULT_JOIN_TIMEOUT_S, TASK_TYPES, ClusterSpec,
 from towers.cluster.kubeflow import KubeflowTrainerEnvironment
 from towers.cluster.local import LocalEnvironment
 from towers.cluster.mpi import MPIEnvironment
+from towers.cluster.ray import RayTrainEnvironment
 from towers.cluster.slurm import SlurmEnvironment, expand_hostlist, is_srun_task, port_from_job_id
 from towers.cluster.tf_config import TRAINING_ORDER, TFConfigEnvironment, parse_tf_config
 from towers.cluster.torchrun import TorchrunEnvironment
@@ -24,6 +25,7 @@ __all__ = [
     "ENVIRONMENTS",
     "ClusterEnvironment",
     "TFConfigEnvironment",
+    "RayTrainEnvironment",
     "TorchrunEnvironment",
     "KubeflowTrainerEnvironment",
     "SlurmEnvironment",

@@ -20,6 +20,7 @@ from towers.cluster.kubeflow import KubeflowTrainerEnvironment
 from towers.cluster.launch_notes import LAUNCH_DIR_VARIABLE
 from towers.cluster.local import LocalEnvironment
 from towers.cluster.mpi import MPIEnvironment
+from towers.cluster.ray import RayTrainEnvironment
 from towers.cluster.slurm import SlurmEnvironment
 from towers.cluster.strategy_options import ENV as STRATEGY_OPTIONS_ENV
 from towers.cluster.strategy_options import decode_strategy_options
@@ -40,6 +41,7 @@ VERIFY_STEPS_VARIABLE = "TOWERS_VERIFY_STEPS"
 #: Explicit keyword arguments to ``from_env`` override fields on top of it.
 ENVIRONMENTS: tuple[ClusterEnvironment, ...] = (
     TFConfigEnvironment(),
+    RayTrainEnvironment(),
     TorchrunEnvironment(),
     KubeflowTrainerEnvironment(),
     SlurmEnvironment(),
@@ -85,7 +87,8 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     """Return this process's ``ProcessInfo``.
 
     Sources, in order: ``explicit`` keyword arguments (any ``ProcessInfo`` field, e.g. ``rank=1,
-    world_size=2``: they replace the detected values); ``TF_CONFIG``; torchrun/Kubeflow variables
+    world_size=2``: they replace the detected values); ``TF_CONFIG``; a Ray Train worker (torchrun's variables,
+    which Ray sets, with ``RAY_JOB_ID``: ``source == "ray"``); torchrun/Kubeflow variables
     (``RANK``, ``WORLD_SIZE``, ...; Kubeflow Trainer v2's ``PET_*`` alone); SLURM (``SLURM_PROCID``, ...
     of an ``srun`` task); MPI (``OMPI_COMM_WORLD_*``, ``PMI_*``); else one local process.
     ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` (set by ``towers launch``) fill ``strategy``/``num_ps``;

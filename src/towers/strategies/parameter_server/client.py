@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from towers.cluster.ray import at_loop_end
 from towers.diagnostics import track
 from towers.errors import InvalidArgumentError
 from towers.process_group import DistributedError
@@ -32,6 +33,7 @@ class ParameterClient:
         self.reply_timeout_s = timeout_s * 1.5 + 10.0
         self._gather_seq = 0
         self.closed = False
+        at_loop_end(self.bye)  # under Ray Train the process outlives the function: the ps tasks must hear of its end
         # A request sent whose replies are not read yet (``start``): read before anything else crosses a link.
         self._pending: tuple[str, list[int], Sequence[torch.Tensor | None] | None,
                              Callable[[list[Message]], None]] | None = None

@@ -1,7 +1,8 @@
 """Who is a ps task and who is a worker: the last ``num_ps`` ranks are ps tasks, the rest are workers.
 
 This is ``towers.cluster``'s order for ``towers launch --num-ps K`` and TF_CONFIG alike
-(chief, workers, then ps), so rank 0 stays the chief worker.
+(chief, workers, then ps), so rank 0 stays the chief worker. Under Ray Train the ps tasks are the last
+Ray workers of the ``TorchTrainer`` (``towers.cluster.ray``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 from towers.cluster import roles
 from towers.cluster.info import ProcessInfo
+from towers.cluster.ray import ps_task_started
 from towers.errors import InvalidArgumentError
 
 __all__ = ["Roles", "resolve_roles"]
@@ -58,6 +60,8 @@ def resolve_roles(info: ProcessInfo, num_ps: int | None) -> Roles:
         raise InvalidArgumentError(f"This process is task ps:{info.task.index} but has rank {info.rank}; with {num_ps} ps "
                                    f"task(s) among {world} processes the ps tasks must be the last ranks "
                                    f"{list(range(num_workers, world))}. List chief and workers before ps tasks.")
+    if is_ps:
+        ps_task_started(info, index, num_workers, num_ps)  # under Ray Train: refused outside towers.ray.train_loop, else noted
     return Roles(is_ps=is_ps, index=index, num_ps=num_ps, num_workers=num_workers,
                  ps_ranks=ps_ranks, bind_host=_bind_host(info))
 

@@ -1,0 +1,144 @@
+"""An unchanged towers script under Ray Train: the README's loop inside ``TorchTrainer`` gives the bits ``towers launch``
+gives for the same strategy and process count, on Ray's process group (never a second one).
+
+One local Ray cluster of CPU workers (``ray.init(num_cpus=4)``) serves the whole module: Ray starts in seconds but
+not in milliseconds, and CI has two cores. Each scenario runs ``tests/ray_job.py``'s functions in Ray's workers
+(through ``towers.ray.train_loop``) and the same file under ``towers launch``, and compares the exported weights
+with ``torch.equal``; the one-process run is the reference within the suite's tolerance. The cluster is shut down
+at the end and none of Ray's processes may outlive it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cli_support import kill, processes_running, run, towers_command
+
+ray = pytest.importorskip("ray", reason="Ray Train is not installed: pip install 'towers[ray]'")
+ray_train = pytest.importorskip("ray.train")
+from ray.train.torch import TorchTrainer  # noqa: E402
+
+import towers.ray  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ray_job  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+JOB = Path(ray_job.__file__).resolve()
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+DEADLINE_S = 180
+#: One process against N replicas: float32 sums of the same gradients in another order, over 46 Adam steps.
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Any:
+    """One local Ray cluster for the module, in a temporary directory of its own; nothing of it left after."""
+    temp = tempfile.mkdtemp(prefix="towers-ray-", dir="/tmp")  # short: Ray's socket paths live under it
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{JOB.parent}:{EXAMPLES}"}})
+    try:
+        yield Path(temp)
+    finally:
+        ray.shutdown()
+        deadline = time.monotonic() + 20
+        while processes_running(temp) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = processes_running(temp)
+        kill(left)
+        shutil.rmtree(temp, ignore_errors=True)
+        assert not left, f"Ray processes outlived ray.shutdown(): {left}"
+
+
+def _ray(cluster: Path, tmp_path: Path, job: str, strategy: str, workers: int, *, max_failures: int = 0,
+         **config: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    out = tmp_path / f"ray-{job}-{strategy}-{workers}.pt"
+    trainer = TorchTrainer(
+        towers.ray.train_loop(ray_job.ray_entry),
+        train_loop_config={"job": job, "strategy": strategy, "out": str(out), **config},
+        scaling_config=ray_train.ScalingConfig(num_workers=workers, use_gpu=False),
+        run_config=ray_train.RunConfig(storage_path=str(tmp_path / "ray-storage"), name=f"{job}-{strategy}-{workers}",
+                                       failure_config=ray_train.FailureConfig(max_failures=max_failures)))
+    result = trainer.fit()
+    assert result.error is None, result.error
+    return torch.load(out, weights_only=True), result
+
+
+def _launch(tmp_path: Path, job: str, launch: list[str], *args: str) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"launch-{job}-{'-'.join(launch)}.pt"
+    command = [sys.executable, str(JOB)] if not launch else [*towers_command(), "launch", *launch, str(JOB)]
+    done = run([*command, job, str(out), *args], cwd=tmp_path, deadline_s=DEADLINE_S, marker=str(tmp_path))
+    assert done.returncode == 0, f"{command}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return torch.load(out, weights_only=True)
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    different = {k: (got[k] - want[k]).abs().max().item() for k in want if not torch.equal(got[k], want[k])}
+    assert not different, f"not bit for bit: largest difference per tensor {different}"
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= ATOL, worst
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The README script with plain ``python``: one replica, the reference."""
+    return _launch(tmp_path_factory.mktemp("one"), "readme", [])
+
+
+#: strategy -> (Ray workers, towers launch arguments)
+SCENARIOS = {
+    "mirrored": (2, ["--nproc-per-node", "2", "--strategy", "mirrored"]),
+    "ps": (3, ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1", "--strategy-option", "mode=sync"]),
+    "sharded": (2, ["--nproc-per-node", "2", "--strategy", "sharded"]),
+}
+
+
+@pytest.mark.parametrize("strategy", list(SCENARIOS))
+def test_the_readme_script_under_ray_gives_towers_launchs_bits(cluster, tmp_path, one_process, strategy):
+    workers, launch = SCENARIOS[strategy]
+    under_ray, _ = _ray(cluster, tmp_path, "readme", strategy, workers)
+    launched = _launch(tmp_path, "readme", launch)
+    _assert_equal(under_ray, launched)
+    _assert_close(under_ray, one_process)
+
+
+def test_a_worker_killed_mid_epoch_resumes_from_rays_checkpoint_and_ends_as_the_uninterrupted_run(cluster, tmp_path):
+    """Rank 1 dies at step 12 (os._exit, no goodbye) on the first attempt; FailureConfig(max_failures=1) starts the
+    group again, which resumes from ray.train.get_checkpoint() (towers' checkpoint of step 10, reported to Ray)."""
+    marker = tmp_path / "killed-once"
+    resumed, result = _ray(cluster, tmp_path, "resumable", "mirrored", 2, max_failures=1,
+                           ckpt=str(tmp_path / "ckpt-ray"), kill_marker=str(marker))
+    assert marker.exists(), "the worker was not killed: nothing was resumed"
+    assert result.checkpoint is not None and result.metrics["step"] == 45, result.metrics
+    uninterrupted = _launch(tmp_path, "resumable", SCENARIOS["mirrored"][1], "--ckpt", str(tmp_path / "ckpt-launch"))
+    _assert_equal(resumed, uninterrupted)
+
+
+def test_fit_under_ray_reports_the_chiefs_epoch_logs_and_gives_towers_launchs_bits(cluster, tmp_path):
+    under_ray, result = _ray(cluster, tmp_path, "fit", "mirrored", 2)
+    assert result.checkpoint is not None and (Path(result.checkpoint.path) / "state.pt").exists(), result.checkpoint
+    assert result.metrics["epoch"] == ray_job.EPOCHS, result.metrics
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy", "examples_per_second"):
+        assert isinstance(result.metrics.get(key), float), (key, result.metrics)
+    _assert_equal(under_ray, _launch(tmp_path, "fit", SCENARIOS["mirrored"][1]))
+
+
+def test_the_example_driver_trains_reports_and_checkpoints(cluster, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import ray_train  # examples/ray_train.py, importable in Ray's workers too (PYTHONPATH above)
+
+    metrics = ray_train.main(["--workers", "2", "--epochs", "1", "--storage", str(tmp_path)])
+    assert metrics["epoch"] == 1 and 0 < metrics["loss"] < 3, metrics

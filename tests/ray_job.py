@@ -1,0 +1,151 @@
+"""The README's training script and a resumable loop, run by tests/distributed/test_ray.py in Ray Train's workers
+and under ``towers launch``.
+
+    towers launch --nproc-per-node N --strategy S ray_job.py readme|resumable|fit OUT [--ckpt DIR]
+
+In Ray, ``ray_entry`` (wrapped by ``towers.ray.train_loop``) builds the strategy the way a user writes it in a
+``train_loop_per_worker`` and runs the same functions. Every run exports its final weights to OUT (a
+``weights_only`` torch file) with ``strategy.export_model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import towers
+from towers.checkpoint import CheckpointManager, restore_checkpoint
+from towers.datasets import load_digits
+from towers.models import SeedCNN
+
+EPOCHS = 2
+
+
+def readme(strategy: Any, out: str) -> None:
+    """The README's ``train.py`` block (2 epochs), then the weights to ``out``."""
+    train_set, test_set = load_digits()
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = SeedCNN()
+        optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    model, optimizer = strategy.prepare(model, optimizer)
+
+    def loss_fn(logits, y):
+        return towers.compute_average_loss(F.cross_entropy(logits, y, reduction="none"))
+
+    def step(x, y):
+        loss, _ = strategy.forward_backward(model, x, y, loss_fn)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    for epoch in range(EPOCHS):
+        for x, y in strategy.distribute_dataset(train_set, global_batch_size=64, seed=epoch):
+            loss = strategy.reduce("sum", strategy.run(step, args=(x, y)))
+        if strategy.is_chief:
+            print(f"epoch {epoch + 1}: last step's loss {loss.item():.5f}")
+    strategy.export_model(model, out)
+
+
+def resumable(strategy: Any, out: str, ckpt: str, *, ray: bool = False, kill_marker: str | None = None) -> None:
+    """docs/checkpoints.md's loop on the digits: a checkpoint every 5 steps (reported to Ray under Ray), resumed
+    from Ray's latest checkpoint (or the manager's). With ``kill_marker``, rank 1 dies at step 12 the first time."""
+    train_set, _ = load_digits()
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = SeedCNN()
+        optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    model, optimizer = strategy.prepare(model, optimizer)
+    batches = strategy.distribute_dataset(train_set, global_batch_size=64, shuffle=True, seed=0)
+    objects = {"model": model, "optimizer": optimizer, "data": batches}
+    manager = CheckpointManager(ckpt, strategy=strategy, max_to_keep=2)
+    if ray:
+        latest = towers.ray.latest_checkpoint()
+        state = restore_checkpoint(latest, objects, strategy=strategy) if latest is not None else None
+    else:
+        state = manager.restore(objects)
+    step = state["step"] if state else 0
+
+    def train_step(x, y):
+        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    while batches.epoch < EPOCHS:
+        for x, y in batches:
+            loss = strategy.reduce("sum", strategy.run(train_step, args=(x, y)))
+            step += 1
+            if kill_marker and step == 12 and strategy.replica_id == 1 and not os.path.exists(kill_marker):
+                Path(kill_marker).write_text("killed")
+                os._exit(1)  # a worker lost mid-epoch, with no goodbye
+            if step % 5 == 0:
+                path = manager.save({**objects, "step": step}, checkpoint_number=step)
+                if ray:
+                    towers.ray.report({"step": step, "loss": loss}, checkpoint=path)
+    manager.close()
+    strategy.export_model(model, out)
+
+
+def fit(strategy: Any, out: str, *, ray: bool = False) -> None:
+    """The README loop's ``Trainer.fit`` twin (examples/fit.py's model and data), backed up each epoch; under Ray
+    ``RayReport`` reports each epoch's logs with the backup as the checkpoint."""
+    train_set, test_set = load_digits()
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = SeedCNN()
+        optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    trainer = towers.Trainer(model, optimizer, loss=F.cross_entropy, metrics=["accuracy"], strategy=strategy)
+    backup = towers.callbacks.BackupAndRestore(f"{out}.backup", delete_checkpoint=False)
+    callbacks = [backup, towers.ray.RayReport(backup)] if ray else [backup]
+    trainer.fit(train_set, epochs=EPOCHS, global_batch_size=64, validation_data=test_set, callbacks=callbacks)
+    strategy.export_model(trainer.model, out)
+
+
+def build(name: str) -> Any:
+    """The strategy as a user builds it inside ``train_loop_per_worker``."""
+    if name == "mirrored":
+        return towers.MirroredStrategy()
+    if name == "sharded":
+        return towers.FullyShardedStrategy()
+    if name == "ps":
+        return towers.ParameterServerStrategy(num_ps=1, mode="sync")
+    if name == "hybrid":
+        return towers.HybridStrategy(num_ps=1, mode="sync")
+    return towers.strategy_from_env()
+
+
+def ray_entry(config: dict) -> None:
+    """``train_loop_per_worker``: ``config`` = job, strategy, out (and ckpt, kill_marker)."""
+    strategy = build(config["strategy"])
+    if config["job"] == "readme":
+        readme(strategy, config["out"])
+    elif config["job"] == "resumable":
+        resumable(strategy, config["out"], config["ckpt"], ray=True, kill_marker=config.get("kill_marker"))
+    else:
+        fit(strategy, config["out"], ray=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("job", choices=("readme", "resumable", "fit"))
+    parser.add_argument("out")
+    parser.add_argument("--ckpt")
+    args = parser.parse_args()
+    strategy = towers.strategy_from_env()
+    if args.job == "readme":
+        readme(strategy, args.out)
+    elif args.job == "resumable":
+        resumable(strategy, args.out, args.ckpt)
+    else:
+        fit(strategy, args.out)
+
+
+if __name__ == "__main__":
+    main()
