@@ -176,3 +176,28 @@ def test_docstring_examples_run_as_written(tmp_path):
     done = subprocess.run([sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "examples.json")], cwd=work,
                           env=clean_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, f"docstring examples that fail:\n{done.stderr[-8000:]}"
+
+
+# The classes a user calls most: their own public methods document arguments and results too (the subclasses'
+# overrides inherit the contract, and their docstrings say what differs).
+_MAIN_CLASSES = ("towers.Strategy", "towers.Trainer", "towers.checkpoint.CheckpointManager")
+
+
+def test_the_main_classes_methods_document_their_arguments_and_results():
+    lacking = []
+    for path in _MAIN_CLASSES:
+        module, _, name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        for attr, value in vars(cls).items():
+            function = getattr(value, "__func__", value)
+            if attr.startswith("_") or not inspect.isfunction(function):
+                continue
+            doc = inspect.getdoc(function) or ""
+            arguments, returns = _arguments(inspect.unwrap(function), method=True)
+            missing = [section for section, needed in (
+                ("Args", arguments and not _has_section(doc, "Args")),
+                ("Returns", returns not in (inspect.Signature.empty, None, "None")
+                 and not _has_section(doc, "Returns", "Yields"))) if needed]
+            if missing:
+                lacking.append(f"{path}.{attr} ({', '.join(missing)})")
+    assert lacking == [], "document these methods in Google style:\n" + "\n".join(lacking)

@@ -178,8 +178,12 @@ class CheckpointManager:
     def save(self, state: Mapping[str, Any], *, checkpoint_number: int | None = None) -> Path:
         """Write ``state`` (your dict, as ``towers.checkpoint.save_checkpoint`` takes it) as the next checkpoint.
 
-        ``checkpoint_number`` names it (e.g. the step); by default one more than the newest. Then
-        the oldest beyond ``max_to_keep`` are deleted. Returns the path.
+        Args:
+            state: your dict, as ``towers.checkpoint.save_checkpoint`` takes it.
+            checkpoint_number: names it (e.g. the step). Default: one more than the newest.
+
+        Returns:
+            The checkpoint's path. The oldest beyond ``max_to_keep`` are deleted.
 
         Raises:
             ValueError: on a negative or non-integer ``checkpoint_number``.
@@ -218,6 +222,13 @@ class CheckpointManager:
         Returns at once without a notice (one look at the job's store). After a notice, every
         process saves ``state`` at the same step as checkpoint ``step`` and raises ``Preempted``
         (a ``SystemExit`` with ``PREEMPTED_EXIT_CODE``), which asks the launcher for a restart.
+
+        Args:
+            state: what to save on a notice, as ``save`` takes it.
+            step: the steps done, the same on every process.
+
+        Raises:
+            Preempted: after the checkpoint is written (a ``SystemExit`` with ``PREEMPTED_EXIT_CODE``).
         """
         if self.preemption is None or not self.preemption.should_save(step):
             return
@@ -243,8 +254,16 @@ class CheckpointManager:
 
         A damaged checkpoint (a file missing, unreadable or changed since it was written) is passed
         over for the next older one, with a WARNING naming it; every process takes the same
-        decision. ``restore_rng``: put this process's saved RNG streams back (a job of another size
-        takes those of saved replica ``replica_id % saved``).
+        decision.
+
+        Args:
+            objects: keys of the saved dict -> live objects to load into, as ``restore_checkpoint`` takes them.
+            path: a checkpoint to restore instead of the newest.
+            restore_rng: put this process's saved RNG streams back (a job of another size takes those of saved
+                replica ``replica_id % saved``).
+
+        Returns:
+            Everything the checkpoint holds, or None when ``directory`` has none.
 
         Raises:
             CorruptCheckpointError: when ``path`` is damaged, or every checkpoint in ``directory`` is.

@@ -312,13 +312,21 @@ class Trainer:
 
     # --- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Return the full training state in the checkpoint format (a collective: call it on every replica)."""
+        """Return the full training state in the checkpoint format (a collective: call it on every replica).
+
+        Returns:
+            The model, optimizer, progress, data position, metrics, callbacks' states and RNG streams.
+        """
         self._metric_sync.sync(self.progress.global_step)  # running sums of steps not yet reduced belong in it
         return capture_state(self, train_input=self._epochs.train_input, callbacks=self._callbacks,
                              train_metrics=self._metric_sync.metrics)
 
     def load_state_dict(self, state: Mapping[str, Any], *, path: str = "<state>") -> None:
         """Restore a full training state; the next ``fit`` resumes at its exact step (on every replica).
+
+        Args:
+            state: what ``state_dict`` returned (or a checkpoint's dict).
+            path: where it came from, for error messages.
 
         Raises:
             CheckpointError: when the state does not fit this model/optimizer; nothing is changed then.
@@ -328,8 +336,14 @@ class Trainer:
     def save_checkpoint(self, path: str, *, weights_only: bool = False) -> str:
         """Write a checkpoint of this Trainer at ``path`` (call on every replica); return its path.
 
-        Any strategy and number of replicas restores it (``load_checkpoint``). ``weights_only``:
-        the model alone.
+        Any strategy and number of replicas restores it (``load_checkpoint``).
+
+        Args:
+            path: the checkpoint's folder.
+            weights_only: write the model alone.
+
+        Returns:
+            The path.
         """
         if weights_only:
             state: dict[str, Any] = {"model": self.strategy.state_dict(self.model)["model"]}
@@ -340,6 +354,12 @@ class Trainer:
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Read a checkpoint (every replica reads it); a full one makes the next ``fit`` resume from it. Returns its values.
+
+        Args:
+            path: the checkpoint's folder, as ``save_checkpoint`` (or ``ModelCheckpoint``) wrote it.
+
+        Returns:
+            The checkpoint's values.
 
         Raises:
             CheckpointError: when it does not fit this model and optimizer (nothing is changed then).
