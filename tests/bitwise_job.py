@@ -72,8 +72,14 @@ def _strategy(bitwise: bool, **options: Any) -> towers.Strategy:
     return towers.MirroredStrategy(bitwise=bitwise, micro_batch_size=MICRO_BATCH if bitwise else None, **options)
 
 
-def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy: towers.Strategy | None = None) -> dict:
-    """Train ``updates`` updates; return the parameters, the optimizer state and the losses the loop logged."""
+def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy: towers.Strategy | None = None,
+          checkpoints: str | None = None, stop_at: int | None = None) -> dict:
+    """Train ``updates`` updates; return the parameters, the optimizer state and the losses the loop logged.
+
+    ``checkpoints``: a directory to resume from (the latest checkpoint there, if any) and, with ``stop_at``, to save
+    in after that many updates and stop (a preemption), whatever the replica count of either run."""
+    from towers.checkpoint import CheckpointManager
+
     strategy = strategy or _strategy(bitwise)
     torch.manual_seed(1234 + strategy.replica_id)  # different seeds per replica: prepare gives every one the chief's
     train_set, _ = load_digits()
@@ -82,9 +88,19 @@ def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy:
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     model, optimizer = strategy.prepare(model, optimizer)
     batches = strategy.distribute_dataset(train_set, GLOBAL_BATCH, shuffle=True, seed=7, drop_remainder=True)
-
-    return _outcome(strategy, model, optimizer,
-                    run_updates(strategy, classifier_step(strategy, model, optimizer, clip=clip), batches, updates))
+    step = classifier_step(strategy, model, optimizer, clip=clip)
+    if checkpoints is None:
+        return _outcome(strategy, model, optimizer, run_updates(strategy, step, batches, updates))
+    manager = CheckpointManager(checkpoints, strategy=strategy)
+    losses: list[float] = []
+    if manager.latest_checkpoint is not None:
+        losses = list(manager.restore({"model": model, "optimizer": optimizer, "data": batches})["losses"])
+    resumed_at = len(losses)
+    losses += run_updates(strategy, step, batches, (stop_at or updates) - len(losses))
+    if stop_at is not None:
+        manager.save({"model": model, "optimizer": optimizer, "data": batches, "losses": losses})
+    manager.close()
+    return {**_outcome(strategy, model, optimizer, losses), "resumed_at": resumed_at}
 
 
 def train_gpt(updates: int) -> dict:

@@ -49,6 +49,14 @@ def test_the_same_bits_as_one_process_at_any_replica_count(one_process, replicas
         assert _differences(result, one_process) == [], f"rank {rank} of {replicas}"
 
 
+def test_preempted_at_two_replicas_and_resumed_at_three_it_ends_with_the_same_bits(one_process, tmp_path):
+    kwargs = {"checkpoints": str(tmp_path / "ckpt")}
+    towers.spawn(train, 2, args=(UPDATES,), kwargs={**kwargs, "stop_at": 20}, timeout_s=180, threads_per_process=1)
+    resumed = towers.spawn(train, 3, args=(UPDATES,), kwargs=kwargs, timeout_s=180, threads_per_process=1)
+    assert [(r["replicas"], r["resumed_at"]) for r in resumed] == [(3, 20)] * 3
+    assert [_differences(r, one_process) for r in resumed] == [[], [], []]
+
+
 def test_a_gpt_with_adamw_and_a_token_mask_has_the_same_bits_at_three_replicas():
     reference = towers.spawn(train_gpt, 1, args=(8,), timeout_s=120, threads_per_process=1)[0]
     results = towers.spawn(train_gpt, 3, args=(8,), timeout_s=180, threads_per_process=1)
