@@ -103,6 +103,7 @@ SCENARIOS = {
     "mirrored": (2, ["--nproc-per-node", "2", "--strategy", "mirrored"]),
     "ps": (3, ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1", "--strategy-option", "mode=sync"]),
     "sharded": (2, ["--nproc-per-node", "2", "--strategy", "sharded"]),
+    "hybrid": (3, ["--nproc-per-node", "3", "--strategy", "hybrid", "--num-ps", "1", "--strategy-option", "mode=sync"]),
 }
 
 
