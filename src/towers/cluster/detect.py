@@ -21,6 +21,7 @@ from towers.cluster.launch_notes import LAUNCH_DIR_VARIABLE
 from towers.cluster.local import LocalEnvironment
 from towers.cluster.mpi import MPIEnvironment
 from towers.cluster.ray import RayTrainEnvironment
+from towers.cluster.skypilot import SkyPilotEnvironment
 from towers.cluster.slurm import SlurmEnvironment
 from towers.cluster.strategy_options import ENV as STRATEGY_OPTIONS_ENV
 from towers.cluster.strategy_options import decode_strategy_options
@@ -46,6 +47,7 @@ ENVIRONMENTS: tuple[ClusterEnvironment, ...] = (
     KubeflowTrainerEnvironment(),
     SlurmEnvironment(),
     MPIEnvironment(),
+    SkyPilotEnvironment(),
     LocalEnvironment(),
 )
 
@@ -90,7 +92,8 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     world_size=2``: they replace the detected values); ``TF_CONFIG``; a Ray Train worker (torchrun's variables,
     which Ray sets, with ``RAY_JOB_ID``: ``source == "ray"``); torchrun/Kubeflow variables
     (``RANK``, ``WORLD_SIZE``, ...; Kubeflow Trainer v2's ``PET_*`` alone); SLURM (``SLURM_PROCID``, ...
-    of an ``srun`` task); MPI (``OMPI_COMM_WORLD_*``, ``PMI_*``); else one local process.
+    of an ``srun`` task); MPI (``OMPI_COMM_WORLD_*``, ``PMI_*``); SkyPilot's ``SKYPILOT_NODE_IPS``/``_NODE_RANK`` (one
+    process per node); else one local process.
     ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` (set by ``towers launch``) fill ``strategy``/``num_ps``;
     ``TOWERS_CHECKPOINT_DIR`` (set by ``towers k8s`` manifests) fills ``checkpoint_dir``;
     ``TOWERS_JOIN_TIMEOUT_S`` (set by ``towers launch --join-timeout``) fills ``join_timeout_s``;

@@ -15,6 +15,8 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from towers.cluster import roles as _roles
+from towers.cluster.environ import read_environ
+from towers.cluster.skypilot import launch_flags as skypilot_launch_flags
 from towers.cluster.strategy_options import ENV as STRATEGY_OPTIONS_ENV
 from towers.cluster.strategy_options import encode_strategy_options, parse_strategy_options
 from towers.errors import InvalidArgumentError
@@ -327,12 +329,17 @@ def spec_from_args(args: argparse.Namespace, *, gpu_count: int | None = None,
 
 
 def parse_launch_args(argv: Sequence[str], *, gpu_count: int | None = None,
-                      cpu_count: int | None = None) -> LaunchSpec:
+                      cpu_count: int | None = None, environ: Mapping[str, str] | None = None) -> LaunchSpec:
     """Return the ``LaunchSpec`` for a ``towers launch`` command line (without the ``towers launch`` words).
+
+    On a SkyPilot node (``SKYPILOT_NODE_IPS``, ... in ``environ``, default this process's) they give the defaults of
+    ``--nnodes``, ``--node-rank``, ``--master-addr`` and, on GPU nodes, ``--nproc-per-node``.
 
     Raises:
         SystemExit: on ``--help`` or a flag argparse rejects (it prints the usage).
-        ValueError: on an invalid combination of flags.
+        ValueError: on an invalid combination of flags, or malformed ``SKYPILOT_*`` variables.
     """
-    args = launch_parser().parse_args(list(argv))
+    # On a SkyPilot node its variables give --nnodes, --node-rank, --master-addr (and --nproc-per-node on GPU
+    # nodes); put first, so the command line's own flags win.
+    args = launch_parser().parse_args([*skypilot_launch_flags(read_environ() if environ is None else environ), *argv])
     return spec_from_args(args, gpu_count=gpu_count, cpu_count=cpu_count)
