@@ -56,8 +56,12 @@ def run_updates(strategy: towers.Strategy, step: Callable[..., torch.Tensor], ba
 def _outcome(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any, losses: list[float]) -> dict:
     """What a run ends with, to compare bit for bit: parameters, optimizer state, logged losses; the strategy shut."""
     raw = getattr(optimizer, "optimizer", optimizer)
-    result = {"params": {k: v.detach().clone() for k, v in strategy.unwrap(model).state_dict().items()},
-              "optimizer": {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+
+    def whole(v: torch.Tensor) -> torch.Tensor:  # a sharded strategy's DTensor gathered whole (a collective)
+        return (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+
+    result = {"params": {k: whole(v) for k, v in strategy.unwrap(model).state_dict().items()},
+              "optimizer": {i: {k: whole(v) for k, v in s.items() if torch.is_tensor(v)}
                             for i, s in enumerate(raw.state.values())},
               "losses": losses, "replicas": strategy.num_replicas_in_sync}
     if hasattr(strategy, "shutdown"):
@@ -65,22 +69,25 @@ def _outcome(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any, 
     return result
 
 
-def _strategy(bitwise: bool, **options: Any) -> towers.Strategy:
+def _strategy(bitwise: bool, kind: str = "mirrored", **options: Any) -> towers.Strategy:
+    """One device in one process; else ``kind``: ``"mirrored"`` or ``"sharded"`` (FSDP2)."""
+    micro = MICRO_BATCH if bitwise else None
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return towers.OneDeviceStrategy("cpu", bitwise=bitwise, micro_batch_size=MICRO_BATCH if bitwise else None,
-                                        **options)
-    return towers.MirroredStrategy(bitwise=bitwise, micro_batch_size=MICRO_BATCH if bitwise else None, **options)
+        return towers.OneDeviceStrategy("cpu", bitwise=bitwise, micro_batch_size=micro, **options)
+    if kind == "sharded":
+        return towers.FullyShardedStrategy(bitwise=bitwise, micro_batch_size=micro, **options)
+    return towers.MirroredStrategy(bitwise=bitwise, micro_batch_size=micro, **options)
 
 
 def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy: towers.Strategy | None = None,
-          checkpoints: str | None = None, stop_at: int | None = None) -> dict:
+          checkpoints: str | None = None, stop_at: int | None = None, kind: str = "mirrored") -> dict:
     """Train ``updates`` updates; return the parameters, the optimizer state and the losses the loop logged.
 
     ``checkpoints``: a directory to resume from (the latest checkpoint there, if any) and, with ``stop_at``, to save
     in after that many updates and stop (a preemption), whatever the replica count of either run."""
     from towers.checkpoint import CheckpointManager
 
-    strategy = strategy or _strategy(bitwise)
+    strategy = strategy or _strategy(bitwise, kind)
     torch.manual_seed(1234 + strategy.replica_id)  # different seeds per replica: prepare gives every one the chief's
     train_set, _ = load_digits()
     with strategy.scope():
@@ -147,41 +154,44 @@ def train_dropout(updates: int) -> dict:
                     run_updates(strategy, classifier_step(strategy, model, optimizer), batches, updates))
 
 
-def train_habits(epochs: int) -> dict:
+def train_habits(epochs: int, kind: str = "mirrored") -> dict:
     """The seed CNN with Adam on 149 digits, global batch 48 (an epoch ends on a batch of 5: two micro-batches, so at 3
     replicas one share is empty): once with ``gradient_accumulation_steps=2`` (an update window cut short by the epoch's
     end), once with accumulation by hand (the loop steps and zeroes every second batch); a weight decay term through
-    ``scale_regularization_loss`` in both. Both outcomes, by name."""
-    outcomes = {}
-    for name, accumulation in (("accumulate", 2), ("by_hand", 1)):
-        strategy = _strategy(True, gradient_accumulation_steps=accumulation)
-        torch.manual_seed(1234 + strategy.replica_id)
-        train_set, _ = load_digits()
-        with strategy.scope():
-            model = SeedCNN()
-            optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        model, optimizer = strategy.prepare(model, optimizer)
-        batches = strategy.distribute_dataset(torch.utils.data.Subset(train_set, range(149)), GLOBAL_BATCH, seed=3)
+    ``scale_regularization_loss`` in both (not under ``kind="sharded"``). Both outcomes, by name."""
+    return {name: _habit(epochs, kind, accumulation) for name, accumulation in (("accumulate", 2), ("by_hand", 1))}
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            if accumulation > 1:
-                optimizer.zero_grad()
-            loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-            decay = towers.scale_regularization_loss(1e-3 * sum(p.square().sum() for p in model.parameters()))
-            (loss + decay if accumulation > 1 else (loss + decay) / 2).backward()
-            if accumulation > 1:
+
+def _habit(epochs: int, kind: str, accumulation: int) -> dict:
+    strategy = _strategy(True, kind, gradient_accumulation_steps=accumulation)
+    torch.manual_seed(1234 + strategy.replica_id)
+    train_set, _ = load_digits()
+    with strategy.scope():
+        model = SeedCNN()
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model, optimizer = strategy.prepare(model, optimizer)
+    batches = strategy.distribute_dataset(torch.utils.data.Subset(train_set, range(149)), GLOBAL_BATCH, seed=3)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if accumulation > 1:
+            optimizer.zero_grad()
+        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        # (under FSDP2 the parameters outside its forward are shards: a term over them is not the model's)
+        decay = 0.0 if kind == "sharded" else towers.scale_regularization_loss(
+            1e-3 * sum(p.square().sum() for p in model.parameters()))
+        (loss + decay if accumulation > 1 else (loss + decay) / 2).backward()
+        if accumulation > 1:
+            optimizer.step()
+        return loss
+
+    losses: list[float] = []
+    for _ in range(epochs):
+        for i, batch in enumerate(batches):
+            losses.append(strategy.reduce("sum", strategy.run(step, args=tuple(batch))).item())
+            if accumulation == 1 and (i % 2 or i == len(batches) - 1):  # by hand: every second batch, and the last
                 optimizer.step()
-            return loss
-
-        losses: list[float] = []
-        for _ in range(epochs):
-            for i, batch in enumerate(batches):
-                losses.append(strategy.reduce("sum", strategy.run(step, args=tuple(batch))).item())
-                if accumulation == 1 and (i % 2 or i == len(batches) - 1):  # by hand: every second batch, and the last
-                    optimizer.step()
-                    optimizer.zero_grad()
-        outcomes[name] = _outcome(strategy, model, optimizer, losses)
-    return outcomes
+                optimizer.zero_grad()
+    return _outcome(strategy, model, optimizer, losses)
 
 
 def fit(epochs: int) -> dict:

@@ -1,4 +1,5 @@
-"""bitwise=True: the seed CNN on the bundled digits with Adam trains the same bits at 1, 2, 3 and 4 replicas.
+"""bitwise=True: the seed CNN on the bundled digits with Adam trains the same bits at 1, 2, 3 and 4 replicas,
+under MirroredStrategy and FullyShardedStrategy.
 
 After 50 updates every parameter and every optimizer-state tensor is ``torch.equal`` to the one-process
 run's, and the losses the loop logged (``strategy.reduce("sum", strategy.run(...))``) are equal floats;
@@ -18,6 +19,7 @@ import torch
 
 import towers
 from cli_support import clean_env, run, towers_command
+from towers.launch import SpawnError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bitwise_job import fit, train, train_dropout, train_gpt, train_habits  # noqa: E402
@@ -47,6 +49,26 @@ def test_the_same_bits_as_one_process_at_any_replica_count(one_process, replicas
     assert len(one_process["losses"]) == UPDATES and one_process["losses"][-1] < one_process["losses"][0]  # it learns
     for rank, result in enumerate(results):
         assert _differences(result, one_process) == [], f"rank {rank} of {replicas}"
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_sharded_has_the_same_bits_as_one_process(one_process, replicas):
+    """FullyShardedStrategy (FSDP2): the tree summed inside its reduce-scatter, the clip's norm from the whole
+    gradients; its parameters and Adam's state, gathered whole, are one process's bits."""
+    results = towers.spawn(train, replicas, args=(UPDATES,), kwargs={"kind": "sharded"}, timeout_s=240,
+                           threads_per_process=1)
+    assert [_differences(r, one_process) for r in results] == [[]] * replicas
+
+
+def test_sharded_keeps_the_bits_through_accumulation_and_an_empty_share_and_refuses_torchs_clip():
+    reference = towers.spawn(train_habits, 1, args=(2, "sharded"), timeout_s=120, threads_per_process=1)[0]
+    results = towers.spawn(train_habits, 3, args=(2, "sharded"), timeout_s=180, threads_per_process=1)
+    for name in ("accumulate", "by_hand"):  # replicas with fewer micro-batches run extra ones: FSDP2's gathers match
+        assert [_differences(r[name], reference[name]) for r in results] == [[], [], []], name
+    with pytest.raises(SpawnError, match=r"under FullyShardedStrategy\(bitwise=True\) torch takes the norm "
+                                                r"from each process's shards.*strategy.clip_grad_norm_"):
+        towers.spawn(train, 2, args=(2,), kwargs={"kind": "sharded", "clip": "torch"}, timeout_s=120,
+                     threads_per_process=1)
 
 
 def test_preempted_at_two_replicas_and_resumed_at_three_it_ends_with_the_same_bits(one_process, tmp_path):
@@ -114,8 +136,9 @@ def test_towers_verify_bitwise_finds_the_same_bits_where_the_default_comparison_
             str(tmp_path), "6"]
     done = run(argv, cwd=tmp_path, deadline_s=240, marker=str(JOB), env=clean_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("mirrored")]
-    assert [(r[1], r[-1]) for r in rows] == [("2", "same"), ("3", "same")] and all(r[-2] == "0.0e+00" for r in rows)
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("mirrored", "sharded"))]
+    assert [(r[0], r[1], r[-1]) for r in rows] == [(s, n, "same") for s in ("mirrored", "sharded") for n in "23"]
+    assert all(r[-2] == "0.0e+00" for r in rows)
     assert "compared with torch.equal" in done.stdout
     rounding = run([*towers_command(), "verify", "--replicas", "3", "--steps", "4", "--strategies", "mirrored", str(JOB),
                     "--", str(tmp_path), "6"], cwd=tmp_path, deadline_s=240, marker=str(JOB), env=clean_env())

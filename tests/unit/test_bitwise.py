@@ -149,12 +149,23 @@ def test_two_backwards_in_a_micro_batch_and_a_tuple_result_are_refused():
         _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2), step_fn=pair)
 
 
-@pytest.mark.parametrize("name", ["FullyShardedStrategy", "ParameterServerStrategy", "HybridStrategy",
-                                  "FaultTolerantStrategy"])
+@pytest.mark.parametrize("name", ["ParameterServerStrategy", "HybridStrategy", "FaultTolerantStrategy"])
 def test_a_strategy_that_does_not_build_it_yet_refuses_bitwise_by_name(name):
     with pytest.raises(ValueError, match=rf"{name} does not train bit for bit yet. Received: bitwise=True. Use "
-                                         r"OneDeviceStrategy, MirroredStrategy"):
+                                         r"OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy or "
+                                         r"FullyShardedStrategy"):
         getattr(towers, name)(bitwise=True)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"mesh": "dp=2,tp=2"}, r"Received: mesh dp_shard=2,tp=2: only plain sharding"),
+    ({"mesh": "dp_replicate=2,dp_shard=2"}, r"Received: mesh .*dp_replicate=2.*only plain sharding"),
+    ({"cpu_offload": True}, r"Received: cpu_offload=True: the gradients leave the device"),
+])
+def test_sharded_bitwise_refuses_what_its_tree_cannot_cover_before_any_process_group(options, match):
+    info = ProcessInfo(rank=0, world_size=4, local_rank=0, local_world_size=4)
+    with pytest.raises(ValueError, match=r"FullyShardedStrategy\(bitwise=True\) cannot keep this exact. " + match):
+        towers.FullyShardedStrategy(info=info, bitwise=True, micro_batch_size=2, **options)
 
 
 def test_the_strategy_option_reaches_the_strategies_that_take_it():
@@ -171,8 +182,9 @@ def test_towers_verify_bitwise_refuses_what_it_cannot_compare(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     with pytest.raises(ValueError, match=r"--bitwise compares the strategies that train bit for bit. Received: "
-                                         r"--strategies sharded"):
-        VerifySpec(script=str(script), strategies=("sharded",), bitwise=4)
+                                         r"--strategies ps"):
+        VerifySpec(script=str(script), strategies=("ps",), bitwise=4)
+    assert VerifySpec(script=str(script), strategies=("mirrored", "sharded"), bitwise=4).bitwise == 4
     with pytest.raises(ValueError, match=r"a plain script has no towers strategy"):
         VerifySpec(script=str(script), plain=True, bitwise=4)
     with pytest.raises(ValueError, match=r"--bitwise takes the micro-batch size .* Received: 0"):

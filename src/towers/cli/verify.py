@@ -10,7 +10,7 @@ __all__ = ["add_verify_parser", "run_verify"]
 
 def _verify_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", default=None,
-                   help="comma-separated strategies (default: mirrored,sharded; with --bitwise: mirrored)")
+                   help="comma-separated strategies (default: mirrored,sharded)")
     p.add_argument("--replicas", default="2", help="comma-separated replica counts, each >= 2 (default: 2)")
     p.add_argument("--steps", type=int, default=5, help="updates to compare (default: 5)")
     p.add_argument("--plain", action="store_true",
@@ -60,7 +60,7 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"towers verify: error: --replicas takes comma-separated whole numbers. Received: {args.replicas!r}. "
               "Use e.g. --replicas 2,3.", file=sys.stderr)
         return 2
-    strategies = args.strategies or ("mirrored" if args.bitwise is not None else "mirrored,sharded")
+    strategies = args.strategies or "mirrored,sharded"
     try:
         spec = VerifySpec(script=args.script, args=tuple(rest), steps=args.steps, plain=args.plain,
                           strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()), bitwise=args.bitwise,

@@ -210,10 +210,34 @@ class BitwiseSteps:
         if len(self._losses) != end - first:
             raise user_error("Under bitwise=True the step returns a loss from every micro-batch or from none",
                              f"{len(self._losses)} of {end - first}", "Return compute_average_loss(...) from the step.")
-        mine = torch.stack([v for _, v in self._losses]) if self._losses else self._params[0].new_zeros(0)
+        like = self.last_result if self.last_result is not None else torch.zeros(())
+        mine = torch.stack([v for _, v in self._losses]) if self._losses else like.new_zeros(0)
         leaves = self._gather(mine) if self._num_replicas > 1 else mine  # replica order: leaf order
         known = {(0, i): v for i, v in enumerate(leaves.unbind())}
         return tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, lambda: mine.new_zeros(()))
+
+    @property
+    def leaf(self) -> int | None:
+        """The global index of the micro-batch in progress (None: a step that computes no leaf)."""
+        return self._leaf
+
+    @property
+    def last(self) -> bool:
+        """Whether the micro-batch in progress is this replica's last of the batch (the tree is summed after it)."""
+        return self._last
+
+    def subtrees(self, leaves: dict[int, torch.Tensor], zeros: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+        """This replica's subtree values (the largest nodes within its share, in order) from its ``leaves``."""
+        local = {(0, i): g for i, g in leaves.items()}
+        return [tree_sum(local, lv, ix, self._num_leaves, zeros) for lv, ix in self._own_nodes()]
+
+    def root(self, rows: list[list[torch.Tensor]], zeros: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The tree's sum from every replica's subtree values (``rows[r]``: replica ``r``'s, in order; extra entries
+        of a padded row are ignored)."""
+        known: dict[tuple[int, int], torch.Tensor] = {}
+        for r, row in enumerate(rows):
+            known.update(zip(self._own_nodes(r), row))
+        return tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, zeros)
 
     def width(self) -> int:
         """The subtrees the replica with the most holds (each replica sends that many, padded: one all-gather)."""
@@ -254,19 +278,15 @@ class BitwiseSteps:
 
     def _finish(self) -> None:
         """Write the update's gradient, summed over the tree, into every parameter's ``.grad``."""
-        own = self._own_nodes()
         size = sum(p.numel() for p in self._params)
         zeros = self._params[0].new_zeros
-        local = {(0, i): g for i, g in self._leaves.items()}
-        values = [tree_sum(local, lv, ix, self._num_leaves, lambda: zeros(size)) for lv, ix in own]
-        known: dict[tuple[int, int], torch.Tensor] = dict(zip(own, values))
+        values = self.subtrees(self._leaves, lambda: zeros(size))
+        rows = [values]
         if self._num_replicas > 1:  # every replica's subtrees: each knows which nodes another holds, padded to a count
             width = self.width()
-            block = torch.stack(values + [zeros(size)] * (width - len(values)))
-            rows = self._gather(block)
-            for r in range(self._num_replicas):
-                known.update({node: rows[r * width + k] for k, node in enumerate(self._own_nodes(r))})
-        total = tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, lambda: zeros(size))
+            gathered = self._gather(torch.stack(values + [zeros(size)] * (width - len(values))))
+            rows = [list(gathered[r * width:(r + 1) * width].unbind()) for r in range(self._num_replicas)]
+        total = self.root(rows, lambda: zeros(size))
         offset = 0
         for p in self._params:
             n = p.numel()
@@ -333,5 +353,5 @@ def refuse_bitwise(strategy: str, bitwise: Any) -> None:
 
     if parse_flag("bitwise", bitwise):
         raise user_error(f"{strategy} does not train bit for bit yet", "bitwise=True",
-                         "Use OneDeviceStrategy, MirroredStrategy or MultiWorkerMirroredStrategy with bitwise=True "
-                         "(--strategy mirrored --bitwise), or leave bitwise off here.")
+                         "Use OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy or FullyShardedStrategy "
+                         "with bitwise=True (--strategy mirrored --bitwise), or leave bitwise off here.")

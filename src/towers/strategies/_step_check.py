@@ -32,7 +32,7 @@ import torch
 from towers.strategies._collectives import MismatchedStepsError
 from towers.strategies._steps import StepTracker
 
-__all__ = ["SLOT", "StepIdentity", "StepCheck"]
+__all__ = ["SLOT", "StepIdentity", "StepCheck", "compare_before_step"]
 
 #: Bytes per field of a replica's slot: known (0/1), epoch, global batch index, micro-batches since the last update.
 _WIDTHS = (1, 2, 3, 1)
@@ -164,3 +164,22 @@ def folded_sum(check: StepCheck, buffer: torch.Tensor, dtype: torch.dtype,
         return buffer
 
     return fut.then(unpack)
+
+
+def compare_before_step(check: StepCheck, device: torch.device, group: Any,
+                        before: Callable[[], None] | None = None) -> Callable[[], None]:
+    """A check the optimizer runs before each update where the gradient collective carries no identity (FSDP2's
+    reduce-scatter): the replicas' step identities compared in one small all-reduce of their own (``before`` first)."""
+    import torch.distributed as dist
+
+    from towers.process_group import collective
+
+    def compare_steps() -> None:
+        if before is not None:
+            before()
+        identity, mark = check.mark(torch.float32, device)
+        with collective("optimizer.step: the replicas' step identities"):
+            dist.all_reduce(mark, group=group)
+        check.compare(identity, mark.tolist())
+
+    return compare_steps

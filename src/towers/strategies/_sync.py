@@ -120,8 +120,8 @@ class SyncStrategy(Strategy):
                              "Use precision='bf16' for several optimizers, or put every parameter group in one optimizer.")
         model = model.to(self._device)
         wrapped = self._parallelize(model, activation_checkpointing)
-        if self._bitwise is not None:  # each micro-batch's gradient set aside at the end of its backward
-            self._bitwise.watch(model)
+        if self._bitwise is not None:
+            self._watch_bitwise(self._bitwise, model)
         # A plain loop (no strategy.run) still trains one device's maths: the forward's batch starts the step.
         # Detached: a copy of the model (AveragedModel, deepcopy, pickle) is not prepared and copies no strategy.
         wrapped.register_forward_pre_hook(DetachedHook(self._step_outside_run), with_kwargs=True)
@@ -183,6 +183,15 @@ class SyncStrategy(Strategy):
         if self._precision.enabled:
             return MixedPrecisionModule(model, self._precision)
         return model
+
+    def _watch_bitwise(self, bitwise: BitwiseSteps, model: nn.Module) -> None:
+        """``bitwise=True``: collect each micro-batch's gradient at the end of its backward (a strategy that reduces
+        gradients in a collective of its own sums the tree there instead)."""
+        bitwise.watch(model)
+
+    #: ``bitwise=True``: whether every replica runs as many micro-batches as the one with the most (a forward that
+    #: takes part in collectives, as FSDP2's parameter all-gathers do); the extra ones train nothing
+    _bitwise_lockstep = False
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         """Switch gradient synchronisation of the prepared models on or off (nothing to switch on one replica)."""
@@ -296,19 +305,24 @@ class SyncStrategy(Strategy):
                              "Iterate strategy.distribute_dataset(...) of this strategy and pass its batches to run.")
         bitwise.begin(ranges)
         parts = bitwise.split(args, kwargs, batch.local_batch_size) if end > first else [(args, kwargs)]
+        count = len(parts)  # the micro-batches that train; lockstep repeats the first (its gradient counts nothing)
+        if self._bitwise_lockstep:
+            parts += parts[:1] * (max(max(1, e - f) for f, e in ranges) - count)
         for i, (margs, mkwargs) in enumerate(parts):
             last = i == len(parts) - 1
-            leaf = first + i if end > first else None
+            leaf = first + i if first + i < end else None
             bitwise.micro_batch(leaf, last)
             self._tracker.sync = run.sync and last  # the optimizer steps after the last micro-batch only
             context = ReplicaContext(self, global_batch_size=run.global_batch_size,
-                                     accumulation_steps=run.accumulation_steps * len(parts),
+                                     accumulation_steps=run.accumulation_steps * count,
                                      gradient_shares=-(-run.global_batch_size // m),  # the update's micro-batches
                                      num_padding_examples=run.num_padding_examples if leaf is None else 0,
                                      is_update_step=run.sync and last)
             # Random draws (dropout) keyed by the micro-batch's place in the job, not by the replica computing it.
             with self._entered(context), keyed_random(self._device, (batch.epoch, batch.index, -1 if leaf is None else leaf)):
-                bitwise.note_result(fn(*margs, **mkwargs))
+                result = fn(*margs, **mkwargs)
+            if i < count:
+                bitwise.note_result(result)
         return bitwise.result()
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:

@@ -45,18 +45,18 @@ from towers.parallel.pipeline_split import parse_split
 from towers.parallel.tensor_parallel import TPPlan, tp_option
 from towers.process_group import (
     DEFAULT_TIMEOUT_S,
-    collective,
     destroy_process_group,
     init_one_process_group,
     init_process_group,
 )
-from towers.strategies._bitwise import refuse_bitwise
+from towers.strategies._bitwise import BitwiseSteps, bitwise_steps
+from towers.strategies._bitwise_sharded import ShardedTree, bitwise_refusal
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, replica_comm
 from towers.strategies._copies import refuse_copies
 from towers.strategies._ddp import check_same_parameters
 from towers.strategies._pipeline_strategy import StrategyPipeline
 from towers.strategies._sharded_state import ShardedState, raw_optimizer
-from towers.strategies._step_check import StepCheck
+from towers.strategies._step_check import StepCheck, compare_before_step
 from towers.strategies._steps import StepTracker
 from towers.strategies._sync import SyncStrategy
 from towers.strategies.precision import Precision, resolve_precision
@@ -75,24 +75,11 @@ def _replica_device(info: ProcessInfo) -> torch.device:
 class FullyShardedStrategy(SyncStrategy):
     """Sharded data parallelism: parameters, gradients and optimizer state split over the replicas (FSDP2).
 
-    ``mesh`` (``"dp=2,tp=2"``, or ``towers launch --mesh``) adds tensor parallelism: the processes
-    form a ``(dp, tp)`` mesh, the ``tp`` processes of one model replica split its layers by
-    ``tp_plan`` (``"auto"``: towers' GPT and Hugging Face models with a ``base_model_tp_plan``; or a
-    dict / callable, see ``towers.parallel.tensor_parallel``) and see the same batch, and FSDP2
-    shards each split layer over ``dp``. ``num_replicas_in_sync`` is then ``dp``: the model
-    replicas, which split the global batch. ``sequence_parallel=True`` also splits what the plan
-    leaves whole (norms, residual stream, dropout) on the sequence over ``tp``; without a ``tp`` above
-    1 it has nothing to split and is ignored with a warning (the same script runs on any mesh).
-    ``loss_parallel=True`` keeps the vocabulary head's logits split over ``tp`` for the loss inside
-    ``strategy.forward_backward`` (torch's ``loss_parallel``; see ``towers.parallel.loss_parallel``).
-
-    A ``pp`` dimension (``mesh="pp=2,dp=2"``, outermost) adds pipeline parallelism: each process holds one
-    stage of the model's blocks, or two under the schedules that interleave them (``pp_split``: module
-    names where stages 1.. begin; default balanced), and a step runs ``pp_microbatches`` micro-batches
-    (default: one per stage) through the stages by ``pp_schedule`` (any of torch's seven: ``"1f1b"``,
-    ``"gpipe"``, ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zero_bubble"``,
-    ``"zbv_zero_bubble"``, ``"dualpipe_v"``) in ``strategy.forward_backward``. The processes of one
-    pipeline see the same batch; ``num_replicas_in_sync`` is ``dp``. See ``towers.parallel.pipeline``.
+    ``mesh`` adds tensor parallelism (``"dp=2,tp=2"``: the ``tp`` processes of one replica split its layers by
+    ``tp_plan`` and see the same batch, FSDP2 shards each split layer over ``dp``) and pipeline parallelism
+    (``"pp=2,dp=2"``, outermost: each process holds a stage, ``strategy.forward_backward`` runs the schedule);
+    ``num_replicas_in_sync`` is then ``dp``. See the model parallelism docs, ``towers.parallel.tensor_parallel``
+    and ``towers.parallel.pipeline``.
 
     Args:
         info: this process's place in the job. Default: read from the environment.
@@ -120,7 +107,9 @@ class FullyShardedStrategy(SyncStrategy):
         pp_split: module names where pipeline stages 1.. begin. Default: balanced.
         pp_schedule: the pipeline schedule, one of torch's seven (``"1f1b"``, ``"gpipe"``, ...).
         pp_microbatches: micro-batches per pipelined step. Default: one per stage.
-        bitwise: refused: this strategy does not train bit for bit yet (the message names the ones that do).
+        bitwise: the same bits at any replica count (needs ``micro_batch_size``; plain sharding over every process:
+            no tp, pp or HSDP mesh, no ``cpu_offload``): the tree is summed in FSDP2's reduce-scatter.
+        micro_batch_size: the examples of one micro-batch under ``bitwise=True``.
 
     Raises:
         ValueError: an option out of range or refused with another (the message names the fix), before the
@@ -144,11 +133,9 @@ class FullyShardedStrategy(SyncStrategy):
                  shard_group_size: int | None = None, async_save: bool = False, mesh: "str | MeshSpec | None" = None,
                  tp_plan: TPPlan = "auto", sequence_parallel: bool = False, loss_parallel: bool = False,
                  pp_split: "str | list[str] | None" = None, pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
-                 bitwise: bool = False):
+                 bitwise: bool = False, micro_batch_size: int | None = None):
         from towers import cluster
         from towers.devices import warn_if_gpus_idle
-
-        refuse_bitwise(type(self).__name__, bitwise)
 
         info = info or cluster.from_env()
         if shard_units != "auto":
@@ -188,6 +175,8 @@ class FullyShardedStrategy(SyncStrategy):
             shard_group_size = info.local_world_size  # several nodes: HSDP, shards within a node
         #: The job's degrees of parallelism (pp, dp_replicate x dp_shard, tp), checked before the group is joined.
         self.layout = Layout.from_spec(spec, info.world_size, shard_group_size=shard_group_size)
+        build = bitwise_steps(bitwise, micro_batch_size, strategy=type(self).__name__, precision=precision.name,
+                              refused=bitwise_refusal(self.layout, self._cpu_offload))
         comm: LocalComm | ProcessGroupComm = LocalComm()
         self._layout_mesh: LayoutMesh | None = None
         if info.world_size > 1:
@@ -212,7 +201,11 @@ class FullyShardedStrategy(SyncStrategy):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         super().__init__(info=info, device=device, comm=comm, precision=precision,
-                         gradient_accumulation_steps=gradient_accumulation_steps, layout=self.layout)
+                         gradient_accumulation_steps=gradient_accumulation_steps, layout=self.layout,
+                         bitwise=None if build is None else build(comm.rank, comm.num_replicas, self.gather))
+        #: ``bitwise=True`` over shards: the tree summed in FSDP2's reduce-scatter (``_bitwise_sharded.py``)
+        self._tree = None if self._bitwise is None or self._mesh is None else ShardedTree(self._bitwise, self.layout.describe())
+        self._bitwise_lockstep = self._tree is not None  # each forward all-gathers: every replica as many micro-batches
         self._sharded: list[Any] = []  # the FSDP roots prepare() made
         self._state = ShardedState(precision=self.precision, pipeline=self.pipeline, sharded=self._mesh is not None,
                                    async_save=self._async_save)
@@ -303,29 +296,21 @@ class FullyShardedStrategy(SyncStrategy):
         return (f"FullyShardedStrategy sharded it with FSDP2 (mesh {mesh}): its parameters are DTensors, of which this "
                 "process holds its shards")
 
-    def _set_gradient_sync(self, enabled: bool) -> None:
-        # Non-final micro-batches keep their (unsharded) gradients locally; the last one reduce-scatters the sum.
+    def _watch_bitwise(self, bitwise: BitwiseSteps, model: nn.Module) -> None:
+        super()._watch_bitwise(bitwise, model) if self._tree is None else self._tree.install(model)
+
+    def _set_gradient_sync(self, enabled: bool) -> None:  # off: non-final micro-batches keep unsharded gradients
         for model in self._sharded:
             model.set_requires_gradient_sync(enabled)
 
     def _before_step_check(self, wrapped: nn.Module) -> Callable[[], None] | None:
-        # FSDP2's reduce-scatter is its own (no hook to fold the step's identity into), so each update
-        # compares the identities in one small all-reduce of its own before the optimizer steps.
+        # FSDP2's reduce-scatter is its own (no hook to fold the step's identity into): one small all-reduce of its own.
         if self._mesh is None:
             return None
-        import torch.distributed as dist
-
         check = StepCheck(self._tracker, rank=self.replica_id, num_replicas=self.num_replicas_in_sync)
-
-        def compare_steps() -> None:
-            if self.pipeline is not None:  # torch's own clip measured one stage
-                self.pipeline.stage_grads.check()
-            identity, mark = check.mark(torch.float32, self.device)
-            with collective("optimizer.step: the replicas' step identities"):
-                dist.all_reduce(mark, group=getattr(self._comm, "group", None))
-            check.compare(identity, mark.tolist())
-
-        return compare_steps
+        # torch's own clip: it measured one stage, or shards in another order than one device (bitwise)
+        before = self.pipeline.stage_grads.check if self.pipeline else self._tree.before_step(wrapped) if self._tree else None
+        return compare_before_step(check, self.device, getattr(self._comm, "group", None), before=before)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """Return the user's module: FSDP2 shards it in place (its parameters become DTensors), so nothing wraps it."""
@@ -358,6 +343,9 @@ class FullyShardedStrategy(SyncStrategy):
 
         The norm is over the whole model (every rank's shards), so every rank clips by the same factor.
         """
+        if self._tree is not None and self._updates_now():
+            self._finish_loss_weights("clip")  # one device's norm, from the gradients gathered whole
+            return self._tree.clip(parameters, max_norm, norm_type)
         if self.pipeline is None:
             total = super().clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
             return whole(total)

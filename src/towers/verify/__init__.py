@@ -99,7 +99,8 @@ def _check_bitwise(spec: VerifySpec) -> None:
     if spec.plain:
         raise user_error("--bitwise runs the script under towers' bitwise=True; a plain script has no towers strategy",
                          "--plain with --bitwise", "Drop --plain, or compare a plain script without --bitwise.")
-    takers = [e.name for e in roles.STRATEGIES if e.multi_process and e.name in ("mirrored", "multi_worker_mirrored")]
+    takers = [e.name for e in roles.STRATEGIES if e.multi_process and e.name in ("mirrored", "multi_worker_mirrored",
+                                                                                  "sharded")]
     wrong = [s for s in spec.strategies if s not in takers]
     if wrong:
         raise user_error("--bitwise compares the strategies that train bit for bit", f"--strategies {','.join(wrong)}",
