@@ -37,3 +37,14 @@ def _no_strategy_left_current() -> Iterator[None]:
     yield
     for variable in variables:
         variable.set(None)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_mode_restored() -> Iterator[None]:
+    """A strategy built with ``bitwise=True`` turns on torch's deterministic kernels for its process, as it should in a
+    script; in one pytest process that would reach the next test."""
+    import torch
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -118,6 +118,23 @@ def test_an_uneven_last_batch_and_gradient_accumulation_keep_the_plain_loops_mat
         torch.testing.assert_close(torch.stack(losses), torch.stack(plain_losses), rtol=1e-5, atol=1e-6)
 
 
+def test_an_op_without_a_deterministic_kernel_is_named_at_the_first_step():
+    class GPUScatter(nn.Module):  # raises as a CUDA kernel without a deterministic version does, in deterministic mode
+        def forward(self, x):
+            if torch.are_deterministic_algorithms_enabled():
+                raise RuntimeError("scatter_add_cuda_kernel does not have a deterministic implementation, but you set "
+                                   "'torch.use_deterministic_algorithms(True)'.")
+            return x
+
+    strategy = towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2)
+    assert torch.are_deterministic_algorithms_enabled()  # bitwise=True asks for the same bits every run
+    model, optimizer = strategy.prepare(nn.Sequential(GPUScatter(), nn.Linear(6, 3)), None)
+    x, y = next(iter(strategy.distribute_dataset(_data(), 8, shuffle=False)))
+    with pytest.raises(ValueError, match=r"an op of the step has no deterministic kernel on this device. Received: "
+                                         r"scatter_add_cuda_kernel. Replace that op"):
+        strategy.run(lambda a, b: F.cross_entropy(model(a), b), args=(x, y))
+
+
 def test_a_loop_without_strategy_run_is_refused():
     strategy = towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2)
     model, _ = strategy.prepare(nn.Linear(6, 3), None)

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from towers.errors import FailedPreconditionError, user_error
 
-__all__ = ["BitwiseSteps", "dyadic_nodes", "tree_sum", "keyed_random"]
+__all__ = ["BitwiseSteps", "dyadic_nodes", "tree_sum", "keyed_random", "deterministic_kernels", "named_kernel_error"]
 
 
 @contextlib.contextmanager
@@ -47,6 +47,30 @@ def keyed_random(device: torch.device, key: tuple[int, int, int]) -> Iterator[No
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
+
+
+def deterministic_kernels(device: torch.device) -> None:
+    """Turn on torch's deterministic kernels for the process (``bitwise=True`` asks for the same bits every run): an op
+    without one then raises at its first call (``named_kernel_error`` names it); on a GPU cuBLAS gets the fixed
+    workspace it needs for that (``CUBLAS_WORKSPACE_CONFIG``, unless set already)."""
+    import os
+
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+def named_kernel_error(exc: RuntimeError) -> Exception | None:
+    """The error to raise for torch's "no deterministic implementation" ``exc`` (None for another error)."""
+    text = str(exc)
+    if "does not have a deterministic implementation" not in text:
+        return None
+    op = text.split(" does not have a deterministic implementation")[0].strip()
+    return user_error("bitwise=True runs with torch.use_deterministic_algorithms(True), and an op of the step has no "
+                      "deterministic kernel on this device", op,
+                      "Replace that op with one that has (e.g. index_add_ / scatter_add_ for a histogram, a dense "
+                      "update for a sparse one), compute it on the CPU, or turn bitwise off (same maths within "
+                      "rounding).")
 
 
 def _levels(num_leaves: int) -> int:

@@ -21,7 +21,7 @@ from towers.errors import FailedPreconditionError, InvalidArgumentError, Invalid
 from towers.parallel.layout import Layout
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import collective
-from towers.strategies._bitwise import BitwiseSteps, keyed_random
+from towers.strategies._bitwise import BitwiseSteps, deterministic_kernels, keyed_random, named_kernel_error
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
 from towers.strategies._copies import DetachedHook
 from towers.strategies._steps import StepTracker, StrategyOptimizer
@@ -45,6 +45,8 @@ class SyncStrategy(Strategy):
         self._spanning = layout if layout is not None and layout.model_parallel and info.world_size > 1 else None
         #: ``bitwise=True``: the micro-batches and the fixed tree their gradients are summed over (``_bitwise.py``)
         self._bitwise = bitwise
+        if bitwise is not None:
+            deterministic_kernels(device)
         note_built(info, self.name)
         self._device = device
         self._comm = comm
@@ -320,7 +322,10 @@ class SyncStrategy(Strategy):
                                      is_update_step=run.sync and last)
             # Random draws (dropout) keyed by the micro-batch's place in the job, not by the replica computing it.
             with self._entered(context), keyed_random(self._device, (batch.epoch, batch.index, -1 if leaf is None else leaf)):
-                result = fn(*margs, **mkwargs)
+                try:
+                    result = fn(*margs, **mkwargs)
+                except RuntimeError as exc:
+                    raise (named_kernel_error(exc) or exc) from exc
             if i < count:
                 bitwise.note_result(result)
         return bitwise.result()
