@@ -17,6 +17,7 @@ arrives: a worker that dies mid-window has its window's batches handed out again
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -72,6 +73,7 @@ class DiLoCo:
         self._batches = 0  # micro-batches counted since the last step
         #: totals over the job: examples this worker trained, inner and outer steps, bytes its outer pushes sent
         self.examples = self.inner_steps = self.outer_steps = self.outer_bytes_sent = 0
+        self.outer_wait_s = 0.0  # time this worker spent in outer pushes (sending, the ps's step, the reply)
 
     def note_batch(self, batch: BatchInfo | None) -> None:
         """Count the examples of a step's batch (``strategy.run`` calls it for every micro-batch)."""
@@ -145,7 +147,7 @@ class DiLoCo:
     def stats(self, bytes_sent: int) -> dict[str, float]:
         """Return the counts, and ``bytes_per_example``: ``bytes_sent`` (all of this worker's ps traffic) per example."""
         return {"inner_steps": self.inner_steps, "outer_steps": self.outer_steps, "examples": self.examples,
-                "outer_bytes_sent": self.outer_bytes_sent,
+                "outer_bytes_sent": self.outer_bytes_sent, "outer_wait_s": self.outer_wait_s,
                 "bytes_per_example": bytes_sent / self.examples if self.examples else 0.0}
 
 
@@ -239,10 +241,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if p == 0 and units:
                 meta["units"] = units
             metas.append(meta)
-        sent = sum(link.bytes_sent for link in client.links)
+        sent, began = sum(link.bytes_sent for link in client.links), time.perf_counter()
         replies = client.request(Op.PUSH, ps=bound.active, metas=metas, flats=flats,
                                  replies_into=[self._scratch[p] for p in bound.active])
         self._diloco.outer_bytes_sent += sum(link.bytes_sent for link in client.links) - sent
+        self._diloco.outer_wait_s += time.perf_counter() - began
         if units and 0 not in bound.active:  # ps task 0 holds none of these parameters: tell it apart
             client.batches_applied(units)
         bound.note_replies(replies)

@@ -20,8 +20,9 @@ def wire_stats(links: Sequence[Link], sparse: SparseTables | None, bound: BoundM
     ``rows_pulled``/``rows_pushed``: embedding rows moved, and ``row_bytes``: their values' bytes
     (the touched-rows ideal a step cannot go below); ``shared_memory_bytes``: dense gradients and
     parameters a ps task on this host read and wrote in place instead. Under ``mode="diloco"`` also
-    ``inner_steps``, ``outer_steps``, ``examples`` (this worker's), ``outer_bytes_sent`` (its outer pushes)
-    and ``bytes_per_example`` (``bytes_sent`` / ``examples``).
+    ``inner_steps``, ``outer_steps``, ``examples`` (this worker's), ``outer_bytes_sent`` and ``outer_wait_s`` (its
+    outer pushes' bytes, and seconds until their replies were in) and ``bytes_per_example`` (``bytes_sent`` /
+    ``examples``).
     """
     sent = sum(link.bytes_sent for link in links)
     return {"bytes_sent": sent, "bytes_received": sum(link.bytes_received for link in links),
