@@ -111,6 +111,7 @@ def main() -> None:
 
     import ray
 
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a benchmark's cluster reports nothing anywhere
     temp = tempfile.mkdtemp(prefix="towers-ray-bench-")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     start = time.perf_counter()

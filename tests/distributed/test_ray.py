@@ -10,6 +10,7 @@ at the end and none of Ray's processes may outlive it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -44,6 +45,7 @@ ATOL = 1e-4
 def cluster() -> Any:
     """One local Ray cluster for the module, in a temporary directory of its own; nothing of it left after."""
     temp = tempfile.mkdtemp(prefix="towers-ray-", dir="/tmp")  # short: Ray's socket paths live under it
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a test cluster reports nothing anywhere
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": f"{JOB.parent}:{EXAMPLES}"}})
     try:
