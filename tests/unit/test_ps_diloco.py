@@ -1,7 +1,10 @@
 """DiLoCo's options and pieces without processes: bad input refused before anything connects, with the value and the
-fix; the outer optimizers; fragments; the bf16/int8 codec with error feedback; the ps's check of a compressed push."""
+fix; the outer optimizers; fragments; the bf16/int8 codec with error feedback; the ps's check of a compressed push;
+the end of a pass, which waits for every worker's window and hands a dead worker's unpushed window to the others."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from towers.cluster.info import ProcessInfo
 from towers.strategies.parameter_server.diloco import split_fragments
 from towers.strategies.parameter_server.diloco_codec import DeltaEncoder, unpack_delta
 from towers.strategies.parameter_server.diloco_options import DiLoCoOptions, diloco_options
+from towers.strategies.parameter_server.dispatch import Dispatcher
 from towers.strategies.parameter_server.requests import RequestError
 from towers.strategies.parameter_server.sharding import FlatLayout, ParamSpec, model_signature
 from towers.strategies.registry import check_strategy_options
@@ -121,3 +125,73 @@ def test_a_compressed_push_that_does_not_fit_the_shard_is_refused_as_bad_input()
     for packed in bad:
         with pytest.raises(RequestError, match="a compressed DiLoCo push does not match the shard"):
             unpack_delta(packed, layout, None, None, ps_index=0)
+
+
+# --- the end of a DiLoCo pass (ps task 0's dispatcher, without processes) --------------------------------------
+class _Server:
+    """What the dispatcher reads of a ParameterServer: the lock, the live workers, a bounded wait."""
+
+    def __init__(self, workers: int):
+        self.cond = threading.Condition()
+        self.links = [None] * workers
+        self.dead: dict[int, str] = {}
+
+    def active(self) -> set[int]:
+        return {w for w in range(len(self.links)) if w not in self.dead}
+
+    def wait(self, ready, what, missing) -> None:
+        if not self.cond.wait_for(ready, timeout=10.0):
+            raise TimeoutError(f"{what} waits for {sorted(missing())}")
+
+
+def _ask(d: Dispatcher, w: int, step: int) -> dict:
+    spec = {"num_examples": 8, "global_batch_size": 4, "drop_remainder": False, "start": 0, "epoch": 0,
+            "num_replicas": 2, "flush": True}
+    return d.next(w, {"key": "d1.1", "step": step, "spec": spec})
+
+
+def _together(d: Dispatcher, requests: list[tuple[int, int]]) -> list[dict]:
+    answers: dict[int, dict] = {}
+    threads = [threading.Thread(target=lambda i=i, w=w, s=s: answers.__setitem__(i, _ask(d, w, s)))
+               for i, (w, s) in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return [answers[i] for i in range(len(requests))]
+
+
+def test_a_pass_ends_only_after_every_window_is_pushed_and_a_worker_dead_before_its_push_is_redone():
+    server = _Server(2)
+    d = Dispatcher(server)  # type: ignore[arg-type]
+    first = _together(d, [(0, 0), (1, 0)])  # each worker leases its 2 own shares
+    assert [a["units"] for a in first] == [[[0, 0], [1, 0]], [[0, 1], [1, 1]]]
+    # both trained their shares; no push yet (the window is longer): the pass does not end, each must push first
+    flush = _together(d, [(0, 2), (1, 2)])
+    assert [a["kind"] for a in flush] == ["flush", "flush"]
+    assert flush[0]["units"] == [["d1.1", 0, 0], ["d1.1", 1, 0]]
+    # worker 1 dies before its push arrives; worker 0's push is applied
+    server.dead[1] = "killed"
+    with server.cond:
+        d.on_dead(1)
+        d.applied(0, flush[0]["units"])
+    # worker 0 asks again: it trains worker 1's two shares in the same pass, pushes, and only then the pass ends
+    assert _ask(d, 0, 2) == {"kind": "unit", "units": [[0, 1]]}
+    assert _ask(d, 0, 3) == {"kind": "unit", "units": [[1, 1]]}
+    again = _ask(d, 0, 4)
+    assert again == {"kind": "flush", "units": [["d1.1", 0, 1], ["d1.1", 1, 1]]}
+    with server.cond:
+        d.applied(0, again["units"])
+    stop = _ask(d, 0, 4)
+    assert stop["kind"] == "stop" and stop["examples"] == 8 == stop["expected"]
+
+
+def test_units_with_no_push_are_handed_in_as_computed_and_the_pass_ends():
+    server = _Server(2)
+    d = Dispatcher(server)  # type: ignore[arg-type]
+    _together(d, [(0, 0), (1, 0)])
+    flush = _together(d, [(0, 2), (1, 2)])  # an evaluation pass: nothing pushes these
+    for w, answer in enumerate(flush):
+        assert d.next(w, {"computed": answer["units"]}) == {}
+    stops = _together(d, [(0, 2), (1, 2)])
+    assert [(a["kind"], a["examples"]) for a in stops] == [("stop", 8), ("stop", 8)]

@@ -27,8 +27,10 @@ from towers._logging import get_logger
 from towers.data import BatchInfo
 from towers.errors import InvalidArgumentError, user_error
 from towers.strategies._copies import DetachedHook
+from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.diloco_codec import DeltaEncoder
 from towers.strategies.parameter_server.diloco_options import DiLoCoOptions
+from towers.strategies.parameter_server.dispatch import FLUSH
 from towers.strategies.parameter_server.sharding import ParamSpec
 from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.worker import BoundModel
@@ -134,11 +136,19 @@ class DiLoCo:
         self.optimizer = DiLoCoOptimizer(optimizer, bound, self, step_batches=step_batches, replaced=replaced)
         return self.optimizer
 
-    def dispatch(self, fetch: Callable[[str, int, dict[str, Any]], dict[str, Any]]
-                 ) -> Callable[[str, int, dict[str, Any]], dict[str, Any]]:
-        """Wrap ps task 0's batch dispatch: the end of a pass ends the window too (every worker at the same step)."""
+    def dispatch(self, client: ParameterClient) -> Callable[[str, int, dict[str, Any]], dict[str, Any]]:
+        """Return the batch dispatch of a DiLoCo worker: the end of a pass ends the window (every worker at the
+        same step), and the pass ends only once every live worker's window is pushed (``flush``: ``dispatch.py``),
+        so a worker that dies before it pushed has its window's batches trained by the others in the same pass."""
         def fetch_and_sync(key: str, step: int, spec: dict[str, Any]) -> dict[str, Any]:
-            answer = fetch(key, step, spec)
+            while True:
+                answer = client.next_batches(key, step, {**spec, "flush": True})
+                if answer.get("kind") != FLUSH:
+                    break
+                pushed = self.optimizer.sync() if self.optimizer is not None else []
+                unpushed = [u for u in answer["units"] if u not in pushed]
+                if unpushed:  # units with no inner step (an evaluation's): computed, not trained
+                    client.request(Op.DISPATCH, ps=[0], metas=[{"computed": unpushed}])
             if answer.get("kind") == "stop" and self.optimizer is not None:
                 self.optimizer.sync()
             return answer
@@ -204,12 +214,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.sync()
         return loss
 
-    def sync(self) -> None:
-        """Push this worker's change since the last outer step and take up the new global values (no-op when the
-        window is empty). Every worker calls it at the same inner step: at every ``sync_every``-th, and at the
-        end of each pass of a dataset the ps tasks hand out."""
+    def sync(self) -> list[Any]:
+        """Push this worker's change since the last outer step and take up the new global values; return the
+        dispatched batches the push acknowledged (nothing when the window is empty). Every worker calls it at
+        the same inner step: at every ``sync_every``-th, and at the end of each pass of a dataset the ps tasks
+        hand out."""
         if self._steps == 0:
-            return
+            return []
         bound, options = self._bound, self._diloco.options
         client = bound.client
         client.finish()
@@ -258,6 +269,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._steps, self._weight, self._units = 0, 0.0, []
         self._outer += 1
         self._diloco.outer_steps += 1
+        return [list(u) for u in units]
 
     def _reanchor(self) -> None:
         """After ``model.load_state_dict`` (pushed to the ps tasks as the global values): measure changes from there."""

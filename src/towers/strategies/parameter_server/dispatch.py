@@ -19,6 +19,12 @@ task 0 per ``LEASE`` steps); a dead worker's units go out one at a time, to spre
 Every live worker takes the same number of steps in a pass (the Trainer's collectives pair up
 by count): a worker with nothing left gets an *empty* step while another live worker still
 works at that step, and the pass ends for all at the first step at which nobody got a unit.
+
+A pass whose spec says ``flush`` (DiLoCo: a worker acknowledges its window's units only with its
+outer push, several steps after it trained them) does not end while a live worker holds units: at
+that step each holder is answered ``flush`` with its units, pushes, hands in the units it has no
+push for (an evaluation's, ``computed``) and asks again. A holder that dies meanwhile has its units
+handed to the others, in the same pass: a window that was never pushed is trained again.
 """
 
 from __future__ import annotations
@@ -36,12 +42,14 @@ from towers.strategies.parameter_server.transport import Status
 if TYPE_CHECKING:
     from towers.strategies.parameter_server.server import ParameterServer
 
-__all__ = ["Dispatcher", "UNIT", "EMPTY", "STOP", "LEASE", "pack_unit", "unpack_unit"]
+__all__ = ["Dispatcher", "UNIT", "EMPTY", "STOP", "FLUSH", "LEASE", "pack_unit", "unpack_unit"]
 
 log = get_logger(__name__)
 
 #: Answer kinds: a unit to compute, an empty step (keeps the step count equal), the end of the pass.
 UNIT, EMPTY, STOP = "unit", "empty", "stop"
+#: Answer to a holder of units at the end of a ``flush`` pass: push them first, then ask again.
+FLUSH = "flush"
 _SPEC_KEYS = ("num_examples", "global_batch_size", "drop_remainder", "start", "epoch", "num_replicas")
 _MAX_CLOSED = 16
 #: Passes left unfinished (e.g. ``steps_per_epoch`` stopped them) kept before the oldest is dropped.
@@ -98,6 +106,7 @@ class _Pass:
     own: dict[int, list[int]]  # worker -> [next, end): its own global batches still to hand out
     orphans: deque[list[int]] = field(default_factory=deque)  # [g0, g1, r]: a dead worker's shares g0 .. g1-1
     held: dict[tuple[int, int], int] = field(default_factory=dict)  # unit handed out, not applied yet -> worker
+    computed: set[tuple[int, int]] = field(default_factory=set)  # held units handed in without a push (evaluation)
     done: int = 0  # examples of units applied
     asked: dict[int, int] = field(default_factory=dict)  # worker -> the step it asked for last
     real: dict[int, int] = field(default_factory=dict)  # worker -> the last step it got a unit at
@@ -146,6 +155,11 @@ class Dispatcher:
         if isinstance(meta, dict) and "applied" in meta:  # a model without dense parameters acknowledges apart
             with self.server.cond:
                 self.applied(w, meta["applied"])
+                self.server.cond.notify_all()  # the end of a flush pass waits for held units (a push notifies itself)
+            return {}
+        if isinstance(meta, dict) and "computed" in meta:  # a flush's units that no push acknowledges
+            with self.server.cond:
+                self._computed(w, meta["computed"])
             return {}
         if not isinstance(meta, dict) or not {"key", "step", "spec"} <= set(meta):
             raise RequestError("a dispatch request needs key, step and spec.", Status.BAD_INPUT)
@@ -159,7 +173,10 @@ class Dispatcher:
                     "must call distribute_dataset with the same dataset size, global_batch_size, options and epoch, "
                     "in the same order.", Status.BAD_INPUT)
             self._ask(p, w, step)
-            server.wait(lambda: p.closed or self._available(p, w) or self._everyone_at(p, step),
+            flush = bool(p.spec.get("flush"))
+            # at a flush pass's end a worker without units waits for the holders to push theirs
+            server.wait(lambda: p.closed or self._available(p, w) or (self._everyone_at(p, step) and (
+                            not flush or bool(self._unflushed(p, w)) or not self._unflushed(p))),
                          f"dataset pass {key} step {step}",
                          lambda: {u for u in server.active() if p.asked.get(u, -1) < step})
             if p.closed:
@@ -173,6 +190,9 @@ class Dispatcher:
                 return {"kind": UNIT, "units": [list(u) for u in units]}
             if any(p.real.get(u, -1) >= step for u in server.active()):
                 return {"kind": EMPTY}
+            mine = self._unflushed(p, w) if flush else []
+            if mine:
+                return {"kind": FLUSH, "units": [[p.key, g, r] for g, r in mine]}
             self._close(p)
             return {"kind": STOP, **p.result}
 
@@ -207,7 +227,7 @@ class Dispatcher:
         return [(g0, r)]
 
     def _open(self, key: str, spec: Any) -> _Pass:
-        if not isinstance(spec, dict) or set(spec) - {"order"} != set(_SPEC_KEYS):
+        if not isinstance(spec, dict) or set(spec) - {"order", "flush"} != set(_SPEC_KEYS):
             raise RequestError(f"a dispatch spec needs exactly {_SPEC_KEYS}. Received: {spec!r}.", Status.BAD_INPUT)
         if key in self.dropped:
             raise RequestError(
@@ -232,6 +252,19 @@ class Dispatcher:
             self.dropped.add(old)
         return p
 
+    def _unflushed(self, p: _Pass, w: int | None = None) -> list[tuple[int, int]]:
+        """The units of ``p`` held by ``w`` (None: by anyone) neither applied nor handed in as computed."""
+        return sorted(u for u, holder in p.held.items() if (w is None or holder == w) and u not in p.computed)
+
+    def _computed(self, w: int, units: Any) -> None:
+        """``w`` hands in ``units`` it holds with no push to acknowledge them (lock held); they stay held, so a
+        death before the pass ends still hands them out again (an evaluation's sums die with the worker)."""
+        for key, g, r in units if isinstance(units, list) else []:
+            p = self.passes.get(str(key))
+            if p is not None and p.held.get((int(g), int(r))) == w:
+                p.computed.add((int(g), int(r)))
+        self.server.cond.notify_all()
+
     def _available(self, p: _Pass, w: int) -> bool:
         own = p.own.get(w)
         return (own is not None and own[0] < own[1]) or bool(p.orphans)
@@ -254,6 +287,7 @@ class Dispatcher:
         held = sorted(unit for unit, holder in p.held.items() if holder == w)
         for unit in held:
             del p.held[unit]
+            p.computed.discard(unit)
         p.orphans.extend([g, g + 1, r] for g, r in held)
         moved = len(held)
         own = p.own.pop(w, None)

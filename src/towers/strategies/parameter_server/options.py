@@ -4,8 +4,9 @@ shared memory."""
 from __future__ import annotations
 
 from towers.errors import InvalidArgumentError, user_error
+from towers.strategies.precision import Precision
 
-__all__ = ["MODES", "check_options"]
+__all__ = ["MODES", "check_options", "refuse_loss_scaling"]
 
 #: Update modes: ``async`` applies each gradient on arrival; ``sync`` one summed update per round; ``diloco``: workers
 #: train on their own for ``sync_every`` steps, then the ps tasks apply an outer step to their parameter change.
@@ -30,3 +31,13 @@ def check_options(mode: str, staleness: int | None, *, timeout_s: float, overlap
         raise user_error("overlap is for async mode only (a sync round needs every reply before the "
                          "next step)", f"overlap={overlap!r} with mode={mode!r}",
                          "Pass overlap=True with mode='async', or leave it out.")
+
+
+def refuse_loss_scaling(precision: Precision) -> None:
+    """Raise ``ValueError`` for fp16 (a loss scale): it must change in lockstep on every replica, which
+    parameter-server updates do not do."""
+    if precision.needs_loss_scaling:
+        raise InvalidArgumentError(
+            "ParameterServerStrategy computes in precision '32' or 'bf16'. Received: precision='fp16', whose "
+            "loss scale must change in lockstep on every replica, which parameter-server updates do not do. "
+            "Use precision='bf16' (no loss scaling needed) or MirroredStrategy for fp16.")

@@ -33,7 +33,7 @@ from towers.cluster.info import ProcessInfo
 from towers.cluster.strategy_options import parse_flag
 from towers.data import BatchInfo, Dispatch, DistributedDataset, DistributedStream
 from towers.devices import gpu_count, warn_if_gpus_idle
-from towers.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
+from towers.errors import FailedPreconditionError, UnimplementedError
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group
 from towers.strategies._bitwise import refuse_bitwise
@@ -47,7 +47,7 @@ from towers.strategies.parameter_server.embeddings import SparseTables, bind_tab
 from towers.strategies.parameter_server.generations import ModelGenerations
 from towers.strategies.parameter_server.inputs import worker_input
 from towers.strategies.parameter_server.optimizer import ParameterServerOptimizer
-from towers.strategies.parameter_server.options import MODES, check_options
+from towers.strategies.parameter_server.options import MODES, check_options, refuse_loss_scaling
 from towers.strategies.parameter_server.roles import Roles, resolve_roles
 from towers.strategies.parameter_server.startup import open_links, serve_links
 from towers.strategies.parameter_server.traffic import wire_stats
@@ -65,8 +65,7 @@ class ParameterServerStrategy(Strategy):
     Args:
         num_ps: ps tasks; default: what the launcher asked for (``--num-ps``, TF_CONFIG), else 1.
         mode: ``"async"`` (apply each gradient on arrival), ``"sync"`` (one summed update per round) or ``"diloco"``
-            (each worker takes ``sync_every`` steps with its own optimizer, then the ps tasks step an outer optimizer
-            on the workers' parameter change: for slow links; ``diloco.py``).
+            (``sync_every`` steps on each worker alone, then an outer step on the ps tasks: slow links; ``diloco.py``).
         staleness: ``async`` only: a push waits while its worker has more than ``staleness`` applied
             updates beyond the slowest live worker. ``None``: no bound.
         info: this process's place in the job (default ``towers.cluster.from_env()``).
@@ -80,19 +79,13 @@ class ParameterServerStrategy(Strategy):
         shared_memory: a worker and a ps task on the same host exchange the dense gradients and parameters
             through shared memory (``/dev/shm``), and their link carries only the message headers. Hosts
             apart, or a ps task that refuses, keep the wire. Not used with ``overlap=True``. Default True.
-        sync_every: ``mode="diloco"``: the inner steps a worker takes on its own between two outer steps. This
-            and the six options below are DiLoCo's (None: its default; see ``diloco_options.py``), refused under
-            another mode.
-        outer_optimizer: ``mode="diloco"``: the optimizer the ps tasks apply to the averaged parameter change:
-            ``"nesterov"`` (DiLoCo's), ``"sgd"`` (parameter averaging), or a callable
-            ``params -> torch.optim.Optimizer``.
-        outer_lr: ``mode="diloco"``: the outer optimizer's learning rate.
-        outer_momentum: ``mode="diloco"``: the outer optimizer's momentum.
-        outer_mode: ``mode="diloco"``: ``"sync"`` (one outer step per round from every live worker's change) or
-            ``"async"`` (each worker's change applied on arrival, within ``staleness``).
-        compression: ``mode="diloco"``: how a change travels (``float32``, ``bf16``, ``int8``, with error feedback).
-        fragments: ``mode="diloco"``: the parameters are synchronised in this many fragments in turn, one per
-            outer step.
+        sync_every: DiLoCo's inner steps between outer steps (this and the six below: ``mode="diloco"`` only; None: default).
+        outer_optimizer: DiLoCo's, on the ps tasks: ``"nesterov"``, ``"sgd"`` or a callable ``params -> Optimizer``.
+        outer_lr: the named outer optimizer's learning rate.
+        outer_momentum: the named outer optimizer's momentum.
+        outer_mode: ``"sync"`` (one outer step per round of every live worker's change) or ``"async"`` (on arrival).
+        compression: how a DiLoCo change travels: ``float32``, ``bf16`` or ``int8`` (with error feedback).
+        fragments: DiLoCo syncs the parameters in this many parts, one per outer step (``diloco_options.py``).
 
     Raises:
         ValueError: unknown mode, bad staleness or DiLoCo option, ``num_ps`` that leaves no worker or contradicts the
@@ -138,11 +131,7 @@ class ParameterServerStrategy(Strategy):
         self._ran_units: list[list[Any]] = []  # dispatched batches run since the last push: [pass, g, r]
         self._device = self._replica_device()
         self._precision = resolve_precision(precision, self._device)
-        if self._precision.needs_loss_scaling:
-            raise InvalidArgumentError(
-                "ParameterServerStrategy computes in precision '32' or 'bf16'. Received: precision='fp16', whose "
-                "loss scale must change in lockstep on every replica, which parameter-server updates do not do. "
-                "Use precision='bf16' (no loss scaling needed) or MirroredStrategy for fp16.")
+        refuse_loss_scaling(self._precision)
         set_rank(info.rank, info.world_size)
         links = open_links(self.roles, info, timeout_s=timeout_s, before_links=self._before_links)
         if self.roles.is_ps:
@@ -369,7 +358,7 @@ class ParameterServerStrategy(Strategy):
         """
         client = self._require_worker("distribute_dataset")
         self._datasets += 1
-        fetch = client.next_batches if self._diloco is None else self._diloco.dispatch(client.next_batches)
+        fetch = client.next_batches if self._diloco is None else self._diloco.dispatch(client)
         dispatch = Dispatch(f"d{self._datasets}", fetch) if self._dispatch_batches else None
         return worker_input(dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
                             device=self.device, dispatch=dispatch, stream_options=stream_options, shuffle=shuffle, seed=seed,
