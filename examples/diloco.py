@@ -28,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("diloco", "sync"), default="diloco")
     parser.add_argument("--sync-every", type=int, default=8, help="inner steps between two outer steps (H)")
-    parser.add_argument("--compression", choices=("float32", "bf16", "int8"), default="float32")
+    parser.add_argument("--compression", choices=("float32", "bf16", "int8", "int4"), default="float32")
     parser.add_argument("--fragments", type=int, default=1, help="sync the parameters in this many parts, in turn")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--global-batch-size", type=int, default=64)

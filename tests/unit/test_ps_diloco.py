@@ -38,8 +38,8 @@ def _info(rank: int = 0, world: int = 3) -> ProcessInfo:
     ({"outer_momentum": 0}, r"Nesterov momentum needs a momentum > 0.*Use outer_optimizer='sgd'"),
     ({"outer_optimizer": lambda ps: torch.optim.SGD(ps, lr=1), "outer_lr": 0.5}, r"a callable sets its own"),
     ({"outer_mode": "hogwild"}, r"outer_mode must be one of \('sync', 'async'\). Received: outer_mode='hogwild'"),
-    ({"compression": "int4"}, r"compression must be one of \('float32', 'bf16', 'int8'\).*Received: "
-                              r"compression='int4'. Use 'bf16'"),
+    ({"compression": "int2"}, r"compression must be one of \('float32', 'bf16', 'int8', 'int4'\).*Received: "
+                              r"compression='int2'. Use 'bf16'"),
     ({"staleness": 2}, r"staleness bounds async outer rounds.*Received: staleness=2 with outer_mode='sync'. Drop "
                        r"staleness, or pass outer_mode='async'"),
     ({"overlap": True}, r"overlap is for mode='async'.*Leave overlap out"),
@@ -95,7 +95,7 @@ def test_fragments_are_contiguous_non_empty_and_refused_beyond_the_parameter_cou
         split_fragments(specs, 5)
 
 
-@pytest.mark.parametrize("codec, ratio", [("bf16", 2), ("int8", 4)])
+@pytest.mark.parametrize("codec, ratio", [("bf16", 2), ("int8", 4), ("int4", 8)])
 def test_compressed_changes_keep_their_residual_and_nothing_is_lost(codec, ratio):
     torch.manual_seed(0)
     encoder = DeltaEncoder(codec)
@@ -104,7 +104,7 @@ def test_compressed_changes_keep_their_residual_and_nothing_is_lost(codec, ratio
     for _ in range(20):
         delta = torch.randn(64) * 1e-3
         packed = encoder.pack([(0, delta)])
-        assert packed["values"][0].element_size() * ratio == 4
+        assert packed["values"][0].numel() * packed["values"][0].element_size() * ratio == 4 * 64
         flat = unpack_delta(packed, layout, [True, False], None, ps_index=0)
         w, b = layout.views(flat)
         assert torch.equal(b, torch.zeros(5))  # a parameter outside the fragment stays zero
@@ -112,12 +112,13 @@ def test_compressed_changes_keep_their_residual_and_nothing_is_lost(codec, ratio
         total_true += delta
     # error feedback: what was sent plus what is kept is every change, to float rounding
     assert torch.allclose(total_sent + encoder._residual[0], total_true, atol=1e-6)
-    assert (total_sent - total_true).abs().max() < (1e-2 if codec == "int8" else 1e-4)
+    assert (total_sent - total_true).abs().max() < {"bf16": 1e-4, "int8": 1e-2, "int4": 2e-2}[codec]
 
 
 def test_a_compressed_push_that_does_not_fit_the_shard_is_refused_as_bad_input():
     layout = FlatLayout([ParamSpec("w", (4,), "float32")])
-    bad = [{"codec": "int4", "values": []},
+    bad = [{"codec": "int2", "values": []},
+           {"codec": "int4", "values": [torch.zeros(4, dtype=torch.uint8)], "scales": torch.ones(1)},  # 2 bytes hold 4
            {"codec": "int8", "values": [torch.zeros(4, dtype=torch.int8)]},  # no scales
            {"codec": "bf16", "values": [torch.zeros(3, dtype=torch.bfloat16)]},  # wrong size
            {"codec": "bf16", "values": [torch.zeros(4, dtype=torch.float64)]},  # wrong dtype
@@ -195,3 +196,12 @@ def test_units_with_no_push_are_handed_in_as_computed_and_the_pass_ends():
         assert d.next(w, {"computed": answer["units"]}) == {}
     stops = _together(d, [(0, 2), (1, 2)])
     assert [(a["kind"], a["examples"]) for a in stops] == [("stop", 8), ("stop", 8)]
+
+
+def test_int4_packs_two_codes_per_byte_and_an_odd_tensor_round_trips():
+    layout = FlatLayout([ParamSpec("w", (5,), "float32")])
+    delta = torch.tensor([0.7, -0.7, 0.1, 0.0, -0.32])
+    packed = DeltaEncoder("int4").pack([(0, delta)])
+    assert packed["values"][0].dtype == torch.uint8 and packed["values"][0].numel() == 3
+    w, = layout.views(unpack_delta(packed, layout, None, None, ps_index=0))
+    assert torch.allclose(w, torch.tensor([0.7, -0.7, 0.1, 0.0, -0.3]), atol=1e-6)  # codes 7, -7, 1, 0, -3 of 0.1

@@ -6,8 +6,8 @@ Nesterov momentum, lr 0.7, momentum 0.9; ``"sgd"``: plain SGD, lr 1, no momentum
 with ``outer_lr`` / ``outer_momentum``, or from code as a callable ``params -> torch.optim.Optimizer`` of a
 ``torch.optim`` class (it travels to the ps tasks by name). ``outer_mode``: ``"sync"`` (one outer step per
 round from every live worker's change) or ``"async"`` (each worker's change applied on arrival, with the
-strategy's ``staleness`` bound). ``compression``: how a change travels (``float32``, ``bf16``, ``int8``, with
-error feedback). ``fragments`` (F): the parameters are synchronised in F fragments in turn, one per outer step.
+strategy's ``staleness`` bound). ``compression``: how a change travels (``float32``, ``bf16``, ``int8``, ``int4``,
+with error feedback). ``fragments`` (F): the parameters are synchronised in F fragments in turn, one per outer step.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ __all__ = ["DiLoCoOptions", "diloco_options", "OUTER_OPTIMIZERS", "COMPRESSIONS"
 #: Outer optimizers by name: (lr, momentum, nesterov) defaults.
 OUTER_OPTIMIZERS: dict[str, tuple[float, float, bool]] = {"nesterov": (0.7, 0.9, True), "sgd": (1.0, 0.0, False)}
 #: How a worker's parameter change travels to the ps tasks.
-COMPRESSIONS = ("float32", "bf16", "int8")
+COMPRESSIONS = ("float32", "bf16", "int8", "int4")
 #: Outer rounds: every live worker's change averaged into one step, or each applied on arrival.
 OUTER_MODES = ("sync", "async")
 _KEYS = ("sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "outer_mode", "compression", "fragments")
@@ -83,7 +83,8 @@ class DiLoCoOptions:
         if self.compression not in COMPRESSIONS:
             raise user_error(f"compression must be one of {COMPRESSIONS} (what the ps links carry)",
                              f"compression={self.compression!r}",
-                             "Use 'bf16' (half the bytes) or 'int8' (a quarter), both with error feedback.")
+                             "Use 'bf16' (half the bytes), 'int8' (a quarter) or 'int4' (an eighth), with error "
+                             "feedback.")
 
     def build_outer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """Return the outer optimizer over ``params`` (the worker sends its class and rates to the ps tasks).

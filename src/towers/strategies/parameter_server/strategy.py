@@ -84,7 +84,7 @@ class ParameterServerStrategy(Strategy):
         outer_lr: the named outer optimizer's learning rate.
         outer_momentum: the named outer optimizer's momentum.
         outer_mode: ``"sync"`` (one outer step per round of every live worker's change) or ``"async"`` (on arrival).
-        compression: how a DiLoCo change travels: ``float32``, ``bf16`` or ``int8`` (with error feedback).
+        compression: how a DiLoCo change travels: ``float32``, ``bf16``, ``int8`` or ``int4`` (with error feedback).
         fragments: DiLoCo syncs the parameters in this many parts, one per outer step (``diloco_options.py``).
 
     Raises:
