@@ -63,6 +63,9 @@ def test_diloco_options_need_mode_diloco_and_the_ps_strategy():
 
 
 def test_diloco_options_from_the_command_line_are_checked_by_kind():
+    with pytest.raises(ValueError, match=r"each strategy option is one KEY=VALUE. Received: "
+                                         r"mode='diloco,sync_every=8'. Give each its own flag"):
+        towers.ParameterServerStrategy(info=_info(), mode="diloco,sync_every=8")
     check_strategy_options("ps", {"mode": "diloco", "sync_every": 8, "outer_lr": 0.5, "compression": "int8"})
     with pytest.raises(ValueError, match=r"takes sync_every as an integer or null. Received: --strategy-option "
                                          r"sync_every='often'"):

@@ -16,6 +16,9 @@ MODES = ("async", "sync", "diloco")
 def check_options(mode: str, staleness: int | None, *, timeout_s: float, overlap: bool, shared_memory: bool) -> None:
     """Raise ``ValueError`` for an unknown mode, a bad staleness or timeout, or overlap in sync mode (the strategy
     parses ``overlap`` and ``shared_memory`` with ``parse_flag`` first)."""
+    if isinstance(mode, str) and "," in mode and "=" in mode:
+        raise user_error("each strategy option is one KEY=VALUE", f"mode={mode!r}",
+                         "Give each its own flag: --strategy-option mode=diloco --strategy-option sync_every=8.")
     if mode not in MODES:
         raise InvalidArgumentError(f"mode must be one of {MODES}. Received: mode={mode!r}. Use 'async' to apply each "
                                    "gradient on arrival, 'sync' for one summed update per round, or 'diloco' for an "
