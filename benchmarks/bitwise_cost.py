@@ -1,13 +1,17 @@
-"""What ``bitwise=True`` costs: step time of the seed CNN on the digits with and without it, at 2 and 4 replicas.
+"""What ``bitwise=True`` costs: step time with and without it, at 2 and 4 replicas: the seed CNN on the digits
+(global batch 48, Adam) or towers' 69.5M GPT (``GPTConfig.small()``, AdamW, ``--gpt-batch`` sequences of
+``--gpt-tokens`` tokens), under MirroredStrategy or FullyShardedStrategy (``--strategy sharded``).
 
 One ``towers.spawn`` job per (replicas, mode), the modes interleaved and each pair repeated; each job times its
-steps after a warm-up and reports the median step. Both modes train the same global batch (48) with Adam;
-bitwise cuts it into micro-batches of ``--micro-batch`` examples. The bytes each replica sends per step are
-counted from the model's size: DDP's ring all-reduce sends ``2 (N-1)/N`` gradients; the tree sends this
-replica's subtrees (padded to the same count on every replica) to every other replica in one all-gather.
+steps after a warm-up and reports the median step. Both modes train the same global batch; bitwise cuts it into
+micro-batches of ``--micro-batch`` examples. The bytes each replica sends per step are counted from the model's
+size: DDP's ring all-reduce sends ``2 (N-1)/N`` gradients; the tree sends this replica's subtrees (padded to the
+same count on every replica) to every other replica in one all-gather (sharded: the same bytes in FSDP2's place,
+an all-to-all of chunks instead of a reduce-scatter's ``(N-1)/N``).
 
-    python benchmarks/bitwise_cost.py                           # 2 and 4 replicas, 3 repeats
+    python benchmarks/bitwise_cost.py                           # CNN, 2 and 4 replicas, 3 repeats
     python benchmarks/bitwise_cost.py --replicas 2 --repeats 5 --micro-batch 12
+    python benchmarks/bitwise_cost.py --model gpt --micro-batch 2 --steps 4 --warmup 1
 
 Results go in BENCHMARKS.md ("Bit for bit: what it costs").
 """
@@ -19,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,21 +37,33 @@ from towers.models import SeedCNN  # noqa: E402
 GLOBAL_BATCH = 48
 
 
-def job(bitwise: bool, micro_batch: int, steps: int, warmup: int) -> float:
+def job(bitwise: bool, micro_batch: int, steps: int, warmup: int, model_name: str = "cnn", strategy_name: str = "mirrored",
+        gpt_batch: int = 8, gpt_tokens: int = 64) -> float:
     """Median seconds per step of this process's loop."""
-    strategy = towers.MirroredStrategy(bitwise=bitwise, micro_batch_size=micro_batch if bitwise else None)
+    kind = towers.FullyShardedStrategy if strategy_name == "sharded" else towers.MirroredStrategy
+    strategy = kind(bitwise=bitwise, micro_batch_size=micro_batch if bitwise else None)
     torch.manual_seed(0)
-    train_set, _ = load_digits()
-    net = SeedCNN()
-    model, optimizer = strategy.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+    if model_name == "gpt":
+        from torch.utils.data import TensorDataset
 
-    step = classifier_step(strategy, model, optimizer)  # the bit-for-bit tests' step
+        from towers.models_gpt import GPT, GPTConfig, random_tokens
+
+        config = GPTConfig(block_size=gpt_tokens)
+        train_set, global_batch = TensorDataset(*random_tokens(gpt_batch * (steps + warmup), config)), gpt_batch
+        net: torch.nn.Module = GPT(config)
+        model, optimizer = strategy.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
+        step = gpt_step(strategy, model, optimizer)
+    else:
+        train_set, _ = load_digits()
+        global_batch, net = GLOBAL_BATCH, SeedCNN()
+        model, optimizer = strategy.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+        step = classifier_step(strategy, model, optimizer)  # the bit-for-bit tests' step
     times: list[float] = []
-    batches = strategy.distribute_dataset(train_set, GLOBAL_BATCH, shuffle=True, drop_remainder=True)
+    batches = strategy.distribute_dataset(train_set, global_batch, shuffle=True, drop_remainder=True)
     while len(times) < steps + warmup:
-        for x, y in batches:
+        for batch in batches:
             start = time.perf_counter()
-            strategy.reduce("sum", strategy.run(step, args=(x, y))).item()
+            strategy.reduce("sum", strategy.run(step, args=tuple(batch))).item()
             times.append(time.perf_counter() - start)
             if len(times) == steps + warmup:
                 break
@@ -54,12 +71,28 @@ def job(bitwise: bool, micro_batch: int, steps: int, warmup: int) -> float:
     return statistics.median(times[warmup:])
 
 
-def wire_bytes(replicas: int, micro_batch: int) -> dict[str, float]:
-    """Bytes one replica sends per step: DDP's ring all-reduce vs the tree's all-gather of padded subtrees."""
-    n = sum(p.numel() for p in SeedCNN().parameters()) * 4
+def gpt_step(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any) -> Any:
+    """A nanoGPT-style step: the mean token cross entropy of the global batch, backward, towers' clip, AdamW."""
+    import torch.nn.functional as F
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        per_token = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), reduction="none")
+        loss = towers.compute_average_loss(per_token.view_as(targets).mean(dim=1))
+        loss.backward()
+        strategy.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def wire_bytes(replicas: int, micro_batch: int, global_batch: int, n: int) -> dict[str, float]:
+    """Bytes one replica sends per step for ``n`` bytes of gradient: DDP's ring all-reduce vs the tree's all-gather of
+    padded subtrees."""
     from towers.strategies._bitwise import dyadic_nodes
 
-    per = GLOBAL_BATCH // micro_batch // replicas
+    per = global_batch // micro_batch // replicas
     width = max(len(dyadic_nodes(r * per, (r + 1) * per)) for r in range(replicas))
     return {"ddp": 2 * (replicas - 1) / replicas * n, "bitwise": (replicas - 1) * width * n}
 
@@ -71,21 +104,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--model", choices=("cnn", "gpt"), default="cnn")
+    parser.add_argument("--strategy", choices=("mirrored", "sharded"), default="mirrored")
+    parser.add_argument("--gpt-batch", type=int, default=8, help="sequences per global batch (--model gpt)")
+    parser.add_argument("--gpt-tokens", type=int, default=64, help="tokens per sequence (--model gpt)")
     args = parser.parse_args(argv)
-    print(f"seed CNN, global batch {GLOBAL_BATCH}, micro_batch_size={args.micro_batch}, Adam; median step (s) of "
-          f"{args.steps} after {args.warmup}, median of {args.repeats} interleaved repeats")
+    if args.model == "gpt":
+        from towers.models_gpt import GPT, GPTConfig
+
+        global_batch, size = args.gpt_batch, GPT(GPTConfig(block_size=args.gpt_tokens)).num_parameters() * 4
+        what = f"GPT {size / 4e6:.1f}M, {global_batch} x {args.gpt_tokens} tokens, AdamW"
+    else:
+        global_batch, size = GLOBAL_BATCH, sum(p.numel() for p in SeedCNN().parameters()) * 4
+        what = f"seed CNN, global batch {GLOBAL_BATCH}, Adam"
+    print(f"{what}, {args.strategy}, micro_batch_size={args.micro_batch}; median step (s) of {args.steps} after "
+          f"{args.warmup}, median of {args.repeats} interleaved repeats")
     for n in args.replicas:
         runs: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.repeats):
             for bitwise in (False, True):  # interleaved: a slow moment of the machine hits both
-                per_rank = towers.spawn(job, n, args=(bitwise, args.micro_batch, args.steps, args.warmup),
-                                        timeout_s=600, threads_per_process=1)
+                per_rank = towers.spawn(job, n, args=(bitwise, args.micro_batch, args.steps, args.warmup, args.model,
+                                                      args.strategy, args.gpt_batch, args.gpt_tokens),
+                                        timeout_s=900, threads_per_process=1)
                 runs[bitwise].append(max(per_rank))
         plain, exact = statistics.median(runs[False]), statistics.median(runs[True])
-        wire = wire_bytes(n, args.micro_batch)
-        print(f"{n} replicas: DDP {plain * 1e3:.1f} ms, bitwise {exact * 1e3:.1f} ms, ratio {exact / plain:.2f}x; "
+        wire = wire_bytes(n, args.micro_batch, global_batch, size)
+        print(f"{n} replicas: plain {plain * 1e3:.1f} ms, bitwise {exact * 1e3:.1f} ms, ratio {exact / plain:.2f}x; "
               f"bytes sent per replica per step: DDP {wire['ddp'] / 2**20:.2f} MiB, bitwise "
-              f"{wire['bitwise'] / 2**20:.2f} MiB ({wire['bitwise'] / wire['ddp']:.1f}x)")
+              f"{wire['bitwise'] / 2**20:.2f} MiB ({wire['bitwise'] / wire['ddp']:.1f}x)", flush=True)
     return 0
 
 

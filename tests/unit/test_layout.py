@@ -10,7 +10,8 @@ import pkgutil
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "towers"
-MAX_LINES = 400
+#: Lines of a module besides its docstrings (which are the API reference): past this it is two concepts.
+MAX_LINES = 330
 FAMILIES = ("towers.strategies.parameter_server", "towers.strategies.fault_tolerant", "towers.strategies.hybrid")
 #: A capability is an object a class holds, not a base class in another file: no class's chain of towers base
 #: classes spans more files than this.
@@ -20,10 +21,18 @@ PENDING: set[str] = set()
 
 
 def _modules() -> list[tuple[str, ast.Module, int]]:
+    """Every module, its tree, and its length in lines not counting docstrings (the API reference is built from them:
+    documenting a function well must not push its module over the limit; the code's size is the concept's)."""
     found = []
     for path in sorted(SRC.rglob("*.py")):
         text = path.read_text(encoding="utf-8")
-        found.append((str(path.relative_to(SRC.parent)), ast.parse(text), len(text.splitlines())))
+        tree = ast.parse(text)
+        documented = [node.body[0] for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str)]
+        docstrings = sum((d.end_lineno or d.lineno) - d.lineno + 1 for d in documented)
+        found.append((str(path.relative_to(SRC.parent)), tree, len(text.splitlines()) - docstrings))
     return found
 
 
@@ -46,9 +55,9 @@ def _dotted(path: str) -> str:
     return path[:-3].replace("/", ".").removesuffix(".__init__")
 
 
-def test_no_module_is_over_400_lines():
+def test_no_module_is_over_the_line_cap():
     long = {path: n for path, _, n in _modules() if n > MAX_LINES}
-    assert long == {}, f"split these modules (one concept each, <= {MAX_LINES} lines): {long}"
+    assert long == {}, f"split these modules (one concept each, <= {MAX_LINES} lines besides docstrings): {long}"
 
 
 def test_launch_never_imports_strategies():

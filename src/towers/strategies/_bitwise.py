@@ -25,8 +25,7 @@ same bits, so they stay equal. Deterministic kernels on a GPU are the user's swi
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
@@ -34,43 +33,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from towers.errors import FailedPreconditionError, user_error
 
-__all__ = ["BitwiseSteps", "dyadic_nodes", "tree_sum", "keyed_random", "deterministic_kernels", "named_kernel_error"]
+#: A tree node's value: a tensor (a flat gradient, a loss) or a leaf's gradients (``_Grads``); anything with ``+``.
+Node = TypeVar("Node", torch.Tensor, "_Grads")
 
-
-@contextlib.contextmanager
-def keyed_random(device: torch.device, key: tuple[int, int, int]) -> Iterator[None]:
-    """Within: torch's random generators seeded from ``key`` (epoch, global batch, global micro-batch), so a dropout
-    mask is the micro-batch's, whichever replica computes it; the caller's random state is restored after."""
-    epoch, batch, leaf = key
-    seed = ((epoch * 1_000_003 + batch) * 1_000_003 + leaf) % (2 ** 63)
-    devices = [device.index if device.index is not None else 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
-
-
-def deterministic_kernels(device: torch.device) -> None:
-    """Turn on torch's deterministic kernels for the process (``bitwise=True`` asks for the same bits every run): an op
-    without one then raises at its first call (``named_kernel_error`` names it); on a GPU cuBLAS gets the fixed
-    workspace it needs for that (``CUBLAS_WORKSPACE_CONFIG``, unless set already)."""
-    import os
-
-    if device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-
-
-def named_kernel_error(exc: RuntimeError) -> Exception | None:
-    """The error to raise for torch's "no deterministic implementation" ``exc`` (None for another error)."""
-    text = str(exc)
-    if "does not have a deterministic implementation" not in text:
-        return None
-    op = text.split(" does not have a deterministic implementation")[0].strip()
-    return user_error("bitwise=True runs with torch.use_deterministic_algorithms(True), and an op of the step has no "
-                      "deterministic kernel on this device", op,
-                      "Replace that op with one that has (e.g. index_add_ / scatter_add_ for a histogram, a dense "
-                      "update for a sparse one), compute it on the CPU, or turn bitwise off (same maths within "
-                      "rounding).")
+__all__ = ["BitwiseSteps", "dyadic_nodes", "tree_sum"]
 
 
 def _levels(num_leaves: int) -> int:
@@ -89,8 +55,8 @@ def dyadic_nodes(start: int, end: int) -> list[tuple[int, int]]:
     return nodes
 
 
-def tree_sum(known: dict[tuple[int, int], torch.Tensor], level: int, index: int, num_leaves: int,
-             zeros: Callable[[], torch.Tensor]) -> torch.Tensor:
+def tree_sum(known: dict[tuple[int, int], Node], level: int, index: int, num_leaves: int,
+             zeros: Callable[[], Node]) -> Node:
     """Node ``(level, index)`` of the tree over ``num_leaves`` leaves: from ``known`` where it is there, else its two
     children's sum (left + right); a node wholly past the last leaf is zeros."""
     if (level, index) in known:
@@ -108,12 +74,13 @@ class BitwiseSteps:
     strategy built with ``bitwise=True``)."""
 
     def __init__(self, micro_batch_size: int, *, rank: int, num_replicas: int,
-                 gather: Callable[[torch.Tensor], torch.Tensor]):
+                 gather: Callable[[torch.Tensor], torch.Tensor], group: Any = None):
         self.micro_batch_size = micro_batch_size
         #: ``gather(t)``: every replica's ``t`` concatenated on dim 0, in replica order (the strategy's ``gather``)
         self._rank, self._num_replicas, self._gather = rank, num_replicas, gather
+        self._group = group  # the replicas' process group (None: the default one) for the gradients' exchange
         self._params: list[nn.Parameter] = []
-        self._leaves: dict[int, torch.Tensor] = {}  # this update's leaves computed here: global index -> flat gradient
+        self._leaves: dict[int, _Grads] = {}  # this update's leaves computed here: global index -> its gradients
         self._leaf: int | None = 0  # global index of the micro-batch whose backward runs now (None: an empty share's)
         self._num_leaves = 0
         self._ranges: list[tuple[int, int]] = []  # every replica's leaves [first, end) of the batch in progress
@@ -250,15 +217,15 @@ class BitwiseSteps:
         """Whether the micro-batch in progress is this replica's last of the batch (the tree is summed after it)."""
         return self._last
 
-    def subtrees(self, leaves: dict[int, torch.Tensor], zeros: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    def subtrees(self, leaves: dict[int, Node], zeros: Callable[[], Node]) -> list[Node]:
         """This replica's subtree values (the largest nodes within its share, in order) from its ``leaves``."""
         local = {(0, i): g for i, g in leaves.items()}
         return [tree_sum(local, lv, ix, self._num_leaves, zeros) for lv, ix in self._own_nodes()]
 
-    def root(self, rows: list[list[torch.Tensor]], zeros: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def root(self, rows: list[list[Node]], zeros: Callable[[], Node]) -> Node:
         """The tree's sum from every replica's subtree values (``rows[r]``: replica ``r``'s, in order; extra entries
         of a padded row are ignored)."""
-        known: dict[tuple[int, int], torch.Tensor] = {}
+        known: dict[tuple[int, int], Node] = {}
         for r, row in enumerate(rows):
             known.update(zip(self._own_nodes(r), row))
         return tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, zeros)
@@ -282,15 +249,12 @@ class BitwiseSteps:
             raise user_error("Under bitwise=True each micro-batch's gradient is one backward's", "a second backward "
                              f"in the micro-batch of leaf {self._leaf}", "Call loss.backward() once per step "
                              "(sum the losses first), or leave bitwise off for a loop with several backwards.")
-        self._leaves[self._leaf] = self._flat()
+        # The gradients themselves are the leaf (no copy): .grad is emptied, so the next backward writes new ones.
+        self._leaves[self._leaf] = _Grads([p.grad if p.grad is not None and id(p) in self._reached
+                                           else torch.zeros_like(p) for p in self._params])
         self._clear()
         if self._last:
             self._finish()
-
-    def _flat(self) -> torch.Tensor:
-        """This backward's gradient, flat: zeros for a parameter it did not reach."""
-        return torch.cat([(p.grad if p.grad is not None and id(p) in self._reached else torch.zeros_like(p)).reshape(-1)
-                          for p in self._params])
 
     def _clear(self) -> None:
         """Empty every ``.grad`` for the next micro-batch; one this backward did not reach is from before the run."""
@@ -302,23 +266,60 @@ class BitwiseSteps:
 
     def _finish(self) -> None:
         """Write the update's gradient, summed over the tree, into every parameter's ``.grad``."""
-        size = sum(p.numel() for p in self._params)
-        zeros = self._params[0].new_zeros
-        values = self.subtrees(self._leaves, lambda: zeros(size))
-        rows = [values]
-        if self._num_replicas > 1:  # every replica's subtrees: each knows which nodes another holds, padded to a count
-            width = self.width()
-            gathered = self._gather(torch.stack(values + [zeros(size)] * (width - len(values))))
-            rows = [list(gathered[r * width:(r + 1) * width].unbind()) for r in range(self._num_replicas)]
-        total = self.root(rows, lambda: zeros(size))
-        offset = 0
-        for p in self._params:
-            n = p.numel()
-            grad = total[offset:offset + n].view_as(p)
-            carry = self._carry.pop(id(p), None)  # earlier runs of an accumulated update: their trees, in run order
-            p.grad = grad.clone() if carry is None else carry + grad
-            offset += n
+        values = self.subtrees(self._leaves, lambda: _Grads([torch.zeros_like(p) for p in self._params]))
         self._leaves = {}
+        if self._num_replicas == 1:
+            total = self.root([values], lambda: _Grads([torch.zeros_like(p) for p in self._params])).tensors
+        else:
+            flat, total, offset = self._exchange(values), [], 0
+            for p in self._params:
+                total.append(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        for p, grad in zip(self._params, total):
+            carry = self._carry.pop(id(p), None)  # earlier runs of an accumulated update: their trees, in run order
+            p.grad = grad if carry is None else carry + grad
+
+
+    def _exchange(self, values: list[_Grads]) -> torch.Tensor:
+        """The tree's sum, flat, from this replica's subtree ``values`` and every other replica's: each replica sums
+        the top of the tree for one chunk of the gradient (an all-to-all brings it every replica's subtrees of that
+        chunk), then every replica gathers every chunk. The tree is elementwise, so a chunk summed alone has the bits
+        of the whole sum's; the bytes are those of a ring all-reduce where each replica holds one subtree."""
+        import torch.distributed as dist
+
+        from towers.process_group import collective
+
+        n, width, size = self._num_replicas, self.width(), sum(p.numel() for p in self._params)
+        chunk, zeros = -(-size // n), self._params[0].new_zeros
+        block = torch.cat([v.flat() for v in values] + [zeros(size)] * (width - len(values))).view(width, size)
+        if chunk * n != size:
+            block = torch.nn.functional.pad(block, (0, chunk * n - size))
+        send = block.view(width, n, chunk).transpose(0, 1).contiguous()  # replica r's chunk of every subtree
+        received = torch.empty_like(send)
+        with collective("bitwise: every replica's subtrees, one chunk to each replica"):
+            dist.all_to_all_single(received, send, group=self._group)
+        mine = self.root([list(received[r].unbind()) for r in range(n)], lambda: zeros(chunk))
+        parts = [torch.empty_like(mine) for _ in range(n)]
+        with collective("bitwise: the tree's sum, chunk by chunk"):
+            dist.all_gather(parts, mine, group=self._group)
+        return torch.cat(parts)[:size]
+
+
+class _Grads:
+    """A leaf's (or a tree node's) gradients, one tensor per parameter, added elementwise by torch's foreach add: the
+    same bits as one flat add, without first copying every gradient into one flat tensor."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+
+    def __add__(self, other: "_Grads") -> "_Grads":
+        return _Grads(list(torch._foreach_add(self.tensors, other.tensors)))
+
+    def flat(self) -> torch.Tensor:
+        """The gradients in one flat tensor (what the exchange between replicas sends)."""
+        return torch.cat([t.reshape(-1) for t in self.tensors])
 
 
 def _combinable(result: Any) -> bool:
@@ -333,49 +334,3 @@ def _joined(parts: list[Any]) -> Any:
     if not tensors:
         return None
     return torch.cat(tensors)
-
-
-def bitwise_steps(bitwise: Any, micro_batch_size: Any, *, strategy: str, precision: str,
-                  refused: str | None = None) -> Callable[..., BitwiseSteps] | None:
-    """Check ``bitwise=`` and ``micro_batch_size=`` before any process group; return how to build the ``BitwiseSteps``
-    once the replicas are known (``build(rank, num_replicas, gather)``), or None when bitwise is off.
-
-    Raises:
-        ValueError: a micro-batch size that is not a positive integer, or an option bitwise cannot keep exact
-            (``refused``: the strategy's own reason, e.g. a tensor-parallel mesh).
-    """
-    from towers.cluster.strategy_options import parse_flag
-
-    if not parse_flag("bitwise", bitwise):
-        return None
-    if isinstance(micro_batch_size, str) and micro_batch_size.strip().isdigit():
-        micro_batch_size = int(micro_batch_size)
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise user_error("bitwise=True needs micro_batch_size: the examples of one micro-batch, the unit whose "
-                         "gradient is the same at every replica count", f"micro_batch_size={micro_batch_size!r}",
-                         "Pass micro_batch_size=m (--strategy-option micro_batch_size=m) with m dividing the global "
-                         "batch into equal shares at every replica count you will run, e.g. B/12 for 1, 2, 3 and 4.")
-    for bad, why in ((refused, refused), (precision != "32", f"precision={precision!r}: autocast kernels")):
-        if bad:
-            raise user_error(f"{strategy}(bitwise=True) cannot keep this exact", str(why),
-                             "Leave it out with bitwise=True (precision='32'), or turn bitwise off.")
-    size = micro_batch_size
-
-    def build(rank: int, num_replicas: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> BitwiseSteps:
-        return BitwiseSteps(size, rank=rank, num_replicas=num_replicas, gather=gather)
-
-    return build
-
-
-def refuse_bitwise(strategy: str, bitwise: Any) -> None:
-    """Refuse ``bitwise=True`` on a strategy that does not build it yet, before any process group.
-
-    Raises:
-        ValueError: naming the strategy and the ones that take it.
-    """
-    from towers.cluster.strategy_options import parse_flag
-
-    if parse_flag("bitwise", bitwise):
-        raise user_error(f"{strategy} does not train bit for bit yet", "bitwise=True",
-                         "Use OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy or FullyShardedStrategy "
-                         "with bitwise=True (--strategy mirrored --bitwise), or leave bitwise off here.")

@@ -21,7 +21,8 @@ from towers.errors import FailedPreconditionError, InvalidArgumentError, Invalid
 from towers.parallel.layout import Layout
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import collective
-from towers.strategies._bitwise import BitwiseSteps, deterministic_kernels, keyed_random, named_kernel_error
+from towers.strategies._bitwise import BitwiseSteps
+from towers.strategies._bitwise_setup import deterministic_kernels, keyed_random, named_kernel_error
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
 from towers.strategies._copies import DetachedHook
 from towers.strategies._steps import StepTracker, StrategyOptimizer

@@ -29,7 +29,7 @@ from towers.parallel.stage_gradients import StageGradientGuard
 from towers.process_group import collective
 from towers.strategies._loss_weights import queue_after_backward
 
-__all__ = ["SliceSpec", "TensorParallelSlices", "grad_norm", "slice_gradient_guard"]
+__all__ = ["SliceSpec", "TensorParallelSlices", "grad_norm", "slice_gradient_guard", "check_tensor_parallel_options"]
 
 
 class SliceSpec(NamedTuple):
@@ -213,3 +213,37 @@ def slice_gradient_guard(model: nn.Module, mesh: str) -> StageGradientGuard:
     for param in params:
         param.register_post_accumulate_grad_hook(on_grad)
     return guard
+
+
+def check_tensor_parallel_options(spec: Any, precision: Any, compression: str | None, sync_batchnorm: bool) -> None:
+    """Refuse, before the group is joined, what MirroredStrategy cannot run with a tp mesh: each with its reason and
+    the fix.
+
+    Args:
+        spec: the resolved mesh (``towers.cluster.mesh.MeshSpec``).
+        precision: the strategy's ``Precision``.
+        compression: the gradient compression asked for.
+        sync_batchnorm: whether SyncBatchNorm was asked for.
+
+    Raises:
+        ValueError: pp in the mesh, PowerSGD, SyncBatchNorm or fp16 with tp.
+    """
+    mesh = f"mesh {spec.given()}"
+    if spec.pp > 1:
+        raise user_error("MirroredStrategy does not cut a model into pipeline stages", mesh,
+                         "Use --strategy sharded for pipeline stages (FullyShardedStrategy(mesh=...)), or leave pp "
+                         "out of the mesh.")
+    if compression == "powersgd":
+        raise user_error("gradient_compression='powersgd' cannot run with a tp mesh: its low-rank approximation "
+                         "would be of each process's slice of a layer, not of the layer",
+                         f"gradient_compression='powersgd', {mesh}",
+                         "Use gradient_compression='bf16' or 'fp16' (or none), or drop tp from the mesh.")
+    if sync_batchnorm:
+        raise user_error("sync_batchnorm cannot run with a tp mesh: its statistics are summed over every process, "
+                         "and the tp processes of one replica hold the same examples", f"sync_batchnorm=True, {mesh}",
+                         "Drop sync_batchnorm, or drop tp from the mesh.")
+    if precision.needs_loss_scaling:
+        raise user_error("precision='fp16' cannot run with a tp mesh: its loss scaler's overflow check would see "
+                         "one slice of each layer's gradient, so the processes of a replica could skip different "
+                         "steps", f"precision={precision.name!r}, {mesh}",
+                         "Use precision='bf16' (no loss scaling) or '32', or --strategy sharded.")

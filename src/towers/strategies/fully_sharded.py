@@ -49,7 +49,8 @@ from towers.process_group import (
     init_one_process_group,
     init_process_group,
 )
-from towers.strategies._bitwise import BitwiseSteps, bitwise_steps
+from towers.strategies._bitwise import BitwiseSteps
+from towers.strategies._bitwise_setup import bitwise_steps
 from towers.strategies._bitwise_sharded import ShardedTree, bitwise_refusal
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, replica_comm
 from towers.strategies._copies import refuse_copies
@@ -203,8 +204,7 @@ class FullyShardedStrategy(SyncStrategy):
         super().__init__(info=info, device=device, comm=comm, precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps, layout=self.layout,
                          bitwise=None if build is None else build(comm.rank, comm.num_replicas, self.gather))
-        #: ``bitwise=True`` over shards: the tree summed in FSDP2's reduce-scatter (``_bitwise_sharded.py``)
-        self._tree = None if self._bitwise is None or self._mesh is None else ShardedTree(self._bitwise, self.layout.describe())
+        self._tree = ShardedTree(self._bitwise, self.layout.describe()) if self._bitwise and self._mesh else None
         self._bitwise_lockstep = self._tree is not None  # each forward all-gathers: every replica as many micro-batches
         self._sharded: list[Any] = []  # the FSDP roots prepare() made
         self._state = ShardedState(precision=self.precision, pipeline=self.pipeline, sharded=self._mesh is not None,

@@ -23,7 +23,7 @@ from torch import nn
 from towers._logging import get_logger
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import DEFAULT_TIMEOUT_S
-from towers.strategies._bitwise import refuse_bitwise
+from towers.strategies._bitwise_setup import refuse_bitwise
 from towers.strategies._comm_hooks import sum_hook
 from towers.strategies._ddp import TowersDDP, check_same_parameters
 from towers.strategies.base import check_max_norm

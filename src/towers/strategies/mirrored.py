@@ -31,7 +31,7 @@ from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.parallel.stage_gradients import StageGradientGuard
 from towers.parallel.tensor_parallel import TPPlan
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group, init_process_group
-from towers.strategies._bitwise import bitwise_steps
+from towers.strategies._bitwise_setup import bitwise_steps
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, replica_comm
 from towers.strategies._comm_hooks import check_compression, register_sum_hook
 from towers.strategies._copies import refuse_copies
@@ -40,7 +40,12 @@ from towers.strategies._step_check import StepCheck
 from towers.strategies._steps import StepTracker
 from towers.strategies._sync import SyncStrategy
 from towers.strategies._sync_bn import convert_sync_batchnorm
-from towers.strategies._tp_slices import TensorParallelSlices, grad_norm, slice_gradient_guard
+from towers.strategies._tp_slices import (
+    TensorParallelSlices,
+    check_tensor_parallel_options,
+    grad_norm,
+    slice_gradient_guard,
+)
 from towers.strategies.context import check_max_norm
 from towers.strategies.precision import Precision, resolve_precision
 
@@ -150,7 +155,7 @@ class MirroredStrategy(SyncStrategy):
                              f"mesh {spec.given()}", f"Use mesh dp={spec.dp}{f',tp={spec.tp}' if spec.tp > 1 else ''} "
                              "for replicas, or --strategy sharded for dp_shard (FSDP2, HSDP).")
         if spec is not None and spec.pp * spec.tp > 1:
-            self._check_tensor_parallel(spec, precision)
+            check_tensor_parallel_options(spec, precision, self._compression, self._sync_batchnorm)
         build = bitwise_steps(bitwise, micro_batch_size, strategy=type(self).__name__, precision=precision.name,
                               refused=None if spec is None or spec.tp == 1 else f"mesh {spec.given()}: tp's all-reduces")
         if build is not None and (gradient_compression not in (None, "none") or self._sync_batchnorm):
@@ -178,34 +183,13 @@ class MirroredStrategy(SyncStrategy):
             torch.cuda.set_device(device)
         super().__init__(info=info, device=device, comm=comm, precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps,
-                         bitwise=None if build is None else build(comm.rank, comm.num_replicas, self.gather),
+                         bitwise=None if build is None else build(comm.rank, comm.num_replicas, self.gather,
+                                                                        getattr(comm, "group", None)),
                          layout=self.layout)
         log.info("%s: %d replica(s), this one on %s (%sprecision=%s, accumulation=%d, compression=%s%s)",
                  type(self).__name__, self.num_replicas_in_sync, device,
                  "" if self._layout_mesh is None else f"mesh {self._layout_mesh.describe()}, ", self.precision.name,
                  gradient_accumulation_steps, self._compression, ", sync_batchnorm" if self._sync_batchnorm else "")
-
-    def _check_tensor_parallel(self, spec: MeshSpec, precision: Precision) -> None:
-        """Refuse, before the group is joined, what cannot run with a tp mesh: each with its reason and the fix."""
-        mesh = f"mesh {spec.given()}"
-        if spec.pp > 1:
-            raise user_error("MirroredStrategy does not cut a model into pipeline stages", mesh,
-                             "Use --strategy sharded for pipeline stages (FullyShardedStrategy(mesh=...)), or leave pp "
-                             "out of the mesh.")
-        if self._compression == "powersgd":
-            raise user_error("gradient_compression='powersgd' cannot run with a tp mesh: its low-rank approximation "
-                             "would be of each process's slice of a layer, not of the layer",
-                             f"gradient_compression='powersgd', {mesh}",
-                             "Use gradient_compression='bf16' or 'fp16' (or none), or drop tp from the mesh.")
-        if self._sync_batchnorm:
-            raise user_error("sync_batchnorm cannot run with a tp mesh: its statistics are summed over every process, "
-                             "and the tp processes of one replica hold the same examples", f"sync_batchnorm=True, {mesh}",
-                             "Drop sync_batchnorm, or drop tp from the mesh.")
-        if precision.needs_loss_scaling:
-            raise user_error("precision='fp16' cannot run with a tp mesh: its loss scaler's overflow check would see "
-                             "one slice of each layer's gradient, so the processes of a replica could skip different "
-                             "steps", f"precision={precision.name!r}, {mesh}",
-                             "Use precision='bf16' (no loss scaling) or '32', or --strategy sharded.")
 
     @property
     def mesh(self) -> Any:

@@ -9,7 +9,7 @@ import torch
 from towers._logging import get_logger
 from towers.cluster.info import ProcessInfo
 from towers.cluster.strategy_options import parse_flag
-from towers.strategies._bitwise import bitwise_steps
+from towers.strategies._bitwise_setup import bitwise_steps
 from towers.strategies._collectives import LocalComm
 from towers.strategies._comm_hooks import check_compression
 from towers.strategies._sync import SyncStrategy

@@ -86,7 +86,7 @@ class FaultTolerantStrategy(Strategy):
                  shard: bool = False, shard_units: Any = "auto", precision: "str | int | Precision | None" = "32",
                  bitwise: bool = False):
         from towers import cluster
-        from towers.strategies._bitwise import refuse_bitwise
+        from towers.strategies._bitwise_setup import refuse_bitwise
 
         refuse_bitwise(type(self).__name__, bitwise)
 

@@ -36,7 +36,7 @@ from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import FailedPreconditionError, UnimplementedError
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group
-from towers.strategies._bitwise import refuse_bitwise
+from towers.strategies._bitwise_setup import refuse_bitwise
 from towers.strategies.base import ReplicaContext, Strategy, note_built
 from towers.strategies.parameter_server import transport
 from towers.strategies.parameter_server.client import ParameterClient
