@@ -145,10 +145,13 @@ class DiLoCo:
                 answer = client.next_batches(key, step, {**spec, "flush": True})
                 if answer.get("kind") != FLUSH:
                     break
-                pushed = self.optimizer.sync() if self.optimizer is not None else []
-                unpushed = [u for u in answer["units"] if u not in pushed]
-                if unpushed:  # units with no inner step (an evaluation's): computed, not trained
+                window = self.optimizer.window_units() if self.optimizer is not None else []
+                unpushed = [u for u in answer["units"] if u not in window]
+                if unpushed:  # an evaluation's units, handed in before the push: the others may wait on them
                     client.request(Op.DISPATCH, ps=[0], metas=[{"computed": unpushed}])
+                if self.optimizer is not None:
+                    self.optimizer.sync()
+            # a worker holding no batch at the pass's end was not asked to flush: its window goes in the same round
             if answer.get("kind") == "stop" and self.optimizer is not None:
                 self.optimizer.sync()
             return answer
@@ -214,13 +217,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.sync()
         return loss
 
-    def sync(self) -> list[Any]:
-        """Push this worker's change since the last outer step and take up the new global values; return the
-        dispatched batches the push acknowledged (nothing when the window is empty). Every worker calls it at
-        the same inner step: at every ``sync_every``-th, and at the end of each pass of a dataset the ps tasks
-        hand out."""
+    def window_units(self) -> list[Any]:
+        """The dispatched batches (``[pass, global batch, replica]``) trained since the last outer step."""
+        return [list(u) for u in self._units]
+
+    def sync(self) -> None:
+        """Push this worker's change since the last outer step and take up the new global values (no-op when the
+        window is empty). Every worker calls it at the same inner step: at every ``sync_every``-th, and at the
+        end of each pass of a dataset the ps tasks hand out."""
         if self._steps == 0:
-            return []
+            return
         bound, options = self._bound, self._diloco.options
         client = bound.client
         client.finish()
@@ -269,7 +275,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._steps, self._weight, self._units = 0, 0.0, []
         self._outer += 1
         self._diloco.outer_steps += 1
-        return [list(u) for u in units]
 
     def _reanchor(self) -> None:
         """After ``model.load_state_dict`` (pushed to the ps tasks as the global values): measure changes from there."""

@@ -22,8 +22,9 @@ works at that step, and the pass ends for all at the first step at which nobody 
 
 A pass whose spec says ``flush`` (DiLoCo: a worker acknowledges its window's units only with its
 outer push, several steps after it trained them) does not end while a live worker holds units: at
-that step each holder is answered ``flush`` with its units, pushes, hands in the units it has no
-push for (an evaluation's, ``computed``) and asks again. A holder that dies meanwhile has its units
+that step each holder is answered ``flush`` with its units, hands in those its push will not carry
+(an evaluation's, ``computed``), pushes and asks again; a worker holding none waits for them, then
+ends the pass and pushes its own window into the same round. A holder that dies meanwhile has its units
 handed to the others, in the same pass: a window that was never pushed is trained again.
 """
 
