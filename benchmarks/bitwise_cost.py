@@ -5,9 +5,9 @@
 One ``towers.spawn`` job per (replicas, mode), the modes interleaved and each pair repeated; each job times its
 steps after a warm-up and reports the median step. Both modes train the same global batch; bitwise cuts it into
 micro-batches of ``--micro-batch`` examples. The bytes each replica sends per step are counted from the model's
-size: DDP's ring all-reduce sends ``2 (N-1)/N`` gradients; the tree sends this replica's subtrees (padded to the
-same count on every replica) to every other replica in one all-gather (sharded: the same bytes in FSDP2's place,
-an all-to-all of chunks instead of a reduce-scatter's ``(N-1)/N``).
+size: DDP's ring all-reduce sends ``2 (N-1)/N`` gradients; the tree sends the other replicas their chunks of this
+replica's ``w`` subtrees (padded to the same count on every replica) in one all-to-all, then its chunk of the sum in
+an all-gather: ``(w + 1) (N-1)/N`` (sharded: the all-to-all alone, in place of FSDP2's reduce-scatter).
 
     python benchmarks/bitwise_cost.py                           # CNN, 2 and 4 replicas, 3 repeats
     python benchmarks/bitwise_cost.py --replicas 2 --repeats 5 --micro-batch 12
@@ -88,13 +88,13 @@ def gpt_step(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any) 
 
 
 def wire_bytes(replicas: int, micro_batch: int, global_batch: int, n: int) -> dict[str, float]:
-    """Bytes one replica sends per step for ``n`` bytes of gradient: DDP's ring all-reduce vs the tree's all-gather of
-    padded subtrees."""
+    """Bytes one replica sends per step for ``n`` bytes of gradient: DDP's ring all-reduce vs the tree's exchange."""
     from towers.strategies._bitwise import dyadic_nodes
 
     per = global_batch // micro_batch // replicas
     width = max(len(dyadic_nodes(r * per, (r + 1) * per)) for r in range(replicas))
-    return {"ddp": 2 * (replicas - 1) / replicas * n, "bitwise": (replicas - 1) * width * n}
+    # bitwise: an all-to-all of every subtree's (N-1)/N foreign chunks, then an all-gather of the sum's chunk
+    return {"ddp": 2 * (replicas - 1) / replicas * n, "bitwise": (width + 1) * (replicas - 1) / replicas * n}
 
 
 def main(argv: list[str] | None = None) -> int:

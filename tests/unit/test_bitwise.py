@@ -74,7 +74,6 @@ def test_one_process_bitwise_is_the_plain_loops_maths():
 
 
 @pytest.mark.parametrize("options, match", [
-    ({}, r"bitwise=True needs micro_batch_size.*Received: micro_batch_size=None"),
     ({"micro_batch_size": 0}, r"Received: micro_batch_size=0"),
     ({"micro_batch_size": 2, "precision": "bf16"}, r"cannot keep this exact. Received: precision='bf16'"),
     ({"micro_batch_size": 2, "bitwise": "perhaps"}, r"bitwise"),
@@ -96,6 +95,17 @@ def test_a_global_batch_the_micro_batch_does_not_divide_is_refused_before_the_fi
     with pytest.raises(ValueError, match=r"Received: global_batch_size=10, micro_batch_size=4. Use a global batch that "
                                          r"is a multiple of 4, or micro_batch_size=2"):
         strategy.distribute_dataset(_data(), 10)
+
+
+def test_without_a_micro_batch_size_one_is_chosen_from_the_first_global_batch():
+    for global_batch, chosen in ((48, 4), (40, 5), (10, 5), (7, 1)):  # a twelfth, else an eighth, ..., else 1
+        strategy = towers.OneDeviceStrategy("cpu", bitwise=True)
+        strategy.distribute_dataset(_data(), global_batch)
+        assert strategy._bitwise.micro_batch_size == chosen, global_batch
+    plain, _ = _loop(towers.OneDeviceStrategy("cpu"))
+    chosen, _ = _loop(towers.strategy_from_env(bitwise=True))  # B = 8: micro-batches of 1
+    for a, b in zip(chosen.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_shares_are_whole_micro_batches_and_equal_ones_where_they_divide():

@@ -31,12 +31,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from towers._logging import get_logger
 from towers.errors import FailedPreconditionError, user_error
 
 #: A tree node's value: a tensor (a flat gradient, a loss) or a leaf's gradients (``_Grads``); anything with ``+``.
 Node = TypeVar("Node", torch.Tensor, "_Grads")
 
 __all__ = ["BitwiseSteps", "dyadic_nodes", "tree_sum"]
+
+log = get_logger(__name__)
 
 
 def _levels(num_leaves: int) -> int:
@@ -73,9 +76,9 @@ class BitwiseSteps:
     """The micro-batches of this replica's share and the tree their gradients are summed over (held by a synchronous
     strategy built with ``bitwise=True``)."""
 
-    def __init__(self, micro_batch_size: int, *, rank: int, num_replicas: int,
+    def __init__(self, micro_batch_size: int | None, *, rank: int, num_replicas: int,
                  gather: Callable[[torch.Tensor], torch.Tensor], group: Any = None):
-        self.micro_batch_size = micro_batch_size
+        self._micro_batch_size = micro_batch_size  # None: chosen from the first global batch (``check_batch_size``)
         #: ``gather(t)``: every replica's ``t`` concatenated on dim 0, in replica order (the strategy's ``gather``)
         self._rank, self._num_replicas, self._gather = rank, num_replicas, gather
         self._group = group  # the replicas' process group (None: the default one) for the gradients' exchange
@@ -118,13 +121,28 @@ class BitwiseSteps:
                 param.register_hook(set_aside(param))
                 param.register_post_accumulate_grad_hook(on_grad)
 
+    @property
+    def micro_batch_size(self) -> int:
+        """The examples of one micro-batch (given, or chosen from the first global batch)."""
+        if self._micro_batch_size is None:
+            raise FailedPreconditionError("bitwise=True chooses its micro-batch size from the first global batch of "
+                                          "strategy.distribute_dataset; iterate its batches through strategy.run.")
+        return self._micro_batch_size
+
     def check_batch_size(self, global_batch_size: int) -> None:
-        """Refuse a global batch the micro-batch size does not divide, before the first step.
+        """Refuse a global batch the micro-batch size does not divide, before the first step; without a size given,
+        choose one from this batch: a twelfth (equal shares at 1, 2, 3, 4, 6 and 12 replicas), else the largest
+        share of 8, 6, 4, 3 or 2 that divides it, else one example.
 
         Raises:
             ValueError: naming the sizes and micro-batch sizes that fit.
         """
-        m = self.micro_batch_size
+        if self._micro_batch_size is None:
+            leaves = next((n for n in (12, 8, 6, 4, 3, 2) if global_batch_size % n == 0), global_batch_size)
+            self._micro_batch_size = global_batch_size // leaves
+            log.info("bitwise=True: micro_batch_size=%d (the global batch of %d in %d micro-batches; pass "
+                     "micro_batch_size= to choose)", self._micro_batch_size, global_batch_size, leaves)
+        m = self._micro_batch_size
         if global_batch_size % m:
             fits = [d for d in range(1, m + 1) if global_batch_size % d == 0][-1]
             raise user_error(

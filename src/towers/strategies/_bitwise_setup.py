@@ -66,11 +66,12 @@ def bitwise_steps(bitwise: Any, micro_batch_size: Any, *, strategy: str, precisi
         return None
     if isinstance(micro_batch_size, str) and micro_batch_size.strip().isdigit():
         micro_batch_size = int(micro_batch_size)
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise user_error("bitwise=True needs micro_batch_size: the examples of one micro-batch, the unit whose "
+    if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
+                                         or micro_batch_size < 1):
+        raise user_error("micro_batch_size is the examples of one micro-batch under bitwise=True, the unit whose "
                          "gradient is the same at every replica count", f"micro_batch_size={micro_batch_size!r}",
-                         "Pass micro_batch_size=m (--strategy-option micro_batch_size=m) with m dividing the global "
-                         "batch into equal shares at every replica count you will run, e.g. B/12 for 1, 2, 3 and 4.")
+                         "Pass a positive integer m (--strategy-option micro_batch_size=m) dividing the global batch, "
+                         "e.g. B/12 for equal shares at 1, 2, 3 and 4 replicas, or leave it out (B/12 where it divides).")
     for bad, why in ((refused, refused), (precision != "32", f"precision={precision!r}: autocast kernels")):
         if bad:
             raise user_error(f"{strategy}(bitwise=True) cannot keep this exact", str(why),

@@ -108,7 +108,7 @@ class FullyShardedStrategy(SyncStrategy):
         pp_split: module names where pipeline stages 1.. begin. Default: balanced.
         pp_schedule: the pipeline schedule, one of torch's seven (``"1f1b"``, ``"gpipe"``, ...).
         pp_microbatches: micro-batches per pipelined step. Default: one per stage.
-        bitwise: the same bits at any replica count (needs ``micro_batch_size``; plain sharding over every process:
+        bitwise: the same bits at any replica count (``micro_batch_size`` optional; plain sharding over every process:
             no tp, pp or HSDP mesh, no ``cpu_offload``): the tree is summed in FSDP2's reduce-scatter.
         micro_batch_size: the examples of one micro-batch under ``bitwise=True``.
 

@@ -94,7 +94,7 @@ class MirroredStrategy(SyncStrategy):
             ``base_model_tp_plan``, ``nn.Sequential`` MLPs), or a dict / callable (see
             ``towers.parallel.tensor_parallel``).
         bitwise: the same bits at any replica count: gradients summed per micro-batch in a fixed tree
-            (``docs/bitwise.md``); needs ``micro_batch_size``.
+            (``docs/bitwise.md``); ``micro_batch_size`` given, or a twelfth of the global batch.
         micro_batch_size: the examples of one micro-batch under ``bitwise=True``.
 
     Raises:
@@ -391,7 +391,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         powersgd_start_iter: the updates sent uncompressed before PowerSGD starts.
         mesh: a device mesh such as ``"dp=4,tp=2"``.
         tp_plan: how a tp mesh splits the model (``"auto"``, a dict or a callable).
-        bitwise: the same bits at any replica count (needs ``micro_batch_size``).
+        bitwise: the same bits at any replica count (``micro_batch_size``: given, or a twelfth of the global batch).
         micro_batch_size: the examples of one micro-batch under ``bitwise=True``.
 
     Each works as under ``MirroredStrategy``.

@@ -40,7 +40,7 @@ class OneDeviceStrategy(SyncStrategy):
         gradient_compression: accepted; nothing to compress on one device.
         bucket_cap_mb: accepted; no buckets on one device.
         find_unused_parameters: accepted; no DDP on one device.
-        bitwise: the same bits as ``bitwise=True`` at any replica count (needs ``micro_batch_size``).
+        bitwise: the same bits as one process at any replica count (``micro_batch_size``: given, or B / 12).
         micro_batch_size: the examples of one micro-batch under ``bitwise=True``.
 
     Example:
