@@ -110,13 +110,14 @@ def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy:
     return {**_outcome(strategy, model, optimizer, losses), "resumed_at": resumed_at}
 
 
-def train_gpt(updates: int) -> dict:
-    """towers' GPT with AdamW, right-padded rows and a token mask (``compute_average_loss(per_token, weights=mask)``)."""
+def train_gpt(updates: int, kind: str = "mirrored") -> dict:
+    """towers' GPT with AdamW, right-padded rows and a token mask (``compute_average_loss(per_token, weights=mask)``);
+    under ``kind="sharded"`` each block is an FSDP2 unit of its own."""
     from torch.utils.data import TensorDataset
 
     from towers.models_gpt import GPT, GPTConfig, random_tokens
 
-    strategy = _strategy(True)
+    strategy = _strategy(True, kind)
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     torch.manual_seed(0)
     x, y = random_tokens(96, config, seed=1)
