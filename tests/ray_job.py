@@ -122,7 +122,9 @@ def build(name: str) -> Any:
 
 
 def ray_entry(config: dict) -> None:
-    """``train_loop_per_worker``: ``config`` = job, strategy, out (and ckpt, kill_marker)."""
+    """``train_loop_per_worker``: ``config`` = job, strategy, out (and ckpt, kill_marker, env: the variables a user
+    passes to the workers with ``ray.init(runtime_env={"env_vars": ...})``, e.g. ``TOWERS_STRATEGY``)."""
+    os.environ.update(config.get("env", {}))
     strategy = build(config["strategy"])
     if config["job"] == "readme":
         readme(strategy, config["out"])

@@ -112,7 +112,9 @@ SCENARIOS = {
 @pytest.mark.parametrize("strategy", list(SCENARIOS))
 def test_the_readme_script_under_ray_gives_towers_launchs_bits(cluster, tmp_path, one_process, strategy):
     workers, launch = SCENARIOS[strategy]
-    under_ray, _ = _ray(cluster, tmp_path, "readme", strategy, workers)
+    # Sharded is chosen from outside, as `towers launch --strategy` does: strategy_from_env() in the workers.
+    config = {"env": {"TOWERS_STRATEGY": "sharded"}} if strategy == "sharded" else {}
+    under_ray, _ = _ray(cluster, tmp_path, "readme", "env" if config else strategy, workers, **config)
     launched = _launch(tmp_path, "readme", launch)
     _assert_equal(under_ray, launched)
     _assert_close(under_ray, one_process)

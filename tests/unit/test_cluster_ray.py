@@ -71,3 +71,19 @@ def test_metrics_reach_ray_as_numbers():
     got = towers.ray.ray_metrics({"loss": torch.tensor(0.5), "examples": 1438, "ok": True, "name": "x",
                                   "lr": 2e-3, "hist": [1, 2], "big": torch.ones(3)})
     assert got == {"loss": 0.5, "examples": 1438, "ok": True, "name": "x", "lr": 2e-3}
+
+
+def test_the_wrapped_function_and_report_outside_a_ray_worker_say_where_they_belong():
+    pytest.importorskip("ray.train", reason="Ray Train is not installed: pip install 'towers[ray]'")
+
+    def train_func(config):
+        return config
+
+    wrapped = towers.ray.train_loop(train_func)
+    assert wrapped.__wrapped__ is train_func  # Ray reads the signature through it: fn(config) or fn()
+    with pytest.raises(FailedPreconditionError, match="inside a Ray Train worker.*'single'"):
+        wrapped({})
+    with pytest.raises(FailedPreconditionError, match="towers.ray.train_loop"):
+        towers.ray.report({"loss": 1.0})
+    with pytest.raises(TypeError, match="BackupAndRestore"):
+        towers.ray.RayReport(backup="ckpt/")
