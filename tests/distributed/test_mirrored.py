@@ -12,6 +12,9 @@ empty share; and a model that cannot take an empty batch, with ``pad_empty_batch
 an option run for the strategies whose constructor takes it. The one-device reference runs in this
 process; each strategy and replica count is one spawn that runs every case and returns parameters
 and losses; all assertions happen here.
+
+The bit-for-bit variant: the strategies that take ``bitwise=True`` run the same cases (but SyncBatchNorm, which it
+refuses) against one process with the same micro-batches, compared with ``torch.equal``.
 """
 
 from __future__ import annotations
@@ -101,13 +104,14 @@ def _accepts(entry: roles.StrategyEntry, options: dict) -> bool:
     return all(name in parameters for name in options)
 
 
-def _replica(name: str, case_names: list[str]) -> dict | None:
+def _replica(name: str, case_names: list[str], bitwise: bool = False) -> dict | None:
     entry = roles.strategy_entry(name)
     results = {}
     for case_name in case_names:
         case = CASES[case_name]
         extra = {"exit_on_ps": False} if entry.has_ps else {}  # a ps task returns here instead of exiting
         extra.update({"timeout_s": 60} if _accepts(entry, {"timeout_s": 60}) else {"peer_timeout_s": 10})
+        extra.update(BITWISE if bitwise else {})
         strategy = towers.get_strategy(name, **entry.same_maths_options, **case.get("options", {}), **extra)
         if getattr(strategy, "is_ps", False):
             continue
@@ -120,11 +124,43 @@ def _replica(name: str, case_names: list[str]) -> dict | None:
     return results or None
 
 
-def _reference(name: str) -> dict:
+def _reference(name: str, bitwise: bool = False) -> dict:
     case = CASES[name]
+    if bitwise:  # one process with the same micro-batches (and accumulation): the bits every replica count must give
+        strategy = towers.OneDeviceStrategy("cpu", info=ProcessInfo(), **BITWISE, **case.get("options", {}))
+        return train(strategy, n=case["n"], gbs=case["gbs"], model=case["model"], pad=case.get("pad", False))
     strategy = towers.OneDeviceStrategy("cpu", info=ProcessInfo())
     return train(strategy, n=case["n"], gbs=case.get("ref_gbs", case["gbs"]), model=case["model"],
                  pad=case.get("pad", False))
+
+
+def _references(names: list[str]) -> dict:
+    return {name: _reference(name, bitwise=True) for name in names}
+
+
+#: The bit-for-bit variant's options: micro-batches of 2 (the ragged batches cut into 2s and a 1).
+BITWISE = {"bitwise": True, "micro_batch_size": 2}
+#: The strategies that train bit for bit, with the replica counts their variant runs at.
+BITWISE_RUNS = [("mirrored", 3), ("sharded", 2)]
+
+
+@pytest.mark.parametrize("name,replicas", BITWISE_RUNS)
+def test_bitwise_strategies_give_one_process_bits_in_every_case(name, replicas):
+    """The same cases under ``bitwise=True`` (SyncBatchNorm is refused there): every parameter and loss
+    ``torch.equal`` to one process's with the same micro-batches, through ragged, one-example and padded last batches
+    (empty shares) and gradient accumulation."""
+    names = [n for n in CASES if "sync_batchnorm" not in n]
+    # One intra-op thread in every process, the reference's too: a CPU kernel may split its sums by thread.
+    per_rank = towers.spawn(_replica, replicas, args=(name, names, True), timeout_s=SPAWN_TIMEOUT_S,
+                            threads_per_process=1)
+    refs = towers.spawn(_references, 1, args=(names,), timeout_s=SPAWN_TIMEOUT_S, threads_per_process=1)[0]
+    for case_name in names:
+        ref = refs[case_name]
+        for rank, result in enumerate(per_rank):
+            got = result[case_name]
+            assert got["replicas"] == replicas and torch.equal(got["losses"], ref["losses"]), (case_name, rank)
+            different = [k for k, v in ref["state"].items() if not torch.equal(got["state"][k], v)]
+            assert different == [], (case_name, rank)
 
 
 @pytest.mark.parametrize("name,replicas", [(e.name, 2) for e in SAME_MATHS] + [("mirrored", 3)])
