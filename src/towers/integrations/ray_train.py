@@ -37,6 +37,7 @@ from towers.cluster import describe, from_env
 from towers.cluster.info import ProcessInfo
 from towers.cluster.ray import INSTALL_HINT, RAY_SOURCE, current_ray_loop, ray_loop_scope
 from towers.errors import FailedPreconditionError, InvalidArgumentError, InvalidTypeError, NotFoundError
+from towers.launch.spawn import cpu_threads_per_process
 from towers.training.callbacks.base import Callback
 from towers.training.callbacks.checkpointing import BackupAndRestore
 
@@ -174,6 +175,7 @@ def train_loop(fn: F) -> F:
                 f"{info.source!r} variables. Pass the wrapped function to ray.train.torch.TorchTrainer, or call "
                 "the function itself under another launcher.")
         log.info("Ray Train worker: %s, %d torch thread(s)", describe(info), torch.get_num_threads())
+        _note_threads(info)
         loop = _Loop(info)
         try:
             with ray_loop_scope(loop):
@@ -187,6 +189,17 @@ def train_loop(fn: F) -> F:
         return result
 
     return wrapped  # type: ignore[return-value]
+
+
+def _note_threads(info: ProcessInfo) -> None:
+    # A process's bits depend on torch's intra-op thread count: towers launch gives cores // processes per host, Ray
+    # the worker's CPUs. Said once, by the chief, when they differ (the same count gives the same bits).
+    threads, launch_threads = torch.get_num_threads(), cpu_threads_per_process(info.local_world_size)
+    if info.is_chief and threads != launch_threads and info.local_world_size > 0:
+        log.warning("Ray gives this worker %d torch thread(s); towers launch would give %d on this host (cores // "
+                    "%d processes), so results differ from its in the last bits, and steps take another time. For "
+                    "the same: ScalingConfig(resources_per_worker={'CPU': %d}), or the same OMP_NUM_THREADS for both.",
+                    threads, launch_threads, info.local_world_size, launch_threads)
 
 
 def ray_metrics(logs: Mapping[str, Any] | None) -> dict[str, Any]:
