@@ -77,11 +77,15 @@ class BitwiseSteps:
     strategy built with ``bitwise=True``)."""
 
     def __init__(self, micro_batch_size: int | None, *, rank: int, num_replicas: int,
-                 gather: Callable[[torch.Tensor], torch.Tensor], group: Any = None):
+                 gather: Callable[[torch.Tensor], torch.Tensor], group: Any = None,
+                 exchange: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self._micro_batch_size = micro_batch_size  # None: chosen from the first global batch (``check_batch_size``)
         #: ``gather(t)``: every replica's ``t`` concatenated on dim 0, in replica order (the strategy's ``gather``)
         self._rank, self._num_replicas, self._gather = rank, num_replicas, gather
         self._group = group  # the replicas' process group (None: the default one) for the gradients' exchange
+        #: ``exchange(block)``: every replica's ``block`` (its subtrees, one per row) stacked in replica order, in
+        #: place of the chunked all-to-all (a strategy whose collectives are its own: fault tolerance)
+        self._exchange_rows = exchange
         self._params: list[nn.Parameter] = []
         self._leaves: dict[int, _Grads] = {}  # this update's leaves computed here: global index -> its gradients
         self._leaf: int | None = 0  # global index of the micro-batch whose backward runs now (None: an empty share's)
@@ -97,6 +101,10 @@ class BitwiseSteps:
         self.last_result: torch.Tensor | None = None  # what run returned last: its leaves' losses reduce over the tree
 
     # --- set up -----------------------------------------------------------------------------------------
+    def set_replicas(self, rank: int, num_replicas: int) -> None:
+        """The replicas of the step about to run (a fault-tolerant job's live groups change from step to step)."""
+        self._rank, self._num_replicas = rank, num_replicas
+
     def watch(self, model: nn.Module) -> None:
         """Collect ``model``'s gradients per micro-batch (a hook at the end of every backward that reaches it)."""
         from torch.autograd import Variable
@@ -289,7 +297,8 @@ class BitwiseSteps:
         if self._num_replicas == 1:
             total = self.root([values], lambda: _Grads([torch.zeros_like(p) for p in self._params])).tensors
         else:
-            flat, total, offset = self._exchange(values), [], 0
+            flat, total, offset = (self._exchange(values) if self._exchange_rows is None else
+                                   self._exchange_whole(values, self._exchange_rows)), [], 0
             for p in self._params:
                 total.append(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
@@ -321,6 +330,15 @@ class BitwiseSteps:
         with collective("bitwise: the tree's sum, chunk by chunk"):
             dist.all_gather(parts, mine, group=self._group)
         return torch.cat(parts)[:size]
+
+
+    def _exchange_whole(self, values: list[_Grads], exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The tree's sum, flat, from every replica's subtrees stacked whole by ``exchange``."""
+        n, width, size = self._num_replicas, self.width(), sum(p.numel() for p in self._params)
+        zeros = self._params[0].new_zeros
+        block = torch.cat([v.flat() for v in values] + [zeros(size)] * (width - len(values))).view(width, size)
+        rows = exchange(block)
+        return self.root([list(rows[r * width:(r + 1) * width].unbind()) for r in range(n)], lambda: zeros(size))
 
 
 class _Grads:

@@ -9,6 +9,7 @@ batch's accounting among its arguments and sets two context variables — no col
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -22,7 +23,8 @@ from towers.parallel.layout import Layout
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import collective
 from towers.strategies._bitwise import BitwiseSteps
-from towers.strategies._bitwise_setup import deterministic_kernels, keyed_random, named_kernel_error
+from towers.strategies._bitwise_run import run_micro_batches
+from towers.strategies._bitwise_setup import deterministic_kernels
 from towers.strategies._collectives import LocalComm, ProcessGroupComm, as_tensor, check_op, named_collective
 from towers.strategies._copies import DetachedHook
 from towers.strategies._steps import StepTracker, StrategyOptimizer
@@ -292,44 +294,18 @@ class SyncStrategy(Strategy):
     # --- communication --------------------------------------------------------------------------------
     def _run_bitwise(self, bitwise: BitwiseSteps, run: Any, fn: Callable[..., Any], args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
-        """``run`` under ``bitwise=True``: ``fn`` once per micro-batch of this replica's share, their gradients summed
-        over the tree at the end of the last one's backward; returns the share's loss (``BitwiseSteps.result``).
+        """``run`` under ``bitwise=True``: ``fn`` once per micro-batch of this replica's share (``run_micro_batches``),
+        their gradients summed over the tree at the end of the last one's backward; the optimizer steps after it."""
 
-        An empty share (the last batch of an epoch, fewer micro-batches than replicas) runs ``fn`` once on what it
-        was given (0 examples, or one padding example), so that its backward joins the tree's exchange."""
-        batch = run.batch
-        ranges = bitwise.leaf_ranges(0 if batch is None else batch.global_batch_size)
-        first, end = ranges[self.replica_id]
-        m = bitwise.micro_batch_size
-        if batch is None or batch.local_batch_size != max(0, min(end * m, batch.global_batch_size) - first * m):
-            raise user_error("bitwise=True needs the batches of strategy.distribute_dataset, whose shares are whole "
-                             "micro-batches", "a batch " + ("without accounting" if batch is None else
-                             f"share of {batch.local_batch_size} example(s) of {batch.global_batch_size}"),
-                             "Iterate strategy.distribute_dataset(...) of this strategy and pass its batches to run.")
-        bitwise.begin(ranges)
-        parts = bitwise.split(args, kwargs, batch.local_batch_size) if end > first else [(args, kwargs)]
-        count = len(parts)  # the micro-batches that train; lockstep repeats the first (its gradient counts nothing)
-        if self._bitwise_lockstep:
-            parts += parts[:1] * (max(max(1, e - f) for f, e in ranges) - count)
-        for i, (margs, mkwargs) in enumerate(parts):
-            last = i == len(parts) - 1
-            leaf = first + i if first + i < end else None
-            bitwise.micro_batch(leaf, last)
+        def step_context(last: bool, leaf: int | None, count: int) -> contextlib.AbstractContextManager[None]:
             self._tracker.sync = run.sync and last  # the optimizer steps after the last micro-batch only
-            context = ReplicaContext(self, global_batch_size=run.global_batch_size,
-                                     accumulation_steps=run.accumulation_steps * count,
-                                     gradient_shares=-(-run.global_batch_size // m),  # the update's micro-batches
-                                     num_padding_examples=run.num_padding_examples if leaf is None else 0,
-                                     is_update_step=run.sync and last)
-            # Random draws (dropout) keyed by the micro-batch's place in the job, not by the replica computing it.
-            with self._entered(context), keyed_random(self._device, (batch.epoch, batch.index, -1 if leaf is None else leaf)):
-                try:
-                    result = fn(*margs, **mkwargs)
-                except RuntimeError as exc:
-                    raise (named_kernel_error(exc) or exc) from exc
-            if i < count:
-                bitwise.note_result(result)
-        return bitwise.result()
+            return self._entered(ReplicaContext(
+                self, global_batch_size=run.global_batch_size, accumulation_steps=run.accumulation_steps * count,
+                gradient_shares=-(-run.global_batch_size // bitwise.micro_batch_size),  # the update's micro-batches
+                num_padding_examples=run.num_padding_examples if leaf is None else 0, is_update_step=run.sync and last))
+
+        return run_micro_batches(bitwise, run.batch, fn, args, kwargs, replica_id=self.replica_id, device=self._device,
+                                 lockstep=self._bitwise_lockstep, step_context=step_context)
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine ``value`` across replicas (see ``Strategy.reduce``); ``axis`` also reduces over that axis, ragged-aware.
