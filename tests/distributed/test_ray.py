@@ -147,3 +147,15 @@ def test_the_example_driver_trains_reports_and_checkpoints(cluster, tmp_path, mo
 
     metrics = ray_train.main(["--workers", "2", "--epochs", "1", "--storage", str(tmp_path)])
     assert metrics["epoch"] == 1 and 0 < metrics["loss"] < 3, metrics
+
+
+def test_parameter_servers_report_checkpoints_to_ray_and_resume_after_a_lost_worker(cluster, tmp_path):
+    """The ps task is a Ray worker that serves in its constructor: its part in every ray.train.report is made by
+    towers.ray.train_loop while it serves. Worker 1 dies at step 12; the group restarts and resumes (ps state
+    included) from Ray's checkpoint of step 10, to the uninterrupted towers launch run's bits."""
+    marker = tmp_path / "killed-once"
+    resumed, result = _ray(cluster, tmp_path, "resumable", "ps", 3, max_failures=1, ckpt=str(tmp_path / "ckpt-ray"),
+                           kill_marker=str(marker))
+    assert marker.exists() and result.metrics["step"] == 45, result.metrics
+    uninterrupted = _launch(tmp_path, "resumable", SCENARIOS["ps"][1], "--ckpt", str(tmp_path / "ckpt-launch"))
+    _assert_equal(resumed, uninterrupted)
