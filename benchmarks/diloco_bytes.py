@@ -25,6 +25,7 @@ Two places to run:
 
     python benchmarks/diloco_bytes.py                         # loopback, 3 epochs per setup (~1.5 min)
     python benchmarks/diloco_bytes.py --link shaped --epochs 2
+    python benchmarks/diloco_bytes.py --link shaped --epochs 2 --model gpt   # the char GPT of diloco_gpt.py
 """
 
 from __future__ import annotations
@@ -56,19 +57,38 @@ def _job(options: dict, epochs: int) -> None:
     from towers.datasets import load_digits
     from towers.models import SeedCNN
 
+    options = dict(options)
+    gpt = options.pop("model") == "gpt"
     strategy = towers.ParameterServerStrategy(timeout_s=300, shared_memory=False, **options)
-    train_set, test_set = load_digits()
     torch.manual_seed(0)
-    with strategy.scope():
-        model = SeedCNN()
-        optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    if gpt:  # benchmarks/diloco_gpt.py's model and text
+        from diloco_gpt import BLOCK, _windows
+
+        from towers.models_gpt import GPT, GPTConfig
+
+        vocab, (x_train, y_train), test = _windows()
+        train_set, batch = torch.utils.data.TensorDataset(x_train, y_train), 32
+        with strategy.scope():
+            model = GPT(GPTConfig(vocab_size=vocab, block_size=BLOCK, n_layer=2, n_head=4, n_embd=128))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        train_set, test_data = load_digits()
+        test, batch = test_data.tensors, 64
+        with strategy.scope():
+            model = SeedCNN()
+            optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     model, optimizer = strategy.prepare(model, optimizer)
-    batches = strategy.distribute_dataset(train_set, 64, seed=0)
+    batches = strategy.distribute_dataset(train_set, batch, seed=0)
     waits = {"push": 0.0, "compute": 0.0}
+
+    def per_example(out, y):
+        if not gpt:
+            return F.cross_entropy(out, y, reduction="none")
+        return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view(len(y), -1).mean(1)
 
     def step(x, y):
         began = time.perf_counter()
-        loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss = towers.compute_average_loss(per_example(model(x), y))
         loss.backward()
         before, outer_before = time.perf_counter(), strategy.wire_stats().get("outer_wait_s", 0.0)
         optimizer.step()
@@ -89,11 +109,9 @@ def _job(options: dict, epochs: int) -> None:
     wall = time.perf_counter() - began
     stats = strategy.wire_stats()
     push = waits["push"]
-    x_test, y_test = test_set.tensors if hasattr(test_set, "tensors") else (None, None)
-    val = float("nan")
-    if x_test is not None:
-        with torch.no_grad():
-            val = F.cross_entropy(strategy.unwrap(model)(x_test.to(strategy.device)), y_test.to(strategy.device)).item()
+    x_test, y_test = test
+    with torch.no_grad():
+        val = per_example(strategy.unwrap(model)(x_test.to(strategy.device)), y_test.to(strategy.device)).mean().item()
     examples = epochs * len(train_set) / strategy.num_replicas_in_sync
     print("RESULT " + json.dumps({"worker": strategy.replica_id, "wall_s": wall, "compute_s": waits["compute"] - push,
                                   "push_s": push, "outer_wait_s": stats.get("outer_wait_s", 0.0),
@@ -165,6 +183,8 @@ def main() -> None:
     parser.add_argument("--link", choices=("loopback", "shaped"), default="loopback")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--model", choices=("cnn", "gpt"), default="cnn",
+                        help="gpt: benchmarks/diloco_gpt.py's char-level GPT (~0.4M parameters), global batch 32")
     parser.add_argument("--rate-mbit", type=int, default=100)
     parser.add_argument("--delay-ms", type=float, default=50.0, help="round trip, where tc netem is available")
     parser.add_argument("--json-out", default=None)
@@ -182,8 +202,9 @@ def main() -> None:
             rows = {}
             for name in names:
                 began = time.perf_counter()
-                runs = (_shaped(script, SETUPS[name], args.epochs, ns, veth) if args.link == "shaped"
-                        else _loopback(script, SETUPS[name], args.epochs))
+                options = {**SETUPS[name], "model": args.model}
+                runs = (_shaped(script, options, args.epochs, ns, veth) if args.link == "shaped"
+                        else _loopback(script, options, args.epochs))
                 rows[name] = {"workers": runs, "job_s": time.perf_counter() - began}
                 mean = {k: sum(r[k] for r in runs) / len(runs) for k in ("wall_s", "compute_s", "bytes_per_example")}
                 print(f"{name:>14}: loop {mean['wall_s']:6.1f} s, compute utilisation "

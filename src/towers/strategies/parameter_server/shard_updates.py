@@ -1,6 +1,8 @@
 """A ps task's shard and the updates applied to it: the chief's registration (the shard's values and optimizer), a
 worker's registration (its buffers, or its shared memory), pushes applied on arrival (``async``) or summed into one
-round (``sync``), and the optimizer steps. Part of ``ParameterServer`` (``server.py``), under its one lock."""
+round (``sync``), and the optimizer steps. A push with a ``weight`` (DiLoCo's parameter change) is averaged by the
+weights in its round, or scaled by it on arrival (``async``); a ``packed`` one carries compressed values
+(``diloco_codec``). Part of ``ParameterServer`` (``server.py``), under its one lock."""
 
 from __future__ import annotations
 
@@ -148,6 +150,10 @@ class ShardUpdates:
         if msg.flat is None and w in self.shared:
             msg.flat = self.shared[w][0].tensor  # the worker wrote its gradients there before sending the push
         weight, packed = (msg.meta or {}).get("weight"), (msg.meta or {}).get("packed")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                                   or not 0 <= weight < float("inf")):
+            raise RequestError(f"ps task {self.ps_index}: a push's weight must be a finite number >= 0 (DiLoCo: the "
+                               f"examples of its window). Received: {weight!r}.", Status.BAD_INPUT)
         if msg.flat is None and packed is not None:  # a compressed DiLoCo change
             msg.flat = unpack_delta(packed, self._shard(), mask, self.grad_bufs.get(w), self.ps_index)
         grads = self._shard().views(flat_values(msg))
