@@ -1,4 +1,4 @@
-"""DiLoCo on the parameter servers (``mode="diloco"``): 2 workers + 1 ps task, one spawn, six runs in it.
+"""DiLoCo on the parameter servers (``mode="diloco"``): 2 workers + 1 ps task, one spawn, seven runs in it.
 
 * ``sync_every=1`` with outer SGD of rate 1 and no momentum, inner SGD: the same parameters as ``mode="sync"``.
   Why: each worker takes one SGD step on its own mean gradient, ``local_i = p - lr * g_i``; the ps averages the
@@ -9,7 +9,7 @@
   in this file (two local models, their changes averaged, ``torch.optim.SGD(nesterov=True)`` on the global copy);
   6 steps per epoch, so each epoch has a window of 4 and one of 2 (the end of a pass ends a window). Loss falls.
 * ``Trainer.fit`` under DiLoCo trains; int8 changes with 2 fragments train too and send fewer bytes per outer step;
-  async outer rounds (each change applied on arrival, staleness 1) train.
+  async outer rounds (each change applied on arrival, staleness 1) train, and so does ``overlap=True``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def _worker() -> dict:
     runs = {"sync": dict(mode="sync", shared_memory=False), "h1": dict(mode="diloco", sync_every=1, outer_optimizer="sgd"),
             "h4": dict(mode="diloco", sync_every=H),
             "int8": dict(mode="diloco", sync_every=H, compression="int8", fragments=2),
-            "async": dict(mode="diloco", sync_every=H, outer_mode="async", staleness=1)}
+            "async": dict(mode="diloco", sync_every=H, outer_mode="async", staleness=1),
+            "overlap": dict(mode="diloco", sync_every=H, overlap=True)}
     for name, options in runs.items():
         strategy = towers.strategy_from_env(timeout_s=60, exit_on_ps=False, **options)
         if strategy.is_ps:
@@ -158,6 +159,12 @@ def test_diloco_equals_sync_at_h1_and_a_plain_torch_diloco_at_h4():
     # async outer rounds: each worker's change applied on arrival (4 per worker), within the staleness bound
     assert ps["async"]["version"] == 2 * 4 and ps["async"]["max_lead"] <= 1 and ps["async"]["mode"] == "async"
     assert chief["async"]["loss"] < 0.8 * start
+    # overlap: each outer push's reply read one inner step later; the last one before the pass ends, so both
+    # workers end on the global values
+    assert ps["overlap"]["version"] == 4 and chief["overlap"]["loss"] < 0.8 * start
+    assert all(torch.equal(a, b) for a, b in zip(chief["overlap"]["params"], other["overlap"]["params"])), \
+        [(a - b).abs().max().item() for a, b in zip(chief["overlap"]["params"], other["overlap"]["params"])]
+    assert not all(torch.equal(a, b) for a, b in zip(chief["overlap"]["params"], chief["h4"]["params"]))
     # Trainer.fit under DiLoCo: the loss falls; both workers end on the same (global) parameters
     assert chief["fit"]["loss"][-1] < 0.8 * chief["fit"]["loss"][0]
     assert all(torch.equal(a, b) for a, b in zip(chief["fit"]["params"], other["fit"]["params"]))

@@ -8,6 +8,8 @@ with ``outer_lr`` / ``outer_momentum``, or from code as a callable ``params -> t
 round from every live worker's change) or ``"async"`` (each worker's change applied on arrival, with the
 strategy's ``staleness`` bound). ``compression``: how a change travels (``float32``, ``bf16``, ``int8``, ``int4``,
 with error feedback). ``fragments`` (F): the parameters are synchronised in F fragments in turn, one per outer step.
+The strategy's ``overlap=True``: a worker reads an outer push's reply after one more inner step, which it computes
+while the ps tasks step, and keeps that step's change on top of the new global values (Streaming DiLoCo's overlap).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class DiLoCoOptions:
     outer_mode: str = "sync"
     compression: str = "float32"
     fragments: int = 1
+    #: The strategy's ``overlap``: an outer push's reply is read after the next inner step (computed meanwhile).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("sync_every", "fragments"):
@@ -129,10 +133,7 @@ def diloco_options(mode: str, staleness: int | None, *, overlap: bool, strategy:
     if strategy != "ps":
         raise InvalidArgumentError(f"mode='diloco' runs under ParameterServerStrategy (--strategy ps), whose ps tasks "
                                    f"hold the outer optimizer. Received: strategy {strategy!r}. Use --strategy ps.")
-    if overlap:
-        raise user_error("overlap is for mode='async' (a DiLoCo worker already computes H steps between two "
-                         "exchanges)", "overlap=True with mode='diloco'", "Leave overlap out.")
-    checked = DiLoCoOptions(**options)
+    checked = DiLoCoOptions(**options, overlap=overlap)
     if staleness is not None and checked.outer_mode == "sync":
         raise user_error("staleness bounds async outer rounds; sync outer rounds are never stale",
                          f"staleness={staleness} with outer_mode='sync'",
