@@ -66,6 +66,34 @@ def one_device_reference(steps: int) -> dict[str, torch.Tensor]:
     return net.state_dict()
 
 
+def bitwise_reference(steps: int, micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """What this job computes in ``steps`` steps under ``bitwise=True`` in one process: the bits a fault-tolerant job
+    with the same micro-batches must end with, through lost and healed groups (group 0's initial weights)."""
+    torch.set_num_threads(1)  # as every process of the job
+    strategy = towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=micro_batch_size)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model, optimizer = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    x = torch.randn(512, 8, generator=torch.Generator().manual_seed(123))
+    batches = strategy.distribute_dataset(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), 32, seed=7)
+
+    def step(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = towers.compute_average_loss(nn.functional.cross_entropy(model(features), labels, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    done = 0
+    while done < steps:
+        for features, labels in batches:
+            strategy.run(step, args=(features, labels))
+            done += 1
+            if done == steps:
+                break
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
 def done_step(output: str, processes: int) -> int:
     """The step every one of ``processes`` processes stopped after (their ``done N`` lines in ``output`` agree)."""
     steps = [int(line.split("done ", 1)[1].split()[0]) for line in output.splitlines() if "done " in line]

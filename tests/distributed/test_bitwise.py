@@ -84,6 +84,42 @@ def gpt_one_process() -> dict:
     return towers.spawn(train_gpt, 1, args=(8,), timeout_s=120, threads_per_process=1)[0]
 
 
+def test_a_fault_tolerant_group_killed_and_healed_ends_with_one_process_bits(tmp_path):
+    """Two replica groups under ``towers launch --strategy ft --bitwise``; group 1 SIGKILLs itself before step 5, the
+    survivor retries the step alone (the same tree over fewer groups), the launcher restarts group 1, it heals from
+    group 0 and both train on. Both end with the bits of one process that never lost anything."""
+    pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
+    from cli_support import OutputReader, kill, processes_running, start
+    from ft_job import bitwise_reference, done_step
+
+    job = Path(__file__).resolve().parents[1] / "ft_job.py"
+    stop_file = tmp_path / "stop"
+    argv = [*towers_command(), "launch", "--nproc-per-node", "2", "--strategy", "ft", "--bitwise", "--strategy-option",
+            "micro_batch_size=4", "--strategy-option", "peer_timeout_s=1", str(job), "env", "-", str(stop_file),
+            str(tmp_path), "--fail-group", "1", "--fail-at", "5", "--fail-how", "kill"]
+    env = clean_env()
+    env.pop("RUST_LOG", None)
+    launcher = OutputReader(start(argv, cwd=tmp_path, env=env))
+    try:
+        assert launcher.wait_for_lines(1, "[rank 1]: failing", deadline_s=90), "".join(launcher._err[-40:])
+        back = launcher.wait_for_lines(1, "[rank 1]: step", deadline_s=90)
+        assert back and " groups 2 " in back[0], "".join(launcher._err[-40:])  # healed, training with both again
+        stop_file.touch()
+        out, err = launcher.collect(timeout_s=90)
+        assert launcher.proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    finally:
+        if launcher.proc.poll() is None:
+            kill([launcher.proc.pid])
+        leftovers = processes_running(str(tmp_path))
+        kill(leftovers)
+    assert not leftovers and "replica group 1 was restarted alone 1 time(s)" in err, err[-3000:]
+    stop_at = done_step(out, 2)
+    reference = towers.spawn(bitwise_reference, 1, args=(stop_at, 4), timeout_s=120, threads_per_process=1)[0]
+    for group in (0, 1):
+        final = torch.load(tmp_path / f"group{group}.pt", weights_only=True)
+        assert [k for k, v in reference.items() if not torch.equal(final[k], v)] == [], (group, stop_at)
+
+
 @pytest.mark.parametrize("kind", ["mirrored", "sharded"])  # sharded: every block an FSDP2 unit with its own tree
 def test_a_gpt_with_adamw_and_a_token_mask_has_the_same_bits_at_three_replicas(gpt_one_process, kind):
     results = towers.spawn(train_gpt, 3, args=(8, kind), timeout_s=180, threads_per_process=1)

@@ -176,11 +176,22 @@ def test_two_backwards_in_a_micro_batch_and_a_tuple_result_are_refused():
         _loop(towers.OneDeviceStrategy("cpu", bitwise=True, micro_batch_size=2), step_fn=pair)
 
 
-@pytest.mark.parametrize("name", ["ParameterServerStrategy", "HybridStrategy", "FaultTolerantStrategy"])
+@pytest.mark.parametrize("options, match", [
+    ({"shard": True, "group_size": 2, "group_rank": 0, "group_port": 29999}, r"Received: shard=True: FSDP2"),
+    ({"group_size": 2, "group_rank": 0, "group_port": 29999}, r"Received: group_size=2: a group's processes"),
+])
+def test_fault_tolerant_bitwise_refuses_groups_of_several_processes_before_connecting(options, match):
+    pytest.importorskip("torchft", reason="the optional extra towers[ft] is not installed")
+    info = ProcessInfo(rank=0, world_size=4, local_rank=0, local_world_size=4)
+    with pytest.raises(ValueError, match=r"FaultTolerantStrategy\(bitwise=True\) cannot keep this exact. " + match):
+        towers.FaultTolerantStrategy(info=info, lighthouse="http://127.0.0.1:1", bitwise=True, **options)
+
+
+@pytest.mark.parametrize("name", ["ParameterServerStrategy", "HybridStrategy"])
 def test_a_strategy_that_does_not_build_it_yet_refuses_bitwise_by_name(name):
     with pytest.raises(ValueError, match=rf"{name} does not train bit for bit yet. Received: bitwise=True. Use "
-                                         r"OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy or "
-                                         r"FullyShardedStrategy"):
+                                         r"OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, "
+                                         r"FullyShardedStrategy or FaultTolerantStrategy"):
         getattr(towers, name)(bitwise=True)
 
 

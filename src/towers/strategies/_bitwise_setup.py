@@ -78,9 +78,9 @@ def bitwise_steps(bitwise: Any, micro_batch_size: Any, *, strategy: str, precisi
                              "Leave it out with bitwise=True (precision='32'), or turn bitwise off.")
     size = micro_batch_size
 
-    def build(rank: int, num_replicas: int, gather: Callable[[torch.Tensor], torch.Tensor],
-              group: Any = None) -> BitwiseSteps:
-        return BitwiseSteps(size, rank=rank, num_replicas=num_replicas, gather=gather, group=group)
+    def build(rank: int, num_replicas: int, gather: Callable[[torch.Tensor], torch.Tensor], group: Any = None,
+              exchange: Callable[[torch.Tensor], torch.Tensor] | None = None) -> BitwiseSteps:
+        return BitwiseSteps(size, rank=rank, num_replicas=num_replicas, gather=gather, group=group, exchange=exchange)
 
     return build
 
@@ -94,5 +94,6 @@ def refuse_bitwise(strategy: str, bitwise: Any) -> None:
 
     if parse_flag("bitwise", bitwise):
         raise user_error(f"{strategy} does not train bit for bit yet", "bitwise=True",
-                         "Use OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy or FullyShardedStrategy "
-                         "with bitwise=True (--strategy mirrored --bitwise), or leave bitwise off here.")
+                         "Use OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, FullyShardedStrategy or "
+                         "FaultTolerantStrategy with bitwise=True (--strategy mirrored --bitwise), or leave bitwise off "
+                         "here.")

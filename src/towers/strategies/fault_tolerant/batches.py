@@ -33,7 +33,8 @@ class FaultTolerantBatches:
 
     def __init__(self, strategy: FaultTolerantStrategy, dataset: Any, global_batch_size: int, *, shuffle: bool,
                  seed: int, drop_remainder: bool, max_steps: int | None,
-                 collate_fn: Callable[[list[Any]], Any] | None, pad_empty_batches: bool = False) -> None:
+                 collate_fn: Callable[[list[Any]], Any] | None, pad_empty_batches: bool = False,
+                 split_unit: int = 1) -> None:
         from towers.data._map_sources import map_source
         from towers.data.streams import is_stream
 
@@ -55,6 +56,7 @@ class FaultTolerantBatches:
         self._strategy, self.global_batch_size = strategy, global_batch_size
         self._size, self._shuffle, self._seed, self._max_steps = size, bool(shuffle), int(seed), max_steps
         self._pad = bool(pad_empty_batches)
+        self._unit = max(1, int(split_unit))  # shares of whole runs of this many examples (bitwise=True)
         #: Not recorded by the input: the Trainer records the batches it trained (``ExampleLedger``).
         self.in_ledger = False
         self._epoch = 0  # the epoch the next iter_from covers (set_epoch)
@@ -176,7 +178,7 @@ class FaultTolerantBatches:
                 break  # healed past the epoch: the quorum stays open for the next iteration's first step
             indices = self._order(epoch)[index * self.global_batch_size:(index + 1) * self.global_batch_size]
             n, me = strategy.live_replicas, strategy.replica_id
-            lo, hi = shard_bounds(len(indices), n, me)
+            lo, hi = shard_bounds(len(indices), n, me, self._unit)
             padding = 1 if hi == lo and self._pad else 0
             # An empty share (fewer examples than replicas): the batch's first example, either as a zero-weight
             # padding example (pad_empty_batches) or for the batch's structure only (0 rows), as distribute_dataset does.
@@ -188,7 +190,7 @@ class FaultTolerantBatches:
             start = index * self.global_batch_size
             # The other groups' shares of this step: a commit here proves them in the update, also when their group
             # is lost before it records them (the ledger's "seen" lines).
-            peers = tuple((start + a, start + b) for a, b in (shard_bounds(len(indices), n, r) for r in range(n)
+            peers = tuple((start + a, start + b) for a, b in (shard_bounds(len(indices), n, r, self._unit) for r in range(n)
                                                               if r != me) if b > a)
             yield attach_batch_info(to_device(batch, strategy.device), BatchInfo(
                 index=index, num_batches=self.num_batches, global_batch_size=len(indices), local_batch_size=hi - lo,

@@ -20,11 +20,14 @@ _voted_at: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 class FaultTolerantOptimizer(torch.optim.Optimizer):
     """The user's optimizer, stepped only when every live group's all-reduce of this step succeeded."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, commit: Callable[[], bool]) -> None:
-        """``commit``: the strategy's commit vote of the step in progress (True: every live group's all-reduce succeeded)."""
+    def __init__(self, optimizer: torch.optim.Optimizer, *, commit: Callable[[], bool],
+                 updates_now: Callable[[], bool] = lambda: True) -> None:
+        """``commit``: the strategy's commit vote of the step in progress (True: every live group's all-reduce succeeded);
+        ``updates_now``: False on a micro-batch before the step's last (``bitwise=True``), where ``step()`` does nothing."""
         # No Optimizer.__init__: this object only forwards to the user's optimizer (torchft's OptimizerWrapper does the same).
         self.optimizer = optimizer
         self._commit = commit
+        self._updates_now = updates_now
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -54,6 +57,8 @@ class FaultTolerantOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise user_error("FaultTolerantStrategy's optimizer takes no closure", "a closure",
                              "Compute the loss and call backward before optimizer.step().", cls=TypeError)
+        if not self._updates_now():
+            return None  # bitwise=True: the step's later micro-batches still to come; the vote is after the last
         before_update(self)  # `towers verify` records the parameters here; nothing otherwise
         strategy = getattr(self._commit, "__self__", None)
         if strategy is not None and not strategy.step_in_progress() and _voted_at.get(strategy) == strategy.current_step:

@@ -23,6 +23,7 @@ from towers.launch.lighthouse import DEFAULT_PEER_TIMEOUT_S, check_timeout
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.strategies.base import ReplicaContext, Strategy, note_built
 from towers.strategies.fault_tolerant.batches import FaultTolerantBatches
+from towers.strategies.fault_tolerant.bitwise import BitwiseGroups
 from towers.strategies.fault_tolerant.collectives import LiveGroupCollectives
 from towers.strategies.fault_tolerant.grads import GradientSync, sum_hook
 from towers.strategies.fault_tolerant.groups import GroupLayout
@@ -61,7 +62,9 @@ class FaultTolerantStrategy(Strategy):
         shard: FSDP2 inside groups of several processes; False: each group's processes replicate the model.
         shard_units: the FSDP units under ``shard=True``, as ``FullyShardedStrategy``'s.
         precision: ``"32"`` only (for now).
-        bitwise: refused: this strategy does not train bit for bit yet (the message names the ones that do).
+        bitwise: the same bits as one process through lost and healed groups (``micro_batch_size``: given, or a
+            twelfth of the global batch; groups of one process).
+        micro_batch_size: the examples of one micro-batch under ``bitwise=True``.
 
     Raises:
         ValueError: a timeout or ``min_replicas`` out of range, a precision other than ``"32"``, or
@@ -84,11 +87,8 @@ class FaultTolerantStrategy(Strategy):
                  min_replicas: int = 1, quorum_timeout_s: float = 60.0, address: str | None = None,
                  group_size: int | None = None, group_rank: int | None = None, group_port: int | None = None,
                  shard: bool = False, shard_units: Any = "auto", precision: "str | int | Precision | None" = "32",
-                 bitwise: bool = False):
+                 bitwise: bool = False, micro_batch_size: int | None = None):
         from towers import cluster
-        from towers.strategies._bitwise_setup import refuse_bitwise
-
-        refuse_bitwise(type(self).__name__, bitwise)
 
         peer_timeout_s = check_timeout("peer_timeout_s", peer_timeout_s)
         quorum_timeout_s = check_timeout("quorum_timeout_s", quorum_timeout_s)
@@ -116,6 +116,7 @@ class FaultTolerantStrategy(Strategy):
                              "one", "group_size=1", "Run groups of several processes (towers launch --group-size N "
                              "--strategy fault_tolerant --strategy-option shard=true), or drop shard=True.")
         self.shard, self._shard_units = shard, shard_units
+        build = BitwiseGroups.check(bitwise, micro_batch_size, shard=shard, group_size=layout.size)
         #: The gradient all-reduce ``prepare`` installs: ``"flat"`` (one flat buffer at the end of backward) or
         #: ``"ddp"`` (torchft's DDP wrapper, slower; kept to compare in benchmarks/ft_recovery.py).
         self.gradients = "flat"
@@ -125,6 +126,8 @@ class FaultTolerantStrategy(Strategy):
         #: Where torchft's manager server (process 0 of the group, on every interface) is reached: ``"http://host:port"``.
         self.manager_address: str = self._quorum.manager_address
         self._optimizers: list[torch.optim.Optimizer] = []
+        #: ``bitwise=True``: each step micro-batch by micro-batch, gradients summed over the fixed tree (``bitwise.py``)
+        self._bitwise = None if build is None else BitwiseGroups(self, build)
 
     # --- who am I -------------------------------------------------------------------------------------
     @property
@@ -195,13 +198,15 @@ class FaultTolerantStrategy(Strategy):
         kwargs = dict(kwargs or {})
         self._own_random_stream()
         self.begin_step()
+        if self._bitwise is not None:
+            return self._bitwise.run(fn, tuple(args), kwargs, self._replica_context)
         with self._entered(self._replica_context(find_batch_info(args, kwargs))):
             return fn(*args, **kwargs)
 
-    def _replica_context(self, batch: BatchInfo | None) -> ReplicaContext:
+    def _replica_context(self, batch: BatchInfo | None, gradient_shares: int | None = None) -> ReplicaContext:
         context = (ReplicaContext(self) if batch is None else
                    ReplicaContext(self, global_batch_size=batch.examples_per_update,
-                                  num_padding_examples=batch.num_padding_examples))
+                                  num_padding_examples=batch.num_padding_examples, gradient_shares=gradient_shares))
         context.num_replicas_in_sync = self.live_replicas  # who sums this step's gradients
         return context
 
@@ -212,7 +217,8 @@ class FaultTolerantStrategy(Strategy):
     # --- collectives over the live groups (LiveGroupCollectives) ---------------------------------------
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine ``value`` over the live groups with ``op`` (see ``Strategy.reduce``)."""
-        return self._collectives.reduce(op, value, axis)
+        tree = None if self._bitwise is None or axis is not None else self._bitwise.reduce(op, value)
+        return self._collectives.reduce(op, value, axis) if tree is None else tree
 
     def gather(self, value: torch.Tensor, axis: int = 0) -> torch.Tensor:
         """Concatenate every live group's ``value`` along ``axis`` (ragged sizes allowed), in quorum order."""
@@ -285,6 +291,9 @@ class FaultTolerantStrategy(Strategy):
                 group["params"] = [sharded[names[id(p)]] if id(p) in names else p for p in group["params"]]
         elif self.gradients == "ddp":  # torchft's DDP, for the benchmark's comparison
             wrapped = _SummingDDP(manager, model)
+        elif self._bitwise is not None:  # each micro-batch's gradient kept; the tree is summed after the last
+            self._bitwise.watch(model)
+            wrapped = model
         else:
             self._quorum.gradient_syncs.append(GradientSync(manager, model, group=self.replica_group_id,
                                                             intra=self._quorum.intra))
@@ -315,7 +324,8 @@ class FaultTolerantStrategy(Strategy):
         if optimizer is None:
             return compiled, None
         self._optimizers.append(optimizer)
-        return compiled, FaultTolerantOptimizer(optimizer, commit=self._commit)
+        return compiled, FaultTolerantOptimizer(optimizer, commit=self._commit,
+                                                updates_now=lambda: self._bitwise is None or self._bitwise.last)
 
     def _sum_over_groups(self, gradient: torch.Tensor) -> None:
         """FSDP2's all-reduce hook: sum a unit's gradient shard with the same shard of the other live groups."""
@@ -373,9 +383,12 @@ class FaultTolerantStrategy(Strategy):
                              sorted(stream_options), "Drop the stream options, or train a stream under another "
                              "strategy.", cls=TypeError)
         del prefetch_factor, persistent_workers, pin_memory  # they tune loader workers, which it does not run
+        if self._bitwise is not None:  # shares of whole micro-batches
+            self._bitwise.steps.check_batch_size(global_batch_size)
         return FaultTolerantBatches(self, dataset, global_batch_size, shuffle=shuffle, seed=seed,
                                     drop_remainder=drop_remainder, max_steps=max_steps, collate_fn=collate_fn,
-                                    pad_empty_batches=pad_empty_batches)
+                                    pad_empty_batches=pad_empty_batches,
+                                    split_unit=1 if self._bitwise is None else self._bitwise.steps.micro_batch_size)
 
     # --- checkpoints and shutdown ---------------------------------------------------------------------
     def checkpoint_io(self) -> CheckpointIO:
