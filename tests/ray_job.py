@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,9 @@ def resumable(strategy: Any, out: str, ckpt: str, *, ray: bool = False, kill_mar
     else:
         state = manager.restore(objects)
     step = state["step"] if state else 0
+    if strategy.is_chief:  # where each attempt started, for the test
+        with open(f"{out}.starts", "a", encoding="utf-8") as fh:
+            fh.write(f"{step}\n")
 
     def train_step(x, y):
         loss = towers.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
@@ -93,7 +97,36 @@ def resumable(strategy: Any, out: str, ckpt: str, *, ray: bool = False, kill_mar
     strategy.export_model(model, out)
 
 
-def fit(strategy: Any, out: str, *, ray: bool = False) -> None:
+class _KillOnce(towers.callbacks.Callback):
+    """Rank 1 dies (os._exit) at global step 40, in the second epoch, the first time."""
+
+    def __init__(self, marker: str):
+        super().__init__()
+        self.marker = marker
+
+    def on_train_batch_end(self, batch, logs=None):
+        strategy = self.trainer.strategy
+        if strategy.replica_id == 1 and self.trainer.progress.global_step == 40 and not os.path.exists(self.marker):
+            Path(self.marker).write_text("killed")
+            time.sleep(3)
+            os._exit(1)
+
+
+class _NoteStart(towers.callbacks.Callback):
+    """The chief notes the global step each attempt started at (after ``BackupAndRestore`` restored), for the test."""
+
+    def __init__(self, backup: Any, path: str):
+        super().__init__()
+        self.backup, self.path = backup, path
+
+    def on_train_begin(self, logs=None):
+        if self.trainer.strategy.is_chief:
+            start = self.backup.restored_from["global_step"] if self.backup.restored_from else 0
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(f"{start}\n")
+
+
+def fit(strategy: Any, out: str, *, ray: bool = False, kill_marker: str | None = None) -> None:
     """The README loop's ``Trainer.fit`` twin (examples/fit.py's model and data), backed up each epoch; under Ray
     ``RayReport`` reports each epoch's logs with the backup as the checkpoint."""
     train_set, test_set = load_digits()
@@ -102,8 +135,13 @@ def fit(strategy: Any, out: str, *, ray: bool = False) -> None:
         model = SeedCNN()
         optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     trainer = towers.Trainer(model, optimizer, loss=F.cross_entropy, metrics=["accuracy"], strategy=strategy)
-    backup = towers.callbacks.BackupAndRestore(f"{out}.backup", delete_checkpoint=False)
+    # Under Ray with a kill, the restarted group backs up to a fresh folder: it resumes from Ray's checkpoint.
+    attempt = 2 if kill_marker and os.path.exists(kill_marker) else 1
+    backup = towers.callbacks.BackupAndRestore(f"{out}.backup{attempt}", delete_checkpoint=False)
     callbacks = [backup, towers.ray.RayReport(backup)] if ray else [backup]
+    if kill_marker:
+        callbacks.append(_KillOnce(kill_marker))
+        callbacks.append(_NoteStart(backup, f"{out}.starts"))
     trainer.fit(train_set, epochs=EPOCHS, global_batch_size=64, validation_data=test_set, callbacks=callbacks)
     strategy.export_model(trainer.model, out)
 
@@ -131,7 +169,7 @@ def ray_entry(config: dict) -> None:
     elif config["job"] == "resumable":
         resumable(strategy, config["out"], config["ckpt"], ray=True, kill_marker=config.get("kill_marker"))
     else:
-        fit(strategy, config["out"], ray=True)
+        fit(strategy, config["out"], ray=True, kill_marker=config.get("kill_marker"))
 
 
 def main() -> None:

@@ -75,6 +75,12 @@ def _ray(cluster: Path, tmp_path: Path, job: str, strategy: str, workers: int, *
     return torch.load(out, weights_only=True), result
 
 
+def _starts(tmp_path: Path, job: str, strategy: str, workers: int) -> list[int]:
+    """The steps each attempt of a Ray run started at (the job's chief notes them)."""
+    text = (tmp_path / f"ray-{job}-{strategy}-{workers}.pt.starts").read_text()
+    return [int(line) for line in text.split()]
+
+
 def _launch(tmp_path: Path, job: str, launch: list[str], *args: str) -> dict[str, torch.Tensor]:
     out = tmp_path / f"launch-{job}-{'-'.join(launch)}.pt"
     command = [sys.executable, str(JOB)] if not launch else [*towers_command(), "launch", *launch, str(JOB)]
@@ -127,13 +133,23 @@ def test_a_worker_killed_mid_epoch_resumes_from_rays_checkpoint_and_ends_as_the_
     resumed, result = _ray(cluster, tmp_path, "resumable", "mirrored", 2, max_failures=1,
                            ckpt=str(tmp_path / "ckpt-ray"), kill_marker=str(marker))
     assert marker.exists(), "the worker was not killed: nothing was resumed"
+    # The second attempt began at a checkpoint Ray registered: step 10's, or step 5's when Ray's controller had not
+    # yet taken the report of step 10 (it polls the workers) when the worker died two steps later.
+    first, second = _starts(tmp_path, "resumable", "mirrored", 2)
+    assert first == 0 and second in (5, 10), (first, second)
     assert result.checkpoint is not None and result.metrics["step"] == 45, result.metrics
     uninterrupted = _launch(tmp_path, "resumable", SCENARIOS["mirrored"][1], "--ckpt", str(tmp_path / "ckpt-launch"))
     _assert_equal(resumed, uninterrupted)
 
 
-def test_fit_under_ray_reports_the_chiefs_epoch_logs_and_gives_towers_launchs_bits(cluster, tmp_path):
-    under_ray, result = _ray(cluster, tmp_path, "fit", "mirrored", 2)
+def test_fit_under_ray_reports_the_chiefs_epoch_logs_resumes_from_rays_checkpoint_and_gives_towers_launchs_bits(
+        cluster, tmp_path):
+    """Rank 1 dies in the second epoch; the restarted group backs up to a fresh folder, which RayReport fills from
+    Ray's checkpoint of the first epoch, so BackupAndRestore resumes there."""
+    marker = tmp_path / "killed-once"
+    under_ray, result = _ray(cluster, tmp_path, "fit", "mirrored", 2, max_failures=1, kill_marker=str(marker))
+    assert marker.exists(), "the worker was not killed: nothing was resumed"
+    assert _starts(tmp_path, "fit", "mirrored", 2) == [0, 23]  # the second attempt began after epoch 1 (23 steps)
     assert result.checkpoint is not None and (Path(result.checkpoint.path) / "state.pt").exists(), result.checkpoint
     assert result.metrics["epoch"] == ray_job.EPOCHS, result.metrics
     for key in ("loss", "accuracy", "val_loss", "val_accuracy", "examples_per_second"):
@@ -157,5 +173,7 @@ def test_parameter_servers_report_checkpoints_to_ray_and_resume_after_a_lost_wor
     resumed, result = _ray(cluster, tmp_path, "resumable", "ps", 3, max_failures=1, ckpt=str(tmp_path / "ckpt-ray"),
                            kill_marker=str(marker))
     assert marker.exists() and result.metrics["step"] == 45, result.metrics
+    first, second = _starts(tmp_path, "resumable", "ps", 3)
+    assert first == 0 and second in (5, 10), (first, second)
     uninterrupted = _launch(tmp_path, "resumable", SCENARIOS["ps"][1], "--ckpt", str(tmp_path / "ckpt-launch"))
     _assert_equal(resumed, uninterrupted)

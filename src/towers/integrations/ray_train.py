@@ -22,8 +22,10 @@ from __future__ import annotations
 import functools
 import numbers
 import os
+import shutil
 import threading
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from towers._logging import get_logger
+from towers.checkpoint.files import data_dir_for
 from towers.cluster import describe, from_env
 from towers.cluster.info import ProcessInfo
 from towers.cluster.ray import INSTALL_HINT, RAY_SOURCE, current_ray_loop, ray_loop_scope
@@ -284,7 +287,10 @@ class RayReport(Callback):
 
     The logs are the chief's (loss, metrics, validation, ``examples_per_second``, ``mfu``: every replica holds the
     same) plus ``epoch`` (counted from 1). Every replica calls ``report`` at each epoch's end, as Ray requires.
-    Put it after the ``BackupAndRestore`` it reports, so that the backup of the epoch is written first.
+    Put it after the ``BackupAndRestore`` it reports, so that the backup of the epoch is written first. When the
+    backup's folder holds no backup at the start of ``fit`` (a restarted group on another node, a fresh folder)
+    and Ray has a checkpoint, the chief copies Ray's latest checkpoint there first, so ``BackupAndRestore``
+    resumes from it.
 
     Args:
         backup: a ``BackupAndRestore`` of the same ``fit`` (``save_freq="epoch"`` or a step count): its backup is
@@ -300,6 +306,25 @@ class RayReport(Callback):
             raise InvalidTypeError(f"RayReport's backup must be the fit's towers.callbacks.BackupAndRestore. Received: "
                                    f"{type(backup).__name__}. Pass the same object you put in callbacks=[...].")
         self.backup = backup
+
+    def set_params(self, params: Mapping[str, Any]) -> None:
+        """Take ``fit``'s parameters; bring Ray's latest checkpoint into an empty backup folder (every replica)."""
+        super().set_params(params)
+        if self.backup is None or self.backup.backup_dir is None:
+            return
+        strategy = self.trainer.strategy
+        if strategy.is_chief and not self.backup.path.exists():
+            latest = latest_checkpoint()
+            if latest is not None:
+                # towers' own layout: the files in a directory beside the path, published by one link's replace.
+                data_dir = data_dir_for(self.backup.path, f"ray{uuid.uuid4().hex[:9]}")
+                shutil.copytree(latest, data_dir)
+                link = self.backup.path.with_name(f".{self.backup.path.name}.link-{uuid.uuid4().hex[:8]}")
+                os.symlink(data_dir.name, link)
+                os.replace(link, self.backup.path)
+                log.info("RayReport: Ray's latest checkpoint %s copied to %s for BackupAndRestore", latest,
+                         self.backup.path)
+        strategy.barrier()  # the copy is whole before any replica looks for the backup
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         """Report the epoch's logs (and the backup) to Ray Train."""
