@@ -6,7 +6,8 @@ One job per setup (2 workers + 1 ps task), the same script: the seed CNN on the 
 
 - ``sync``: a push and a reply of the whole model every step;
 - ``diloco8`` / ``diloco32``: ``mode="diloco"`` with ``sync_every=8`` / ``32`` (a pass of the data ends
-  a window, so 32 is the 23-step epoch here); ``diloco8_int8``: int8 changes.
+  a window, so 32 is the 23-step epoch here); ``diloco8_int8``: int8 changes; ``diloco8_overlap`` /
+  ``diloco32_overlap``: ``overlap=True`` (an outer push's reply read after one more inner step).
 
 Each worker reports the seconds of its training loop (wall), of its steps' forward+backward and
 inner optimizer work (``compute``: the step's time minus the time a push in it waited for the ps's
@@ -44,6 +45,8 @@ SETUPS = {
     "diloco8": {"mode": "diloco", "sync_every": 8},
     "diloco32": {"mode": "diloco", "sync_every": 32},
     "diloco8_int8": {"mode": "diloco", "sync_every": 8, "compression": "int8"},
+    "diloco8_overlap": {"mode": "diloco", "sync_every": 8, "overlap": True},
+    "diloco32_overlap": {"mode": "diloco", "sync_every": 32, "overlap": True},
 }
 PORT = 29731
 
@@ -182,7 +185,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link", choices=("loopback", "shaped"), default="loopback")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--setups", default="sync,diloco8,diloco32,diloco8_int8")
     parser.add_argument("--model", choices=("cnn", "gpt"), default="cnn",
                         help="gpt: benchmarks/diloco_gpt.py's char-level GPT (~0.4M parameters), global batch 32")
     parser.add_argument("--rate-mbit", type=int, default=100)
