@@ -172,6 +172,17 @@ def test_towers_launch_bitwise_on_the_unchanged_script(tmp_path):
     assert result["replicas"] == 2 and _differences(result, reference) == []
 
 
+def test_the_example_prints_one_digest_in_one_process_and_on_three_sharded_replicas(tmp_path):
+    example = Path(__file__).resolve().parents[2] / "examples" / "bitwise.py"
+    alone = run([sys.executable, str(example)], cwd=tmp_path, deadline_s=120, marker=str(example), env=clean_env())
+    sharded = run([*towers_command(), "launch", "--nproc-per-node", "3", "--strategy", "sharded", str(example)],
+                  cwd=tmp_path, deadline_s=180, marker=str(example), env=clean_env())
+    assert alone.returncode == 0 and sharded.returncode == 0, alone.stderr[-2000:] + sharded.stderr[-2000:]
+    (one,) = [line.split("digest ")[1] for line in alone.stdout.splitlines() if "digest" in line]
+    (three,) = [line.split("digest ")[1] for line in sharded.stdout.splitlines() if "digest" in line]
+    assert "FullyShardedStrategy, 3 replica(s): 30 updates" in sharded.stdout and one == three
+
+
 def test_towers_verify_bitwise_finds_the_same_bits_where_the_default_comparison_finds_rounding(tmp_path):
     argv = [*towers_command(), "verify", "--replicas", "2,3", "--steps", "4", "--bitwise", "4", str(JOB), "--",
             str(tmp_path), "6"]
