@@ -316,9 +316,9 @@ class BitwiseSteps:
 
         from towers.process_group import collective
 
-        n, width, size = self._num_replicas, self.width(), sum(p.numel() for p in self._params)
+        n, width, block = self._num_replicas, self.width(), self._block(values)
+        size = block.shape[1]
         chunk, zeros = -(-size // n), self._params[0].new_zeros
-        block = torch.cat([v.flat() for v in values] + [zeros(size)] * (width - len(values))).view(width, size)
         if chunk * n != size:
             block = torch.nn.functional.pad(block, (0, chunk * n - size))
         send = block.view(width, n, chunk).transpose(0, 1).contiguous()  # replica r's chunk of every subtree
@@ -326,19 +326,23 @@ class BitwiseSteps:
         with collective("bitwise: every replica's subtrees, one chunk to each replica"):
             dist.all_to_all_single(received, send, group=self._group)
         mine = self.root([list(received[r].unbind()) for r in range(n)], lambda: zeros(chunk))
-        parts = [torch.empty_like(mine) for _ in range(n)]
+        whole = mine.new_empty(n * chunk)
         with collective("bitwise: the tree's sum, chunk by chunk"):
-            dist.all_gather(parts, mine, group=self._group)
-        return torch.cat(parts)[:size]
-
+            dist.all_gather_single(whole, mine, group=self._group)
+        return whole[:size]
 
     def _exchange_whole(self, values: list[_Grads], exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The tree's sum, flat, from every replica's subtrees stacked whole by ``exchange``."""
-        n, width, size = self._num_replicas, self.width(), sum(p.numel() for p in self._params)
-        zeros = self._params[0].new_zeros
-        block = torch.cat([v.flat() for v in values] + [zeros(size)] * (width - len(values))).view(width, size)
-        rows = exchange(block)
-        return self.root([list(rows[r * width:(r + 1) * width].unbind()) for r in range(n)], lambda: zeros(size))
+        n, width, block = self._num_replicas, self.width(), self._block(values)
+        rows, zeros = exchange(block), self._params[0].new_zeros
+        return self.root([list(rows[r * width:(r + 1) * width].unbind()) for r in range(n)],
+                         lambda: zeros(block.shape[1]))
+
+    def _block(self, values: list[_Grads]) -> torch.Tensor:
+        """This replica's subtrees, one flat row each, padded with zero rows to ``width()``: one copy."""
+        size, pad = sum(p.numel() for p in self._params), self.width() - len(values)
+        flat = [t.reshape(-1) for v in values for t in v.tensors] + [self._params[0].new_zeros(size)] * pad
+        return torch.cat(flat).view(-1, size)
 
 
 class _Grads:
@@ -353,9 +357,6 @@ class _Grads:
     def __add__(self, other: "_Grads") -> "_Grads":
         return _Grads(list(torch._foreach_add(self.tensors, other.tensors)))
 
-    def flat(self) -> torch.Tensor:
-        """The gradients in one flat tensor (what the exchange between replicas sends)."""
-        return torch.cat([t.reshape(-1) for t in self.tensors])
 
 
 def _combinable(result: Any) -> bool:
