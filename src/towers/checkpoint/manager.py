@@ -31,7 +31,7 @@ from towers._logging import get_logger
 from towers._rng import replica_rng_state
 from towers.checkpoint import api, layout
 from towers.checkpoint.files import is_published
-from towers.checkpoint.preemption import Preempted, PreemptionHandler, preemption_signals
+from towers.checkpoint.preemption import Preempted, PreemptionHandler
 from towers.checkpoint.state import CheckpointError, CorruptCheckpointError, rng_state, set_rng_state
 from towers.cluster.environ import read_environ
 from towers.errors import InvalidArgumentError, NotFoundError
@@ -147,8 +147,7 @@ class CheckpointManager:
         self.strategy = strategy
         self._pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)$")
         self._claim: DirectoryClaim | None = None
-        signals = preemption_signals(read_environ().get("TOWERS_PREEMPTION_SIGNALS"))
-        self.preemption = PreemptionHandler(signals=signals, rank=_rank(strategy)).install() if preemption else None
+        self.preemption = PreemptionHandler.for_job(read_environ(), rank=_rank(strategy)).install() if preemption else None
 
     def _numbered(self, *, damaged: bool = False) -> list[tuple[int, Path]]:
         """The complete checkpoints, oldest first; with ``damaged``, also those published without their ``state.pt``."""

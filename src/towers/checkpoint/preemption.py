@@ -34,9 +34,10 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from towers._logging import get_logger
+from towers.cluster.submitit import preemption_signal_names, submitit_signal
 from towers.errors import InvalidArgumentError
 from towers.launch.exits import PREEMPTED_EXIT_CODE  # defined there: the ps supervisor must not import torch
 
@@ -129,6 +130,8 @@ class PreemptionHandler:
         every_steps: the store is read at every n-th boundary only. Default: ``check_every_steps`` of the
             default process group's size (1 up to ``STEP_CHECK_BUDGET`` processes); every process of a job must
             use the same value.
+        hand_on: signals whose notice, once this process saved on it, ``uninstall`` hands to the handler it
+            replaced (submitit's, which requeues the job).
 
     Raises:
         ValueError: an ``every_steps`` below 1.
@@ -137,13 +140,15 @@ class PreemptionHandler:
     _notice_text = "%s received: saving a checkpoint at the next step boundary that every process agrees on"
 
     def __init__(self, *, signals: Sequence[signal.Signals] | None = None, store: Any = None,
-                 boundary_timeout_s: float = 10.0, rank: int = 0, every_steps: int | None = None):
+                 boundary_timeout_s: float = 10.0, rank: int = 0, every_steps: int | None = None,
+                 hand_on: Sequence[signal.Signals] = ()):
         if every_steps is not None and int(every_steps) < 1:
             raise InvalidArgumentError(f"every_steps must be >= 1 (every process of the job the same). Received: {every_steps}.")
         self.every_steps = int(every_steps) if every_steps is not None else None
         self.signals = tuple(signals) if signals is not None else (signal.SIGTERM, signal.SIGUSR1)
         self._store = store
         self._rank = rank
+        self.hand_on = tuple(hand_on)
         self.boundary_timeout_s = float(boundary_timeout_s)
         self._previous: dict[signal.Signals, Any] = {}
         self.noticed: signal.Signals | None = None  # the signal this process received
@@ -151,6 +156,25 @@ class PreemptionHandler:
         self.decided_step: int | None = None
         self._acted = False
         self._timer: threading.Timer | None = None
+
+    @classmethod
+    def for_job(cls, environ: Mapping[str, str], *, rank: int = 0) -> "PreemptionHandler":
+        """Return a handler for the job ``environ`` describes: its signals, and submitit's handed on after the save.
+
+        Args:
+            environ: the job's environment variables (``TOWERS_PREEMPTION_SIGNALS``; submitit's variables).
+            rank: this process's rank.
+
+        Returns:
+            A handler (not installed) for ``preemption_signal_names(environ)``; in a submitit job its signal is
+            handed on to submitit's handler once saved.
+
+        Raises:
+            ValueError: ``TOWERS_PREEMPTION_SIGNALS`` names no signal that can be caught.
+        """
+        extra = submitit_signal(environ)
+        return cls(signals=preemption_signals(preemption_signal_names(environ)), rank=rank,
+                   hand_on=preemption_signals(extra) if extra else ())
 
     @property
     def installed(self) -> bool:
@@ -177,6 +201,10 @@ class PreemptionHandler:
         if self.noticed is not None and not self._acted and previous:
             log.warning("a %s notice arrived outside a training step; passing it on", self.noticed.name)
             signal.raise_signal(self.noticed)
+        elif self.noticed in self.hand_on and callable(previous.get(self.noticed)):
+            log.info("saved on %s: handing the notice to the handler it replaced (submitit requeues the job)",
+                     self.noticed.name)
+            previous[self.noticed](int(self.noticed), None)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         sig = signal.Signals(signum)

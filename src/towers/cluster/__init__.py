@@ -2,8 +2,8 @@
 
 Sources are detected in a fixed order: explicit arguments, ``TF_CONFIG``, a Ray Train worker, torchrun/Kubeflow
 (``RANK``, ``WORLD_SIZE``, ...; Kubeflow Trainer v2's ``PET_*``), SLURM (``SLURM_PROCID``, ... under
-``srun``), MPI (``OMPI_COMM_WORLD_*``, ``PMI_*``), SkyPilot (``SKYPILOT_*``, one process per node), else a single
-local process.
+``srun``; submitit's tasks as ``"submitit"``), MPI (``OMPI_COMM_WORLD_*``, ``PMI_*``), SkyPilot (``SKYPILOT_*``,
+one process per node), else a single local process.
 Only this package reads ``os.environ``; everything else receives the frozen ``ProcessInfo``.
 """
 
@@ -17,6 +17,7 @@ from towers.cluster.mpi import MPIEnvironment
 from towers.cluster.ray import RayTrainEnvironment
 from towers.cluster.skypilot import SkyPilotEnvironment
 from towers.cluster.slurm import SlurmEnvironment, expand_hostlist, is_srun_task, port_from_job_id
+from towers.cluster.submitit import SubmititEnvironment, preemption_signal_names
 from towers.cluster.tf_config import TRAINING_ORDER, TFConfigEnvironment, parse_tf_config
 from towers.cluster.torchrun import TorchrunEnvironment
 
@@ -31,6 +32,8 @@ __all__ = [
     "TorchrunEnvironment",
     "KubeflowTrainerEnvironment",
     "SlurmEnvironment",
+    "SubmititEnvironment",
+    "preemption_signal_names",
     "MPIEnvironment",
     "SkyPilotEnvironment",
     "LocalEnvironment",

@@ -25,6 +25,7 @@ from towers.cluster.skypilot import SkyPilotEnvironment
 from towers.cluster.slurm import SlurmEnvironment
 from towers.cluster.strategy_options import ENV as STRATEGY_OPTIONS_ENV
 from towers.cluster.strategy_options import decode_strategy_options
+from towers.cluster.submitit import SubmititEnvironment, preemption_signal_names
 from towers.cluster.tf_config import TFConfigEnvironment
 from towers.cluster.torchrun import TorchrunEnvironment
 from towers.errors import InvalidTypeError
@@ -45,6 +46,7 @@ ENVIRONMENTS: tuple[ClusterEnvironment, ...] = (
     RayTrainEnvironment(),
     TorchrunEnvironment(),
     KubeflowTrainerEnvironment(),
+    SubmititEnvironment(),
     SlurmEnvironment(),
     MPIEnvironment(),
     SkyPilotEnvironment(),
@@ -92,8 +94,9 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     world_size=2``: they replace the detected values); ``TF_CONFIG``; a Ray Train worker (torchrun's variables,
     which Ray sets, with ``RAY_JOB_ID``: ``source == "ray"``); torchrun/Kubeflow variables
     (``RANK``, ``WORLD_SIZE``, ...; Kubeflow Trainer v2's ``PET_*`` alone); SLURM (``SLURM_PROCID``, ...
-    of an ``srun`` task); MPI (``OMPI_COMM_WORLD_*``, ``PMI_*``); SkyPilot's ``SKYPILOT_NODE_IPS``/``_NODE_RANK`` (one
-    process per node); else one local process.
+    of an ``srun`` task; ``source == "submitit"`` when ``SUBMITIT_EXECUTOR=slurm`` says submitit started it);
+    MPI (``OMPI_COMM_WORLD_*``, ``PMI_*``); SkyPilot's ``SKYPILOT_NODE_IPS``/``_NODE_RANK`` (one process per
+    node); else one local process.
     ``TOWERS_STRATEGY``/``TOWERS_NUM_PS`` (set by ``towers launch``) fill ``strategy``/``num_ps``;
     ``TOWERS_CHECKPOINT_DIR`` (set by ``towers k8s`` manifests) fills ``checkpoint_dir``;
     ``TOWERS_JOIN_TIMEOUT_S`` (set by ``towers launch --join-timeout``) fills ``join_timeout_s``;
@@ -103,8 +106,9 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     ``TOWERS_LAUNCH_DIR`` (set by ``towers launch --strategy``) fills ``launch_dir``;
     ``TOWERS_VERIFY_DIR``/``TOWERS_VERIFY_STEPS`` (set by ``towers verify``) fill ``verify_dir``/``verify_steps``;
     ``TOWERS_LEDGER_DIR`` (set by ``towers launch --ledger``) fills ``ledger_dir``; ``TOWERS_PREEMPTION_SIGNALS``
-    fills ``preemption_signals``; ``TOWERS_FT_GROUP*`` (set by ``towers launch --strategy fault_tolerant``) fill
-    ``replica_group`` and ``TORCHFT_LIGHTHOUSE`` ``lighthouse``.
+    (in a submitit job, by default: TERM, USR1 and submitit's signal) fills ``preemption_signals``;
+    ``TOWERS_FT_GROUP*`` (set by ``towers launch --strategy fault_tolerant``) fill ``replica_group``
+    and ``TORCHFT_LIGHTHOUSE`` ``lighthouse``.
     ``environ=None`` reads ``os.environ``; pass a dict in tests.
 
     Args:
@@ -147,7 +151,7 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Proce
     lighthouse = environ.get("TORCHFT_LIGHTHOUSE", "").strip()
     if lighthouse:
         info = dataclasses.replace(info, lighthouse=lighthouse)
-    signals = environ.get("TOWERS_PREEMPTION_SIGNALS", "").strip()
+    signals = preemption_signal_names(environ)
     if signals:
         info = dataclasses.replace(info, preemption_signals=signals)
     ledger_dir = environ.get(LEDGER_DIR_VARIABLE, "").strip()
@@ -193,5 +197,7 @@ def describe(info: ProcessInfo) -> str:
     ]
     if info.num_ps:
         parts.append(f"num_ps {info.num_ps}")
+    if info.preemption_signals:
+        parts.append(f"preemption signals {info.preemption_signals}")
     parts.append(f"from {info.source}")
     return ", ".join(parts)

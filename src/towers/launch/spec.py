@@ -19,6 +19,7 @@ from towers.cluster.environ import read_environ
 from towers.cluster.skypilot import launch_flags as skypilot_launch_flags
 from towers.cluster.strategy_options import ENV as STRATEGY_OPTIONS_ENV
 from towers.cluster.strategy_options import encode_strategy_options, parse_strategy_options
+from towers.cluster.submitit import launch_flags as submitit_launch_flags
 from towers.errors import InvalidArgumentError
 from towers.launch.flags import (
     DEFAULT_GROUP_RESTARTS,
@@ -333,13 +334,16 @@ def parse_launch_args(argv: Sequence[str], *, gpu_count: int | None = None,
     """Return the ``LaunchSpec`` for a ``towers launch`` command line (without the ``towers launch`` words).
 
     On a SkyPilot node (``SKYPILOT_NODE_IPS``, ... in ``environ``, default this process's) they give the defaults of
-    ``--nnodes``, ``--node-rank``, ``--master-addr`` and, on GPU nodes, ``--nproc-per-node``.
+    ``--nnodes``, ``--node-rank``, ``--master-addr`` and, on GPU nodes, ``--nproc-per-node``; in a one-task-per-node
+    submitit job under SLURM, SLURM's variables give ``--nnodes``, ``--node-rank``, ``--master-addr`` and
+    ``--master-port``.
 
     Raises:
         SystemExit: on ``--help`` or a flag argparse rejects (it prints the usage).
-        ValueError: on an invalid combination of flags, or malformed ``SKYPILOT_*`` variables.
+        ValueError: on an invalid combination of flags, or malformed ``SKYPILOT_*`` or ``SLURM_*`` variables.
     """
     # On a SkyPilot node its variables give --nnodes, --node-rank, --master-addr (and --nproc-per-node on GPU
     # nodes); put first, so the command line's own flags win.
-    args = launch_parser().parse_args([*skypilot_launch_flags(read_environ() if environ is None else environ), *argv])
+    environ = read_environ() if environ is None else environ
+    args = launch_parser().parse_args([*skypilot_launch_flags(environ), *submitit_launch_flags(environ), *argv])
     return spec_from_args(args, gpu_count=gpu_count, cpu_count=cpu_count)

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from towers._logging import get_logger
 from towers.checkpoint.files import is_published
 from towers.checkpoint.manager import DirectoryClaim
-from towers.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHandler, preemption_signals
+from towers.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHandler
 from towers.checkpoint.state import CheckpointError
 from towers.cluster.environ import read_environ
 from towers.errors import InvalidArgumentError, user_error
@@ -168,8 +168,7 @@ class BackupAndRestore(Callback):
         if problem is not None:
             raise CheckpointError(f"BackupAndRestore cannot use {self.backup_dir}: {problem}")
         if self._preemption:
-            self.preemption = PreemptionHandler(signals=preemption_signals(read_environ().get("TOWERS_PREEMPTION_SIGNALS")),
-                                                rank=strategy.process_info.rank).install()
+            self.preemption = PreemptionHandler.for_job(read_environ(), rank=strategy.process_info.rank).install()
         if not exists:
             return
         state = self.trainer.load_checkpoint(str(self.path))  # under any strategy and size
