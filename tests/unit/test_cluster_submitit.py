@@ -8,12 +8,16 @@ import signal
 
 import pytest
 import torch
+from torch import nn
 
-from towers.checkpoint import CheckpointManager, Preempted
+import towers
+from towers.checkpoint import CheckpointManager, Preempted, load_checkpoint
 from towers.cluster import ClusterConfigError, describe, from_env
 from towers.cluster.slurm import port_from_job_id
 from towers.cluster.submitit import launch_flags, preemption_signal_names
 from towers.launch.spec import parse_launch_args
+from towers.training import Trainer
+from towers.training import callbacks as C
 
 # One task per node of a 2-node job, as submitit's sbatch script (`export SUBMITIT_EXECUTOR=slurm`, srun) starts it.
 TASK_1 = {"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_FOLDER": "/scratch/logs/4242", "SLURM_JOB_ID": "4242",
@@ -72,7 +76,35 @@ def test_submitits_signal_saves_at_the_agreed_step_then_reaches_submitits_handle
         with pytest.raises(Preempted) as preempted:
             manager.save_if_preempted({"model": model, "step": 2}, step=2)
         assert preempted.value.code == 75 and [p.name for p in manager.checkpoints] == ["ckpt-2"]
+        assert requeued == [signal.SIGUSR2]  # handed on after the save, before the exit
+        assert not manager.preemption.installed  # the signal given back
     finally:
-        manager.close()  # gives the signal back and hands the acted-on notice to submitit's handler
+        manager.close()
         signal.signal(signal.SIGUSR2, previous)
-    assert requeued == [signal.SIGUSR2]
+    assert requeued == [signal.SIGUSR2]  # once
+
+
+def test_backup_and_restore_saves_on_submitits_signal_and_hands_it_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # a one-task job: this process alone
+    monkeypatch.delenv("TOWERS_PREEMPTION_SIGNALS", raising=False)
+    requeued: list[int] = []
+
+    class Notice(C.Callback):  # SLURM signals the task before the time limit, after the second step
+        def on_train_batch_end(self, batch, logs=None):
+            if logs["global_step"] == 2:
+                os.kill(os.getpid(), signal.SIGUSR2)
+
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: requeued.append(signum))
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                          strategy=towers.OneDeviceStrategy("cpu"))
+        x = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+        with pytest.raises(Preempted) as preempted:
+            trainer.fit((x, (x[:, 0] > 0).long()), 1, 8, callbacks=[Notice(), C.BackupAndRestore(tmp_path)])
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert preempted.value.step == 2 and requeued == [signal.SIGUSR2]
+    assert load_checkpoint(tmp_path / "backup")["global_step"] == 2

@@ -236,6 +236,7 @@ class CheckpointManager:
             self.strategy.checkpoint_io().wait(is_chief=self.strategy.is_chief,
                                                broadcast_object=self.strategy.broadcast_object)  # on disk before exit
         log.warning("preempted: saved %s at step %d; exiting for a restart", path, step)
+        self.preemption.hand_on_notice()  # submitit's notice: its handler requeues the job now
         raise Preempted(step, str(path))
 
     def _prune(self, keep: Path) -> None:

@@ -206,6 +206,15 @@ class PreemptionHandler:
                      self.noticed.name)
             previous[self.noticed](int(self.noticed), None)
 
+    def hand_on_notice(self) -> None:
+        """Once this process saved on a notice of ``hand_on``, give the signals back and hand it on (see ``uninstall``).
+
+        Called just before ``Preempted`` is raised; a no-op for other notices, whose handler stays until
+        ``uninstall`` (a second signal during the exit is still caught).
+        """
+        if self._acted and self.noticed in self.hand_on:
+            self.uninstall()
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         sig = signal.Signals(signum)
         if self.noticed is not None:  # a second notice: stop waiting for a step boundary

@@ -189,6 +189,7 @@ class BackupAndRestore(Callback):
             if self.trainer.strategy.is_chief:
                 log.warning("preempted: backed up to %s at global step %d; exiting with code %d for a restart",
                             self.path, step, PREEMPTED_EXIT_CODE)
+            self.preemption.hand_on_notice()  # submitit's notice: its handler requeues the job now
             raise Preempted(step, str(self.path))
         if isinstance(self.save_freq, int) and step % self.save_freq == 0:
             self._backup()
