@@ -1,14 +1,18 @@
 """Rendered manifests checked against the Kubernetes schemas (kubernetes-validate, strict), read back from
-the YAML text a user applies; TrainJob's own fields checked against Kubeflow Trainer v2's API; the
-sbatch script run by bash under `set -euo pipefail` with stand-ins for scontrol and srun."""
+the YAML text a user applies; TrainJob's own fields checked against Kubeflow Trainer v2's API; the custom resources
+(TrainJob, PyTorchJob, and the JobSet a TrainJob becomes under its runtime) against their CRD schemas kept in
+tests/data/crds; the sbatch script run by bash under `set -euo pipefail` with stand-ins for scontrol and srun."""
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import stat
 import subprocess
+from pathlib import Path
 
+import jsonschema  # kubernetes-validate's own dependency
 import kubernetes_validate
 import pytest
 import yaml
@@ -16,6 +20,7 @@ import yaml
 from towers.deploy import DeploySpec, render
 
 K8S_VERSION = kubernetes_validate.latest_version()
+CRDS = Path(__file__).resolve().parent.parent / "data" / "crds"
 
 # Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1) TrainJob fields, from its API types: a CRD is
 # not in the Kubernetes schemas, so its own fields are checked here and its pod parts as core objects.
@@ -45,6 +50,11 @@ def validate(doc: dict) -> None:
 
 def validate_pod_template(template: dict) -> None:
     validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template})
+
+
+def validate_crd(doc: dict, schema: str) -> None:
+    """Check ``doc`` against the CRD schema ``tests/data/crds/<schema>.json`` (raises ``jsonschema.ValidationError``)."""
+    jsonschema.Draft202012Validator(json.loads((CRDS / f"{schema}.json").read_text())).validate(doc)
 
 
 def documents(kind: str, **kwargs) -> list[dict]:
@@ -135,3 +145,53 @@ def test_sbatch_script_runs_under_pipefail_with_a_long_node_list(tmp_path):
     assert "--cpus-per-task=8" in args and args.index("--cpus-per-task=8") < args.index("towers")
     assert args[args.index("--rdzv-endpoint") + 1] == f"node000001:{15000 + 4242 % 20000}"
     assert (tmp_path / "checkpoints" / "digits").is_dir()
+
+
+@pytest.mark.parametrize("options", [{}, {"nnodes": 1, "gpus_per_node": 0}, {"checkpoint_pvc": "shared"}])
+def test_trainjob_and_pytorchjob_match_their_crd_schemas(options):
+    *_claim, trainjob = documents("trainjob", **options)
+    validate_crd(trainjob, "trainjob")
+    *_claim, pytorchjob = documents("pytorchjob", **options)
+    validate_crd(pytorchjob, "pytorchjob")
+    for path, value, error in [(("spec", "trainer", "numNodes"), "2", "'2' is not of type 'integer'"),
+                               (("spec", "trainer", "numProcsPerNode"), 4, "'numProcsPerNode' was unexpected"),
+                               (("spec", "runtimeRef", "kind"), "Runtime", "is not one of")]:
+        broken = copy.deepcopy(trainjob)
+        broken[path[0]][path[1]][path[2]] = value
+        with pytest.raises(jsonschema.ValidationError, match=error):
+            validate_crd(broken, "trainjob")
+    broken = copy.deepcopy(pytorchjob)
+    broken["spec"]["pytorchReplicaSpecs"]["Chief"] = broken["spec"]["pytorchReplicaSpecs"].pop("Master")
+    with pytest.raises(jsonschema.ValidationError, match="'Chief' is not one of"):
+        validate_crd(broken, "pytorchjob")
+
+
+def test_a_trainjob_becomes_a_valid_jobset_of_its_runtime():
+    """What Kubeflow Trainer builds from our TrainJob and the torch-distributed runtime: the trainer's fields go to the
+    runtime's trainer container, the overrides to the jobs and containers they name (which must exist)."""
+    _claim, job = documents("trainjob")
+    runtime = yaml.safe_load((CRDS / "torch_distributed_runtime.yaml").read_text())
+    assert job["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"]
+    jobs = {rj["name"]: rj for rj in copy.deepcopy(runtime["spec"]["template"]["spec"]["replicatedJobs"])}
+    trainer = job["spec"]["trainer"]
+    for rj in jobs.values():
+        if rj["template"]["metadata"]["labels"].get("trainer.kubeflow.org/trainjob-ancestor-step") == "trainer":
+            rj["template"]["spec"].update(parallelism=trainer["numNodes"], completions=trainer["numNodes"])
+            node = rj["template"]["spec"]["template"]["spec"]["containers"][0]
+            node.update(image=trainer["image"], command=trainer["command"], env=trainer["env"],
+                        resources=trainer["resourcesPerNode"])
+    for override in job["spec"]["podTemplateOverrides"]:
+        for target in override["targetJobs"]:
+            assert target["name"] in jobs, f"override targets {target['name']!r}; the runtime has {sorted(jobs)}"
+            pod = jobs[target["name"]]["template"]["spec"]["template"]["spec"]
+            pod.setdefault("volumes", []).extend(override["spec"].get("volumes", []))
+            containers = {c["name"]: c for c in pod["containers"]}
+            for change in override["spec"].get("containers", []):
+                assert change["name"] in containers, f"override names container {change['name']!r}: not in the runtime"
+                for key in ("env", "volumeMounts"):
+                    containers[change["name"]].setdefault(key, []).extend(change.get(key, []))
+    jobset = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": job["metadata"]["name"]},
+              "spec": {**copy.deepcopy(runtime["spec"]["template"]["spec"]), "replicatedJobs": list(jobs.values())}}
+    validate_crd(jobset, "jobset")
+    for rj in jobset["spec"]["replicatedJobs"]:
+        validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": rj["name"]}, "spec": rj["template"]["spec"]})
