@@ -12,11 +12,10 @@ from typing import Any, Callable
 
 import torch
 
-from towers.errors import InvalidArgumentError, UnimplementedError, user_error
+from towers.errors import UnimplementedError, user_error
 from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.grad_guard import GradientGuard
-from towers.strategies.parameter_server.requests import hyperparameters
-from towers.strategies.parameter_server.transport import Op
+from towers.strategies.parameter_server.ps_state import fetch_state, send_state
 from towers.strategies.parameter_server.worker import BoundModel
 from towers.verify_capture import before_update
 
@@ -93,19 +92,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Return the ps tasks' optimizer state merged into torch's format (``state``, ``param_groups``)."""
-        bound = self._bound
-        state: dict[int, Any] = {}
-        replies = bound.client.request(Op.GET_STATE, ps=bound.active) if bound is not None else []
-        for p, reply in zip(bound.active if bound is not None else [], replies):
-            if reply.meta is not None and bound is not None:
-                for local, value in reply.meta["state"].items():
-                    state[bound.local_to_global[p][int(local)]] = value
-        groups, index = [], 0
-        for group in self.param_groups:
-            n = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(index, index + n))})
-            index += n
-        return {"state": state, "param_groups": groups}
+        return fetch_state(self._bound, self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Send a state from ``state_dict()`` (or a plain optimizer of the same model) to the ps tasks.
@@ -113,29 +100,4 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: when the groups or their sizes do not match this optimizer's.
         """
-        saved = state_dict["param_groups"]
-        sizes, saved_sizes = [len(g["params"]) for g in self.param_groups], [len(g["params"]) for g in saved]
-        if sizes != saved_sizes:
-            raise InvalidArgumentError(
-                f"The optimizer state does not match this optimizer: expected param groups of sizes {sizes}, "
-                f"received {saved_sizes}. Load a state saved from the same model and optimizer.")
-        order = [i for g in saved for i in g["params"]]
-        for group, saved_group in zip(self.param_groups, saved):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
-        bound = self._bound
-        if bound is None:
-            return
-        metas = []
-        for p in bound.active:
-            local_state = {}
-            for local, global_index in enumerate(bound.local_to_global[p]):
-                key = order[global_index]
-                if key in state_dict["state"]:
-                    local_state[local] = state_dict["state"][key]
-            local_groups, start = [], 0
-            for g, (_, positions) in zip(bound.group_ids[p], bound.opt_groups[p]):
-                hyper = hyperparameters(self.param_groups[g], f"param group {g}")
-                local_groups.append({**hyper, "params": list(range(start, start + len(positions)))})
-                start += len(positions)
-            metas.append({"state": local_state, "param_groups": local_groups})
-        bound.client.request(Op.SET_STATE, ps=bound.active, metas=metas)
+        send_state(self._bound, self.param_groups, state_dict)
