@@ -219,7 +219,8 @@ class CheckpointManager:
         """Call at every step boundary (``step`` steps done, the same on every process); on a preemption notice, save and exit.
 
         Returns at once without a notice (one look at the job's store). After a notice, every
-        process saves ``state`` at the same step as checkpoint ``step`` and raises ``Preempted``
+        process saves ``state`` at the same step as checkpoint ``step`` (under DiLoCo: the first step that
+        ends a window from the agreed one on) and raises ``Preempted``
         (a ``SystemExit`` with ``PREEMPTED_EXIT_CODE``), which asks the launcher for a restart.
 
         Args:
@@ -229,7 +230,8 @@ class CheckpointManager:
         Raises:
             Preempted: after the checkpoint is written (a ``SystemExit`` with ``PREEMPTED_EXIT_CODE``).
         """
-        if self.preemption is None or not self.preemption.should_save(step):
+        can_save = self.strategy is None or self.strategy.at_preemption_boundary()  # DiLoCo: only after an outer step
+        if self.preemption is None or not self.preemption.should_save(step, can_save=can_save):
             return
         path = self.save(state, checkpoint_number=step)
         if self.strategy is not None:

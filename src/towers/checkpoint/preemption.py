@@ -11,7 +11,13 @@ for step s + 1), so all of them save at the same step.
 In a job of more than ``STEP_CHECK_BUDGET`` processes, each process reads the store only at every
 ``check_every_steps``-th boundary (``ceil(world_size / STEP_CHECK_BUDGET)``), so the whole job
 asks the store at most ``STEP_CHECK_BUDGET`` times per step; the proposal is then the next such
-boundary after s, which every process checks before it passes it (the same argument). The caller saves there and raises
+boundary after s, which every process checks before it passes it (the same argument). Where the job can save
+only at some boundaries (DiLoCo on the parameter servers: after an outer step, when every worker holds the
+global model), the others pass ``can_save=False``: there the store is read only by a process that received a
+notice itself, which proposes its next boundary; every process saves at the first boundary that can save at
+or after the agreed step. No process can be past it: the outer step that ends the proposer's window needs the
+proposer's push. A notice that reaches a process through the store is read at a boundary that can save, and
+the save comes one window later. The caller saves there and raises
 ``Preempted`` (exit code ``PREEMPTED_EXIT_CODE``), which ``towers launch --max-restarts``, the
 manifests of ``towers k8s`` and the SLURM script treat as "restart me"; the restarted job resumes
 at that step. A job loses at most the step in flight.
@@ -262,9 +268,23 @@ class PreemptionHandler:
         except Exception:  # a store that is gone: the job is ending anyway, and the next collective says so
             return False
 
-    def should_save(self, step: int) -> bool:
-        """Return True at the step boundary (``step`` steps done) where every process saves; False elsewhere."""
+    def should_save(self, step: int, *, can_save: bool = True) -> bool:
+        """Return True at the step boundary (``step`` steps done) where every process saves; False elsewhere.
+
+        Args:
+            step: the steps done, the same on every process at this boundary.
+            can_save: False at a boundary where the job cannot take an exact checkpoint (under DiLoCo: inside a
+                window, where each worker holds a model of its own). Every process saves at the first boundary
+                that can, at or after the agreed step. Every process must give the same value at the same step.
+        """
         if self._acted:
+            return False
+        if not can_save:
+            if self.noticed is not None and self.decided_step is None:  # the store is read only for a notice of its own
+                self._cancel_timer()  # the loop is running: the notice waits for a boundary that can save
+                self.decided_step = self._decide(step)
+                log.info("preemption: every process saves at the first boundary that can, from step %d on (this one "
+                         "is at %d)", self.decided_step, step)
             return False
         if self.decided_step is None:
             if self.noticed is None and step % self._every() != 0:

@@ -31,6 +31,7 @@ class CheckpointStrategy(Protocol):
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
     def all_gather_object(self, obj: Any) -> list[Any]: ...
     def checkpoint_io(self) -> CheckpointIO: ...
+    def at_preemption_boundary(self) -> bool: ...
 
 
 # --- one process without a strategy -------------------------------------------------------------------
@@ -98,6 +99,9 @@ class _OneProcess:
 
     def checkpoint_io(self) -> CheckpointIO:
         return self._io
+
+    def at_preemption_boundary(self) -> bool:
+        return True
 
 
 def or_one_process(strategy: CheckpointStrategy | None) -> CheckpointStrategy:

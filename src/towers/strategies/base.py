@@ -475,6 +475,17 @@ class Strategy(ABC):
         """
         return self.unwrap(model).state_dict()
 
+    def at_preemption_boundary(self) -> bool:
+        """Return True where a preemption checkpoint can be taken at this step boundary (every boundary, by default).
+
+        Under DiLoCo on the parameter servers only a boundary right after an outer step can: inside a window each
+        worker holds a model of its own. Every process gives the same answer at the same step.
+
+        Returns:
+            Whether ``BackupAndRestore`` and ``CheckpointManager.save_if_preempted`` may save here on a notice.
+        """
+        return True
+
     def checkpoint_io(self) -> CheckpointIO:
         """How this strategy's processes write checkpoint tensors (every process its part, by default).
 

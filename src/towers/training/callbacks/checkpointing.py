@@ -183,7 +183,8 @@ class BackupAndRestore(Callback):
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
         step = self.trainer.progress.global_step
-        if self.preemption is not None and self.preemption.should_save(step):
+        can_save = self.trainer.strategy.at_preemption_boundary()  # under DiLoCo: only after an outer step
+        if self.preemption is not None and self.preemption.should_save(step, can_save=can_save):
             self._backup()
             self.trainer.strategy.wait_for_checkpoint()  # an asynchronous save must be on disk before the exit
             if self.trainer.strategy.is_chief:
