@@ -85,6 +85,15 @@ class DiLoCo:
                              "Pass it: model, optimizer = strategy.prepare(model, torch.optim.AdamW(...)).")
         return self
 
+    def window_empty(self) -> bool:
+        """True when no inner step was taken since the last outer step (the model holds the global values)."""
+        return self.optimizer is None or self.optimizer.window_steps == 0
+
+    def settle(self) -> None:
+        """Read an overlapped outer push's reply now (``overlap=True``): the model takes up the global values."""
+        if self.optimizer is not None:
+            self.optimizer.settle()
+
     def refuse_weighted_loss(self) -> None:
         """Raise: an inner step takes this worker's mean over its examples, which a weighted loss does not give."""
         raise user_error("compute_average_loss(..., weights=...) is not available under mode='diloco': each worker's "

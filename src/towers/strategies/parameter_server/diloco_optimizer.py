@@ -11,6 +11,7 @@ import torch
 from towers.errors import InvalidArgumentError, user_error
 from towers.strategies._copies import DetachedHook
 from towers.strategies.parameter_server.diloco_codec import DeltaEncoder
+from towers.strategies.parameter_server.ps_state import fetch_state, send_state
 from towers.strategies.parameter_server.sharding import ParamSpec
 from towers.strategies.parameter_server.transport import Op
 from towers.strategies.parameter_server.worker import BoundModel
@@ -206,8 +207,32 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                                        "mode='diloco'. Add every param group before calling prepare().")
         super().add_param_group(param_group)
 
+    @property
+    def window_steps(self) -> int:
+        """Inner steps taken since the last outer step (0: the model holds the global values it pulled then)."""
+        return self._steps
+
+    @property
+    def outer(self) -> torch.optim.Optimizer:
+        """The outer optimizer as this worker built it over the model: what the ps tasks rebuilt and step."""
+        if self._bound.optimizer is None:  # BoundModel was given the outer optimizer at prepare
+            raise InvalidArgumentError("this DiLoCo model was bound without its outer optimizer; prepare it again.")
+        return self._bound.optimizer
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        """Return the outer optimizer's state (its momentum on the ps tasks) in torch's format."""
+        return fetch_state(self._bound, self.outer.param_groups)
+
+    def load_outer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Send an outer optimizer state from ``outer_state_dict()`` to the ps tasks.
+
+        Raises:
+            ValueError: when its groups or their sizes do not match the outer optimizer's.
+        """
+        send_state(self._bound, self.outer.param_groups, state_dict)
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The inner optimizer's state (the outer optimizer's lives on the ps tasks)."""
+        """The inner optimizer's state (the outer optimizer's lives on the ps tasks: ``outer_state_dict``)."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

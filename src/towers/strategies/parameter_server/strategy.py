@@ -11,6 +11,8 @@ On a ps task the constructor serves until every worker is done, then exits the p
 A preemption notice (SIGTERM, SIGUSR1, ``TOWERS_PREEMPTION_SIGNALS``) to a ps task does not end it: the parameters and
 embedding rows the workers checkpoint live here. It tells the workers through the job's store, serves while they agree
 on a step and save, and then exits with ``PREEMPTED_EXIT_CODE`` (75), as they do (``towers.checkpoint.preemption``).
+Under ``mode="diloco"`` the workers save only right after an outer step (``at_preemption_boundary``), with the outer
+optimizer's state from the ps tasks and each worker's inner state (``diloco_state.py``), so a resumed job goes on exactly.
 
 Collectives (``reduce``, ``gather``, ``barrier``, ``*_object``) meet at ps task 0, not among the workers, so they keep
 working after a worker dies: they then combine the values of the live workers only. ``distribute_dataset`` gets its
@@ -43,6 +45,7 @@ from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.collectives import WorkerCollectives
 from towers.strategies.parameter_server.diloco import DiLoCo
 from towers.strategies.parameter_server.diloco_options import diloco_options
+from towers.strategies.parameter_server.diloco_state import load_outer_state, split_diloco_state, with_diloco_state
 from towers.strategies.parameter_server.embeddings import SparseTables, bind_tables
 from towers.strategies.parameter_server.generations import ModelGenerations
 from towers.strategies.parameter_server.inputs import worker_input
@@ -365,6 +368,30 @@ class ParameterServerStrategy(Strategy):
                             drop_remainder=drop_remainder, pad_empty_batches=pad_empty_batches, collate_fn=collate_fn,
                             num_workers=num_workers, prefetch_factor=prefetch_factor,
                             persistent_workers=persistent_workers, pin_memory=pin_memory)
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """Return ``{"model", "optimizer", "precision"}`` (``Strategy.state_dict``); every worker calls it.
+
+        Under ``mode="diloco"`` the optimizer's entry also holds the outer optimizer's state, fetched from the
+        ps tasks, and every worker's inner optimizer state (``diloco_state.py``).
+        """
+        if self._diloco is None:
+            return super().state_dict(model, optimizer)
+        self._diloco.settle()  # overlap: the outer push's reply lands first, so the model saved is the global one
+        return with_diloco_state(super().state_dict(model, optimizer), model=self.unwrap(model), optimizer=optimizer,
+                                 gather=self.all_gather_object)
+
+    def load_state_dict(self, state: Mapping[str, Any], model: nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Restore what ``state_dict`` returned (``Strategy.load_state_dict``); DiLoCo's outer state goes to the ps tasks."""
+        state, outer = split_diloco_state(state, self.replica_id)
+        super().load_state_dict(state, model, optimizer)
+        if outer is not None and optimizer is not None and self.is_chief:  # one worker sets it, before its next push
+            load_outer_state(optimizer, outer, self.unwrap(model))
+
+    def at_preemption_boundary(self) -> bool:
+        """True right after an outer step under DiLoCo (every worker holds the global model); always otherwise."""
+        return self._diloco is None or self._diloco.window_empty()
 
     def checkpoint_io(self) -> CheckpointIO:
         """The chief writes every checkpoint tensor: the state lives on ps tasks, which do not run the script."""
