@@ -126,9 +126,23 @@ class _NoteStart(towers.callbacks.Callback):
                 fh.write(f"{start}\n")
 
 
-def fit(strategy: Any, out: str, *, ray: bool = False, kill_marker: str | None = None) -> None:
+class _StopAt(towers.callbacks.Callback):
+    """Every replica asks to stop from global step ``step`` on: the job ends there, as one whose allocation ran out."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.trainer.progress.global_step >= self.step:
+            self.trainer.stop_training = True
+
+
+def fit(strategy: Any, out: str, *, ray: bool = False, kill_marker: str | None = None, backup_dir: str | None = None,
+        stop_at: int | None = None, epochs: int = EPOCHS) -> None:
     """The README loop's ``Trainer.fit`` twin (examples/fit.py's model and data), backed up each epoch; under Ray
-    ``RayReport`` reports each epoch's logs with the backup as the checkpoint."""
+    ``RayReport`` reports each epoch's logs with the backup as the checkpoint. With ``backup_dir``, the backup goes
+    there every 5 steps (a later run resumes from it); with ``stop_at``, the run stops at that global step."""
     train_set, test_set = load_digits()
     torch.manual_seed(0)
     with strategy.scope():
@@ -137,12 +151,15 @@ def fit(strategy: Any, out: str, *, ray: bool = False, kill_marker: str | None =
     trainer = towers.Trainer(model, optimizer, loss=F.cross_entropy, metrics=["accuracy"], strategy=strategy)
     # Under Ray with a kill, the restarted group backs up to a fresh folder: it resumes from Ray's checkpoint.
     attempt = 2 if kill_marker and os.path.exists(kill_marker) else 1
-    backup = towers.callbacks.BackupAndRestore(f"{out}.backup{attempt}", delete_checkpoint=False)
+    backup = towers.callbacks.BackupAndRestore(backup_dir or f"{out}.backup{attempt}", delete_checkpoint=False,
+                                               **({"save_freq": 5} if backup_dir else {}))
     callbacks = [backup, towers.ray.RayReport(backup)] if ray else [backup]
+    if stop_at is not None:
+        callbacks.append(_StopAt(stop_at))
     if kill_marker:
         callbacks.append(_KillOnce(kill_marker))
         callbacks.append(_NoteStart(backup, f"{out}.starts"))
-    trainer.fit(train_set, epochs=EPOCHS, global_batch_size=64, validation_data=test_set, callbacks=callbacks)
+    trainer.fit(train_set, epochs=epochs, global_batch_size=64, validation_data=test_set, callbacks=callbacks)
     strategy.export_model(trainer.model, out)
 
 
@@ -160,8 +177,8 @@ def build(name: str) -> Any:
 
 
 def ray_entry(config: dict) -> None:
-    """``train_loop_per_worker``: ``config`` = job, strategy, out (and ckpt, kill_marker, env: the variables a user
-    passes to the workers with ``ray.init(runtime_env={"env_vars": ...})``, e.g. ``TOWERS_STRATEGY``)."""
+    """``train_loop_per_worker``: ``config`` = job, strategy, out (and ckpt, kill_marker, backup_dir, stop_at, epochs, env: the
+    variables a user passes to the workers with ``ray.init(runtime_env={"env_vars": ...})``, e.g. ``TOWERS_STRATEGY``)."""
     os.environ.update(config.get("env", {}))
     strategy = build(config["strategy"])
     if config["job"] == "readme":
@@ -169,7 +186,8 @@ def ray_entry(config: dict) -> None:
     elif config["job"] == "resumable":
         resumable(strategy, config["out"], config["ckpt"], ray=True, kill_marker=config.get("kill_marker"))
     else:
-        fit(strategy, config["out"], ray=True, kill_marker=config.get("kill_marker"))
+        fit(strategy, config["out"], ray=True, kill_marker=config.get("kill_marker"), backup_dir=config.get("backup_dir"),
+            stop_at=config.get("stop_at"), epochs=config.get("epochs", EPOCHS))
 
 
 def main() -> None:

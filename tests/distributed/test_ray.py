@@ -11,6 +11,7 @@ at the end and none of Ray's processes may outlive it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -155,6 +156,21 @@ def test_fit_under_ray_reports_the_chiefs_epoch_logs_resumes_from_rays_checkpoin
     for key in ("loss", "accuracy", "val_loss", "val_accuracy", "examples_per_second"):
         assert isinstance(result.metrics.get(key), float), (key, result.metrics)
     _assert_equal(under_ray, _launch(tmp_path, "fit", SCENARIOS["mirrored"][1]))
+
+
+def test_a_run_resumed_at_another_worker_count_trains_every_example_once(cluster, tmp_path):
+    """One epoch: 3 workers stop from step 12 of 23 on (a backup every 5 steps), 2 workers resume from the backup: the
+    ledger both runs kept proves every example trained exactly once (``towers verify --ledger``)."""
+    ledger, backup = tmp_path / "run", str(tmp_path / "backup")
+    job = {"env": {"TOWERS_LEDGER_DIR": str(ledger)}, "backup_dir": backup, "epochs": 1}
+    _ray(cluster, tmp_path, "fit", "mirrored", 3, stop_at=12, **job)
+    _ray(cluster, tmp_path, "fit", "mirrored", 2, **job)
+    proved = run([*towers_command(), "verify", "--ledger", str(ledger)], cwd=tmp_path, deadline_s=60)
+    assert proved.returncode == 0, proved.stdout + proved.stderr
+    # The stop takes effect at the next step whose logs are reduced; the 2 workers go on mid-epoch from its backup.
+    resumed = re.search(r"restored to epoch 0, example (\d+) of its order \(2 process\(es\)\)", proved.stdout)
+    assert resumed and 0 < int(resumed.group(1)) < 1438, proved.stdout
+    assert "every example of every completed epoch trained exactly once" in proved.stdout, proved.stdout
 
 
 def test_the_example_driver_trains_reports_and_checkpoints(cluster, tmp_path, monkeypatch):
