@@ -78,7 +78,7 @@ class BitwiseSteps:
 
     def __init__(self, micro_batch_size: int | None, *, rank: int, num_replicas: int,
                  gather: Callable[[torch.Tensor], torch.Tensor], group: Any = None,
-                 exchange: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 exchange: Callable[[torch.Tensor], torch.Tensor] | None = None, lockstep: bool = False):
         self._micro_batch_size = micro_batch_size  # None: chosen from the first global batch (``check_batch_size``)
         #: ``gather(t)``: every replica's ``t`` concatenated on dim 0, in replica order (the strategy's ``gather``)
         self._rank, self._num_replicas, self._gather = rank, num_replicas, gather
@@ -86,6 +86,9 @@ class BitwiseSteps:
         #: ``exchange(block)``: every replica's ``block`` (its subtrees, one per row) stacked in replica order, in
         #: place of the chunked all-to-all (a strategy whose collectives are its own: fault tolerance)
         self._exchange_rows = exchange
+        #: whether every replica runs as many micro-batches as the one with the most (a forward that takes part in
+        #: collectives, as FSDP2's parameter all-gathers do); the extra ones train nothing
+        self.lockstep = lockstep
         self._params: list[nn.Parameter] = []
         self._leaves: dict[int, _Grads] = {}  # this update's leaves computed here: global index -> its gradients
         self._leaf: int | None = 0  # global index of the micro-batch whose backward runs now (None: an empty share's)
@@ -255,6 +258,13 @@ class BitwiseSteps:
         for r, row in enumerate(rows):
             known.update(zip(self._own_nodes(r), row))
         return tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, zeros)
+
+    def reduce(self, op: str, value: Any) -> torch.Tensor | None:
+        """``strategy.reduce(op, value)`` of the step's result: its losses summed over the tree when ``value`` is what
+        ``run`` returned last and ``op`` is ``"sum"``; None for anything else (the strategy's own reduce then)."""
+        if op == "sum" and value is not None and value is self.last_result:
+            return self.reduce_sum()
+        return None
 
     def width(self) -> int:
         """The subtrees the replica with the most holds (each replica sends that many, padded: one all-gather)."""

@@ -17,15 +17,15 @@ __all__ = ["run_micro_batches"]
 
 
 def run_micro_batches(bitwise: BitwiseSteps, batch: BatchInfo | None, fn: Callable[..., Any], args: tuple[Any, ...],
-                      kwargs: dict[str, Any], *, replica_id: int, device: torch.device, lockstep: bool,
+                      kwargs: dict[str, Any], *, replica_id: int, device: torch.device,
                       step_context: Callable[[bool, int | None, int], contextlib.AbstractContextManager[Any]]) -> Any:
     """Run ``fn`` once per micro-batch of replica ``replica_id``'s share of ``batch``; return the share's result
     (``BitwiseSteps.result``).
 
     An empty share (the last batch of an epoch, fewer micro-batches than replicas) runs ``fn`` once on what it was
-    given (0 examples, or one padding example), so that its backward joins the tree's exchange. ``lockstep``: every
-    replica runs as many micro-batches as the one with the most (a forward with collectives of its own, FSDP2's), the
-    extra ones repeating the first and counting nothing.
+    given (0 examples, or one padding example), so that its backward joins the tree's exchange. Under
+    ``bitwise.lockstep`` every replica runs as many micro-batches as the one with the most (a forward with collectives
+    of its own, FSDP2's), the extra ones repeating the first and counting nothing.
 
     Args:
         bitwise: the strategy's micro-batches and tree.
@@ -35,7 +35,6 @@ def run_micro_batches(bitwise: BitwiseSteps, batch: BatchInfo | None, fn: Callab
         kwargs: its keyword arguments (cut the same way).
         replica_id: this replica's place in the step's split.
         device: where random draws are keyed.
-        lockstep: whether every replica runs the same count of micro-batches.
         step_context: ``step_context(last, leaf, count)``: what to enter around one micro-batch (the strategy's
             replica context; ``last``: this replica's last of the batch, ``leaf``: its global index or None,
             ``count``: the micro-batches that train here).
@@ -57,7 +56,7 @@ def run_micro_batches(bitwise: BitwiseSteps, batch: BatchInfo | None, fn: Callab
     bitwise.begin(ranges)
     parts = bitwise.split(args, kwargs, batch.local_batch_size) if end > first else [(args, kwargs)]
     count = len(parts)  # the micro-batches that train; lockstep repeats the first (its gradient counts nothing)
-    if lockstep:
+    if bitwise.lockstep:
         parts += parts[:1] * (max(max(1, e - f) for f, e in ranges) - count)
     for i, (margs, mkwargs) in enumerate(parts):
         last = i == len(parts) - 1

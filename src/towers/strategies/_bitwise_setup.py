@@ -79,8 +79,9 @@ def bitwise_steps(bitwise: Any, micro_batch_size: Any, *, strategy: str, precisi
     size = micro_batch_size
 
     def build(rank: int, num_replicas: int, gather: Callable[[torch.Tensor], torch.Tensor], group: Any = None,
-              exchange: Callable[[torch.Tensor], torch.Tensor] | None = None) -> BitwiseSteps:
-        return BitwiseSteps(size, rank=rank, num_replicas=num_replicas, gather=gather, group=group, exchange=exchange)
+              exchange: Callable[[torch.Tensor], torch.Tensor] | None = None, lockstep: bool = False) -> BitwiseSteps:
+        return BitwiseSteps(size, rank=rank, num_replicas=num_replicas, gather=gather, group=group, exchange=exchange,
+                            lockstep=lockstep)
 
     return build
 

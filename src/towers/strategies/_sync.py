@@ -194,10 +194,6 @@ class SyncStrategy(Strategy):
         gradients in a collective of its own sums the tree there instead)."""
         bitwise.watch(model)
 
-    #: ``bitwise=True``: whether every replica runs as many micro-batches as the one with the most (a forward that
-    #: takes part in collectives, as FSDP2's parameter all-gathers do); the extra ones train nothing
-    _bitwise_lockstep = False
-
     def _set_gradient_sync(self, enabled: bool) -> None:
         """Switch gradient synchronisation of the prepared models on or off (nothing to switch on one replica)."""
 
@@ -305,7 +301,7 @@ class SyncStrategy(Strategy):
                 num_padding_examples=run.num_padding_examples if leaf is None else 0, is_update_step=run.sync and last))
 
         return run_micro_batches(bitwise, run.batch, fn, args, kwargs, replica_id=self.replica_id, device=self._device,
-                                 lockstep=self._bitwise_lockstep, step_context=step_context)
+                                 step_context=step_context)
 
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine ``value`` across replicas (see ``Strategy.reduce``); ``axis`` also reduces over that axis, ragged-aware.
@@ -315,8 +311,9 @@ class SyncStrategy(Strategy):
             TypeError: when ``value`` is not a tensor or a number.
         """
         op = check_op(op)
-        if self._bitwise is not None and value is not None and value is self._bitwise.last_result and op == "sum":
-            return self._bitwise.reduce_sum()  # the step's losses over the tree: the same bits at any replica count
+        tree = None if self._bitwise is None else self._bitwise.reduce(op, value)
+        if tree is not None:
+            return tree  # the step's losses over the tree: the same bits at any replica count
         tensor = as_tensor(value, self._device)
         if axis is not None and not -tensor.dim() <= axis < max(tensor.dim(), 1):
             raise InvalidArgumentError(

@@ -203,9 +203,9 @@ class FullyShardedStrategy(SyncStrategy):
             torch.cuda.set_device(device)
         super().__init__(info=info, device=device, comm=comm, precision=precision,
                          gradient_accumulation_steps=gradient_accumulation_steps, layout=self.layout,
-                         bitwise=None if build is None else build(comm.rank, comm.num_replicas, self.gather))
+                         bitwise=None if build is None else build(comm.rank, comm.num_replicas, self.gather,
+                                                                  lockstep=self._mesh is not None))  # FSDP2 gathers
         self._tree = ShardedTree(self._bitwise, self.layout.describe()) if self._bitwise and self._mesh else None
-        self._bitwise_lockstep = self._tree is not None  # each forward all-gathers: every replica as many micro-batches
         self._sharded: list[Any] = []  # the FSDP roots prepare() made
         self._state = ShardedState(precision=self.precision, pipeline=self.pipeline, sharded=self._mesh is not None,
                                    async_save=self._async_save)

@@ -81,12 +81,7 @@ class BitwiseGroups:
 
         try:
             return run_micro_batches(self.steps, batch, fn, args, kwargs, replica_id=strategy.replica_id,
-                                     device=strategy.device, lockstep=False, step_context=step_context)
+                                     device=strategy.device, step_context=step_context)
         finally:
             self.last = True
 
-    def reduce(self, op: str, value: Any) -> torch.Tensor | None:
-        """The step's losses summed over the tree (``reduce("sum", strategy.run(...))``); None for anything else."""
-        if op == "sum" and value is not None and value is self.steps.last_result:
-            return self.steps.reduce_sum()
-        return None

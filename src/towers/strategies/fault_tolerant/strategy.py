@@ -217,7 +217,7 @@ class FaultTolerantStrategy(Strategy):
     # --- collectives over the live groups (LiveGroupCollectives) ---------------------------------------
     def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine ``value`` over the live groups with ``op`` (see ``Strategy.reduce``)."""
-        tree = None if self._bitwise is None or axis is not None else self._bitwise.reduce(op, value)
+        tree = None if self._bitwise is None or axis is not None else self._bitwise.steps.reduce(op, value)
         return self._collectives.reduce(op, value, axis) if tree is None else tree
 
     def gather(self, value: torch.Tensor, axis: int = 0) -> torch.Tensor:
