@@ -110,6 +110,9 @@ def rendezvous_store_at(info: ProcessInfo, timeout_s: float) -> tuple[dist.Store
     """Return ``rendezvous_store``'s store and the host its client reached it at (a second client goes there)."""
     hosts_store = info.rank == 0 and not info.agent_store
     port = int(info.master_port)  # type: ignore[arg-type]
+    if hosts_store and port in _SERVERS:  # a later join of this process: the server it already runs
+        store, host = _SERVERS[port]
+        return dist.PrefixStore(f"towers/attempt_{info.restart_count}", store), host
     listener = store_listener(info, port) if hosts_store else None
     if listener is not None:  # the server listens on the rendezvous address only, and the chief's client goes there
         fd, host = listener
@@ -132,7 +135,15 @@ def rendezvous_store_at(info: ProcessInfo, timeout_s: float) -> tuple[dist.Store
             wait_for_workers=False,
             multi_tenant=True,
         )
+    if hosts_store:
+        _SERVERS[port] = (store, host)
     return dist.PrefixStore(f"towers/attempt_{info.restart_count}", store), host
+
+
+#: The store servers this process runs, by port, kept for its lifetime: a strategy built after another's shutdown
+#: joins on the same server. Were it stopped with the first group, a peer still joining through it (its own shutdown
+#: done sooner) would lose its connection mid-join; each join and group has keys of its own (``join_``, ``group_``).
+_SERVERS: dict[int, tuple[dist.TCPStore, str]] = {}
 
 
 def store_listener(info: ProcessInfo, port: int) -> tuple[int, str] | None:

@@ -209,3 +209,24 @@ def test_every_synchronous_strategy_matches_one_device(name, replicas):
     assert last_shares == [1] + [0] * (replicas - 1)
     assert [r["padded_empty_share"]["shares"][2] for r in per_rank] == [1] * replicas  # padding, weight zero
     assert sum(r["ragged_last_batch"]["shares"][2] for r in per_rank) == 6
+
+
+def _strategies_one_after_another(out_dir: str) -> list[float]:
+    """Three strategies in a row; after each, the chief writes a checkpoint-sized file before its shutdown, so the
+    others finish theirs first and already join the next strategy's group through the chief's store."""
+    import os
+
+    sums = []
+    for i in range(3):
+        strategy = towers.MirroredStrategy()
+        sums.append(strategy.reduce("sum", torch.ones(1)).item())
+        if strategy.is_chief:
+            torch.save({"weights": torch.randn(16_000_000)}, os.path.join(out_dir, f"checkpoint{i}.pt"))
+        strategy.shutdown()
+    return sums
+
+
+def test_a_strategy_built_while_the_chief_still_shuts_the_last_one_down_joins(tmp_path):
+    """The chief's store server outlives its group: a peer that joined the next group through it before the chief's
+    shutdown lost its connection mid-join ('Failed to recv, got 0 bytes') when the server stopped with the group."""
+    assert towers.spawn(_strategies_one_after_another, 3, args=(str(tmp_path),), timeout_s=120) == [[3.0] * 3] * 3
