@@ -1,8 +1,10 @@
 """The seed CNN on the bundled digits with Adam, under bitwise=True (or not): what tests/distributed/test_bitwise.py runs
 at 1, 2, 3 and 4 processes, through towers.spawn, and as a script under `towers launch --bitwise`.
 
-As a script: ``python bitwise_job.py OUT_DIR`` trains with ``towers.strategy_from_env()`` and writes the chief's
-parameters, optimizer state and logged losses to ``OUT_DIR/result.pt``.
+As a script: ``python bitwise_job.py OUT_DIR [UPDATES [CHECKPOINTS DIE_AT]]`` trains with
+``towers.strategy_from_env()`` and writes the chief's parameters, optimizer state and logged losses to
+``OUT_DIR/result.pt``; with a checkpoint directory it saves every 10 updates and replica 1 dies after update DIE_AT
+in the launcher's first attempt.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def run_updates(strategy: towers.Strategy, step: Callable[..., torch.Tensor], ba
 def _outcome(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any, losses: list[float]) -> dict:
     """What a run ends with, to compare bit for bit: parameters, optimizer state, logged losses; the strategy shut."""
     raw = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(strategy, towers.ParameterServerStrategy):  # the state lives on the ps task: fetched
+        raw = type("Fetched", (), {"state": optimizer.state_dict()["state"]})
 
     def whole(v: torch.Tensor) -> torch.Tensor:  # a sharded strategy's DTensor gathered whole (a collective)
         return (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
@@ -70,12 +74,17 @@ def _outcome(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any, 
 
 
 def _strategy(bitwise: bool, kind: str = "mirrored", **options: Any) -> towers.Strategy:
-    """One device in one process; else ``kind``: ``"mirrored"`` or ``"sharded"`` (FSDP2)."""
+    """One device in one process; else ``kind``: ``"mirrored"``, ``"sharded"`` (FSDP2) or ``"ps"`` or ``"hybrid"``
+    (sync, the last rank a ps task)."""
     micro = MICRO_BATCH if bitwise else None
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return towers.OneDeviceStrategy("cpu", bitwise=bitwise, micro_batch_size=micro, **options)
     if kind == "sharded":
         return towers.FullyShardedStrategy(bitwise=bitwise, micro_batch_size=micro, **options)
+    if kind in ("ps", "hybrid"):  # the last rank is the ps task: it serves until the workers are done, then returns
+        cls = towers.ParameterServerStrategy if kind == "ps" else towers.HybridStrategy
+        return cls(num_ps=1, mode="sync", bitwise=bitwise, micro_batch_size=micro, exit_on_ps=False, timeout_s=60,
+                   **options)
     return towers.MirroredStrategy(bitwise=bitwise, micro_batch_size=micro, **options)
 
 
@@ -88,6 +97,8 @@ def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy:
     from towers.checkpoint import CheckpointManager
 
     strategy = strategy or _strategy(bitwise, kind)
+    if getattr(strategy, "is_ps", False):
+        return {}  # a ps task: its part is done
     torch.manual_seed(1234 + strategy.replica_id)  # different seeds per replica: prepare gives every one the chief's
     train_set, _ = load_digits()
     with strategy.scope():
@@ -110,7 +121,36 @@ def train(updates: int, *, bitwise: bool = True, clip: str = "towers", strategy:
     return {**_outcome(strategy, model, optimizer, losses), "resumed_at": resumed_at}
 
 
-def train_gpt(updates: int, kind: str = "mirrored") -> dict:
+def train_saving(updates: int, checkpoints: str, *, save_every: int, die_at: int | None = None) -> dict:
+    """``train`` (no clip) under ``towers.strategy_from_env()``, resuming from the latest checkpoint in ``checkpoints``
+    and saving every ``save_every`` updates; replica 1 dies (``os._exit``, no goodbye: the OOM killer's way) after
+    update ``die_at``."""
+    from towers.checkpoint import CheckpointManager
+
+    strategy = towers.strategy_from_env()
+    if getattr(strategy, "is_ps", False):
+        return {}
+    torch.manual_seed(1234 + strategy.replica_id)
+    model = SeedCNN()
+    model, optimizer = strategy.prepare(model, torch.optim.Adam(model.parameters(), lr=3e-3))
+    batches = strategy.distribute_dataset(load_digits()[0], GLOBAL_BATCH, shuffle=True, seed=7, drop_remainder=True)
+    step = classifier_step(strategy, model, optimizer, clip="none")
+    manager = CheckpointManager(checkpoints, strategy=strategy)
+    state = {"model": model, "optimizer": optimizer, "data": batches}
+    losses = list(manager.restore(state)["losses"]) if manager.latest_checkpoint is not None else []
+    resumed_at = len(losses)
+    feed = (batch for _ in iter(int, 1) for batch in batches)  # epoch after epoch, one iterator throughout
+    while len(losses) < updates:
+        losses.append(strategy.reduce("sum", strategy.run(step, args=tuple(next(feed)))).item())
+        if len(losses) % save_every == 0:
+            manager.save({**state, "losses": losses})
+        if len(losses) == die_at and strategy.replica_id == 1:
+            os._exit(3)
+    manager.close()
+    return {**_outcome(strategy, model, optimizer, losses), "resumed_at": resumed_at}
+
+
+def train_gpt(updates: int, kind: str = "mirrored", clip: bool = True) -> dict:
     """towers' GPT with AdamW, right-padded rows and a token mask (``compute_average_loss(per_token, weights=mask)``);
     under ``kind="sharded"`` each block is an FSDP2 unit of its own."""
     from torch.utils.data import TensorDataset
@@ -118,6 +158,8 @@ def train_gpt(updates: int, kind: str = "mirrored") -> dict:
     from towers.models_gpt import GPT, GPTConfig, random_tokens
 
     strategy = _strategy(True, kind)
+    if getattr(strategy, "is_ps", False):
+        return {}
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     torch.manual_seed(0)
     x, y = random_tokens(96, config, seed=1)
@@ -132,7 +174,8 @@ def train_gpt(updates: int, kind: str = "mirrored") -> dict:
         per_token = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), reduction="none")
         loss = towers.compute_average_loss(per_token.view_as(weights), weights=weights)
         loss.backward()
-        strategy.clip_grad_norm_(model.parameters(), 1.0)
+        if clip:  # (the parameter servers refuse a global-norm clip: a worker holds its share)
+            strategy.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         return loss
 
@@ -216,6 +259,11 @@ def fit(epochs: int) -> dict:
 
 if __name__ == "__main__":
     out_dir = sys.argv[1]
-    outcome = train(int(sys.argv[2]) if len(sys.argv) > 2 else 10, strategy=towers.strategy_from_env())
+    if len(sys.argv) > 3:  # OUT_DIR UPDATES CHECKPOINTS DIE_AT: saving every 10 updates; replica 1 dies once
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        outcome = train_saving(int(sys.argv[2]), sys.argv[3], save_every=10,
+                               die_at=int(sys.argv[4]) if first_attempt else None)
+    else:
+        outcome = train(int(sys.argv[2]) if len(sys.argv) > 2 else 10, strategy=towers.strategy_from_env())
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(outcome, os.path.join(out_dir, "result.pt"))

@@ -80,6 +80,48 @@ def test_preempted_at_two_replicas_and_resumed_at_three_it_ends_with_the_same_bi
 
 
 @pytest.fixture(scope="module")
+def unclipped_one_process() -> dict:
+    """One process without a clip: the parameter servers refuse a global-norm clip (a worker holds its share)."""
+    return towers.spawn(train, 1, args=(UPDATES,), kwargs={"clip": "none"}, timeout_s=120, threads_per_process=1)[0]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_parameter_servers_sum_the_tree_at_the_ps_and_train_one_process_bits(unclipped_one_process, workers):
+    """ParameterServerStrategy(mode="sync", bitwise=True), 1 ps task + 2 or 3 workers: each worker pushes its
+    subtrees, the ps sums the top of the tree and steps Adam with torch's own kernel; every worker ends with one
+    process's parameters, the ps's Adam state (fetched) is one process's, and so are the logged losses."""
+    results = towers.spawn(train, workers + 1, args=(UPDATES,), kwargs={"clip": "none", "kind": "ps"}, timeout_s=240,
+                           threads_per_process=1)
+    assert results[-1] == {}  # the ps task
+    assert [_differences(r, unclipped_one_process) for r in results[:-1]] == [[]] * workers
+
+
+def test_hybrid_sums_the_dense_tree_among_the_workers_and_trains_one_process_bits(one_process):
+    """HybridStrategy(bitwise=True), 1 ps task + 3 workers, with towers' clip: the dense subtrees exchanged among
+    the workers as MirroredStrategy does."""
+    results = towers.spawn(train, 4, args=(UPDATES,), kwargs={"kind": "hybrid"}, timeout_s=240, threads_per_process=1)
+    assert [_differences(r, one_process) for r in results[:-1]] == [[], [], []]
+
+
+def test_a_ps_worker_killed_stops_the_job_by_name_and_the_restart_ends_with_one_process_bits(unclipped_one_process,
+                                                                                           tmp_path):
+    """``towers launch`` of 2 workers + 1 ps task under ``--bitwise``, saving every 10 updates; worker 1 dies after
+    update 26 (no goodbye). A lost worker's micro-batches are in no one's tree, so the survivor does not train on
+    (another sum) but stops with the reason and the fix; ``--max-restarts 1`` restarts the job, which resumes at
+    update 20 and ends with the bits of one process that never lost anything."""
+    argv = [*towers_command(), "launch", "--nproc-per-node", "3", "--num-ps", "1", "--bitwise", "--strategy-option",
+            "mode=sync", "--strategy-option", "micro_batch_size=4", "--max-restarts", "1", str(JOB), str(tmp_path),
+            str(UPDATES), str(tmp_path / "ckpt"), "26"]
+    proc = run(argv, cwd=tmp_path, env={**clean_env(), "OMP_NUM_THREADS": "1"}, deadline_s=240, marker=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "under bitwise=True" in proc.stderr and "Restart the job from its last checkpoint" in proc.stderr, \
+        proc.stderr[-4000:]
+    result = torch.load(tmp_path / "result.pt", weights_only=True)
+    assert result["resumed_at"] == 20
+    assert _differences(result, unclipped_one_process) == []
+
+
+@pytest.fixture(scope="module")
 def gpt_one_process() -> dict:
     return towers.spawn(train_gpt, 1, args=(8,), timeout_s=120, threads_per_process=1)[0]
 
@@ -125,6 +167,16 @@ def test_a_gpt_with_adamw_and_a_token_mask_has_the_same_bits_at_three_replicas(g
     results = towers.spawn(train_gpt, 3, args=(8, kind), timeout_s=180, threads_per_process=1)
     assert gpt_one_process["losses"][-1] < gpt_one_process["losses"][0]
     assert [_differences(r, gpt_one_process) for r in results] == [[], [], []]
+
+
+def test_a_gpt_with_a_token_mask_has_one_process_bits_under_ps_and_hybrid_at_three_workers(gpt_one_process):
+    """The weighted loss: the ps divides the tree's sum by the update's weight as one device divides its gradient
+    (a worker's share was once divided in place before its push: a silent second division)."""
+    hybrid = towers.spawn(train_gpt, 4, args=(8, "hybrid"), timeout_s=180, threads_per_process=1)
+    assert [_differences(r, gpt_one_process) for r in hybrid[:-1]] == [[], [], []]
+    unclipped = towers.spawn(train_gpt, 1, args=(8, "mirrored", False), timeout_s=120, threads_per_process=1)[0]
+    ps = towers.spawn(train_gpt, 4, args=(8, "ps", False), timeout_s=180, threads_per_process=1)
+    assert [_differences(r, unclipped) for r in ps[:-1]] == [[], [], []]
 
 
 def test_dropout_masks_keyed_by_the_micro_batch_give_the_same_bits_at_three_replicas():

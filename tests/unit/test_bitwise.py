@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 import towers
 from towers.cluster.info import ProcessInfo
 from towers.data import shard_bounds
-from towers.strategies._bitwise import dyadic_nodes, tree_sum
+from towers.strategies._bitwise_tree import dyadic_nodes, tree_sum
 
 
 @pytest.mark.parametrize("num_leaves", [1, 2, 5, 6, 8, 12])
@@ -187,12 +187,56 @@ def test_fault_tolerant_bitwise_refuses_groups_of_several_processes_before_conne
         towers.FaultTolerantStrategy(info=info, lighthouse="http://127.0.0.1:1", bitwise=True, **options)
 
 
-@pytest.mark.parametrize("name", ["ParameterServerStrategy", "HybridStrategy"])
-def test_a_strategy_that_does_not_build_it_yet_refuses_bitwise_by_name(name):
-    with pytest.raises(ValueError, match=rf"{name} does not train bit for bit yet. Received: bitwise=True. Use "
-                                         r"OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, "
-                                         r"FullyShardedStrategy or FaultTolerantStrategy"):
-        getattr(towers, name)(bitwise=True)
+@pytest.mark.parametrize("options, match", [
+    ({"mode": "async"}, r"Received: mode='async': each update there is one worker's share"),
+    ({"mode": "diloco", "sync_every": 4}, r"Received: mode='diloco': each update there is one worker's share"),
+])
+def test_the_parameter_servers_refuse_what_is_not_one_devices_update_before_connecting(options, match):
+    with pytest.raises(ValueError, match=r"ParameterServerStrategy\(bitwise=True\) cannot keep this exact. " + match):
+        towers.ParameterServerStrategy(bitwise=True, **options)
+
+
+def test_a_ps_round_sums_the_workers_subtrees_in_one_devices_order_whatever_order_they_arrive_in():
+    from towers.strategies._bitwise_tree import Grads, root_sum
+    from towers.strategies.parameter_server.requests import RequestError
+    from towers.strategies.parameter_server.sharding import FlatLayout, ParamSpec
+    from towers.strategies.parameter_server.tree_round import TreeRound
+
+    layout = FlatLayout([ParamSpec("w", (3, 5), "torch.float32"), ParamSpec("b", (7,), "torch.float32")])
+    torch.manual_seed(0)
+    leaves = {(0, i): Grads([torch.randn(3, 5) * 10 ** (i - 3), torch.randn(7)]) for i in range(6)}
+    zeros = lambda: Grads([torch.zeros(3, 5), torch.zeros(7)])  # noqa: E731
+    one_device = root_sum(leaves, 6, zeros)
+
+    def push(first: int, end: int) -> tuple[dict, torch.Tensor]:  # a worker's subtrees, one row of the layout each
+        nodes = dyadic_nodes(first, end)
+        rows = torch.zeros(len(nodes) * layout.nbytes, dtype=torch.uint8)
+        for k, node in enumerate(nodes):
+            for view, value in zip(layout.views(rows[k * layout.nbytes:(k + 1) * layout.nbytes]),
+                                   tree_sum(leaves, *node, 6, zeros).tensors):
+                view.copy_(value)
+        return {"nodes": [list(n) for n in nodes], "leaves": 6}, rows
+
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):  # 3 workers of 2 micro-batches each, arriving in any order
+        tree, out = TreeRound(0), layout.new_buffer()
+        for w in order:
+            tree.add(f"worker {w}", *push(*shard_bounds(6, 3, w)), layout.nbytes)
+        tree.total_into(layout, out)
+        assert all(torch.equal(a, b) for a, b in zip(layout.views(out), one_device.tensors)), order
+        assert not tree.active  # the next round starts empty
+    tree = TreeRound(0)
+    meta, rows = push(0, 2)
+    tree.add("worker 0", meta, rows, layout.nbytes)
+    with pytest.raises(RequestError, match=r"worker 0 pushed tree node \(1, 0\) twice in one round"):
+        tree.add("worker 0", meta, rows, layout.nbytes)
+    with pytest.raises(RequestError, match=r"worker 1 pushed a tree over 8 micro-batches into a round over 6"):
+        tree.add("worker 1", {**push(2, 4)[0], "leaves": 8}, push(2, 4)[1], layout.nbytes)
+    with pytest.raises(RequestError, match=r"worker 1's bitwise push carries 0 B for 1 subtree"):
+        tree.add("worker 1", push(2, 4)[0], None, layout.nbytes)
+    with pytest.raises(RequestError, match=r"worker 1 sent a malformed bitwise push"):
+        tree.add("worker 1", {"nodes": "all"}, None, layout.nbytes)
+    with pytest.raises(RequestError, match=r"the round's tree is incomplete \(bitwise: leaf 2 of 6 is missing"):
+        tree.total_into(layout, layout.new_buffer())  # a worker lost: its micro-batches are in no one's tree
 
 
 @pytest.mark.parametrize("options, match", [
@@ -210,6 +254,8 @@ def test_the_strategy_option_reaches_the_strategies_that_take_it():
     from towers.strategies.registry import check_strategy_options
 
     check_strategy_options("mirrored", {"bitwise": "true", "micro_batch_size": 4})
+    check_strategy_options("ps", {"bitwise": "true", "micro_batch_size": 4, "mode": "sync"})
+    check_strategy_options("hybrid", {"bitwise": "true", "micro_batch_size": 4})
     with pytest.raises(ValueError, match=r"takes micro_batch_size as an integer"):
         check_strategy_options("mirrored", {"bitwise": "true", "micro_batch_size": "four"})
 

@@ -172,8 +172,8 @@ def launch_parser(prog: str = "towers launch") -> argparse.ArgumentParser:
                             "sharded only); the same as --strategy-option mesh=DIMS")
     group.add_argument("--bitwise", action="store_true",
                        help="one device's maths bit for bit at any process count (--strategy one_device, mirrored, "
-                            "multi_worker_mirrored; with --strategy-option micro_batch_size=M); the same as "
-                            "--strategy-option bitwise=true")
+                            "multi_worker_mirrored, sharded, ft, ps with mode=sync, hybrid; with --strategy-option "
+                            "micro_batch_size=M); the same as --strategy-option bitwise=true")
     group.add_argument("--ledger", default=None, metavar="DIR",
                        help="keep a ledger of which examples each committed update trained under DIR/ledger "
                             "(sets TOWERS_LEDGER_DIR for every process); `towers verify --ledger DIR` proves from it, "

@@ -164,13 +164,14 @@ def shard_model(model: nn.Module, mesh: Any, *, shard_units: ShardUnits = "auto"
     return model
 
 
-def broadcast_from_first(model: nn.Module) -> None:
-    """Give every process the job's first process's parameters and buffers (as DDP does, however the script seeded)."""
+def broadcast_from_first(model: nn.Module, group: Any = None) -> None:
+    """Give every process the job's first process's parameters and buffers (as DDP does, however the script seeded);
+    ``group``: among its processes only (the job's first must be one of them)."""
     import torch.distributed as dist
 
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+            dist.broadcast(tensor.data, src=0, group=group)
 
 
 def fsdp_modules(model: nn.Module) -> list[Any]:

@@ -25,7 +25,7 @@ same bits, so they stay equal. Deterministic kernels on a GPU are the user's swi
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -33,43 +33,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from towers._logging import get_logger
 from towers.errors import FailedPreconditionError, user_error
+from towers.strategies._bitwise_tree import Grads, Node, dyadic_nodes, root_sum, tree_sum
 
-#: A tree node's value: a tensor (a flat gradient, a loss) or a leaf's gradients (``_Grads``); anything with ``+``.
-Node = TypeVar("Node", torch.Tensor, "_Grads")
-
-__all__ = ["BitwiseSteps", "dyadic_nodes", "tree_sum"]
+__all__ = ["BitwiseSteps"]
 
 log = get_logger(__name__)
-
-
-def _levels(num_leaves: int) -> int:
-    return max(0, (num_leaves - 1).bit_length())  # the tree over the next power of two
-
-
-def dyadic_nodes(start: int, end: int) -> list[tuple[int, int]]:
-    """The ``(level, index)`` tree nodes that exactly cover leaves ``[start, end)``, largest first, left to right."""
-    nodes, i = [], start
-    while i < end:
-        level = 0
-        while i % (2 ** (level + 1)) == 0 and i + 2 ** (level + 1) <= end:
-            level += 1
-        nodes.append((level, i >> level))
-        i += 2 ** level
-    return nodes
-
-
-def tree_sum(known: dict[tuple[int, int], Node], level: int, index: int, num_leaves: int,
-             zeros: Callable[[], Node]) -> Node:
-    """Node ``(level, index)`` of the tree over ``num_leaves`` leaves: from ``known`` where it is there, else its two
-    children's sum (left + right); a node wholly past the last leaf is zeros."""
-    if (level, index) in known:
-        return known[(level, index)]
-    if index * 2 ** level >= num_leaves:
-        return zeros()
-    if level == 0:
-        raise FailedPreconditionError(f"bitwise: leaf {index} of {num_leaves} is missing from the tree")
-    return (tree_sum(known, level - 1, 2 * index, num_leaves, zeros)
-            + tree_sum(known, level - 1, 2 * index + 1, num_leaves, zeros))
 
 
 class BitwiseSteps:
@@ -78,7 +46,8 @@ class BitwiseSteps:
 
     def __init__(self, micro_batch_size: int | None, *, rank: int, num_replicas: int,
                  gather: Callable[[torch.Tensor], torch.Tensor], group: Any = None,
-                 exchange: Callable[[torch.Tensor], torch.Tensor] | None = None, lockstep: bool = False):
+                 exchange: Callable[[torch.Tensor], torch.Tensor] | None = None, lockstep: bool = False,
+                 deliver: Callable[[list[Grads], list[tuple[int, int]], int], None] | None = None):
         self._micro_batch_size = micro_batch_size  # None: chosen from the first global batch (``check_batch_size``)
         #: ``gather(t)``: every replica's ``t`` concatenated on dim 0, in replica order (the strategy's ``gather``)
         self._rank, self._num_replicas, self._gather = rank, num_replicas, gather
@@ -86,11 +55,14 @@ class BitwiseSteps:
         #: ``exchange(block)``: every replica's ``block`` (its subtrees, one per row) stacked in replica order, in
         #: place of the chunked all-to-all (a strategy whose collectives are its own: fault tolerance)
         self._exchange_rows = exchange
+        #: ``deliver(values, nodes, num_leaves)``: hand this replica's subtree values (the tree nodes ``nodes`` of
+        #: ``num_leaves``) to whoever sums the top of the tree (parameter servers); ``.grad`` then holds the share's sum
+        self._deliver = deliver
         #: whether every replica runs as many micro-batches as the one with the most (a forward that takes part in
         #: collectives, as FSDP2's parameter all-gathers do); the extra ones train nothing
         self.lockstep = lockstep
         self._params: list[nn.Parameter] = []
-        self._leaves: dict[int, _Grads] = {}  # this update's leaves computed here: global index -> its gradients
+        self._leaves: dict[int, Grads] = {}  # this update's leaves computed here: global index -> its gradients
         self._leaf: int | None = 0  # global index of the micro-batch whose backward runs now (None: an empty share's)
         self._num_leaves = 0
         self._ranges: list[tuple[int, int]] = []  # every replica's leaves [first, end) of the batch in progress
@@ -234,7 +206,7 @@ class BitwiseSteps:
         mine = torch.stack([v for _, v in self._losses]) if self._losses else like.new_zeros(0)
         leaves = self._gather(mine) if self._num_replicas > 1 else mine  # replica order: leaf order
         known = {(0, i): v for i, v in enumerate(leaves.unbind())}
-        return tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, lambda: mine.new_zeros(()))
+        return root_sum(known, self._num_leaves, lambda: mine.new_zeros(()))
 
     @property
     def leaf(self) -> int | None:
@@ -257,7 +229,7 @@ class BitwiseSteps:
         known: dict[tuple[int, int], Node] = {}
         for r, row in enumerate(rows):
             known.update(zip(self._own_nodes(r), row))
-        return tree_sum(known, _levels(self._num_leaves), 0, self._num_leaves, zeros)
+        return root_sum(known, self._num_leaves, zeros)
 
     def reduce(self, op: str, value: Any) -> torch.Tensor | None:
         """``strategy.reduce(op, value)`` of the step's result: its losses summed over the tree when ``value`` is what
@@ -286,7 +258,7 @@ class BitwiseSteps:
                              f"in the micro-batch of leaf {self._leaf}", "Call loss.backward() once per step "
                              "(sum the losses first), or leave bitwise off for a loop with several backwards.")
         # The gradients themselves are the leaf (no copy): .grad is emptied, so the next backward writes new ones.
-        self._leaves[self._leaf] = _Grads([p.grad if p.grad is not None and id(p) in self._reached
+        self._leaves[self._leaf] = Grads([p.grad if p.grad is not None and id(p) in self._reached
                                            else torch.zeros_like(p) for p in self._params])
         self._clear()
         if self._last:
@@ -302,10 +274,12 @@ class BitwiseSteps:
 
     def _finish(self) -> None:
         """Write the update's gradient, summed over the tree, into every parameter's ``.grad``."""
-        values = self.subtrees(self._leaves, lambda: _Grads([torch.zeros_like(p) for p in self._params]))
+        values = self.subtrees(self._leaves, lambda: Grads([torch.zeros_like(p) for p in self._params]))
         self._leaves = {}
+        if self._deliver is not None:
+            return self._hand_over(values, self._deliver)
         if self._num_replicas == 1:
-            total = self.root([values], lambda: _Grads([torch.zeros_like(p) for p in self._params])).tensors
+            total = self.root([values], lambda: Grads([torch.zeros_like(p) for p in self._params])).tensors
         else:
             flat, total, offset = (self._exchange(values) if self._exchange_rows is None else
                                    self._exchange_whole(values, self._exchange_rows)), [], 0
@@ -316,8 +290,25 @@ class BitwiseSteps:
             carry = self._carry.pop(id(p), None)  # earlier runs of an accumulated update: their trees, in run order
             p.grad = grad if carry is None else carry + grad
 
+    def _hand_over(self, values: list[Grads], deliver: Callable[[list[Grads], list[tuple[int, int]], int], None]) -> None:
+        """Give this replica's subtree values to ``deliver``; ``.grad`` becomes the share's sum (what a plain worker
+        holds). A gradient from before the run cannot join a tree summed elsewhere: refused, not lost."""
+        carried, self._carry = list(self._carry.values()), {}
+        if any(bool(c.any()) for c in carried):  # zeros (zero_grad(set_to_none=False)) add nothing: let through
+            raise user_error("Under bitwise=True with parameter servers each optimizer.step() sends one run's "
+                             "micro-batches, and the ps sums them over the tree: a gradient left in .grad before the "
+                             "run (accumulation by hand, or no zero_grad) cannot be added there in one device's order",
+                             "a gradient in .grad when the step's backward began",
+                             "Call optimizer.zero_grad() at the start of every step and step after every run (for "
+                             "larger updates raise the global batch size).")
+        share: Grads | None = values[0] if values else None
+        for value in values[1:]:
+            share = value if share is None else share + value
+        for i, p in enumerate(self._params):
+            p.grad = None if share is None else share.tensors[i]
+        deliver(values, self._own_nodes(), self._num_leaves)
 
-    def _exchange(self, values: list[_Grads]) -> torch.Tensor:
+    def _exchange(self, values: list[Grads]) -> torch.Tensor:
         """The tree's sum, flat, from this replica's subtree ``values`` and every other replica's: each replica sums
         the top of the tree for one chunk of the gradient (an all-to-all brings it every replica's subtrees of that
         chunk), then every replica gathers every chunk. The tree is elementwise, so a chunk summed alone has the bits
@@ -341,32 +332,18 @@ class BitwiseSteps:
             dist.all_gather_single(whole, mine, group=self._group)
         return whole[:size]
 
-    def _exchange_whole(self, values: list[_Grads], exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def _exchange_whole(self, values: list[Grads], exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The tree's sum, flat, from every replica's subtrees stacked whole by ``exchange``."""
         n, width, block = self._num_replicas, self.width(), self._block(values)
         rows, zeros = exchange(block), self._params[0].new_zeros
         return self.root([list(rows[r * width:(r + 1) * width].unbind()) for r in range(n)],
                          lambda: zeros(block.shape[1]))
 
-    def _block(self, values: list[_Grads]) -> torch.Tensor:
+    def _block(self, values: list[Grads]) -> torch.Tensor:
         """This replica's subtrees, one flat row each, padded with zero rows to ``width()``: one copy."""
         size, pad = sum(p.numel() for p in self._params), self.width() - len(values)
         flat = [t.reshape(-1) for v in values for t in v.tensors] + [self._params[0].new_zeros(size)] * pad
         return torch.cat(flat).view(-1, size)
-
-
-class _Grads:
-    """A leaf's (or a tree node's) gradients, one tensor per parameter, added elementwise by torch's foreach add: the
-    same bits as one flat add, without first copying every gradient into one flat tensor."""
-
-    __slots__ = ("tensors",)
-
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.tensors = tensors
-
-    def __add__(self, other: "_Grads") -> "_Grads":
-        return _Grads(list(torch._foreach_add(self.tensors, other.tensors)))
-
 
 
 def _combinable(result: Any) -> bool:

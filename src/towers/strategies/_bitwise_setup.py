@@ -1,4 +1,4 @@
-"""``bitwise=True``'s set-up: the options checked before any process group, the strategies that refuse it, the
+"""``bitwise=True``'s set-up: the options checked before any process group, the
 deterministic kernels it turns on, the error that names an op without one, and the random draws keyed by the
 micro-batch (``_bitwise.py`` holds the tree itself)."""
 
@@ -12,7 +12,7 @@ import torch
 from towers.errors import user_error
 from towers.strategies._bitwise import BitwiseSteps
 
-__all__ = ["keyed_random", "deterministic_kernels", "named_kernel_error", "bitwise_steps", "refuse_bitwise"]
+__all__ = ["keyed_random", "deterministic_kernels", "named_kernel_error", "bitwise_steps"]
 
 
 @contextlib.contextmanager
@@ -79,22 +79,9 @@ def bitwise_steps(bitwise: Any, micro_batch_size: Any, *, strategy: str, precisi
     size = micro_batch_size
 
     def build(rank: int, num_replicas: int, gather: Callable[[torch.Tensor], torch.Tensor], group: Any = None,
-              exchange: Callable[[torch.Tensor], torch.Tensor] | None = None, lockstep: bool = False) -> BitwiseSteps:
+              exchange: Callable[[torch.Tensor], torch.Tensor] | None = None, lockstep: bool = False,
+              deliver: Callable[..., None] | None = None) -> BitwiseSteps:
         return BitwiseSteps(size, rank=rank, num_replicas=num_replicas, gather=gather, group=group, exchange=exchange,
-                            lockstep=lockstep)
+                            lockstep=lockstep, deliver=deliver)
 
     return build
-
-def refuse_bitwise(strategy: str, bitwise: Any) -> None:
-    """Refuse ``bitwise=True`` on a strategy that does not build it yet, before any process group.
-
-    Raises:
-        ValueError: naming the strategy and the ones that take it.
-    """
-    from towers.cluster.strategy_options import parse_flag
-
-    if parse_flag("bitwise", bitwise):
-        raise user_error(f"{strategy} does not train bit for bit yet", "bitwise=True",
-                         "Use OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, FullyShardedStrategy or "
-                         "FaultTolerantStrategy with bitwise=True (--strategy mirrored --bitwise), or leave bitwise off "
-                         "here.")

@@ -21,12 +21,13 @@ import torch.distributed as dist
 from torch import nn
 
 from towers._logging import get_logger
+from towers.parallel.fsdp import broadcast_from_first
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import DEFAULT_TIMEOUT_S
-from towers.strategies._bitwise_setup import refuse_bitwise
 from towers.strategies._comm_hooks import sum_hook
 from towers.strategies._ddp import TowersDDP, check_same_parameters
-from towers.strategies.base import check_max_norm
+from towers.strategies.base import Strategy
+from towers.strategies.parameter_server.bitwise import BitwisePushes
 from towers.strategies.parameter_server.embeddings import SparseTables
 from towers.strategies.parameter_server.strategy import ParameterServerStrategy
 from towers.strategies.precision import MixedPrecisionModule
@@ -41,8 +42,10 @@ class HybridOptimizer(torch.optim.Optimizer):
     """The user's optimizer for the dense parameters; ``step()`` first sends the embedding rows' gradients to the ps."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, sparse: SparseTables | None,
-                 finish_gradients: Callable[[], None] = lambda: None):
+                 finish_gradients: Callable[[], None] = lambda: None,
+                 updates_now: Callable[[], bool] = lambda: True):
         self.optimizer = optimizer
+        self._updates_now = updates_now  # False on a micro-batch before the step's last (bitwise=True): no step
         self._sparse = sparse
         self._finish_gradients = finish_gradients  # weighted losses: divide by the update's global weight
         super().__init__(optimizer.param_groups, optimizer.defaults)  # shares the user's group dicts
@@ -50,6 +53,8 @@ class HybridOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Push the rows' gradients (the ps tasks update them), then step the dense parameters; return the loss."""
+        if not self._updates_now():
+            return None  # bitwise=True: the step's later micro-batches are still to come
         before_update(self)  # `towers verify` records the parameters here; nothing otherwise
         self._finish_gradients()
         if self._sparse is not None:
@@ -94,12 +99,15 @@ class HybridStrategy(ParameterServerStrategy):
 
     def __init__(self, num_ps: int | None = None, mode: str = "sync", staleness: int | None = None, *,
                  info: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
-                 precision: str | int | None = "32", bitwise: bool = False):
-        refuse_bitwise(type(self).__name__, bitwise)
+                 precision: str | int | None = "32", bitwise: bool = False, micro_batch_size: int | None = None):
         self._workers_group: Any = None
         self._ddp: list[TowersDDP] = []
         super().__init__(num_ps, mode, staleness, info=info, timeout_s=timeout_s, exit_on_ps=exit_on_ps,
-                         precision=precision)
+                         precision=precision, bitwise=bitwise, micro_batch_size=micro_batch_size)
+
+    def _bitwise_steps(self, build: Callable[..., Any]) -> BitwisePushes:
+        # the dense subtrees exchanged among the workers (Mirrored's tree); every worker steps its own optimizer
+        return BitwisePushes(self, build, dense_group=self._workers_group, pushes=False)
 
     def _before_links(self) -> None:
         # Every rank of the job takes part in creating a group, ps tasks included (they serve afterwards).
@@ -122,7 +130,14 @@ class HybridStrategy(ParameterServerStrategy):
         self._generations.prepared(model)
         dense = [p for p in model.parameters() if p.requires_grad]
         prepared: nn.Module
-        if self._workers_group is not None and dense:
+        if self._bitwise is not None:  # no DDP: the tree sums the dense gradients; every worker starts from the chief's
+            self._bitwise.refuse_tables(sparse is not None)
+            if self._workers_group is not None:
+                check_same_parameters(model, self.all_gather_object)
+                broadcast_from_first(model, self._workers_group)
+            self._bitwise.steps.watch(model)
+            prepared = model
+        elif self._workers_group is not None and dense:
             check_same_parameters(model, self.all_gather_object)
             ddp = TowersDDP(model, precision=self._precision, process_group=self._workers_group,
                             device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -136,7 +151,9 @@ class HybridStrategy(ParameterServerStrategy):
         self._prepared_any = True
         log.info("hybrid: %d dense parameter(s) all-reduced over %d worker(s), %d table(s) on %d ps task(s)",
                  len(dense), self.roles.num_workers, len(sparse) if sparse is not None else 0, self.num_ps)
-        return prepared, (HybridOptimizer(optimizer, sparse, self._finish_loss_weights) if optimizer is not None else None)
+        updates_now = (lambda: self._bitwise is None or self._bitwise.last)  # bitwise: after the last micro-batch only
+        return prepared, (HybridOptimizer(optimizer, sparse, self._finish_loss_weights, updates_now)
+                          if optimizer is not None else None)
 
     @property
     def _sums_replica_gradients(self) -> bool:
@@ -150,9 +167,7 @@ class HybridStrategy(ParameterServerStrategy):
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the dense gradients (all-reduced, the same on every worker) by their norm; the rows are not included."""
-        check_max_norm(max_norm)
-        self._finish_loss_weights("clip")
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return Strategy.clip_grad_norm_(self, parameters, max_norm, norm_type)  # the ps's refuses; the base clips
 
     def __repr__(self) -> str:
         role = f"ps task {self.roles.index}" if self.roles.is_ps else f"worker {self.roles.index}"

@@ -13,16 +13,18 @@ __all__ = ["worker_input"]
 
 
 def worker_input(dataset: Any, global_batch_size: int, *, num_replicas: int, replica_id: int, device: torch.device,
-                 dispatch: Dispatch | None, stream_options: dict[str, Any],
+                 dispatch: Dispatch | None, stream_options: dict[str, Any], split_unit: int = 1,
                  **loader_options: Any) -> DistributedDataset | DistributedStream:
     """Return this worker's ``DistributedStream`` (a stream) or ``DistributedDataset`` (anything else) of ``dataset``.
 
+    ``split_unit``: shares are whole runs of this many examples (``bitwise=True``'s micro-batches).
     ``loader_options``: ``distribute_dataset``'s own (shuffle, seed, collate_fn, num_workers, ...).
 
     Raises:
         TypeError: a stream option (``stream_options``) for a map-style dataset.
     """
-    common = dict(num_replicas=num_replicas, replica_id=replica_id, device=device, dispatch=dispatch, **loader_options)
+    common = dict(num_replicas=num_replicas, replica_id=replica_id, device=device, dispatch=dispatch,
+                  split_unit=split_unit, **loader_options)
     if is_stream(dataset):
         return DistributedStream(dataset, global_batch_size, **common, **stream_options)
     if stream_options:

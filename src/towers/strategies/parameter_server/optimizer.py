@@ -19,7 +19,7 @@ from towers.strategies.parameter_server.ps_state import fetch_state, send_state
 from towers.strategies.parameter_server.worker import BoundModel
 from towers.verify_capture import before_update
 
-__all__ = ["ParameterServerOptimizer"]
+__all__ = ["ParameterServerOptimizer", "prepared_optimizer"]
 
 
 class ParameterServerOptimizer(torch.optim.Optimizer):
@@ -29,8 +29,9 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
                  step_batches: Callable[[], tuple[bool, list[Any]]] = lambda: (False, []),
                  finish_gradients: Callable[[], None] = lambda: None,
                  expected_gradient_changes: Callable[[], int] = lambda: 0,
-                 replaced: Callable[[], bool] = lambda: False):
+                 replaced: Callable[[], bool] = lambda: False, updates_now: Callable[[], bool] = lambda: True):
         self._building = True
+        self._updates_now = updates_now  # False on a micro-batch before the step's last (bitwise=True): no push
         self._replaced = replaced  # a later model was prepared: the ps tasks no longer hold this one
         self.optimizer = optimizer
         self._bound = bound
@@ -47,6 +48,8 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Push this worker's gradients to the ps tasks and pull the updated parameters; return ``closure()``'s loss."""
+        if not self._updates_now():
+            return None  # bitwise=True: the step's later micro-batches are still to come; the push is after the last
         before_update(self)  # `towers verify` records the parameters here; nothing otherwise
         if self._replaced():
             raise user_error(
@@ -101,3 +104,21 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
             ValueError: when the groups or their sizes do not match this optimizer's.
         """
         send_state(self._bound, self.param_groups, state_dict)
+
+
+def prepared_optimizer(strategy: Any, optimizer: torch.optim.Optimizer | None, bound: BoundModel | None,
+                       sparse: SparseTables | None, *, diloco: Any, generation: int) -> torch.optim.Optimizer | None:
+    """The optimizer ``strategy.prepare`` returns for the ``generation``-th model: DiLoCo's (inner steps here, outer
+    ones at the ps tasks), else a ``ParameterServerOptimizer`` (under ``bitwise=True`` it pushes after the step's last
+    micro-batch only); None without an optimizer.
+    """
+    if optimizer is None:
+        return None
+    replaced = lambda: strategy._generations.replaced(generation)  # noqa: E731
+    if diloco is not None and bound is not None:
+        return diloco.wrap(optimizer, bound, step_batches=strategy._take_step_batches, replaced=replaced)
+    bitwise = strategy._bitwise
+    return ParameterServerOptimizer(optimizer, bound, sparse, step_batches=strategy._take_step_batches,
+                                    finish_gradients=strategy._finish_loss_weights,
+                                    expected_gradient_changes=lambda: int(strategy._loss_weights.divided),
+                                    replaced=replaced, updates_now=lambda: bitwise is None or bitwise.last)

@@ -111,7 +111,8 @@ def build_optimizer(spec: dict[str, Any] | None, params: Sequence[torch.nn.Param
 
     The constructor gets only the ``defaults`` its signature takes (AdamW's ``defaults`` hold
     ``decoupled_weight_decay``, which ``AdamW()`` does not accept); every group keeps all its values.
-    Returns None when no optimizer was given or none of its groups has a parameter here.
+    Returns None when no optimizer was given or none of its groups has a parameter here. It steps with torch's
+    fused or foreach kernel (``use_fast_kernels``) unless the spec says ``exact`` (``bitwise=True``).
 
     Raises:
         RequestError: when the class cannot be built from its defaults (sent back as bad input).
@@ -137,7 +138,8 @@ def build_optimizer(spec: dict[str, Any] | None, params: Sequence[torch.nn.Param
             f"ps task {ps_index} could not build torch.optim.{name}(**{kwargs}): {type(exc).__name__}: {exc}. "
             "The ps rebuilds the optimizer from its class, the defaults its constructor takes and each group's "
             "values; build the workers' optimizer with values its constructor accepts.", Status.BAD_INPUT) from exc
-    use_fast_kernels(optimizer)
+    if not spec.get("exact"):  # bitwise=True: torch's own choice, the kernel one device would step with
+        use_fast_kernels(optimizer)
     return optimizer
 
 

@@ -53,6 +53,7 @@ from towers.strategies.parameter_server.transport import (
     ProtocolError,
     Status,
 )
+from towers.strategies.parameter_server.tree_round import TreeRound
 
 __all__ = ["ParameterServer"]
 
@@ -97,6 +98,7 @@ class ParameterServer(ShardUpdates):
         self.present: list[bool] = []
         self.sum_buf = torch.empty(0, dtype=torch.uint8)
         self.round_buf = torch.empty(0, dtype=torch.uint8)  # the values a finished round sends back
+        self.tree = TreeRound(ps_index)  # bitwise=True rounds: the workers' subtrees
         self.embeddings = EmbeddingService(self, num_ps)
         ledger = LedgerWriter(ledger_dir, "ps0", rank=rank) if ledger_dir and ps_index == 0 else None
         self.dispatcher = Dispatcher(self, ledger=ledger) if ps_index == 0 else None  # batches handed out to the workers
@@ -215,11 +217,16 @@ class ParameterServer(ShardUpdates):
                         len(self.active()))
             if self.dispatcher is not None:
                 self.dispatcher.on_dead(w)
+            if self.tree.seen and self.failure is None:  # bitwise: its micro-batches are in no one's tree
+                self.failure = (f"ps task {self.ps_index}: {self.who(w)} is gone ({reason}) under bitwise=True, and "
+                                "its micro-batches of the global batch cannot be summed in one device's order by "
+                                "anyone else. Restart the job from its last checkpoint (towers.checkpoint."
+                                "CheckpointManager: it resumes the same bits at any worker count).")
             self.progress()
 
     def progress(self) -> None:
         """Re-check everything that waits on the set of live workers (caller holds the lock)."""
-        if self.mode == "sync" and self.arrivals and self.arrivals >= self.active():
+        if self.mode == "sync" and self.arrivals and self.arrivals >= self.active() and self.failure is None:
             self._apply_round()
         self.embeddings.progress()
         self.gathers.complete()
@@ -273,7 +280,8 @@ class ParameterServer(ShardUpdates):
                 if self.optimizer is not None:
                     try:
                         self.optimizer.load_state_dict(msg.meta)
-                        use_fast_kernels(self.optimizer)  # a loaded state sets the groups' kernel choices again
+                        if not self.exact_kernels:  # a loaded state sets the groups' kernel choices again
+                            use_fast_kernels(self.optimizer)
                     except (ValueError, KeyError, TypeError) as exc:
                         raise RequestError(f"ps task {self.ps_index} could not load the optimizer state: {exc}. "
                                            "Load a state saved from the same model and optimizer.",

@@ -19,6 +19,7 @@ from towers.strategies.parameter_server.requests import KERNEL_KEYS, RequestErro
 from towers.strategies.parameter_server.sharding import SEGMENT_MIN_BYTES, FlatLayout, ParamSpec, signature_mismatch
 from towers.strategies.parameter_server.shared import SharedBuffer, attach
 from towers.strategies.parameter_server.transport import Message, Op, Status
+from towers.strategies.parameter_server.tree_round import TreeRound
 
 __all__ = ["ShardUpdates", "flat_values"]
 
@@ -33,6 +34,7 @@ class ShardUpdates:
     staleness: int | None
     shared_memory: bool
     cond: threading.Condition
+    failure: str | None
     dead: dict[int, str]
     worker_versions: list[int]
     version: int
@@ -43,6 +45,7 @@ class ShardUpdates:
     params_buf: torch.Tensor
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer | None
+    exact_kernels: bool = False  # bitwise=True: the optimizer keeps torch's kernel choice (one device's bits)
     grad_bufs: dict[int, torch.Tensor]
     reply_bufs: dict[int, torch.Tensor]
     shared: dict[int, tuple[SharedBuffer, SharedBuffer]]
@@ -54,6 +57,7 @@ class ShardUpdates:
     #: A sync round of weighted pushes (DiLoCo's parameter changes): the sum of the weights; None: plain sums.
     round_weight: float | None = None
     dispatcher: Dispatcher | None
+    tree: TreeRound  # a bitwise round's subtrees (``tree_round.py``)
     generation: int  # which of the job's models the shard holds (a later strategy.prepare replaces it)
     turnover: ModelTurnover  # the latest model each worker registered (shared with the embedding tables)
     # the serving side's (server.py)
@@ -126,6 +130,7 @@ class ShardUpdates:
         self.round_buf = self.params_buf.clone()
         self.present = [False] * len(specs)
         self.optimizer = build_optimizer(meta["optimizer"], self.params, self.ps_index)
+        self.exact_kernels = bool(isinstance(meta["optimizer"], dict) and meta["optimizer"].get("exact"))
         self.signature, self.layout = list(meta["signature"]), layout
         self.segment_sizes = [b - a for a, b, _ in layout.segments(SEGMENT_MIN_BYTES)]
         log.info("ps task %d holds %d parameter(s), %.1f MB, optimizer %s, mode %s", self.ps_index, len(specs),
@@ -156,9 +161,10 @@ class ShardUpdates:
                                f"examples of its window). Received: {weight!r}.", Status.BAD_INPUT)
         if msg.flat is None and packed is not None:  # a compressed DiLoCo change
             msg.flat = unpack_delta(packed, self._shard(), mask, self.grad_bufs.get(w), self.ps_index)
-        grads = self._shard().views(flat_values(msg))
+        tree = (msg.meta or {}).get("tree")  # bitwise=True: the worker's subtrees, summed here in one device's order
         with self.cond:
             if self.mode == "async":
+                grads = self._shard().views(flat_values(msg))
                 if self.staleness is not None:
                     self.wait(lambda: self._lead(w) <= self.staleness, f"push (staleness {self.staleness})",
                               lambda: [u for u in self.active() - {w}
@@ -178,7 +184,11 @@ class ShardUpdates:
                 return {"ints": (self.version, self.worker_versions[w], len(self.dead)), "flat": self.params_buf}
             my_round = self.round
             self._set_hyper(hyper)
-            regions, sums = self._shard().region_views(flat_values(msg)), self._shard().region_views(self.sum_buf)
+            if tree is not None or self.tree.active:
+                self._check_tree_push(w, tree, weight)
+                self.tree.add(self.who(w), tree, msg.flat, self._shard().nbytes)
+            regions, sums = ([], []) if tree is not None else (self._shard().region_views(flat_values(msg)),
+                                                                 self._shard().region_views(self.sum_buf))
             if weight is not None:  # DiLoCo: the round applies the live workers' changes averaged by their weights
                 self.round_weight = float(weight) + (self.round_weight or 0.0) if self.arrivals else float(weight)
             for s, g in zip(sums, regions):
@@ -197,11 +207,25 @@ class ShardUpdates:
             # all received, but set_params (a checkpoint load) may change params_buf meanwhile.
             return {"ints": (self.version, self.worker_versions[w], len(self.dead)), "flat": self.round_buf}
 
+    def _check_tree_push(self, w: int, tree: Any, weight: Any) -> None:
+        """A bitwise push joins a round of bitwise pushes only (lock held)."""
+        if tree is None or weight is not None or (self.arrivals and not self.tree.active):
+            raise RequestError(f"ps task {self.ps_index}: {self.who(w)} mixes bitwise and plain pushes in sync round "
+                               f"{self.round}. Build ParameterServerStrategy with the same bitwise= on every worker.",
+                               Status.BAD_INPUT)
+
     def _lead(self, w: int) -> int:
         others = [self.worker_versions[u] for u in self.active() if u != w]
         return self.worker_versions[w] - min(others) if others else 0
 
     def _apply_round(self) -> None:
+        if self.tree.active:  # bitwise: the workers' subtrees summed over the tree into the round's gradient
+            try:
+                self.tree.total_into(self._shard(), self.sum_buf)
+            except RequestError as exc:  # every worker of the round hears it, not only the last to arrive
+                self.failure = str(exc)
+                self.cond.notify_all()
+                raise
         grads = self._shard().views(self.sum_buf)
         if self.round_weight is not None:  # weighted changes: their average (no weight at all: no step)
             for s in self._shard().region_views(self.sum_buf):

@@ -38,9 +38,10 @@ from towers.devices import gpu_count, warn_if_gpus_idle
 from towers.errors import FailedPreconditionError, UnimplementedError
 from towers.parallel.parallelize import ParallelOptions, parallelize
 from towers.process_group import DEFAULT_TIMEOUT_S, destroy_process_group
-from towers.strategies._bitwise_setup import refuse_bitwise
+from towers.strategies._loss_weights import prepared_parameters
 from towers.strategies.base import ReplicaContext, Strategy, note_built
 from towers.strategies.parameter_server import transport
+from towers.strategies.parameter_server.bitwise import BitwisePushes
 from towers.strategies.parameter_server.client import ParameterClient
 from towers.strategies.parameter_server.collectives import WorkerCollectives
 from towers.strategies.parameter_server.diloco import DiLoCo
@@ -49,7 +50,7 @@ from towers.strategies.parameter_server.diloco_state import load_outer_state, sp
 from towers.strategies.parameter_server.embeddings import SparseTables, bind_tables
 from towers.strategies.parameter_server.generations import ModelGenerations
 from towers.strategies.parameter_server.inputs import worker_input
-from towers.strategies.parameter_server.optimizer import ParameterServerOptimizer
+from towers.strategies.parameter_server.optimizer import prepared_optimizer
 from towers.strategies.parameter_server.options import MODES, check_options, refuse_loss_scaling
 from towers.strategies.parameter_server.roles import Roles, resolve_roles
 from towers.strategies.parameter_server.startup import open_links, serve_links
@@ -103,12 +104,14 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, num_ps: int | None = None, mode: str = "async", staleness: int | None = None, *,
                  info: ProcessInfo | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_ps: bool = True,
                  precision: str | int | None = "32", overlap: bool = False, shared_memory: bool = True,
-                 bitwise: bool = False, sync_every: int | None = None, outer_optimizer: Any = None,
+                 bitwise: bool = False, micro_batch_size: int | None = None, sync_every: int | None = None,
+                 outer_optimizer: Any = None,
                  outer_lr: float | None = None, outer_momentum: float | None = None, outer_mode: str | None = None,
                  compression: str | None = None, fragments: int | None = None):
-        refuse_bitwise(type(self).__name__, bitwise)
         overlap, shared_memory = parse_flag("overlap", overlap), parse_flag("shared_memory", shared_memory)
         check_options(mode, staleness, timeout_s=timeout_s, overlap=overlap, shared_memory=shared_memory)
+        build = BitwisePushes.check(bitwise, micro_batch_size, mode=mode,
+                                    precision=str(precision) if precision is not None else "32")
         outer = diloco_options(mode, staleness, overlap=overlap, strategy=self.name, options=dict(
             sync_every=sync_every, outer_optimizer=outer_optimizer, outer_lr=outer_lr, outer_momentum=outer_momentum,
             outer_mode=outer_mode, compression=compression, fragments=fragments))
@@ -151,6 +154,12 @@ class ParameterServerStrategy(Strategy):
                      self.roles.ps_ranks, self.roles.num_workers, mode,
                      f", staleness {staleness}" if staleness is not None else "")
         self._collectives = WorkerCollectives(self.roles, info, self._client, self.device)  # met at ps task 0
+        #: ``bitwise=True``: steps micro-batch by micro-batch, pushes of subtrees summed at the ps over the tree
+        self._bitwise = self._bitwise_steps(build) if build is not None and not self.roles.is_ps else None
+
+    def _bitwise_steps(self, build: Callable[..., Any]) -> BitwisePushes:
+        """What runs this worker's steps under ``bitwise=True``: pushes of subtrees, summed at the ps tasks."""
+        return BitwisePushes(self, build)
 
     def _before_links(self) -> None:
         """Hook: collectives every rank (ps tasks too) must join before the ps tasks start serving."""
@@ -210,7 +219,8 @@ class ParameterServerStrategy(Strategy):
         Raises:
             ValueError: on an unknown op or an axis the value does not have.
         """
-        return self._collectives.reduce(op, value, axis)
+        tree = self._bitwise.steps.reduce(op, value) if self._bitwise is not None else None  # bitwise: the losses' tree
+        return tree if tree is not None else self._collectives.reduce(op, value, axis)
 
     def gather(self, value: torch.Tensor, axis: int = 0) -> torch.Tensor:
         """Concatenate every live worker's ``value`` along ``axis``, in worker order."""
@@ -249,13 +259,17 @@ class ParameterServerStrategy(Strategy):
             client.finish()  # the reply of the earlier model's last push (overlap) lands before the ps moves on
         model = parallelize(model.to(self.device), None, ParallelOptions(activation_checkpointing=activation_checkpointing))
         sparse = self._bind_tables(model, optimizer, client, generation)
+        if self._bitwise is not None:
+            self._bitwise.refuse_tables(sparse is not None)
         diloco = self._diloco.check_model(sparse, optimizer) if self._diloco is not None else None
         bound = None
         if sparse is None or any(True for _ in model.parameters()):
             bound = BoundModel(model, client, num_ps=self.num_ps, is_chief=self.is_chief, overlap=self.overlap,
                                optimizer=optimizer if diloco is None else diloco.outer_optimizer(model),
-                               shared_memory=self.shared_memory and diloco is None,  # DiLoCo's replies land apart
+                               shared_memory=self.shared_memory and diloco is None and self._bitwise is None,
                                on_dead=self._log_dead, generation=generation)
+            if self._bitwise is not None:
+                self._bitwise.watch(model, bound)  # before register: the ps keeps torch's kernel choice
             bound.register()
             bound.install_hooks(refresh_on_state_dict=self.mode == "async")
             self._bound = bound
@@ -264,15 +278,7 @@ class ParameterServerStrategy(Strategy):
         prepared = self._compile(prepared, compile)
         self._optimizer = optimizer
         self._prepared_any = True
-        if diloco is not None and bound is not None and optimizer is not None:
-            return prepared, diloco.wrap(optimizer, bound, step_batches=self._take_step_batches,
-                                         replaced=lambda: self._generations.replaced(generation))
-        optimizer_out = (ParameterServerOptimizer(optimizer, bound, sparse, step_batches=self._take_step_batches,
-                                                  finish_gradients=self._finish_loss_weights,
-                                                  expected_gradient_changes=lambda: int(self._loss_weights.divided),
-                                                  replaced=lambda: self._generations.replaced(generation))
-                         if optimizer is not None else None)
-        return prepared, optimizer_out
+        return prepared, prepared_optimizer(self, optimizer, bound, sparse, diloco=diloco, generation=generation)
 
     def _bind_tables(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                      client: ParameterClient, generation: int) -> SparseTables | None:
@@ -309,6 +315,8 @@ class ParameterServerStrategy(Strategy):
                 "strategy.prepare(model, optimizer)` first: under ParameterServerStrategy only a prepared model "
                 "trains the parameters the ps tasks hold (otherwise every worker would train a model of its own); "
                 "then call the returned model and optimizer inside the step.")
+        if self._bitwise is not None:
+            return self._bitwise.run(fn, tuple(args), dict(kwargs or {}))
         return super().run(fn, args, kwargs)
 
     def _replica_context(self, batch: BatchInfo | None) -> ReplicaContext:
@@ -324,6 +332,13 @@ class ParameterServerStrategy(Strategy):
     def _sums_replica_gradients(self) -> bool:
         # A sync round sums the workers' pushes; an async push is applied alone (TF's per-worker steps).
         return self.mode == "sync"
+
+    def _finish_loss_weights(self, when: str = "step") -> None:
+        if self._bitwise is None or not self._bitwise.pushes:
+            return super()._finish_loss_weights(when)
+        # bitwise pushes: p.grad here is the share; the ps divides the tree's sum by the update's weight as one device
+        self._loss_weights.finish(prepared_parameters(self._prepared_optimizers()), self._bitwise.divisor(self.reduce),
+                                  when=when, replicas_summed=self.num_replicas_in_sync)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
@@ -363,11 +378,14 @@ class ParameterServerStrategy(Strategy):
         self._datasets += 1
         fetch = client.next_batches if self._diloco is None else self._diloco.dispatch(client)
         dispatch = Dispatch(f"d{self._datasets}", fetch) if self._dispatch_batches else None
+        if self._bitwise is not None:  # shares of whole micro-batches; the micro-batch must divide the global batch
+            self._bitwise.steps.check_batch_size(global_batch_size)
         return worker_input(dataset, global_batch_size, num_replicas=self.num_replicas_in_sync, replica_id=self.replica_id,
                             device=self.device, dispatch=dispatch, stream_options=stream_options, shuffle=shuffle, seed=seed,
                             drop_remainder=drop_remainder, pad_empty_batches=pad_empty_batches, collate_fn=collate_fn,
                             num_workers=num_workers, prefetch_factor=prefetch_factor,
-                            persistent_workers=persistent_workers, pin_memory=pin_memory)
+                            persistent_workers=persistent_workers, pin_memory=pin_memory,
+                            split_unit=1 if self._bitwise is None else self._bitwise.steps.micro_batch_size)
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Return ``{"model", "optimizer", "precision"}`` (``Strategy.state_dict``); every worker calls it.

@@ -240,6 +240,8 @@ class Link:
             sizes = [flat_nbytes]
             if segments > 1:
                 sizes = [n for n in (flat_split(message) if flat_split is not None else []) if n]
+                rows = flat_nbytes // sum(sizes) if sizes and flat_nbytes % sum(sizes) == 0 else 1
+                sizes = sizes * rows if segments == len(sizes) * rows else sizes  # rows cut alike (bitwise pushes)
                 if len(sizes) != segments or sum(sizes) != flat_nbytes:
                     self.broken = "protocol error: flat pieces"
                     raise ProtocolError(f"{self.name or 'the peer'} sent {flat_nbytes} B in {segments} pieces; this "

@@ -85,6 +85,8 @@ class BoundModel:
         self.versions: list[int] = [0] * num_ps
         self.dead_seen = 0
         self.pushes = 0
+        #: ``bitwise=True``: what holds the step's subtrees (``parameter_server/bitwise.py``); None: ``p.grad`` is pushed
+        self.tree: Any = None
         for shard, views in zip(self.shards, self.param_views):
             for i, view in zip(shard, views):
                 view.copy_(self.params[i].detach())
@@ -160,7 +162,8 @@ class BoundModel:
     def _spec(self, p: int) -> dict[str, Any] | None:
         if self.optimizer is None:
             return None
-        return optimizer_spec(self.optimizer, self.opt_groups[p])
+        spec = optimizer_spec(self.optimizer, self.opt_groups[p])
+        return {**spec, "exact": True} if self.tree is not None else spec  # bitwise: torch's own kernel choice
 
     def push_pull(self, empty: bool = False, units: list[Any] | None = None) -> None:
         """Send every shard's gradients (and changed hyperparameters); receive the updated parameters in place.
@@ -174,27 +177,15 @@ class BoundModel:
         metas: list[Any] = []
         pieces: list[list[torch.Tensor]] = []
         packed = pack_unit(units)
+        tree = self.tree.take() if self.tree is not None else None  # bitwise=True: the step's subtrees
         for p in self.active:
-            mask, direct = [], {}
-            # a large gradient goes out as it is, unless the ps reads this shard from shared memory
-            big = {i for _, _, i in self.segments[p] if i is not None} if p not in self.shared else set()
-            for pos, (i, view) in enumerate(zip(self.shards[p], self.grad_views[p])):
-                grad = self.params[i].grad
-                mask.append(grad is not None and not empty)
-                if grad is None or empty:
-                    view.zero_()  # a sync round adds whole buffers: no stale gradient of an earlier step
-                    continue
-                if pos in big and grad.device.type == "cpu" and grad.dtype == view.dtype and grad.is_contiguous():
-                    direct[pos] = grad.detach().reshape(-1).view(torch.uint8)  # sent as is: no copy
-                else:
-                    view.copy_(grad)
-            buf = self.grad_bufs[p]
-            if p in self.shared:
-                pieces.append([])  # the ps reads this shard's gradients in place and writes the parameters back
-                self.shared_bytes += 2 * buf.numel()
-            else:
-                pieces.append([direct[i] if i in direct else buf[a:b] for a, b, i in self.segments[p]])
             meta: dict[str, Any] = {}
+            if tree is not None:  # this shard of each subtree; the ps sums them over the tree
+                piece, mask = tree.shard_rows(p)
+                pieces.append(piece)
+                meta["tree"] = tree.meta
+            else:
+                mask = self._gradients_out(p, empty, pieces)
             if not all(mask):
                 meta["mask"] = mask
             hyper = self._hyper(p)
@@ -221,6 +212,29 @@ class BoundModel:
             self.client.batches_applied(told)
         self.note_replies(replies)
         self._to_params()
+
+    def _gradients_out(self, p: int, empty: bool, pieces: list[list[torch.Tensor]]) -> list[bool]:
+        """Lay shard ``p``'s gradients out for a push (appended to ``pieces``); return which parameters carry one."""
+        mask, direct = [], {}
+        # a large gradient goes out as it is, unless the ps reads this shard from shared memory
+        big = {i for _, _, i in self.segments[p] if i is not None} if p not in self.shared else set()
+        for pos, (i, view) in enumerate(zip(self.shards[p], self.grad_views[p])):
+            grad = self.params[i].grad
+            mask.append(grad is not None and not empty)
+            if grad is None or empty:
+                view.zero_()  # a sync round adds whole buffers: no stale gradient of an earlier step
+                continue
+            if pos in big and grad.device.type == "cpu" and grad.dtype == view.dtype and grad.is_contiguous():
+                direct[pos] = grad.detach().reshape(-1).view(torch.uint8)  # sent as is: no copy
+            else:
+                view.copy_(grad)
+        buf = self.grad_bufs[p]
+        if p in self.shared:
+            pieces.append([])  # the ps reads this shard's gradients in place and writes the parameters back
+            self.shared_bytes += 2 * buf.numel()
+        else:
+            pieces.append([direct[i] if i in direct else buf[a:b] for a, b, i in self.segments[p]])
+        return mask
 
     def note_replies(self, replies: list[Any]) -> None:
         """Note the ps versions and dead workers a push's replies report."""
