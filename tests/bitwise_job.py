@@ -238,17 +238,20 @@ def _habit(epochs: int, kind: str, accumulation: int) -> dict:
     return _outcome(strategy, model, optimizer, losses)
 
 
-def fit(epochs: int) -> dict:
-    """``Trainer.fit`` on the seed CNN (Adam, a global-norm clip, accuracy): its parameters and logged history."""
-    strategy = _strategy(True)
+def fit(epochs: int, kind: str = "mirrored") -> dict:
+    """``Trainer.fit`` on the seed CNN (Adam, a global-norm clip but under ``kind="ps"``, accuracy): its parameters
+    and logged history."""
+    strategy = _strategy(True, kind)
+    if getattr(strategy, "is_ps", False):
+        return {}
     torch.manual_seed(1234 + strategy.replica_id)
     train_set, _ = load_digits()
     subset = torch.utils.data.Subset(train_set, range(480))
     with strategy.scope():
         model = SeedCNN()
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    trainer = towers.Trainer(model, optimizer, loss=F.cross_entropy, strategy=strategy, clip_grad_norm=1.0,
-                             metrics=["accuracy"])
+    trainer = towers.Trainer(model, optimizer, loss=F.cross_entropy, strategy=strategy,
+                             clip_grad_norm=None if kind == "ps" else 1.0, metrics=["accuracy"])
     history = trainer.fit(subset, epochs=epochs, global_batch_size=GLOBAL_BATCH)
     result = {"params": {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()},
               "loss": history["loss"], "accuracy": history["accuracy"], "replicas": strategy.num_replicas_in_sync}

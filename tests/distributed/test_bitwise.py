@@ -195,10 +195,11 @@ def test_accumulation_and_an_epoch_ending_on_an_empty_share_keep_the_same_bits_a
         assert [_differences(r[name], reference[name]) for r in results] == [[], [], []], name
 
 
-def test_trainer_fit_has_the_same_bits_and_the_same_history_at_three_replicas():
-    reference = towers.spawn(fit, 1, args=(2,), timeout_s=120, threads_per_process=1)[0]
-    results = towers.spawn(fit, 3, args=(2,), timeout_s=180, threads_per_process=1)
-    for result in results:
+@pytest.mark.parametrize("kind", ["mirrored", "ps"])  # ps: 3 workers + 1 ps task, no clip (refused there)
+def test_trainer_fit_has_the_same_bits_and_the_same_history_at_three_replicas(kind):
+    reference = towers.spawn(fit, 1, args=(2, kind), timeout_s=120, threads_per_process=1)[0]
+    results = towers.spawn(fit, 3 + (kind == "ps"), args=(2, kind), timeout_s=180, threads_per_process=1)
+    for result in results[:3]:
         assert [k for k, v in reference["params"].items() if not torch.equal(result["params"][k], v)] == []
         assert (result["loss"], result["accuracy"]) == (reference["loss"], reference["accuracy"])
 
