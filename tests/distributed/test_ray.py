@@ -10,6 +10,7 @@ at the end and none of Ray's processes may outlive it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -113,14 +114,18 @@ SCENARIOS = {
     "ps": (3, ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1", "--strategy-option", "mode=sync"]),
     "sharded": (2, ["--nproc-per-node", "2", "--strategy", "sharded"]),
     "hybrid": (3, ["--nproc-per-node", "3", "--strategy", "hybrid", "--num-ps", "1", "--strategy-option", "mode=sync"]),
+    "tp=2": (2, ["--nproc-per-node", "2", "--strategy", "sharded", "--mesh", "tp=2"]),
 }
+#: scenario -> the variables the user gives Ray's workers (``runtime_env``) to choose the strategy from outside
+FROM_OUTSIDE = {"sharded": {"TOWERS_STRATEGY": "sharded"},
+                "tp=2": {"TOWERS_STRATEGY": "sharded", "TOWERS_STRATEGY_OPTIONS": json.dumps({"mesh": "tp=2"})}}
 
 
 @pytest.mark.parametrize("strategy", list(SCENARIOS))
 def test_the_readme_script_under_ray_gives_towers_launchs_bits(cluster, tmp_path, one_process, strategy):
     workers, launch = SCENARIOS[strategy]
-    # Sharded is chosen from outside, as `towers launch --strategy` does: strategy_from_env() in the workers.
-    config = {"env": {"TOWERS_STRATEGY": "sharded"}} if strategy == "sharded" else {}
+    # Sharded and the tp mesh are chosen from outside, as `towers launch` does: strategy_from_env() in the workers.
+    config = {"env": FROM_OUTSIDE[strategy]} if strategy in FROM_OUTSIDE else {}
     under_ray, _ = _ray(cluster, tmp_path, "readme", "env" if config else strategy, workers, **config)
     launched = _launch(tmp_path, "readme", launch)
     _assert_equal(under_ray, launched)
