@@ -141,7 +141,7 @@ def _references(names: list[str]) -> dict:
 #: The bit-for-bit variant's options: micro-batches of 2 (the ragged batches cut into 2s and a 1).
 BITWISE = {"bitwise": True, "micro_batch_size": 2}
 #: The strategies that train bit for bit, with the replica counts their variant runs at.
-BITWISE_RUNS = [("mirrored", 3), ("sharded", 2), ("fault_tolerant", 2)]
+BITWISE_RUNS = [("mirrored", 3), ("sharded", 2), ("fault_tolerant", 2), ("ps", 3), ("hybrid", 2)]
 
 
 @pytest.mark.parametrize("name,replicas", BITWISE_RUNS)
@@ -151,18 +151,19 @@ def test_bitwise_strategies_give_one_process_bits_in_every_case(name, replicas):
     (empty shares) and gradient accumulation."""
     entry = roles.strategy_entry(name)
     names = [n for n in CASES if "sync_batchnorm" not in n and _accepts(entry, CASES[n].get("options", {}))]
-    env, lighthouse = {}, None
+    env, lighthouse = ({"TOWERS_STRATEGY": entry.name, "TOWERS_NUM_PS": "1"} if entry.has_ps else {}), None
     if entry.restarts_lost_replica:  # fault tolerant: a lighthouse, as towers launch runs one
         from towers.strategies.fault_tolerant import start_lighthouse
 
         lighthouse = start_lighthouse(peer_timeout_s=1)
         env.update(TORCHFT_LIGHTHOUSE=lighthouse.address, RUST_LOG="warn")
     try:  # one intra-op thread in every process, the reference's too: a CPU kernel may split its sums by thread
-        per_rank = towers.spawn(_replica, replicas, args=(name, names, True), timeout_s=SPAWN_TIMEOUT_S,
+        per_rank = towers.spawn(_replica, replicas + entry.has_ps, args=(name, names, True), timeout_s=SPAWN_TIMEOUT_S,
                                 threads_per_process=1, env=env)
     finally:
         if lighthouse is not None:
             lighthouse.shutdown()
+    per_rank = [r for r in per_rank if r is not None]  # (a ps task returns nothing)
     refs = towers.spawn(_references, 1, args=(names,), timeout_s=SPAWN_TIMEOUT_S, threads_per_process=1)[0]
     for case_name in names:
         ref = refs[case_name]
