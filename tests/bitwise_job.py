@@ -59,7 +59,7 @@ def _outcome(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any, 
     """What a run ends with, to compare bit for bit: parameters, optimizer state, logged losses; the strategy shut."""
     raw = getattr(optimizer, "optimizer", optimizer)
     if isinstance(strategy, towers.ParameterServerStrategy):  # the state lives on the ps task: fetched
-        raw = type("Fetched", (), {"state": optimizer.state_dict()["state"]})
+        raw = type("Fetched", (), {"state": dict(sorted(optimizer.state_dict()["state"].items()))})  # in param order
 
     def whole(v: torch.Tensor) -> torch.Tensor:  # a sharded strategy's DTensor gathered whole (a collective)
         return (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
@@ -74,17 +74,17 @@ def _outcome(strategy: towers.Strategy, model: torch.nn.Module, optimizer: Any, 
 
 
 def _strategy(bitwise: bool, kind: str = "mirrored", **options: Any) -> towers.Strategy:
-    """One device in one process; else ``kind``: ``"mirrored"``, ``"sharded"`` (FSDP2) or ``"ps"`` or ``"hybrid"``
-    (sync, the last rank a ps task)."""
+    """One device in one process; else ``kind``: ``"mirrored"``, ``"sharded"`` (FSDP2) or ``"ps"``, ``"hybrid"``
+    (sync, the last rank a ps task) or ``"ps2"`` (sync, the last two ranks ps tasks, the parameters split over them)."""
     micro = MICRO_BATCH if bitwise else None
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return towers.OneDeviceStrategy("cpu", bitwise=bitwise, micro_batch_size=micro, **options)
     if kind == "sharded":
         return towers.FullyShardedStrategy(bitwise=bitwise, micro_batch_size=micro, **options)
-    if kind in ("ps", "hybrid"):  # the last rank is the ps task: it serves until the workers are done, then returns
-        cls = towers.ParameterServerStrategy if kind == "ps" else towers.HybridStrategy
-        return cls(num_ps=1, mode="sync", bitwise=bitwise, micro_batch_size=micro, exit_on_ps=False, timeout_s=60,
-                   **options)
+    if kind in ("ps", "ps2", "hybrid"):  # the last rank(s) ps tasks: they serve until the workers are done, then return
+        cls = towers.HybridStrategy if kind == "hybrid" else towers.ParameterServerStrategy
+        return cls(num_ps=2 if kind == "ps2" else 1, mode="sync", bitwise=bitwise, micro_batch_size=micro,
+                   exit_on_ps=False, timeout_s=60, **options)
     return towers.MirroredStrategy(bitwise=bitwise, micro_batch_size=micro, **options)
 
 

@@ -85,15 +85,17 @@ def unclipped_one_process() -> dict:
     return towers.spawn(train, 1, args=(UPDATES,), kwargs={"clip": "none"}, timeout_s=120, threads_per_process=1)[0]
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_parameter_servers_sum_the_tree_at_the_ps_and_train_one_process_bits(unclipped_one_process, workers):
-    """ParameterServerStrategy(mode="sync", bitwise=True), 1 ps task + 2 or 3 workers: each worker pushes its
-    subtrees, the ps sums the top of the tree and steps Adam with torch's own kernel; every worker ends with one
-    process's parameters, the ps's Adam state (fetched) is one process's, and so are the logged losses."""
-    results = towers.spawn(train, workers + 1, args=(UPDATES,), kwargs={"clip": "none", "kind": "ps"}, timeout_s=240,
+@pytest.mark.parametrize("workers, num_ps", [(2, 1), (3, 1), (2, 2)])
+def test_parameter_servers_sum_the_tree_at_the_ps_and_train_one_process_bits(unclipped_one_process, workers, num_ps):
+    """ParameterServerStrategy(mode="sync", bitwise=True), 2 or 3 workers and 1 or 2 ps tasks: each worker pushes its
+    subtrees, each ps task sums the top of the tree for its shard and steps Adam with torch's own kernel; every worker
+    ends with one process's parameters, the Adam state (fetched from the ps tasks) is one process's, and so are the
+    logged losses."""
+    results = towers.spawn(train, workers + num_ps, args=(UPDATES,),
+                           kwargs={"clip": "none", "kind": "ps" if num_ps == 1 else "ps2"}, timeout_s=240,
                            threads_per_process=1)
-    assert results[-1] == {}  # the ps task
-    assert [_differences(r, unclipped_one_process) for r in results[:-1]] == [[]] * workers
+    assert results[workers:] == [{}] * num_ps  # the ps tasks
+    assert [_differences(r, unclipped_one_process) for r in results[:workers]] == [[]] * workers
 
 
 def test_hybrid_sums_the_dense_tree_among_the_workers_and_trains_one_process_bits(one_process):
