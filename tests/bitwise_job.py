@@ -150,9 +150,14 @@ def train_saving(updates: int, checkpoints: str, *, save_every: int, die_at: int
     return {**_outcome(strategy, model, optimizer, losses), "resumed_at": resumed_at}
 
 
-def train_gpt(updates: int, kind: str = "mirrored", clip: bool = True) -> dict:
+def train_gpt(updates: int, kind: str = "mirrored", clip: bool = True, bucket_bytes: int | None = None) -> dict:
     """towers' GPT with AdamW, right-padded rows and a token mask (``compute_average_loss(per_token, weights=mask)``);
-    under ``kind="sharded"`` each block is an FSDP2 unit of its own."""
+    under ``kind="sharded"`` each block is an FSDP2 unit of its own. ``bucket_bytes``: the replicas' exchange in buckets
+    of that many bytes (default 25 MiB: one bucket for this model)."""
+    if bucket_bytes is not None:
+        import towers.strategies._bitwise_buckets as buckets
+
+        buckets.BUCKET_BYTES = bucket_bytes
     from torch.utils.data import TensorDataset
 
     from towers.models_gpt import GPT, GPTConfig, random_tokens
@@ -270,3 +275,39 @@ if __name__ == "__main__":
         outcome = train(int(sys.argv[2]) if len(sys.argv) > 2 else 10, strategy=towers.strategy_from_env())
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(outcome, os.path.join(out_dir, "result.pt"))
+
+
+def bucketed_exchange(bucket_bytes: int) -> list[torch.Tensor]:
+    """``BucketedExchange`` over this job's processes with buckets of ``bucket_bytes``: 7 leaves of random gradients of
+    four parameters (the same on every rank), each rank's share of them, its parameters' last leaf done in an order of
+    its own (shuffled by rank); returns the tree's sum of every parameter, to compare with one process's."""
+    import random
+
+    import torch.distributed as dist
+
+    from towers.process_group import init_process_group
+    from towers.strategies._bitwise_buckets import BucketedExchange
+    from towers.cluster import from_env
+    from towers.data import shard_bounds
+
+    info = from_env()
+    init_process_group(info, backend="gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((5, 3), (7,), (2, 2, 3), (11,))]
+    torch.manual_seed(0)
+    leaves = [[torch.randn(p.shape) * 10 ** float(torch.randint(-3, 3, ())) for p in params] for _ in range(7)]
+    ranges = [shard_bounds(7, n, r) for r in range(n)]
+    first, end = ranges[rank]
+    exchange = BucketedExchange(params, n, bucket_bytes=bucket_bytes)
+    exchange.begin(ranges, rank)
+
+    def known(i: int) -> dict:
+        return {(0, leaf): leaves[leaf][i] for leaf in range(first, end)}
+
+    order = list(range(len(params)))
+    random.Random(rank).shuffle(order)
+    for i in order[:2]:  # two parameters done during the "backward", the rest at its end
+        exchange.ready(i, known)
+    totals = exchange.finish(known)
+    dist.destroy_process_group()
+    return totals

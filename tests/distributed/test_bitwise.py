@@ -79,6 +79,23 @@ def test_preempted_at_two_replicas_and_resumed_at_three_it_ends_with_the_same_bi
     assert [_differences(r, one_process) for r in resumed] == [[], [], []]
 
 
+@pytest.mark.parametrize("bucket_bytes", [1, 64, 1 << 20])  # a bucket per parameter, a few, one for all
+def test_the_bucketed_exchange_gives_the_trees_bits_whatever_order_the_gradients_finish_in(bucket_bytes):
+    """Buckets start as their parameters' last gradients finish (each rank in another order here), always in one
+    order on every rank; the tree's sum of every parameter is one process's, bit for bit, at 3 processes."""
+    from bitwise_job import bucketed_exchange
+
+    from towers.strategies._bitwise_tree import Grads, root_sum
+
+    got = towers.spawn(bucketed_exchange, 3, args=(bucket_bytes,), timeout_s=120, threads_per_process=1)
+    torch.manual_seed(0)
+    shapes = ((5, 3), (7,), (2, 2, 3), (11,))
+    leaves = {(0, leaf): Grads([torch.randn(s) * 10 ** float(torch.randint(-3, 3, ())) for s in shapes])
+              for leaf in range(7)}
+    want = root_sum(leaves, 7, lambda: Grads([torch.zeros(s) for s in shapes])).tensors
+    assert all(len(totals) == 4 and all(torch.equal(a, b) for a, b in zip(totals, want)) for totals in got)
+
+
 @pytest.fixture(scope="module")
 def unclipped_one_process() -> dict:
     """One process without a clip: the parameter servers refuse a global-norm clip (a worker holds its share)."""
@@ -166,7 +183,8 @@ def test_a_fault_tolerant_group_killed_and_healed_ends_with_one_process_bits(tmp
 
 @pytest.mark.parametrize("kind", ["mirrored", "sharded"])  # sharded: every block an FSDP2 unit with its own tree
 def test_a_gpt_with_adamw_and_a_token_mask_has_the_same_bits_at_three_replicas(gpt_one_process, kind):
-    results = towers.spawn(train_gpt, 3, args=(8, kind), timeout_s=180, threads_per_process=1)
+    # mirrored: buckets of 4 KiB, so the exchange runs in many buckets, most started during the last backward
+    results = towers.spawn(train_gpt, 3, args=(8, kind, True, 4096), timeout_s=180, threads_per_process=1)
     assert gpt_one_process["losses"][-1] < gpt_one_process["losses"][0]
     assert [_differences(r, gpt_one_process) for r in results] == [[], [], []]
 

@@ -9,9 +9,10 @@ rounding. Here the order is fixed by the global batch alone:
   of them, one forward and backward each, so every kernel sees the same shapes at every ``N``;
 - the update's gradient is the sum over a fixed binary tree of the leaves (``node(l, i) =
   node(l-1, 2i) + node(l-1, 2i+1)``, leaves at level 0, zeros past ``L`` up to a power of two);
-  each replica computes the largest subtrees that lie within its leaves, every replica receives
-  every replica's subtrees (one all-gather), and each computes the nodes above them by the same
-  formula: the same bits on every replica, and the same as one process, which walks the same tree;
+  each replica computes the largest subtrees that lie within its leaves, and the replicas sum the
+  nodes above them by the same formula, chunk by chunk (``_bitwise_buckets.py``: buckets that start
+  during the last micro-batch's backward): the same bits on every replica, and the same as one
+  process, which walks the same tree (``_bitwise_tree.py``);
 - the losses a step logs (``strategy.reduce("sum", strategy.run(...))``) are summed over the same tree;
 - random draws (dropout) are keyed by the micro-batch's place in the job (epoch, global batch, micro-batch),
   not by the replica that computes it.
@@ -33,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from towers._logging import get_logger
 from towers.errors import FailedPreconditionError, user_error
+from towers.strategies._bitwise_buckets import BucketedExchange
 from towers.strategies._bitwise_tree import Grads, Node, dyadic_nodes, root_sum, tree_sum
 
 __all__ = ["BitwiseSteps"]
@@ -55,6 +57,7 @@ class BitwiseSteps:
         #: ``exchange(block)``: every replica's ``block`` (its subtrees, one per row) stacked in replica order, in
         #: place of the chunked all-to-all (a strategy whose collectives are its own: fault tolerance)
         self._exchange_rows = exchange
+        self._buckets: BucketedExchange | None = None  # the exchange over ``group``, bucket by bucket (made at first use)
         #: ``deliver(values, nodes, num_leaves)``: hand this replica's subtree values (the tree nodes ``nodes`` of
         #: ``num_leaves``) to whoever sums the top of the tree (parameter servers); ``.grad`` then holds the share's sum
         self._deliver = deliver
@@ -84,7 +87,10 @@ class BitwiseSteps:
         """Collect ``model``'s gradients per micro-batch (a hook at the end of every backward that reaches it)."""
         from torch.autograd import Variable
 
-        def on_grad(_param: torch.Tensor) -> None:
+        def on_grad(param: torch.Tensor) -> None:
+            if self._last and self._buckets is not None and self._leaf is not None:  # its bucket may start now
+                index = next(i for i, p in enumerate(self._params) if p is param)
+                self._buckets.ready(index, lambda i: self._leaf_grads(i, current=True))
             if not self._queued:
                 self._queued = True
                 Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -163,6 +169,10 @@ class BitwiseSteps:
         """The micro-batch of global leaf ``index`` runs next (``last``: the batch's last one here); None: this
         replica's share is empty (or one padding example), its step runs once and its gradient is no leaf."""
         self._leaf, self._last = index, last
+        if last and self._params and self._exchange_rows is None and self._deliver is None and self._num_replicas > 1:
+            if self._buckets is None or self._buckets.num_params != len(self._params):
+                self._buckets = BucketedExchange(self._params, self._num_replicas, self._group)
+            self._buckets.begin(self._ranges, self._rank)  # the exchange starts bucket by bucket in its backward
 
     def note_result(self, result: Any) -> None:
         """Keep a micro-batch's result for the step's: its loss (a scalar tensor), per-example tensors (batch first,
@@ -272,20 +282,34 @@ class BitwiseSteps:
             p.grad = None
         self._reached.clear()
 
+    def _leaf_grads(self, i: int, current: bool = False) -> dict[tuple[int, int], torch.Tensor]:
+        """Parameter ``i``'s gradient of each leaf of this share, by tree node (``current``: the micro-batch whose
+        backward runs now included, from ``.grad``)."""
+        known = {(0, leaf): grads.tensors[i] for leaf, grads in self._leaves.items()}
+        grad = self._params[i].grad
+        if current and self._leaf is not None and grad is not None:
+            known[(0, self._leaf)] = grad
+        return known
+
     def _finish(self) -> None:
         """Write the update's gradient, summed over the tree, into every parameter's ``.grad``."""
-        values = self.subtrees(self._leaves, lambda: Grads([torch.zeros_like(p) for p in self._params]))
-        self._leaves = {}
-        if self._deliver is not None:
-            return self._hand_over(values, self._deliver)
-        if self._num_replicas == 1:
-            total = self.root([values], lambda: Grads([torch.zeros_like(p) for p in self._params])).tensors
+        if self._exchange_rows is None and self._deliver is None and self._num_replicas > 1:
+            assert self._buckets is not None  # made as the last micro-batch began
+            total = self._buckets.finish(self._leaf_grads)  # the buckets not started during the backward start now
+            self._leaves = {}
         else:
-            flat, total, offset = (self._exchange(values) if self._exchange_rows is None else
-                                   self._exchange_whole(values, self._exchange_rows)), [], 0
-            for p in self._params:
-                total.append(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            values = self.subtrees(self._leaves, lambda: Grads([torch.zeros_like(p) for p in self._params]))
+            self._leaves = {}
+            if self._deliver is not None:
+                return self._hand_over(values, self._deliver)
+            if self._num_replicas == 1:
+                total = self.root([values], lambda: Grads([torch.zeros_like(p) for p in self._params])).tensors
+            else:
+                assert self._exchange_rows is not None  # (the replicas' own exchange: fault tolerance)
+                flat, total, offset = self._exchange_whole(values, self._exchange_rows), [], 0
+                for p in self._params:
+                    total.append(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
         for p, grad in zip(self._params, total):
             carry = self._carry.pop(id(p), None)  # earlier runs of an accumulated update: their trees, in run order
             p.grad = grad if carry is None else carry + grad
@@ -307,30 +331,6 @@ class BitwiseSteps:
         for i, p in enumerate(self._params):
             p.grad = None if share is None else share.tensors[i]
         deliver(values, self._own_nodes(), self._num_leaves)
-
-    def _exchange(self, values: list[Grads]) -> torch.Tensor:
-        """The tree's sum, flat, from this replica's subtree ``values`` and every other replica's: each replica sums
-        the top of the tree for one chunk of the gradient (an all-to-all brings it every replica's subtrees of that
-        chunk), then every replica gathers every chunk. The tree is elementwise, so a chunk summed alone has the bits
-        of the whole sum's; the bytes are those of a ring all-reduce where each replica holds one subtree."""
-        import torch.distributed as dist
-
-        from towers.process_group import collective
-
-        n, width, block = self._num_replicas, self.width(), self._block(values)
-        size = block.shape[1]
-        chunk, zeros = -(-size // n), self._params[0].new_zeros
-        if chunk * n != size:
-            block = torch.nn.functional.pad(block, (0, chunk * n - size))
-        send = block.view(width, n, chunk).transpose(0, 1).contiguous()  # replica r's chunk of every subtree
-        received = torch.empty_like(send)
-        with collective("bitwise: every replica's subtrees, one chunk to each replica"):
-            dist.all_to_all_single(received, send, group=self._group)
-        mine = self.root([list(received[r].unbind()) for r in range(n)], lambda: zeros(chunk))
-        whole = mine.new_empty(n * chunk)
-        with collective("bitwise: the tree's sum, chunk by chunk"):
-            dist.all_gather_single(whole, mine, group=self._group)
-        return whole[:size]
 
     def _exchange_whole(self, values: list[Grads], exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The tree's sum, flat, from every replica's subtrees stacked whole by ``exchange``."""
