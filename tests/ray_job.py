@@ -176,10 +176,55 @@ def build(name: str) -> Any:
     return towers.strategy_from_env()
 
 
+_TCP_STATES = {"01": "ESTABLISHED", "0A": "LISTEN"}
+
+
+def _address(field: str) -> str:
+    """``/proc/net/tcp``'s ``HEX_IP:HEX_PORT`` as ``ip``: IPv4 one little-endian word, IPv6 four."""
+    import ipaddress
+
+    raw = bytes.fromhex(field.split(":")[0])
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(words)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return str(mapped or address)
+
+
+def tcp_sockets() -> list[list[str]]:
+    """This process's TCP sockets that are connected or listening, as ``[state, local ip, remote ip]`` (from /proc: the
+    socket inodes among its file descriptors, looked up in its network namespace's tables)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes and fields[3] in _TCP_STATES:
+                found.append([_TCP_STATES[fields[3]], _address(fields[1]), _address(fields[2])])
+    return found
+
+
 def ray_entry(config: dict) -> None:
     """``train_loop_per_worker``: ``config`` = job, strategy, out (and ckpt, kill_marker, backup_dir, stop_at, epochs, env: the
-    variables a user passes to the workers with ``ray.init(runtime_env={"env_vars": ...})``, e.g. ``TOWERS_STRATEGY``)."""
+    variables a user passes to the workers with ``ray.init(runtime_env={"env_vars": ...})``, e.g. ``TOWERS_STRATEGY``;
+    sockets: a path prefix where each worker writes the TCP sockets it holds before and after the job, as JSON)."""
     os.environ.update(config.get("env", {}))
+    before = tcp_sockets() if config.get("sockets") else []
+    _run_entry(config)
+    if config.get("sockets"):
+        import json
+
+        rank = int(os.environ.get("RANK", "0"))
+        Path(f"{config['sockets']}.{rank}.json").write_text(json.dumps({"before": before, "after": tcp_sockets()}))
+
+
+def _run_entry(config: dict) -> None:
     strategy = build(config["strategy"])
     if config["job"] == "readme":
         readme(strategy, config["out"])

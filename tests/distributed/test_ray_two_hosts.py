@@ -1,5 +1,6 @@
 """Ray Train across two hosts: a Ray head in one network namespace, a worker node in the other (joined by a veth
-pair), the README's loop at 2 workers, one per host, equal to one process within the suite's tolerance.
+pair), the README's loop at 2 workers, one per host, equal to one process within the suite's tolerance; towers opens
+no socket of its own there (each worker's TCP sockets, read from /proc, are the same after the job as before it).
 
 Each host's name resolves to 127.0.1.1 on that host, as Debian sets it up: Gloo would advertise loopback, so each
 node's ``ray start`` runs with ``GLOO_SOCKET_IFNAME`` naming its interface, which Ray's workers inherit (Ray makes
@@ -48,7 +49,7 @@ head, out, storage = sys.argv[1:4]
 ray.init(address=f"{head}:{PORT}")
 trainer = TorchTrainer(
     towers.ray.train_loop(ray_job.ray_entry),
-    train_loop_config={"job": "readme", "strategy": "mirrored", "out": out},
+    train_loop_config={"job": "readme", "strategy": "mirrored", "out": out, "sockets": out + ".sockets"},
     scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False,
                                            resources_per_worker={"CPU": 1, "towers_host": 1}),
     run_config=ray.train.RunConfig(storage_path=storage, name="two-hosts"))
@@ -115,6 +116,16 @@ def test_the_readme_script_on_two_ray_hosts_equals_one_process(two_hosts, tmp_pa
         placed = [line for line in (done.stdout + done.stderr).splitlines() if "world_rank=" in line]
         assert any(f"ip={hosta.address}" in line for line in placed), placed  # Ray's own record of the placement:
         assert any(f"ip={hostb.address}" in line for line in placed), placed  # one worker on each host
+        # towers opens no socket of its own under Ray (it trains on Ray's process group): the workers hold the same
+        # TCP sockets after the job as before it; the group's connections cross the link between the two interfaces
+        # and its listener is on this host's interface, not on loopback or the 127.0.1.1 the hosts' names resolve to.
+        # (Ray's own listeners, its store at MASTER_PORT among them, are on every interface: Ray's choice.)
+        interfaces = {hosta.address, hostb.address}
+        for rank in (0, 1):
+            held = json.loads(Path(f"{out}.sockets.{rank}.json").read_text())
+            assert sorted(held["after"]) == sorted(held["before"]), (rank, held)
+            assert any(state == "ESTABLISHED" and {local, remote} == interfaces for state, local, remote in held["after"])
+            assert not [s for s in held["after"] if s[1].startswith("127.")], (rank, held)
     finally:
         for node in nodes:
             try:
