@@ -10,11 +10,14 @@ window's mean token loss:
 - ``diloco8`` / ``diloco32``: ``--nproc-per-node 3 --strategy ps --num-ps 1 --strategy-option mode=diloco
   --strategy-option sync_every=8|32`` (2 workers + 1 ps task; AdamW is each worker's inner optimizer,
   the ps task's outer step is DiLoCo's Nesterov SGD, lr 0.7, momentum 0.9);
-- ``diloco8_avg``: H=8 with ``outer_optimizer=sgd`` (lr 1, no momentum: the workers' models averaged).
+- ``diloco8_avg`` / ``diloco32_avg``: ``outer_optimizer=sgd`` (lr 1, no momentum: the workers' models averaged);
+  ``diloco8_m05``: Nesterov, lr 1, momentum 0.5;
+- ``dilocoH:sgd|nesterov:LR[:MOMENTUM]``: any window and outer rates, e.g. ``diloco8:nesterov:0.5:0.7``.
 
 The chief prints the final model's validation loss; the table gives each DiLoCo run's against Mirrored's.
 
     python benchmarks/diloco_gpt.py --epochs 2
+    python benchmarks/diloco_gpt.py --epochs 8 --setups mirrored,diloco8:nesterov:0.5:0.7
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ SETUPS = {
     "diloco8_avg": ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1", "--strategy-option", "mode=diloco",
                     "--strategy-option", "sync_every=8", "--strategy-option", "outer_optimizer=sgd",
                     "--strategy-option", "shared_memory=false"],
+    "diloco32_avg": ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1", "--strategy-option", "mode=diloco",
+                     "--strategy-option", "sync_every=32", "--strategy-option", "outer_optimizer=sgd",
+                     "--strategy-option", "shared_memory=false"],
+    # Nesterov with a lighter momentum and a full step: lr / (1 - momentum) = 2 times the averaged change at most
+    "diloco8_m05": ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1", "--strategy-option", "mode=diloco",
+                    "--strategy-option", "sync_every=8", "--strategy-option", "outer_lr=1.0",
+                    "--strategy-option", "outer_momentum=0.5", "--strategy-option", "shared_memory=false"],
 }
 BLOCK = 64
 
@@ -100,6 +110,21 @@ def _job(epochs: int) -> None:
         strategy.shutdown()
 
 
+def _outer(name: str) -> list[str]:
+    """``dilocoH:OPTIMIZER:LR[:MOMENTUM]`` (e.g. ``diloco8:sgd:1.4``, ``diloco8:nesterov:0.5:0.5``): DiLoCo with that
+    window and outer optimizer."""
+    import re
+
+    match = re.fullmatch(r"diloco(\d+):(sgd|nesterov):([\d.]+)(?::([\d.]+))?", name)
+    if match is None:
+        raise SystemExit(f"unknown setup {name!r}: one of {sorted(SETUPS)} or dilocoH:sgd|nesterov:LR[:MOMENTUM]")
+    h, optimizer, lr, momentum = match.groups()
+    options = ["mode=diloco", f"sync_every={h}", f"outer_optimizer={optimizer}", f"outer_lr={lr}",
+               "shared_memory=false"] + ([f"outer_momentum={momentum}"] if momentum else [])
+    return ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1",
+            *[arg for option in options for arg in ("--strategy-option", option)]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=2)
@@ -112,7 +137,7 @@ def main() -> None:
         script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
                           "from diloco_gpt import _job\n_job(int(sys.argv[1]))\n")
         for name in args.setups.split(","):
-            cmd = [str(towers), "launch", *SETUPS[name], str(script), str(args.epochs)]
+            cmd = [str(towers), "launch", *(SETUPS.get(name) or _outer(name)), str(script), str(args.epochs)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
             line = next((ln for ln in done.stdout.splitlines() if "RESULT " in ln), None)
             if done.returncode != 0 or line is None:
