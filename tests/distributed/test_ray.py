@@ -110,7 +110,7 @@ def one_process(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 #: strategy -> (Ray workers, towers launch arguments)
 SCENARIOS = {
-    "mirrored": (3, ["--nproc-per-node", "3", "--strategy", "mirrored"]),  # 2 processes: sharded, tp=2, fit below
+    "mirrored": (2, ["--nproc-per-node", "2", "--strategy", "mirrored"]),
     "ps": (3, ["--nproc-per-node", "3", "--strategy", "ps", "--num-ps", "1", "--strategy-option", "mode=sync"]),
     "sharded": (2, ["--nproc-per-node", "2", "--strategy", "sharded"]),
     "hybrid": (3, ["--nproc-per-node", "3", "--strategy", "hybrid", "--num-ps", "1", "--strategy-option", "mode=sync"]),
