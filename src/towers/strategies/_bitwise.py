@@ -87,13 +87,14 @@ class BitwiseSteps:
         """Collect ``model``'s gradients per micro-batch (a hook at the end of every backward that reaches it)."""
         from torch.autograd import Variable
 
-        def on_grad(param: torch.Tensor) -> None:
-            if self._last and self._buckets is not None and self._leaf is not None:  # its bucket may start now
-                index = next(i for i, p in enumerate(self._params) if p is param)
-                self._buckets.ready(index, lambda i: self._leaf_grads(i, current=True))
-            if not self._queued:
-                self._queued = True
-                Variable._execution_engine.queue_callback(self._end_of_backward)
+        def done(index: int) -> Callable[[torch.Tensor], None]:
+            def on_grad(_param: torch.Tensor) -> None:
+                if self._last and self._buckets is not None and self._leaf is not None:  # its bucket may start now
+                    self._buckets.ready(index, lambda i: self._leaf_grads(i, current=True))
+                if not self._queued:
+                    self._queued = True
+                    Variable._execution_engine.queue_callback(self._end_of_backward)
+            return on_grad
 
         def set_aside(param: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
             def before_accumulating(grad: torch.Tensor) -> torch.Tensor:
@@ -108,7 +109,7 @@ class BitwiseSteps:
             if param.requires_grad and all(param is not p for p in self._params):
                 self._params.append(param)
                 param.register_hook(set_aside(param))
-                param.register_post_accumulate_grad_hook(on_grad)
+                param.register_post_accumulate_grad_hook(done(len(self._params) - 1))  # its index: no search per call
 
     @property
     def micro_batch_size(self) -> int:
